@@ -1,0 +1,97 @@
+"""Requests as the scheduler sees them: ids, lanes, status, stop conditions, stats.
+
+Plain data only. The serve layer builds a `Request` from an HTTP body; the scheduler
+moves it through its life (`RequestStatus`) and the model runner reads its prompt and
+sampling parameters.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Lane(enum.IntEnum):
+    """Priority lane; a lower value is served first."""
+
+    HIGH = 0
+    NORMAL = 1
+    LOW = 2
+
+
+def parse_priority(header_value: str | None) -> Lane:
+    """Lane from an `X-Priority` header value.
+
+    Trimmed and case-insensitive; a missing header or anything unknown is `NORMAL`
+    (the header is unauthenticated, so it never produces an error).
+    >>> parse_priority("  High "), parse_priority("urgent"), parse_priority(None)
+    (<Lane.HIGH: 0>, <Lane.NORMAL: 1>, <Lane.NORMAL: 1>)
+    """
+    if header_value is None:
+        return Lane.NORMAL
+    try:
+        return Lane[header_value.strip().upper()]
+    except KeyError:
+        return Lane.NORMAL
+
+
+class RequestStatus(enum.Enum):
+    QUEUED = "queued"  # in the classic admission queue
+    CLASSIC = "classic"  # a row of the classic batch
+    WAITING = "waiting"  # in the grant backlog, not started
+    ACTIVE = "active"  # owns the speculative slot
+    PARKED = "parked"  # in the grant backlog with a saved session
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+    @property
+    def is_done(self) -> bool:
+        return self in (RequestStatus.FINISHED, RequestStatus.CANCELLED, RequestStatus.FAILED)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling and stop conditions, in tokens.
+
+    `stop_token_ids` end the stream and are emitted (like EOS in mlx-lm); text stop
+    sequences are the serve layer's job.
+    """
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class SpecStats:
+    """Per-request speculative counters, reported in the response's `usage`."""
+
+    num_rounds: int = 0
+    num_probe_rounds: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_grants: int = 0
+    num_parks: int = 0
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    lane: Lane = Lane.NORMAL
+    arrival_seq: int = 0  # assigned by the scheduler: FIFO order across lanes
+    arrival_time: float = 0.0
+    status: RequestStatus = RequestStatus.QUEUED
+    cancel_requested: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    spec: SpecStats = field(default_factory=SpecStats)
+    first_token_time: float | None = None

@@ -1,0 +1,89 @@
+"""The `ModelRunner` protocol: what the scheduler asks of the model side.
+
+The scheduler decides one action per tick and calls exactly one of the action methods
+below (`classic_prefill`, `classic_decode`, `spec_begin`, `spec_round`); the others are
+bookkeeping that runs no model forward. `models.runner.MlxRunner` implements it over
+mlx-lm; tests use scripted fakes. Every method is called from the engine thread only.
+
+Token conventions: every token a method returns is final (already clipped to the
+request's `max_tokens` and cut after a stop token) and `finish_reason` is set on the
+batch that ends the request ("stop" or "length"). After a finished batch the scheduler
+still calls `classic_remove` / `spec_finish` to release resources.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from scheduler.request import Request
+
+
+@dataclass
+class TokenBatch:
+    """Tokens one action produced for one request."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass
+class RoundOutcome:
+    """Result of one speculative round (or probe round) of one session.
+
+    A round drafts `num_drafted` tokens, verifies them with one target forward and
+    emits the `num_accepted` matching prefix plus one target token, so
+    `len(token_ids) == num_accepted + 1` unless clipped by `max_tokens` or a stop token.
+    A probe round drafts nothing and emits exactly one token.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_drafted: int
+    num_accepted: int
+    probe: bool
+    seconds: float  # wall time of the round's model work, for the adaptive policy
+
+
+class ModelRunner(Protocol):
+    # -- classic continuous batching ------------------------------------------------
+    def classic_prefill(self, requests: Sequence[Request]) -> list[TokenBatch]:
+        """Admit `requests` as classic rows and prefill them: one model action.
+
+        Returns each new row's first token. May also return a token for existing rows
+        if the backend's prefill step decodes them too.
+        """
+
+    def classic_decode(self) -> list[TokenBatch]:
+        """One batched decode step over all active classic rows: one model action."""
+
+    def classic_remove(self, request_id: str) -> None:
+        """Drop a row (finished or cancelled). Idempotent."""
+
+    def num_classic_rows(self) -> int: ...
+
+    # -- speculative slot -----------------------------------------------------------
+    def spec_supports(self, request: Request) -> bool:
+        """Whether the slot can serve this request at all (sampler options, prompt)."""
+
+    def spec_begin(self, request: Request) -> TokenBatch:
+        """Slice 0: create a session, take the drafter, prefill, return the first token."""
+
+    def spec_round(self, request_id: str, probe: bool = False) -> RoundOutcome:
+        """Run exactly one round of the session that holds the drafter."""
+
+    def spec_park(self, request_id: str) -> None:
+        """Return the drafter handle; the session keeps all its own state."""
+
+    def spec_resume(self, request_id: str) -> None:
+        """Re-take the drafter for a parked session and re-bind it."""
+
+    def spec_finish(self, request_id: str) -> None:
+        """Release a session (and the drafter if it holds it). Idempotent."""
+
+    def num_live_sessions(self) -> int: ...
+
+    def policy_key(self) -> str:
+        """`target|drafter|hardware|K`: the adaptive policy's persistence key."""

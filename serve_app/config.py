@@ -1,0 +1,220 @@
+"""Deployment arguments: the typed boundary between YAML `args` and the scheduler.
+
+`ServeArgs` validates what a YAML config's `args` (or `build_app(args)`) supplies: unknown
+keys, wrong types and out-of-range values are rejected with a message naming the field.
+`scheduler_config()` resolves the two process-wide env overrides exactly once, here, so no
+decision code reads the environment. `LiveConfig` is the subset Serve's `user_config`
+may change on a running replica.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from scheduler.request import Lane
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+ENV_GRANT_ROUNDS = "SPECSLOT_SLICE_GRANT_ROUNDS"
+ENV_TICK_SLICE = "SPECSLOT_TICK_SLICE"
+
+LaneName = Literal["high", "normal", "low"]
+
+_STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class DrafterArgs(BaseModel):
+    model_config = _STRICT
+
+    kind: Literal["draft_model", "ngram", "none"] = Field(
+        "draft_model",
+        description="Drafter for the speculative slot: a small `draft_model` sharing the "
+        "target's vocabulary, `ngram` prompt lookup (no weights), or `none` (classic only).",
+    )
+    path: str | None = Field(
+        None, description="Directory of the draft model (mlx-lm format); required for draft_model."
+    )
+
+    @model_validator(mode="after")
+    def _path_matches_kind(self) -> "DrafterArgs":
+        if self.kind == "draft_model" and not self.path:
+            raise ValueError("drafter.path is required when drafter.kind is 'draft_model'")
+        if self.kind != "draft_model" and self.path:
+            raise ValueError(f"drafter.path must be empty when drafter.kind is '{self.kind}'")
+        return self
+
+
+class ApiKeyArgs(BaseModel):
+    model_config = _STRICT
+
+    key: str = Field(..., min_length=8, description="Bearer token a client sends in Authorization.")
+    max_lane: LaneName = Field(
+        "high", description="Highest X-Priority lane a client holding this key may claim."
+    )
+
+
+class ServeArgs(BaseModel):
+    """Everything one specslot deployment needs; see docs/configuration.md."""
+
+    model_config = _STRICT
+
+    model: str = Field(
+        ..., min_length=1,
+        description="Target model directory (mlx-lm / HF format). Relative paths resolve "
+        "against the working directory, then the specslot checkout.",
+    )
+    served_model_name: str | None = Field(
+        None, min_length=1,
+        description="Model id clients send and /v1/models lists; default: the model directory name.",
+    )
+    drafter: DrafterArgs = Field(
+        default_factory=lambda: DrafterArgs(kind="ngram"),
+        description="Drafter kind and path; `kind: none` disables speculation.",
+    )
+    num_draft_tokens: int = Field(4, ge=1, le=16, description="Tokens drafted per speculative round (K).")
+    tick_slice: bool | None = Field(
+        None,
+        description="Run one speculative slice per tick (true) or the whole generation in one "
+        f"tick (false). Unset: {ENV_TICK_SLICE}, else true.",
+    )
+    grant_rounds: int | None = Field(
+        None, ge=0, le=1_000_000,
+        description="Slices a slot grant lasts before the job parks when others wait; 0 disables "
+        f"rotation (whole-generation hold). Unset: {ENV_GRANT_ROUNDS}, else 8.",
+    )
+    skip_cap: int = Field(2, ge=1, le=1000, description="Grant decisions an entry may be skipped before it must win.")
+    backlog_cap: int = Field(2, ge=0, le=64, description="Grant backlog entries (parked + waiting) beyond the slot.")
+    b1_policy: Literal["auto", "on", "off"] = Field(
+        "auto", description="Adaptive B=1 policy: profile and decide (auto), always (on), never (off)."
+    )
+    b1_default_enabled: bool = Field(
+        True, description="Verdict when the measured speedup is between 1.0 and 1.5."
+    )
+    max_batch_size: int = Field(16, ge=1, le=1024, description="Classic continuous-batching rows.")
+    prefill_batch_size: int = Field(8, ge=1, le=1024, description="Requests prefilled in one classic prefill.")
+    max_queue_depth: int = Field(
+        256, ge=1, le=1_000_000, description="Pending requests per replica before 503 + Retry-After."
+    )
+    max_tokens_limit: int = Field(
+        4096, ge=1, le=1_000_000, description="Largest max_tokens a request may ask for."
+    )
+    default_max_tokens: int = Field(
+        256, ge=1, le=1_000_000, description="max_tokens when a request omits it (clipped to the context)."
+    )
+    max_body_bytes: int = Field(
+        1 << 20, ge=1024, le=1 << 30, description="Largest accepted HTTP request body; larger gets 413."
+    )
+    max_lane_unauthenticated: LaneName = Field(
+        "high",
+        description="Highest X-Priority lane for requests without a (configured) API key; "
+        "with api_keys set, requests without a valid key are rejected with 401.",
+    )
+    api_keys: list[ApiKeyArgs] = Field(
+        default_factory=list, description="Optional Bearer API keys for the /v1 routes, each with its lane cap."
+    )
+    policy_cache_dir: str | None = Field(
+        None, description="Directory persisting adaptive-policy verdicts across restarts; unset: none."
+    )
+    retry_after_seconds: int = Field(1, ge=1, le=3600, description="Retry-After sent with 503 on a full queue.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ServeArgs":
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError("default_max_tokens must not exceed max_tokens_limit")
+        keys = [k.key for k in self.api_keys]
+        if len(set(keys)) != len(keys):
+            raise ValueError("api_keys contains a duplicate key")
+        return self
+
+    # -- derived ------------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).name
+
+    @property
+    def speculative(self) -> bool:
+        return self.drafter.kind != "none"
+
+    def with_resolved_paths(self, cwd: Path | None = None) -> "ServeArgs":
+        """A copy whose model paths are absolute (the replica may run elsewhere)."""
+        drafter = self.drafter
+        if drafter.path:
+            drafter = drafter.model_copy(update={"path": resolve_path(drafter.path, cwd)})
+        return self.model_copy(update={"model": resolve_path(self.model, cwd), "drafter": drafter})
+
+    def scheduler_config(self, env: Mapping[str, str] | None = None):
+        """The scheduler's frozen config, env overrides applied where the YAML is silent."""
+        from scheduler.config import SchedulerConfig
+        from scheduler.policy import parse_grant_rounds, parse_tick_slice
+
+        env = os.environ if env is None else env
+        grant_rounds = self.grant_rounds
+        if grant_rounds is None:
+            grant_rounds = parse_grant_rounds(env.get(ENV_GRANT_ROUNDS))
+        tick_slice = self.tick_slice
+        if tick_slice is None:
+            tick_slice = parse_tick_slice(env.get(ENV_TICK_SLICE))
+        return SchedulerConfig(
+            tick_slice=tick_slice,
+            grant_rounds=grant_rounds,
+            skip_cap=self.skip_cap,
+            backlog_cap=self.backlog_cap,
+            num_draft_tokens=self.num_draft_tokens,
+            b1_policy=self.b1_policy,
+            b1_default_enabled=self.b1_default_enabled,
+            max_batch_size=self.max_batch_size,
+            prefill_batch_size=self.prefill_batch_size,
+            max_queue_depth=self.max_queue_depth,
+            policy_cache_dir=self.policy_cache_dir,
+        )
+
+    def lane_cap_for(self, api_key: str | None) -> Lane | None:
+        """Highest lane a client may claim; None when the key is required and wrong."""
+        if self.api_keys:
+            for entry in self.api_keys:
+                if api_key is not None and entry.key == api_key:
+                    return Lane[entry.max_lane.upper()]
+            return None
+        return Lane[self.max_lane_unauthenticated.upper()]
+
+
+class LiveConfig(BaseModel):
+    """Fields Serve's `user_config` may change on a running replica (next grant)."""
+
+    model_config = _STRICT
+
+    grant_rounds: int | None = Field(None, ge=0, le=1_000_000, description="See ServeArgs.grant_rounds.")
+    skip_cap: int | None = Field(None, ge=1, le=1000, description="See ServeArgs.skip_cap.")
+    tick_slice: bool | None = Field(None, description="See ServeArgs.tick_slice.")
+    backlog_cap: int | None = Field(None, ge=0, le=64, description="See ServeArgs.backlog_cap.")
+
+    def changes(self) -> dict:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+def resolve_path(path: str, cwd: Path | None = None) -> str:
+    """Absolute path: as given if absolute, else under `cwd` if it exists there, else the repo."""
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        return str(p)
+    here = (cwd or Path.cwd()) / p
+    if here.exists():
+        return str(here.resolve())
+    return str((REPO_ROOT / p).resolve())
+
+
+def format_validation_error(err: ValidationError, prefix: str = "args") -> str:
+    """One line per problem, `args.field: message`, for operators reading a failed deploy."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        where = f"{prefix}.{loc}" if loc else prefix
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"{where}: {msg}")
+    return "invalid specslot config:\n  " + "\n  ".join(lines)

@@ -1,0 +1,147 @@
+"""Drafters: what proposes the K tokens a speculative round verifies.
+
+A drafter *handle* (weights, settings) is shared by the worker; a drafter *state* (for a
+draft model: its own KV cache) belongs to one session and lives in it, so a parked
+session keeps its draft cache and resumes exactly. The worker holds ONE handle in a
+`DrafterSlot`; `take` binds it to a session, `return_` clears only that binding.
+
+Drafts are always greedy, also when the request samples at temperature > 0: acceptance
+compares each draft token with the target's own sample at that position (see
+`models.session`), so the draft only affects speed, never the output distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+from models.rollback import draft_cache_trim
+
+PREFILL_STEP = 2048
+
+
+class Drafter(Protocol):
+    kind: str  # "draft_model" | "ngram"
+    name: str  # for the policy key
+
+    def new_state(self, prompt_ids: Sequence[int]) -> object:
+        """A session's fresh draft state for this prompt (prefilled where it has a cache)."""
+
+    def propose(self, state: object, history: Sequence[int], k: int) -> list[int]:
+        """Up to `k` draft tokens continuing `history` (prompt + emitted; last = pending)."""
+
+    def rollback(self, state: object, num_drafted: int, num_accepted: int) -> None:
+        """Forget what followed the accepted drafts of the round just verified."""
+
+
+@dataclass
+class DraftModelState:
+    cache: list
+    num_cached: int  # history[:num_cached] is in `cache`
+
+
+class DraftModelDrafter:
+    """A small mlx-lm model sharing the target's vocabulary."""
+
+    kind = "draft_model"
+
+    def __init__(self, model: nn.Module, name: str):
+        self.model = model
+        self.name = name
+        if not can_trim_prompt_cache(make_prompt_cache(model)):
+            raise ValueError(f"draft model {name!r} has a cache that cannot be trimmed")
+
+    def new_state(self, prompt_ids: Sequence[int]) -> DraftModelState:
+        cache = make_prompt_cache(self.model)
+        ids = list(prompt_ids)
+        for start in range(0, len(ids), PREFILL_STEP):
+            self.model(mx.array([ids[start : start + PREFILL_STEP]]), cache=cache)
+            mx.eval([c.state for c in cache])
+        return DraftModelState(cache, len(ids))
+
+    def propose(self, state: DraftModelState, history: Sequence[int], k: int) -> list[int]:
+        if k <= 0:
+            return []
+        # Tokens the draft has not seen: the pending one, plus the last round's final
+        # draft when that round accepted everything.
+        feed = list(history[state.num_cached :])
+        logits = self.model(mx.array([feed]), cache=state.cache)[0, -1]
+        token = mx.argmax(logits, axis=-1)
+        drafts = [token]
+        for _ in range(k - 1):
+            mx.async_eval(token)
+            logits = self.model(token.reshape(1, 1), cache=state.cache)[0, -1]
+            token = mx.argmax(logits, axis=-1)
+            drafts.append(token)
+        state.num_cached = len(history) + k - 1
+        return mx.stack(drafts).tolist()
+
+    def rollback(self, state: DraftModelState, num_drafted: int, num_accepted: int) -> None:
+        trim = draft_cache_trim(num_drafted, num_accepted)
+        trim_prompt_cache(state.cache, trim)
+        state.num_cached -= trim
+
+
+class NgramDrafter:
+    """Prompt lookup: continue the longest recent n-gram that occurred before.
+
+    Looks for the last `n` tokens of the history (n from `max_ngram` down to
+    `min_ngram`) earlier in the history and proposes what followed its most recent
+    earlier occurrence. No weights and no per-session state.
+    """
+
+    kind = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.name = f"n{min_ngram}-{max_ngram}"
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def new_state(self, prompt_ids: Sequence[int]) -> None:
+        return None
+
+    def propose(self, state: None, history: Sequence[int], k: int) -> list[int]:
+        return ngram_lookup(history, k, self.max_ngram, self.min_ngram)
+
+    def rollback(self, state: None, num_drafted: int, num_accepted: int) -> None:
+        return None
+
+
+def ngram_lookup(history: Sequence[int], k: int, max_ngram: int, min_ngram: int = 1) -> list[int]:
+    """>>> ngram_lookup([1, 2, 3, 9, 1, 2], k=2, max_ngram=2)
+    [3, 9]
+    """
+    if k <= 0:
+        return []
+    seq = list(history)
+    for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
+        suffix = seq[-n:]
+        for start in range(len(seq) - n - 1, -1, -1):
+            if seq[start : start + n] == suffix:
+                return seq[start + n : start + n + k]
+    return []
+
+
+class DrafterSlot:
+    """The worker's single drafter handle and which session it is bound to."""
+
+    def __init__(self, drafter: Drafter):
+        self.drafter = drafter
+        self.holder: str | None = None
+
+    def take(self, session_id: str) -> Drafter:
+        if self.holder is not None and self.holder != session_id:
+            raise RuntimeError(
+                f"drafter is held by session {self.holder!r}; {session_id!r} cannot take it"
+            )
+        self.holder = session_id
+        return self.drafter
+
+    def return_(self, session_id: str) -> None:
+        """Unbind (idempotent). Touches no session's draft state."""
+        if self.holder == session_id:
+            self.holder = None

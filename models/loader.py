@@ -1,0 +1,105 @@
+"""Load a target and an optional draft model from local paths through `mlx_lm.load`.
+
+Paths are checked before mlx-lm sees them: given a string that is not a local
+directory, `mlx_lm.load` would try the Hugging Face hub, which is not what a user who
+mistyped a path wants. Every failure is a `ModelLoadError` naming the path and what is
+wrong with it.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+
+
+class ModelLoadError(Exception):
+    """A model directory could not be loaded; the message names the path and the fault."""
+
+
+@dataclass
+class LoadedModel:
+    path: str
+    name: str  # directory name, used in the policy key
+    model: nn.Module
+    tokenizer: object  # mlx_lm TokenizerWrapper
+    max_context: int
+
+
+def check_model_dir(path: str, role: str) -> None:
+    """Raise ModelLoadError unless `path` looks like an mlx-lm loadable directory."""
+    if not path:
+        raise ModelLoadError(f"{role} model path is empty")
+    if not os.path.exists(path):
+        raise ModelLoadError(f"{role} model path {path!r} does not exist")
+    if not os.path.isdir(path):
+        raise ModelLoadError(f"{role} model path {path!r} is not a directory")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelLoadError(
+            f"{role} model path {path!r} is not a model directory: no config.json"
+        )
+    if not glob.glob(os.path.join(path, "*.safetensors")):
+        raise ModelLoadError(
+            f"{role} model path {path!r} is not a model directory: no *.safetensors weights"
+        )
+    if not any(
+        os.path.isfile(os.path.join(path, name))
+        for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+    ):
+        raise ModelLoadError(f"{role} model path {path!r} has no tokenizer files")
+
+
+def _to_float32_on_cpu(model: nn.Module) -> None:
+    # float16/bfloat16 matmuls are slow on the CPU backend; quantized weights stay as is.
+    if mx.default_device() != mx.cpu:
+        return
+    half = (mx.float16, mx.bfloat16)
+    if not any(v.dtype in half for _, v in tree_flatten(model.parameters())):
+        return
+    model.update(tree_map(lambda v: v.astype(mx.float32) if v.dtype in half else v,
+                          model.parameters()))
+    mx.eval(model.parameters())
+
+
+def load_model(path: str, role: str = "target") -> LoadedModel:
+    """Load one model directory (weights cast to float32 on CPU)."""
+    from mlx_lm import load
+
+    check_model_dir(path, role)
+    try:
+        model, tokenizer, config = load(path, return_config=True)
+    except Exception as exc:  # mlx-lm raises several kinds; the user needs the path
+        raise ModelLoadError(f"{role} model at {path!r} failed to load: {exc}") from exc
+    _to_float32_on_cpu(model)
+    max_context = int(config.get("max_position_embeddings") or 0) or 4096
+    name = os.path.basename(os.path.normpath(path))
+    return LoadedModel(os.path.abspath(path), name, model, tokenizer, max_context)
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """The draft must map every token string to the same id as the target."""
+    t_vocab = target.tokenizer.get_vocab()
+    d_vocab = draft.tokenizer.get_vocab()
+    if t_vocab == d_vocab:
+        return
+    differing = sorted(set(t_vocab.items()) ^ set(d_vocab.items()), key=lambda kv: kv[1])
+    example = differing[0] if differing else None
+    raise ModelLoadError(
+        f"draft model at {draft.path!r} does not share the target's vocabulary "
+        f"({len(d_vocab)} tokens vs {len(t_vocab)} in {target.path!r}; "
+        f"first difference: {example!r}); a draft must use the target's tokenizer"
+    )
+
+
+def load_pair(target_path: str, draft_path: str | None) -> tuple[LoadedModel, LoadedModel | None]:
+    """Target and (optional) draft model, with the vocabulary check."""
+    target = load_model(target_path, "target")
+    if draft_path is None:
+        return target, None
+    draft = load_model(draft_path, "draft")
+    check_same_vocabulary(target, draft)
+    return target, draft

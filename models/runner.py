@@ -1,0 +1,184 @@
+"""`MlxRunner`: the `scheduler.runner.ModelRunner` protocol over mlx-lm.
+
+Classic rows go through `models.batch_adapter.ClassicBatch`; speculative requests get a
+`SpeculativeSession` each, and the one drafter handle moves between them through a
+`DrafterSlot`. All calls must come from one thread (MLX streams are thread-local).
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from typing import Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+
+from models.batch_adapter import ClassicBatch
+from models.drafters import Drafter, DraftModelDrafter, DrafterSlot, NgramDrafter
+from models.loader import LoadedModel, load_pair
+from models.sampling import supports_sampling
+from models.session import SpeculativeSession
+from scheduler.request import Request
+from scheduler.runner import RoundOutcome, TokenBatch
+
+DRAFTER_KINDS = ("draft_model", "ngram")
+
+
+def hardware_name() -> str:
+    """e.g. "cpu-x86_64" or "gpu-arm64"."""
+    device = mx.default_device()
+    kind = getattr(getattr(device, "type", None), "name", None) or str(device)
+    return f"{kind}-{platform.machine()}"
+
+
+class MlxRunner:
+    def __init__(
+        self,
+        target: LoadedModel,
+        drafter: Drafter | None,
+        *,
+        num_draft_tokens: int = 4,
+        max_batch_size: int = 16,
+        prefill_batch_size: int = 8,
+    ):
+        if num_draft_tokens < 1:
+            raise ValueError("num_draft_tokens must be >= 1")
+        self.target = target
+        self.tokenizer = target.tokenizer
+        self.eos_token_ids: list[int] = sorted(self.tokenizer.eos_token_ids)
+        self.max_context = target.max_context
+        self.num_draft_tokens = num_draft_tokens
+        self._classic = ClassicBatch(
+            target.model,
+            eos_token_ids=self.eos_token_ids,
+            max_batch_size=max_batch_size,
+            prefill_batch_size=prefill_batch_size,
+        )
+        # Rolling back a rejected draft needs a trimmable target cache.
+        trimmable = can_trim_prompt_cache(make_prompt_cache(target.model))
+        self._slot = DrafterSlot(drafter) if drafter is not None and trimmable else None
+        self._sessions: dict[str, SpeculativeSession] = {}
+
+    @classmethod
+    def from_paths(
+        cls,
+        target_path: str,
+        *,
+        drafter_kind: str | None = "draft_model",
+        drafter_path: str | None = None,
+        num_draft_tokens: int = 4,
+        max_batch_size: int = 16,
+        prefill_batch_size: int = 8,
+    ) -> "MlxRunner":
+        """Load models and build the runner; raises `ModelLoadError` / `ValueError`."""
+        if drafter_kind not in (None, *DRAFTER_KINDS):
+            raise ValueError(f"drafter_kind must be one of {DRAFTER_KINDS} or None, got {drafter_kind!r}")
+        if drafter_kind == "draft_model" and not drafter_path:
+            raise ValueError("drafter_kind 'draft_model' needs drafter_path")
+        target, draft = load_pair(target_path, drafter_path if drafter_kind == "draft_model" else None)
+        drafter: Drafter | None = None
+        if drafter_kind == "draft_model":
+            drafter = DraftModelDrafter(draft.model, draft.name)
+        elif drafter_kind == "ngram":
+            drafter = NgramDrafter()
+        return cls(
+            target,
+            drafter,
+            num_draft_tokens=num_draft_tokens,
+            max_batch_size=max_batch_size,
+            prefill_batch_size=prefill_batch_size,
+        )
+
+    # -- classic --------------------------------------------------------------------
+    def classic_prefill(self, requests: Sequence[Request]) -> list[TokenBatch]:
+        return self._classic.prefill(requests)
+
+    def classic_decode(self) -> list[TokenBatch]:
+        return self._classic.decode()
+
+    def classic_remove(self, request_id: str) -> None:
+        self._classic.remove(request_id)
+
+    def num_classic_rows(self) -> int:
+        return self._classic.num_rows()
+
+    # -- speculative ----------------------------------------------------------------
+    def spec_supports(self, request: Request) -> bool:
+        """False without a drafter, for an empty prompt, unsupported sampling options, or
+        when prompt + max_tokens (+ one round's drafts) would exceed the context."""
+        p = request.sampling
+        return (
+            self._slot is not None
+            and len(request.prompt_ids) > 0
+            and supports_sampling(p)
+            and len(request.prompt_ids) + p.max_tokens + self.num_draft_tokens <= self.max_context
+        )
+
+    def spec_begin(self, request: Request) -> TokenBatch:
+        if not self.spec_supports(request):
+            raise ValueError(f"request {request.request_id!r} cannot take the speculative slot")
+        if request.request_id in self._sessions:
+            raise ValueError(f"request {request.request_id!r} already has a session")
+        session = SpeculativeSession(
+            request.request_id,
+            self.target.model,
+            request.prompt_ids,
+            request.sampling,
+            num_draft_tokens=self.num_draft_tokens,
+            eos_token_ids=self.eos_token_ids,
+        )
+        session.bind(self._slot.take(request.request_id))
+        self._sessions[request.request_id] = session
+        result = session.begin()
+        return TokenBatch(request.request_id, result.token_ids, result.finish_reason)
+
+    def spec_round(self, request_id: str, probe: bool = False) -> RoundOutcome:
+        session = self._sessions[request_id]
+        if not probe and self._slot.holder != request_id:
+            raise RuntimeError(f"session {request_id!r} does not hold the drafter")
+        tic = time.perf_counter()
+        result = session.step(probe=probe)  # ends in .tolist(): outputs are evaluated
+        seconds = time.perf_counter() - tic
+        return RoundOutcome(
+            request_id,
+            result.token_ids,
+            result.finish_reason,
+            result.num_drafted,
+            result.num_accepted,
+            probe,
+            seconds,
+        )
+
+    def spec_park(self, request_id: str) -> None:
+        self._sessions[request_id].unbind()
+        self._slot.return_(request_id)
+
+    def spec_resume(self, request_id: str) -> None:
+        session = self._sessions[request_id]
+        session.bind(self._slot.take(request_id))
+
+    def spec_finish(self, request_id: str) -> None:
+        session = self._sessions.pop(request_id, None)
+        if session is not None:
+            session.finish()
+        if self._slot is not None:
+            self._slot.return_(request_id)
+
+    def num_live_sessions(self) -> int:
+        return len(self._sessions)
+
+    def session(self, request_id: str) -> SpeculativeSession:
+        return self._sessions[request_id]
+
+    def policy_key(self) -> str:
+        if self._slot is None:
+            drafter = "none:none"
+        else:
+            drafter = f"{self._slot.drafter.kind}:{self._slot.drafter.name}"
+        return f"{self.target.name}|{drafter}|{hardware_name()}|K={self.num_draft_tokens}"
+
+    def close(self) -> None:
+        for request_id in list(self._sessions):
+            self.spec_finish(request_id)
+        self._classic.close()

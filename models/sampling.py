@@ -1,0 +1,51 @@
+"""Per-request samplers with their own seeded random stream.
+
+mlx-lm's `make_sampler` draws from MLX's global random state, so two requests
+interleaved in one process would perturb each other's streams. Here each request owns
+a key: a request with a seed is reproducible however it is scheduled (classic or
+speculative, alone or batched), and an unseeded request gets a fresh random seed.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Callable
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_top_p
+
+from scheduler.request import SamplingParams
+
+Sampler = Callable[[mx.array], mx.array]  # logprobs (..., V) -> token ids (...)
+
+
+class RequestSampler:
+    """Samples rows of log-probabilities at the request's temperature / top_p.
+
+    Greedy (temperature 0) is argmax and uses no randomness. Otherwise each call
+    splits a fresh subkey from the request's key; rows of one call are independent
+    draws (one per verify position).
+    """
+
+    def __init__(self, params: SamplingParams):
+        self.temperature = params.temperature
+        self.top_p = params.top_p
+        seed = params.seed if params.seed is not None else secrets.randbits(31)
+        self._key = mx.random.key(seed)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        if self.is_greedy:
+            return mx.argmax(logprobs, axis=-1)
+        if 0.0 < self.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        self._key, subkey = mx.random.split(self._key)
+        return mx.random.categorical(logprobs * (1.0 / self.temperature), key=subkey)
+
+
+def supports_sampling(params: SamplingParams) -> bool:
+    """Options both paths implement (temperature >= 0, 0 < top_p <= 1, max_tokens > 0)."""
+    return params.temperature >= 0.0 and 0.0 < params.top_p <= 1.0 and params.max_tokens > 0

@@ -1,0 +1,174 @@
+"""`SpeculativeSession`: one request's speculative decode as explicit, resumable state.
+
+State: the target KV cache (holds every token but the pending one), the drafter's
+per-session state (for a draft model: its own KV cache), the token history (prompt +
+emitted; the last is the pending token), counters, per-round timings and the stop
+conditions. Nothing lives in a suspended generator, so any number of other sessions'
+rounds may run between two `step()` calls.
+
+Acceptance at temperature > 0 is token equality against the target's own sample: each
+verify position draws the target's token from the target distribution (with the
+request's seeded stream, `models.sampling`), and a draft token is accepted only if it
+equals that draw. Every emitted token is therefore a target sample given the emitted
+prefix, so the output distribution is exactly the target's (the draft only changes how
+many positions one forward covers). At temperature 0 the draw is the argmax, which
+makes the stream identical to classic greedy decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from models.drafters import Drafter
+from models.rollback import accept_count, clip_tokens, draft_budget, target_cache_trim
+from models.sampling import RequestSampler
+from scheduler.request import SamplingParams
+
+PREFILL_STEP = 2048
+
+
+@dataclass
+class RoundResult:
+    token_ids: list[int]
+    finish_reason: str | None
+    num_drafted: int
+    num_accepted: int
+    probe: bool
+    seconds: float
+
+
+@dataclass
+class SessionCounters:
+    num_rounds: int = 0
+    num_probe_rounds: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    round_seconds: list[float] = field(default_factory=list)
+
+
+class SpeculativeSession:
+    def __init__(
+        self,
+        request_id: str,
+        target: nn.Module,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        num_draft_tokens: int,
+        eos_token_ids: Sequence[int],
+    ):
+        if not prompt_ids:
+            raise ValueError("a speculative session needs a non-empty prompt")
+        self.request_id = request_id
+        self.target = target
+        self.prompt_ids = list(prompt_ids)
+        self.max_tokens = sampling.max_tokens
+        self.stop_ids = tuple(dict.fromkeys(tuple(eos_token_ids) + sampling.stop_token_ids))
+        self.num_draft_tokens = num_draft_tokens
+        self.sampler = RequestSampler(sampling)
+        self.counters = SessionCounters()
+        self.history: list[int] = []
+        self.num_emitted = 0
+        self.finish_reason: str | None = None
+        self.cache: list | None = None
+        self.draft_state: object = None
+        self.drafter: Drafter | None = None  # bound handle; None while parked
+        self._draft_ready = False  # draft_state built (lazily if begun unbound)
+
+    # -- binding -------------------------------------------------------------------
+    def bind(self, drafter: Drafter) -> None:
+        self.drafter = drafter
+
+    def unbind(self) -> None:
+        self.drafter = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    # -- life ----------------------------------------------------------------------
+    def _emit(self, tokens: list[int]) -> tuple[list[int], str | None]:
+        tokens, reason = clip_tokens(tokens, self.max_tokens - self.num_emitted, self.stop_ids)
+        self.history.extend(tokens)
+        self.num_emitted += len(tokens)
+        self.finish_reason = reason
+        return tokens, reason
+
+    def _sample(self, logits: mx.array) -> list[int]:
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return self.sampler(logprobs).tolist()
+
+    def begin(self) -> RoundResult:
+        """Prefill target (and draft state, if bound) and emit the first token.
+
+        Like classic prefill: all but the last prompt token in chunks, then the last
+        token alone, whose logits give the first token.
+        """
+        tic = time.perf_counter()
+        self.cache = make_prompt_cache(self.target)
+        head = self.prompt_ids[:-1]
+        for start in range(0, len(head), PREFILL_STEP):
+            self.target(mx.array([head[start : start + PREFILL_STEP]]), cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+        logits = self.target(mx.array([self.prompt_ids[-1:]]), cache=self.cache)[0]
+        first = self._sample(logits)
+        if self.drafter is not None:
+            self.draft_state = self.drafter.new_state(self.prompt_ids)
+            self._draft_ready = True
+        self.history = list(self.prompt_ids)
+        tokens, reason = self._emit(first)
+        return RoundResult(tokens, reason, 0, 0, False, time.perf_counter() - tic)
+
+    def step(self, probe: bool = False) -> RoundResult:
+        """Exactly one round: draft K, verify K + 1 positions in one target forward,
+        emit the accepted drafts plus one target token, roll both caches back.
+
+        A probe round verifies an empty draft (one target position, one token) and
+        needs no bound drafter.
+        """
+        if self.cache is None or self.finished:
+            raise RuntimeError(f"session {self.request_id!r} is not running")
+        if not probe and self.drafter is None:
+            raise RuntimeError(f"session {self.request_id!r} does not hold the drafter")
+        tic = time.perf_counter()
+        k = 0 if probe else draft_budget(self.num_draft_tokens, self.max_tokens - self.num_emitted)
+        if k and not self._draft_ready:
+            self.draft_state = self.drafter.new_state(self.history[:-1])
+            self._draft_ready = True
+        draft = self.drafter.propose(self.draft_state, self.history, k) if k else []
+        num_drafted = len(draft)
+        pending = self.history[-1]
+        logits = self.target(mx.array([[pending] + draft]), cache=self.cache)[0]
+        verified = self._sample(logits)
+        num_accepted = accept_count(draft, verified)
+        trim_prompt_cache(self.cache, target_cache_trim(num_drafted, num_accepted))
+        if num_drafted:
+            self.drafter.rollback(self.draft_state, num_drafted, num_accepted)
+        tokens, reason = self._emit(verified[: num_accepted + 1])
+        seconds = time.perf_counter() - tic
+        c = self.counters
+        c.num_rounds += 1
+        c.num_probe_rounds += int(probe)
+        c.num_drafted += num_drafted
+        c.num_accepted += num_accepted
+        c.round_seconds.append(seconds)
+        return RoundResult(tokens, reason, num_drafted, num_accepted, probe, seconds)
+
+    def finish(self) -> None:
+        """Release caches and draft state. Idempotent."""
+        self.cache = None
+        self.draft_state = None
+        self._draft_ready = False
+        self.drafter = None
+        if self.finish_reason is None:
+            self.finish_reason = "cancelled"
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.history[len(self.prompt_ids) :]

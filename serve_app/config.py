@@ -119,6 +119,10 @@ class ServeArgs(BaseModel):
     policy_cache_dir: str | None = Field(
         None, description="Directory persisting adaptive-policy verdicts across restarts; unset: none."
     )
+    actor_num_gpus: float = Field(
+        0.0, ge=0.0, le=8.0,
+        description="GPUs the scheduler actor reserves (CUDA nodes); 0 on CPU and Apple silicon.",
+    )
     retry_after_seconds: int = Field(1, ge=1, le=3600, description="Retry-After sent with 503 on a full queue.")
 
     @model_validator(mode="after")
@@ -148,16 +152,11 @@ class ServeArgs(BaseModel):
 
     def scheduler_config(self, env: Mapping[str, str] | None = None):
         """The scheduler's frozen config, env overrides applied where the YAML is silent."""
-        from scheduler.config import SchedulerConfig
-        from scheduler.policy import parse_grant_rounds, parse_tick_slice
+        from scheduler.config import SchedulerConfig, env_defaults
 
-        env = os.environ if env is None else env
-        grant_rounds = self.grant_rounds
-        if grant_rounds is None:
-            grant_rounds = parse_grant_rounds(env.get(ENV_GRANT_ROUNDS))
-        tick_slice = self.tick_slice
-        if tick_slice is None:
-            tick_slice = parse_tick_slice(env.get(ENV_TICK_SLICE))
+        defaults = env_defaults(os.environ if env is None else env)
+        grant_rounds = defaults["grant_rounds"] if self.grant_rounds is None else self.grant_rounds
+        tick_slice = defaults["tick_slice"] if self.tick_slice is None else self.tick_slice
         return SchedulerConfig(
             tick_slice=tick_slice,
             grant_rounds=grant_rounds,

@@ -1,0 +1,162 @@
+"""The scheduler actor: one per replica, holding the model and the Engine.
+
+The actor is a threaded Ray actor: `poll` blocks one of its threads in
+`Engine.get_events`, while `submit` / `cancel` / `snapshot` run on others; all MLX work
+stays on the Engine's own thread. The replica polls in a loop, so one round trip carries
+every event of a tick for all of the replica's requests (the per-token hop cost is
+measured by scripts/measure_actor_hop.py).
+
+`ActorSource` is the replica side: it creates the actor on the replica's node (soft
+affinity), and re-creates it when it dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from scheduler.request import Request
+from serve_app.client import SchedulerLost, submit_or_full
+from serve_app.config import ServeArgs
+
+logger = logging.getLogger(__name__)
+
+ACTOR_MAX_CONCURRENCY = 8  # poll + submits/cancels/snapshots in flight at once
+
+
+def build_engine(args: ServeArgs):
+    """An unstarted Engine whose runner is built (on the engine thread) from `args`.
+
+    Returns (engine, info): `info` is filled with what the HTTP layer needs once the
+    runner exists (after `engine.start()`).
+    """
+    import models  # noqa: F401  (fast BLAS before mlx)
+    from scheduler.engine import Engine
+
+    info: dict = {}
+
+    def runner_factory():
+        from models.runner import MlxRunner
+
+        drafter = args.drafter
+        runner = MlxRunner.from_paths(
+            args.model,
+            drafter_kind=None if drafter.kind == "none" else drafter.kind,
+            drafter_path=drafter.path,
+            num_draft_tokens=args.num_draft_tokens,
+            max_batch_size=args.max_batch_size,
+            prefill_batch_size=args.prefill_batch_size,
+        )
+        info["max_context"] = runner.max_context
+        info["eos_token_ids"] = sorted(runner.eos_token_ids)
+        return runner
+
+    return Engine(runner_factory, args.scheduler_config()), info
+
+
+class SchedulerActor:
+    """Ray actor body; created through `ActorSource`, never directly by users."""
+
+    def __init__(self, args: dict) -> None:
+        logging.basicConfig(level=logging.INFO)
+        self._engine, self._info = build_engine(ServeArgs.model_validate(args))
+        self._engine.start()
+
+    def info(self) -> dict:
+        return dict(self._info)
+
+    def poll(self, timeout: float) -> list:
+        return self._engine.get_events(timeout)
+
+    def submit(self, request: Request) -> bool:
+        return submit_or_full(self._engine, request)
+
+    def cancel(self, request_id: str) -> None:
+        self._engine.cancel(request_id)
+
+    def snapshot(self) -> dict:
+        return self._engine.snapshot()
+
+    def reconfigure(self, changes: dict) -> None:
+        self._engine.reconfigure(**changes)
+
+    def shutdown(self) -> None:
+        self._engine.stop()
+
+
+class ActorSource:
+    """`EventSource` over a `SchedulerActor` this replica owns."""
+
+    def __init__(self, args: ServeArgs, num_gpus: float = 0.0) -> None:
+        self._args = args
+        self._num_gpus = num_gpus
+        self._actor = None
+
+    def _create(self):
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        node_id = ray.get_runtime_context().get_node_id()
+        cls = ray.remote(SchedulerActor)
+        # num_cpus=0: the engine thread is the real CPU user and the replica is idle
+        # glue; reserving cores here would make small machines unschedulable.
+        return cls.options(
+            num_cpus=0, num_gpus=self._num_gpus, max_concurrency=ACTOR_MAX_CONCURRENCY,
+            max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True),
+        ).remote(self._args.model_dump(mode="json"))
+
+    async def start(self) -> dict:
+        self._actor = self._create()
+        return await self._call(self._actor.info)
+
+    async def _call(self, method, *args):
+        import ray
+
+        try:
+            return await method.remote(*args)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError,
+                ray.exceptions.ActorUnavailableError) as err:
+            raise SchedulerLost(str(err)) from None
+
+    async def poll(self, timeout: float) -> list:
+        return await self._call(self._actor.poll, timeout)
+
+    async def submit(self, request: Request) -> bool:
+        return await self._call(self._actor.submit, request)
+
+    async def cancel(self, request_id: str) -> None:
+        await self._call(self._actor.cancel, request_id)
+
+    async def snapshot(self) -> dict:
+        return await self._call(self._actor.snapshot)
+
+    async def reconfigure(self, changes: dict) -> None:
+        await self._call(self._actor.reconfigure, changes)
+
+    async def restart(self) -> dict:
+        self._kill()
+        return await self.start()
+
+    async def close(self) -> None:
+        if self._actor is None:
+            return
+        try:
+            await asyncio.wait_for(self._call(self._actor.shutdown), timeout=10)
+        except Exception:
+            logger.warning("scheduler actor did not shut down cleanly", exc_info=True)
+        self._kill()
+
+    def _kill(self) -> None:
+        import ray
+
+        if self._actor is not None:
+            try:
+                ray.kill(self._actor, no_restart=True)
+            except Exception:
+                pass
+            self._actor = None
+
+    @property
+    def actor(self):
+        return self._actor

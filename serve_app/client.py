@@ -1,0 +1,196 @@
+"""How the HTTP layer talks to a scheduler: `EngineClient`.
+
+The HTTP layer only needs: submit a request and read its events, cancel it, take a
+snapshot, reconfigure. `EngineClient` implements that over a *source* of per-tick event
+batches; `LocalSource` wraps an in-process `Engine` (tests, tools) and
+`serve_app.actor.ActorSource` the replica's scheduler actor. One pump task per client
+polls the source and fans batches out to per-request queues, so the replica pays one
+hop per tick, not one per token or per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator, Protocol
+
+from scheduler.request import Request
+from serve_app.events import EventRouter, iterate
+
+logger = logging.getLogger(__name__)
+
+POLL_TIMEOUT_S = 0.1  # how long one poll blocks waiting for events
+SCHEDULER_LOST = "the scheduler stopped while generating; please retry"
+
+
+class QueueFull(Exception):
+    """The scheduler's queue is at max_queue_depth."""
+
+
+class SchedulerLost(Exception):
+    """The scheduler died; the source has been (or is being) restarted."""
+
+
+class EventSource(Protocol):
+    async def start(self) -> dict: ...  # returns runner info (max_context, eos ids, ...)
+    async def poll(self, timeout: float) -> list: ...  # raises SchedulerLost
+    async def submit(self, request: Request) -> bool: ...  # False: queue full
+    async def cancel(self, request_id: str) -> None: ...
+    async def snapshot(self) -> dict: ...
+    async def reconfigure(self, changes: dict) -> None: ...
+    async def restart(self) -> dict: ...
+    async def close(self) -> None: ...
+
+
+class EngineClient:
+    """Async facade over one scheduler; every coroutine runs on the replica's loop."""
+
+    def __init__(self, source: EventSource) -> None:
+        self._source = source
+        self._router = EventRouter()
+        self._pump: asyncio.Task | None = None
+        self._live_changes: dict = {}
+        self.info: dict = {}
+        self.num_restarts = 0
+
+    async def start(self) -> None:
+        self.info = await self._source.start()
+        self._pump = asyncio.get_running_loop().create_task(self._pump_events())
+
+    async def close(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+        self._router.fail_all(SCHEDULER_LOST)
+        await self._source.close()
+
+    @property
+    def healthy(self) -> bool:
+        return self._pump is not None and not self._pump.done()
+
+    @property
+    def num_open_streams(self) -> int:
+        return self._router.num_open
+
+    async def submit(self, request: Request) -> AsyncIterator:
+        """Submit and return the request's event stream; raises `QueueFull`.
+
+        The caller must iterate the stream to its end or call `cancel` + `release`.
+        """
+        queue = self._router.open(request.request_id)
+        try:
+            accepted = await self._source.submit(request)
+        except BaseException:
+            self._router.close(request.request_id)
+            raise
+        if not accepted:
+            self._router.close(request.request_id)
+            raise QueueFull()
+        return self._stream(request.request_id, queue)
+
+    async def _stream(self, request_id: str, queue: asyncio.Queue):
+        try:
+            async for event in iterate(queue):
+                yield event
+        finally:
+            self._router.close(request_id)
+
+    async def cancel(self, request_id: str) -> None:
+        try:
+            await self._source.cancel(request_id)
+        except SchedulerLost:
+            pass  # a dead scheduler holds nothing to cancel
+
+    def release(self, request_id: str) -> None:
+        self._router.close(request_id)
+
+    async def snapshot(self) -> dict:
+        return await self._source.snapshot()
+
+    async def reconfigure(self, changes: dict) -> None:
+        """Apply live changes now and again whenever the scheduler is re-created."""
+        self._live_changes.update(changes)
+        if changes:
+            await self._source.reconfigure(changes)
+
+    async def _pump_events(self) -> None:
+        while True:
+            try:
+                events = await self._source.poll(POLL_TIMEOUT_S)
+            except asyncio.CancelledError:
+                raise
+            except SchedulerLost:
+                await self._recover()
+                continue
+            except Exception:  # keep pumping: one bad poll must not wedge every stream
+                logger.exception("polling the scheduler failed")
+                await asyncio.sleep(POLL_TIMEOUT_S)
+                continue
+            if events:
+                self._router.deliver(events)
+
+    async def _recover(self) -> None:
+        """End in-flight streams with an error event and bring up a fresh scheduler."""
+        self._router.fail_all(SCHEDULER_LOST)
+        while True:
+            try:
+                self.info = await self._source.restart()
+                if self._live_changes:
+                    await self._source.reconfigure(self._live_changes)
+                self.num_restarts += 1
+                logger.warning("scheduler re-created (restart #%d)", self.num_restarts)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("re-creating the scheduler failed; retrying")
+                await asyncio.sleep(1.0)
+
+
+class LocalSource:
+    """An in-process `Engine` as an `EventSource` (no Ray); blocking calls use threads.
+
+    `engine_factory()` returns `(engine, info)` like `serve_app.actor.build_engine`:
+    an unstarted Engine and a dict the runner factory fills with runner info.
+    """
+
+    def __init__(self, engine_factory) -> None:
+        self._engine_factory = engine_factory
+        self._engine = None
+
+    async def start(self) -> dict:
+        self._engine, info = self._engine_factory()
+        await asyncio.to_thread(self._engine.start)
+        return dict(info)
+
+    async def poll(self, timeout: float) -> list:
+        return await asyncio.to_thread(self._engine.get_events, timeout)
+
+    async def submit(self, request: Request) -> bool:
+        return submit_or_full(self._engine, request)
+
+    async def cancel(self, request_id: str) -> None:
+        self._engine.cancel(request_id)
+
+    async def snapshot(self) -> dict:
+        return self._engine.snapshot()
+
+    async def reconfigure(self, changes: dict) -> None:
+        self._engine.reconfigure(**changes)
+
+    async def restart(self) -> dict:
+        await self.close()
+        return await self.start()
+
+    async def close(self) -> None:
+        if self._engine is not None:
+            await asyncio.to_thread(self._engine.stop)
+
+
+def submit_or_full(engine, request: Request) -> bool:
+    from scheduler.engine import QueueFullError
+
+    try:
+        engine.submit(request)
+    except QueueFullError:
+        return False
+    return True

@@ -1,0 +1,291 @@
+"""The OpenAI-compatible HTTP layer: a Starlette app over an `EngineClient`.
+
+Testable without Ray: give it any `EngineClient` (e.g. over a `LocalSource`). Every
+client-caused problem is a 4xx with an OpenAI error body; a full scheduler queue is a
+503 with `Retry-After`; a client that goes away has its request cancelled in the
+scheduler, whatever phase it is in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+from starlette.applications import Starlette
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from scheduler.request import Lane, Request, SamplingParams, parse_priority
+from serve_app.client import SCHEDULER_LOST, EngineClient, QueueFull
+from serve_app.codec import TextCodec
+from serve_app.config import ServeArgs
+from serve_app.metrics import ReplicaMetrics
+from serve_app.protocol import APIError, GenerationSpec, decode_json, parse_generation
+from serve_app.responses import ResponseFormat, StopMatcher, Usage, sse
+
+logger = logging.getLogger(__name__)
+
+DRAIN_AFTER_STOP_S = 2.0  # wait for the cancelled request's final stats after a text stop
+
+
+class OpenAIService:
+    def __init__(self, client: EngineClient, codec: TextCodec, args: ServeArgs,
+                 metrics: ReplicaMetrics | None = None) -> None:
+        self.client = client
+        self.codec = codec
+        self.args = args
+        self.metrics = metrics or ReplicaMetrics()
+        self._background: set[asyncio.Task] = set()
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/internal/scheduler", self.scheduler_state, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+        ]
+        return Starlette(routes=routes, exception_handlers={
+            APIError: _api_error, 404: _not_found, 405: _method_not_allowed, Exception: _internal})
+
+    # -- small endpoints ------------------------------------------------------------------
+    async def health(self, request: HTTPRequest) -> Response:
+        if not self.client.healthy:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def prometheus(self, request: HTTPRequest) -> Response:
+        snapshot = await self._snapshot_or_none()
+        return Response(self.metrics.render(snapshot), media_type="text/plain; version=0.0.4")
+
+    async def models(self, request: HTTPRequest) -> Response:
+        self._lane_cap(request)
+        card = {"id": self.args.model_name, "object": "model", "created": 0, "owned_by": "specslot"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def scheduler_state(self, request: HTTPRequest) -> Response:
+        self._lane_cap(request)
+        snapshot = await self._snapshot_or_none()
+        if snapshot is None:
+            raise APIError(503, "scheduler unavailable", "server_error", headers=self._retry())
+        snapshot = dict(snapshot)
+        snapshot["replica"] = {"open_streams": self.client.num_open_streams,
+                               "scheduler_restarts": self.client.num_restarts}
+        return JSONResponse(snapshot)
+
+    async def _snapshot_or_none(self) -> dict | None:
+        try:
+            return await self.client.snapshot()
+        except Exception:
+            logger.warning("scheduler snapshot failed", exc_info=True)
+            return None
+
+    # -- generation -------------------------------------------------------------------------
+    async def completions(self, request: HTTPRequest) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: HTTPRequest) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, http: HTTPRequest, chat: bool) -> Response:
+        lane_cap = self._lane_cap(http)
+        spec = parse_generation(decode_json(await self._read_body(http)), chat)
+        if spec.model is not None and spec.model != self.args.model_name:
+            raise APIError(400, f"model '{spec.model[:64]}' is not served here; "
+                           f"use '{self.args.model_name}'", param="model", code="model_not_found")
+        prompt_ids = self._prompt_ids(spec)
+        max_tokens = self._max_tokens(spec, len(prompt_ids))
+        lane = Lane(max(parse_priority(http.headers.get("x-priority")), lane_cap))
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        request_id = prefix + uuid.uuid4().hex
+        sampling = SamplingParams(
+            max_tokens=max_tokens, temperature=spec.temperature, top_p=spec.top_p,
+            seed=spec.seed, stop_token_ids=tuple(self.client.info.get("eos_token_ids") or ()))
+        request = Request(request_id, prompt_ids, sampling, lane=lane)
+        try:
+            events = await self.client.submit(request)
+        except QueueFull:
+            self.metrics.rejected.labels("503").inc()
+            raise APIError(503, "the server is at capacity; retry later", "server_error",
+                           code="queue_full", headers=self._retry()) from None
+        fmt = ResponseFormat(request_id, self.args.model_name, chat)
+        pieces = self._pieces(request, events, spec, len(prompt_ids))
+        if spec.stream:
+            return StreamingResponse(self._sse(fmt, pieces, spec.include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await self._collect(fmt, pieces)
+
+    async def _collect(self, fmt: ResponseFormat, pieces) -> Response:
+        texts: list[str] = []
+        final = None
+        async for text, finish_reason, usage, error in pieces:  # ends after the final piece
+            if error is not None:
+                raise APIError(500, error, "server_error", code="generation_failed")
+            texts.append(text)
+            if finish_reason is not None:
+                final = JSONResponse(fmt.full("".join(texts), finish_reason, usage))
+        if final is None:
+            raise APIError(500, SCHEDULER_LOST, "server_error", code="generation_failed")
+        return final
+
+    async def _sse(self, fmt: ResponseFormat, pieces, include_usage: bool):
+        yield sse(fmt.chunk("", None, first=True))
+        async for text, finish_reason, usage, error in pieces:  # ends after the final piece
+            if error is not None:
+                yield sse(APIError(500, error, "server_error", code="generation_failed").body())
+                continue
+            if text:
+                yield sse(fmt.chunk(text, None))
+            if finish_reason is not None:
+                yield sse(fmt.chunk(None, finish_reason))
+                if include_usage:
+                    yield sse(fmt.usage_chunk(usage))
+        yield sse("[DONE]")
+
+    async def _pieces(self, request: Request, events, spec: GenerationSpec, num_prompt: int):
+        """(text, finish_reason, usage, error) tuples of one request; cancels it if abandoned."""
+        rid, lane = request.request_id, request.lane.name.lower()
+        decoder = self.codec.decoder(skip_ids=self.client.info.get("eos_token_ids") or ())
+        stops = StopMatcher(spec.stop)
+        started = time.monotonic()
+        first_token_at = None
+        num_tokens = 0
+        done = False
+        try:
+            async for event in events:
+                if event.token_ids and first_token_at is None:
+                    first_token_at = time.monotonic()
+                num_tokens += len(event.token_ids)
+                text, hit_stop = stops.feed(decoder.add(event.token_ids))
+                if hit_stop:
+                    stats = event.stats if event.finish_reason else (
+                        await self._cancel_and_drain(rid, events))
+                    finish, error = "stop", None
+                elif event.finish_reason is None:
+                    if text:
+                        yield text, None, None, None
+                    continue
+                elif event.finish_reason in ("stop", "length"):
+                    tail, hit_stop = stops.feed(decoder.flush())
+                    text += tail if hit_stop else tail + stops.flush()
+                    finish, error, stats = event.finish_reason, None, event.stats
+                else:  # "cancelled" by a stopping scheduler, or "error"
+                    finish, error, stats = "error", SCHEDULER_LOST, event.stats
+                    if event.error:
+                        logger.warning("request %s failed: %s", rid, event.error)
+                done = True
+                now = time.monotonic()
+                self.metrics.record_finish(
+                    lane, finish, stats, num_tokens,
+                    None if first_token_at is None else first_token_at - started,
+                    None if first_token_at is None else now - first_token_at)
+                yield text, finish, Usage(num_prompt, num_tokens, stats), error
+                return
+        finally:
+            if not done:  # the client went away (or the response task was cancelled)
+                self._spawn(self._abandon(rid))
+            else:
+                self.client.release(rid)
+
+    async def _cancel_and_drain(self, rid: str, events):
+        await self.client.cancel(rid)
+        try:
+            async with asyncio.timeout(DRAIN_AFTER_STOP_S):
+                async for event in events:
+                    if event.finish_reason is not None:
+                        return event.stats
+        except TimeoutError:
+            self.client.release(rid)
+        return None
+
+    async def _abandon(self, rid: str) -> None:
+        self.client.release(rid)
+        await self.client.cancel(rid)
+        self.metrics.requests.labels("unknown", "disconnected").inc()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- input checks -----------------------------------------------------------------------
+    def _lane_cap(self, http: HTTPRequest) -> Lane:
+        auth = http.headers.get("authorization", "")
+        key = auth[7:].strip() if auth[:7].lower() == "bearer " else None
+        cap = self.args.lane_cap_for(key)
+        if cap is None:
+            raise APIError(401, "missing or invalid API key", code="invalid_api_key")
+        return cap
+
+    async def _read_body(self, http: HTTPRequest) -> bytes:
+        limit = self.args.max_body_bytes
+        too_big = APIError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+        declared = http.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _prompt_ids(self, spec: GenerationSpec) -> list[int]:
+        if spec.prompt_ids is not None:
+            ids = spec.prompt_ids
+            if any(t >= self.codec.vocab_size for t in ids):
+                raise APIError(400, "prompt contains token ids outside the vocabulary", param="prompt")
+        elif spec.chat:
+            ids = self.codec.encode_chat(spec.messages)
+        else:
+            ids = self.codec.encode(spec.prompt_text)
+        if not ids:
+            raise APIError(400, "prompt is empty", param="messages" if spec.chat else "prompt")
+        return ids
+
+    def _max_tokens(self, spec: GenerationSpec, num_prompt: int) -> int:
+        max_context = self.client.info.get("max_context")
+        param = "messages" if spec.chat else "prompt"
+        if max_context is not None and num_prompt >= max_context:
+            raise APIError(400, f"prompt has {num_prompt} tokens; this model's context is "
+                           f"{max_context}", param=param, code="context_length_exceeded")
+        limit = self.args.max_tokens_limit
+        if spec.max_tokens is None:
+            room = limit if max_context is None else max_context - num_prompt
+            return min(self.args.default_max_tokens, room)
+        if spec.max_tokens > limit:
+            raise APIError(400, f"max_tokens must be at most {limit}", param="max_tokens",
+                           code="invalid_value")
+        if max_context is not None and num_prompt + spec.max_tokens > max_context:
+            raise APIError(400, f"prompt ({num_prompt} tokens) plus max_tokens exceeds the "
+                           f"context of {max_context}", param="max_tokens",
+                           code="context_length_exceeded")
+        return spec.max_tokens
+
+    def _retry(self) -> dict[str, str]:
+        return {"Retry-After": str(self.args.retry_after_seconds)}
+
+
+async def _api_error(request: HTTPRequest, exc: APIError) -> Response:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _not_found(request: HTTPRequest, exc) -> Response:
+    return JSONResponse(APIError(404, "no such route", code="not_found").body(), status_code=404)
+
+
+async def _method_not_allowed(request: HTTPRequest, exc) -> Response:
+    err = APIError(405, "method not allowed on this route", code="method_not_allowed")
+    return JSONResponse(err.body(), status_code=405)
+
+
+async def _internal(request: HTTPRequest, exc: Exception) -> Response:
+    logger.exception("unhandled error serving %s", request.url.path)
+    err = APIError(500, "internal server error", "server_error", code="internal_error")
+    return JSONResponse(err.body(), status_code=500)

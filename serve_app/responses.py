@@ -1,0 +1,108 @@
+"""OpenAI response shapes and text stop sequences.
+
+`StopMatcher` finds text stop sequences across token boundaries: it holds back the last
+`len(longest stop) - 1` characters until they can no longer start a match, so a client
+never sees text that a later token turns into a stop.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+
+class StopMatcher:
+    """Emit text up to (not including) the first stop sequence.
+
+    >>> m = StopMatcher(["END"]); m.feed("abcE"), m.feed("ND tail")
+    (('ab', False), ('c', True))
+    """
+
+    def __init__(self, stops: list[str]) -> None:
+        self._stops = stops
+        self._hold = max((len(s) for s in stops), default=1) - 1
+        self._buf = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Text safe to emit now, and whether a stop sequence was hit (text ends before it)."""
+        self._buf += text
+        hits = [i for i in (self._buf.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            out, self._buf = self._buf[:min(hits)], ""
+            return out, True
+        cut = max(len(self._buf) - self._hold, 0)
+        out, self._buf = self._buf[:cut], self._buf[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self._buf = self._buf, ""
+        return out
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    stats: object | None = None  # scheduler.request.SpecStats
+
+    def to_dict(self) -> dict:
+        out = {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+        s = self.stats
+        if s is not None:
+            out["speculative"] = {
+                "rounds": s.num_rounds, "probe_rounds": s.num_probe_rounds,
+                "drafted": s.num_drafted, "accepted": s.num_accepted,
+                "grants": s.num_grants, "parks": s.num_parks,
+                "acceptance_length": round(s.num_accepted / s.num_rounds + 1, 4)
+                if s.num_rounds else None,
+            }
+        return out
+
+
+class ResponseFormat:
+    """Chunk and response bodies for one request of either endpoint."""
+
+    def __init__(self, request_id: str, model: str, chat: bool) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.chat = chat
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list) -> dict:
+        return {"id": self.request_id, "object": obj, "created": self.created,
+                "model": self.model, "choices": choices}
+
+    def chunk(self, text: str | None, finish_reason: str | None, first: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": text or ""} if first else (
+                {"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return self._envelope("chat.completion.chunk", [choice])
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope("text_completion", [choice])
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
+        body["usage"] = usage.to_dict()
+        return body
+
+    def full(self, text: str, finish_reason: str, usage: Usage) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": finish_reason}
+            body = self._envelope("chat.completion", [choice])
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            body = self._envelope("text_completion", [choice])
+        body["usage"] = usage.to_dict()
+        return body
+
+
+def sse(payload: dict | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()

@@ -1,0 +1,223 @@
+"""The Scheduler: one tick = drain inbox and cancellations -> decide exactly one model
+action (`policy.decide`) -> run it through the `ModelRunner` -> finalize -> events.
+
+Single-threaded: `engine.Engine` owns the thread and the queues around it. Routing of
+a new request: speculative if the runner supports it and the B=1 policy runs it and
+the slot has room (free, or a backlog place); otherwise a classic row. Classic
+admission is strict lane order (high first), FIFO within a lane.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Callable
+
+from scheduler.adaptive import B1Policy
+from scheduler.config import SchedulerConfig
+from scheduler.counters import Counters
+from scheduler.events import EventSink, TokenEvent
+from scheduler.policy import Action, Decision, decide
+from scheduler.request import Lane, Request, RequestStatus
+from scheduler.runner import ModelRunner, TokenBatch
+from scheduler.slot import SpecSlot
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, config: SchedulerConfig,
+                 clock: Callable[[], float] = time.monotonic, policy: B1Policy | None = None) -> None:
+        self.runner = runner
+        self.config = config
+        self.clock = clock
+        self.counters = Counters()
+        self.policy = policy or B1Policy(
+            config.b1_policy, runner.policy_key(), default_enabled=config.b1_default_enabled,
+            profile_requests=config.b1_profile_requests, probe_rounds=config.b1_probe_rounds,
+            cache_dir=config.policy_cache_dir, clock=clock)
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self.sink = EventSink(self.counters, clock, on_finish=self._forget)
+        self.slot = SpecSlot(runner, lambda: self.config, self.policy, self.counters, self.sink,
+                             self._to_classic, clock)
+        self._inbox: list[Request] = []
+        self._cancels: list[str] = []
+        self._queues: dict[Lane, deque[Request]] = {lane: deque() for lane in Lane}
+        self._rows: dict[str, Request] = {}
+        self._next_seq = 0
+        self._yielded_last = False  # the last model action was speculative
+        self.last_decision: Decision | None = None
+
+    # -- inputs (applied at the next tick's drain) ------------------------------------
+    def submit(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        request.arrival_seq = self._next_seq
+        self._next_seq += 1
+        if not request.arrival_time:
+            request.arrival_time = self.clock()
+        self._requests[request.request_id] = request
+        self._inbox.append(request)
+
+    def cancel(self, request_id: str) -> None:
+        self._cancels.append(request_id)
+
+    def reconfigure(self, **changes) -> None:
+        """Change live knobs; the slot reads them at the next grant."""
+        self.config = self.config.replace(**changes)
+
+    @property
+    def grant_log(self) -> list[tuple[str, int]]:
+        return list(self.slot.grant_log)
+
+    def has_work(self) -> bool:
+        return bool(self._inbox or self._cancels or self._rows or self.slot.busy
+                    or any(self._queues.values()))
+
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    # -- the tick --------------------------------------------------------------------
+    def tick(self) -> list[TokenEvent]:
+        self._drain()
+        decision = self._decide(allow_spec=True)
+        if decision.action is Action.SPECULATIVE:
+            if self.slot.step():
+                self._yielded_last = True
+            else:  # nothing runnable in the slot: the tick goes to classic work
+                decision = self._decide(allow_spec=False)
+        if decision.action is Action.PREFILL:
+            self._prefill(decision.num_prefill)
+        elif decision.action is Action.DECODE:
+            self._decode()
+        if decision.action in (Action.PREFILL, Action.DECODE):
+            self._yielded_last = False
+        self.last_decision = decision
+        self.counters.actions[decision.action.value] += 1
+        self.counters.observe_sessions(self.runner.num_live_sessions())
+        return self.sink.drain()
+
+    def _decide(self, allow_spec: bool) -> Decision:
+        return decide(
+            spec_step=self.slot.pending_step() if allow_spec else None,
+            yielded_last=self._yielded_last,
+            num_queued=sum(len(q) for q in self._queues.values()),
+            num_rows=len(self._rows),
+            max_rows=self.config.max_batch_size,
+            prefill_batch=self.config.prefill_batch_size,
+        )
+
+    def _drain(self) -> None:
+        inbox, self._inbox = self._inbox, []
+        for request in inbox:
+            self._route(request)
+        cancels, self._cancels = self._cancels, []
+        for request_id in cancels:
+            self._cancel_now(request_id)
+
+    def _route(self, request: Request) -> None:
+        if request.cancel_requested:
+            self.sink.finish(request, "cancelled")
+            return
+        if not self.runner.spec_supports(request):
+            self._to_classic(request, None)
+        elif not self.policy.should_run():
+            self._to_classic(request, "policy_declined")
+        else:
+            reason = self.slot.try_admit(request)
+            if reason is not None:
+                self._to_classic(request, reason)
+
+    def _to_classic(self, request: Request, reason: str | None) -> None:
+        """Queue for classic prefill; `reason` counts a speculative-eligible fallback."""
+        if reason is not None:
+            self.counters.classic_fallbacks[reason] += 1
+        request.status = RequestStatus.QUEUED
+        self._queues[request.lane].append(request)
+
+    def _cancel_now(self, request_id: str) -> None:
+        request = self._requests.get(request_id)
+        if request is None:  # unknown or already finished
+            return
+        request.cancel_requested = True
+        if request.status is RequestStatus.QUEUED:
+            self._queues[request.lane].remove(request)
+        elif request.status is RequestStatus.CLASSIC:
+            self._rows.pop(request_id, None)
+            self.runner.classic_remove(request_id)
+        elif self.slot.cancel(request):
+            return
+        self.sink.finish(request, "cancelled")
+
+    # -- classic actions -------------------------------------------------------------
+    def _prefill(self, count: int) -> None:
+        admitted: list[Request] = []
+        for lane in Lane:  # strict lanes, FIFO within a lane
+            queue = self._queues[lane]
+            while queue and len(admitted) < count:
+                admitted.append(queue.popleft())
+        now = self.clock()
+        for request in admitted:
+            request.status = RequestStatus.CLASSIC
+            self._rows[request.request_id] = request
+            self.counters.record_queue_wait(request.lane, now - request.arrival_time)
+        try:
+            batches = self.runner.classic_prefill(admitted)
+        except Exception as exc:  # noqa: BLE001 - fail these rows, keep serving
+            self._fail_rows(admitted, f"classic_prefill failed: {exc}")
+            return
+        self._apply_classic(batches)
+
+    def _decode(self) -> None:
+        try:
+            batches = self.runner.classic_decode()
+        except Exception as exc:  # noqa: BLE001
+            self._fail_rows(list(self._rows.values()), f"classic_decode failed: {exc}")
+            return
+        self._apply_classic(batches)
+
+    def _apply_classic(self, batches: list[TokenBatch]) -> None:
+        for batch in batches:
+            request = self._rows.get(batch.request_id)
+            if request is None:  # a row dropped this tick (cancelled)
+                continue
+            self.sink.tokens(request, batch.token_ids)
+            if batch.finish_reason:
+                self._rows.pop(batch.request_id)
+                self.runner.classic_remove(batch.request_id)
+                self.sink.finish(request, batch.finish_reason)
+
+    def _fail_rows(self, requests: list[Request], message: str) -> None:
+        log.error("%s", message)
+        for request in requests:
+            self._rows.pop(request.request_id, None)
+            try:
+                self.runner.classic_remove(request.request_id)
+            except Exception:  # noqa: BLE001 - best effort after a failure
+                log.exception("classic_remove(%s) failed", request.request_id)
+            self.sink.finish(request, "error", error=message)
+
+    # -- lifecycle -------------------------------------------------------------------
+    def _forget(self, request: Request) -> None:
+        self._requests.pop(request.request_id, None)
+
+    def cancel_all(self) -> list[TokenEvent]:
+        """Cancel every unfinished request now (shutdown); returns their events."""
+        self._drain()
+        for request_id in list(self._requests):
+            self._cancel_now(request_id)
+        return self.sink.drain()
+
+    def snapshot(self) -> dict:
+        return {
+            "slot": self.slot.snapshot(),
+            "queue_depth": {lane.name.lower(): len(q) for lane, q in self._queues.items()},
+            "classic_rows": len(self._rows),
+            "classic_row_ids": list(self._rows),
+            "unfinished": len(self._requests),
+            "last_action": None if self.last_decision is None else self.last_decision.action.value,
+            "counters": self.counters.to_dict(),
+            "policy": self.policy.snapshot(),
+            "config": self.config.to_dict(),
+        }

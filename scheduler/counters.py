@@ -1,0 +1,95 @@
+"""Scheduler counters for metrics and the internal status endpoint.
+
+Monotonic totals plus gauges with their peaks, and bounded windows of recent latency
+samples (queue wait and time to first token, per lane). Owned by one scheduler and
+mutated on the engine thread only; `to_dict()` is the JSON-able view.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from scheduler.request import Lane
+
+SAMPLE_WINDOW = 1024  # recent samples kept per lane and kind
+
+
+def _lane_windows() -> dict[str, deque]:
+    return {lane.name.lower(): deque(maxlen=SAMPLE_WINDOW) for lane in Lane}
+
+
+@dataclass
+class LatencySamples:
+    """Count and sum over all time plus a window of recent values, per lane."""
+
+    count: Counter = field(default_factory=Counter)
+    total: Counter = field(default_factory=Counter)
+    recent: dict[str, deque] = field(default_factory=_lane_windows)
+
+    def record(self, lane: Lane, seconds: float) -> None:
+        name = lane.name.lower()
+        self.count[name] += 1
+        self.total[name] += seconds
+        self.recent[name].append(seconds)
+
+    def to_dict(self) -> dict:
+        return {
+            name: {
+                "count": self.count[name],
+                "sum_s": self.total[name],
+                "recent_s": list(window),
+            }
+            for name, window in self.recent.items()
+        }
+
+
+@dataclass
+class Counters:
+    grants: int = 0  # installs + promotions that ran a slice
+    parks: int = 0
+    promotions: int = 0  # backlog entries granted the slot (parked resumes + waiters)
+    skip_escalations: int = 0  # grant decisions the skip cap decided
+    backlog_aborts: int = 0  # cancelled entries dropped from the backlog
+    backlog_depth: int = 0
+    backlog_peak: int = 0
+    live_sessions: int = 0
+    live_sessions_peak: int = 0
+    spec_rounds: int = 0
+    probe_rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    classic_fallbacks: Counter = field(default_factory=Counter)  # by reason
+    actions: Counter = field(default_factory=Counter)  # ticks by action
+    queue_wait: LatencySamples = field(default_factory=LatencySamples)
+    ttft: LatencySamples = field(default_factory=LatencySamples)
+
+    def observe_backlog(self, depth: int) -> None:
+        self.backlog_depth = depth
+        self.backlog_peak = max(self.backlog_peak, depth)
+
+    def observe_sessions(self, live: int) -> None:
+        self.live_sessions = live
+        self.live_sessions_peak = max(self.live_sessions_peak, live)
+
+    def record_queue_wait(self, lane: Lane, seconds: float) -> None:
+        self.queue_wait.record(lane, seconds)
+
+    def record_ttft(self, lane: Lane, seconds: float) -> None:
+        self.ttft.record(lane, seconds)
+
+    def to_dict(self) -> dict:
+        plain = {
+            name: getattr(self, name)
+            for name in (
+                "grants", "parks", "promotions", "skip_escalations", "backlog_aborts",
+                "backlog_depth", "backlog_peak", "live_sessions", "live_sessions_peak",
+                "spec_rounds", "probe_rounds", "drafted_tokens", "accepted_tokens",
+            )
+        }
+        plain["classic_fallbacks"] = dict(self.classic_fallbacks)
+        plain["classic_fallbacks_total"] = sum(self.classic_fallbacks.values())
+        plain["actions"] = dict(self.actions)
+        plain["queue_wait"] = self.queue_wait.to_dict()
+        plain["ttft"] = self.ttft.to_dict()
+        return plain

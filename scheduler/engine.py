@@ -1,0 +1,195 @@
+"""The engine thread around a `Scheduler`.
+
+All model work runs on one dedicated thread (MLX streams are thread-local): the
+runner is built there, and every tick runs there. Other threads talk to it through
+lock-protected queues: `submit` / `cancel` / `reconfigure` in, `get_events` out.
+When there is no work the thread blocks on a condition until something arrives.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from scheduler.config import SchedulerConfig
+from scheduler.core import Scheduler
+from scheduler.events import TokenEvent
+from scheduler.request import Request
+from scheduler.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(Exception):
+    """`submit` when `max_queue_depth` requests are unfinished."""
+
+
+class Engine:
+    def __init__(self, runner_factory: Callable[[], ModelRunner], config: SchedulerConfig,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._runner_factory = runner_factory
+        self._config = config
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)  # engine thread waits here when idle
+        self._inbox: list[Request] = []
+        self._cancels: list[str] = []
+        self._reconfigs: list[dict] = []
+        self._unfinished: dict[str, Request] = {}  # submitted, no finishing event yet
+        self._stopping = False
+        self._events: list[TokenEvent] = []
+        self._events_ready = threading.Condition()
+        self._state_lock = threading.Lock()  # held by the engine thread during a tick
+        self._scheduler: Scheduler | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+
+    # -- lifecycle -------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; returns once the runner is built there. A load
+        error is re-raised here."""
+        if self._thread is not None:
+            raise RuntimeError("engine already started")
+        self._thread = threading.Thread(target=self._run, name="specslot-engine", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._load_error is not None:
+            self._thread.join()
+            raise self._load_error
+
+    def stop(self) -> None:
+        """Stop the thread; every unfinished request gets a "cancelled" finish event."""
+        with self._lock:
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- thread-safe inputs ------------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        with self._lock:
+            if self._stopping or not self._ready.is_set() or self._load_error is not None:
+                raise RuntimeError("engine is not running")
+            if len(self._unfinished) >= self._config.max_queue_depth:
+                raise QueueFullError(f"{len(self._unfinished)} requests pending (max_queue_depth)")
+            if request.request_id in self._unfinished:
+                raise ValueError(f"duplicate request id {request.request_id!r}")
+            request.arrival_time = request.arrival_time or self._clock()
+            self._unfinished[request.request_id] = request
+            self._inbox.append(request)
+            self._wake.notify()
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            request = self._unfinished.get(request_id)
+            if request is None:
+                return
+            # The flag lets a tick already in progress see it (e.g. at a promotion);
+            # the queued id makes the next drain release whatever the request holds.
+            request.cancel_requested = True
+            self._cancels.append(request_id)
+            self._wake.notify()
+
+    def reconfigure(self, **changes) -> None:
+        """Validate now (raises ValueError), apply on the engine thread before the
+        next tick; grant-scoped knobs take effect at the next grant."""
+        with self._lock:
+            self._config = self._config.replace(**changes)
+            self._reconfigs.append(changes)
+            self._wake.notify()
+
+    # -- thread-safe outputs -----------------------------------------------------------
+    def get_events(self, timeout: float | None = None) -> list[TokenEvent]:
+        with self._events_ready:
+            if not self._events:
+                self._events_ready.wait_for(lambda: bool(self._events), timeout)
+            events, self._events = self._events, []
+        return events
+
+    def snapshot(self) -> dict:
+        """Scheduler state between ticks (waits for a tick in progress to end)."""
+        with self._state_lock:
+            scheduler = self._scheduler
+            state = scheduler.snapshot() if scheduler is not None else {}
+        with self._lock:
+            state["pending_submissions"] = len(self._inbox)
+            state["unfinished"] = len(self._unfinished)
+            state["running"] = self.running
+            state["config"] = self._config.to_dict()
+        return state
+
+    # -- the engine thread ------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            runner = self._runner_factory()
+            scheduler = Scheduler(runner, self._config, clock=self._clock)
+        except BaseException as exc:  # noqa: BLE001 - handed to start()
+            self._load_error = exc
+            self._ready.set()
+            return
+        with self._state_lock:
+            self._scheduler = scheduler
+        self._ready.set()
+        idle = False
+        while True:
+            with self._lock:
+                while idle and not (self._stopping or self._inbox or self._cancels or self._reconfigs):
+                    self._wake.wait()
+                if self._stopping:
+                    break
+                inbox, self._inbox = self._inbox, []
+                cancels, self._cancels = self._cancels, []
+                reconfigs, self._reconfigs = self._reconfigs, []
+            with self._state_lock:
+                for changes in reconfigs:
+                    scheduler.reconfigure(**changes)
+                for request in inbox:
+                    scheduler.submit(request)
+                for request_id in cancels:
+                    scheduler.cancel(request_id)
+                try:
+                    events = scheduler.tick()
+                except Exception as exc:  # noqa: BLE001 - a scheduler bug must not hang clients
+                    log.exception("scheduler tick failed; failing unfinished requests")
+                    events = self._fail_everything(scheduler, exc)
+                idle = not scheduler.has_work()
+            self._publish(events)
+        with self._state_lock:
+            with self._lock:
+                inbox, self._inbox = self._inbox, []
+            for request in inbox:
+                scheduler.submit(request)
+            events = scheduler.cancel_all()
+        self._publish(events)
+        close = getattr(runner, "close", None)
+        if callable(close):
+            close()
+
+    def _fail_everything(self, scheduler: Scheduler, exc: Exception) -> list[TokenEvent]:
+        with self._lock:
+            requests = list(self._unfinished.values())
+        events = [TokenEvent(r.request_id, [], finish_reason="error", error=f"scheduler failure: {exc}",
+                             stats=r.spec, prompt_tokens=len(r.prompt_ids)) for r in requests]
+        try:
+            scheduler.cancel_all()  # releases sessions and rows; these events are superseded
+        except Exception:  # noqa: BLE001
+            log.exception("cleanup after a scheduler failure failed")
+        return events
+
+    def _publish(self, events: list[TokenEvent]) -> None:
+        if not events:
+            return
+        with self._lock:
+            for event in events:
+                if event.finish_reason is not None:
+                    self._unfinished.pop(event.request_id, None)
+        with self._events_ready:
+            self._events.extend(events)
+            self._events_ready.notify_all()

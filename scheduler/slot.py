@@ -1,0 +1,263 @@
+"""The speculative slot: one active job, the grant backlog, grants, parks, promotions.
+
+Invariants: at most one job holds the slot (and the runner's drafter); each `step()`
+runs at most one speculative model action (a slice 0, a round, or a promotion plus its
+round), except in legacy burst mode where one step runs a whole generation. A grant's
+budget and mode are read from the config once, when the grant starts, and cached on
+the job, so the per-round cost is a counter increment and one comparison.
+
+Worked schedule, budget 2, A (first token + 3 rounds) installed alone, B waiting
+from A's second slice, one entry per grant = (request, slices run in it):
+A: slice0, round -> park (A,2) | B: slice0, round -> park (B,2) |
+A: round, round -> finish (A,2) | B: round -> finish (B,1).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from scheduler.adaptive import B1Policy
+from scheduler.backlog import EntryKind, GrantBacklog
+from scheduler.config import SchedulerConfig
+from scheduler.counters import Counters
+from scheduler.events import EventSink
+from scheduler.policy import SpecStep, can_join_backlog, grant_expired
+from scheduler.request import Request, RequestStatus
+from scheduler.runner import ModelRunner
+
+GRANT_LOG_LIMIT = 4096
+
+
+@dataclass
+class ActiveJob:
+    request: Request
+    budget: int  # cached at grant start
+    burst: bool  # cached at grant start: run the whole generation in one step
+    started: bool  # slice 0 done (session exists)
+    slices_run: int = 0
+
+
+class SpecSlot:
+    def __init__(self, runner: ModelRunner, config: Callable[[], SchedulerConfig],
+                 policy: B1Policy, counters: Counters, sink: EventSink,
+                 to_classic: Callable[[Request, str], None], clock: Callable[[], float]) -> None:
+        self.runner = runner
+        self._config = config
+        self.policy = policy
+        self.counters = counters
+        self.sink = sink
+        self._to_classic = to_classic
+        self._clock = clock
+        self.backlog = GrantBacklog()
+        self.active: ActiveJob | None = None
+        self.grant_log: deque[tuple[str, int]] = deque(maxlen=GRANT_LOG_LIMIT)
+
+    # -- state --------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return self.active is not None or len(self.backlog) > 0
+
+    def pending_step(self) -> SpecStep | None:
+        if self.active is not None:
+            return SpecStep.ROUND if self.active.started else SpecStep.BEGIN
+        return SpecStep.PROMOTE if len(self.backlog) else None
+
+    # -- admission ------------------------------------------------------------------
+    def try_admit(self, request: Request) -> str | None:
+        """Install `request` on a free slot or add it to the backlog as a waiter.
+
+        Returns None when admitted, else the reason it must go to classic decode.
+        The caller has already checked `spec_supports` and the policy verdict.
+        """
+        config = self._config()
+        if not self.busy:
+            self._install(request, started=False)
+            return None
+        if config.tick_slice and can_join_backlog(len(self.backlog), config.backlog_cap, config.grant_rounds):
+            request.status = RequestStatus.WAITING
+            self.backlog.push(request, EntryKind.WAITING)
+            self.counters.observe_backlog(len(self.backlog))
+            return None
+        return "slot_busy" if config.grant_rounds == 0 or not config.tick_slice else "backlog_full"
+
+    def _install(self, request: Request, *, started: bool) -> ActiveJob:
+        config = self._config()
+        request.status = RequestStatus.ACTIVE
+        self.active = ActiveJob(request, budget=config.grant_rounds, burst=not config.tick_slice,
+                                started=started)
+        request.spec.num_grants += 1
+        self.counters.grants += 1
+        return self.active
+
+    # -- the tick's speculative action ----------------------------------------------
+    def step(self) -> bool:
+        """Run this tick's speculative action. False when nothing ran: a promotion
+        found only cancelled or declined entries (the tick may then go classic)."""
+        job = self.active
+        if job is None:
+            return self._promote()
+        if job.request.cancel_requested:  # cancelled since the drain: stop before any work
+            self._end(job, "cancelled")
+            return False
+        if job.started:
+            self._round(job)
+        else:
+            self._begin(job)
+        return True
+
+    def _promote(self) -> bool:
+        skip_cap = self._config().skip_cap
+        while len(self.backlog):
+            entry, escalated = self.backlog.grant(skip_cap)
+            self.counters.skip_escalations += int(escalated)
+            self.counters.observe_backlog(len(self.backlog))
+            request = entry.request
+            if request.cancel_requested:  # aborted; the next entry is tried in this tick
+                if entry.kind is EntryKind.PARKED:
+                    self.runner.spec_finish(request.request_id)
+                self.counters.backlog_aborts += 1
+                self.sink.finish(request, "cancelled")
+                continue
+            if entry.kind is EntryKind.WAITING:
+                if not self.policy.should_run():  # settled to decline while it waited
+                    self._to_classic(request, "declined_at_promotion")
+                    continue
+                self.counters.promotions += 1
+                self._begin(self._install(request, started=False))
+                return True
+            self.counters.promotions += 1
+            job = self._install(request, started=True)
+            try:
+                self.runner.spec_resume(request.request_id)
+            except Exception as exc:  # noqa: BLE001 - fail this request, keep serving
+                self._end(job, "error", error=f"spec_resume failed: {exc}")
+                return True
+            self._round(job)
+            return True
+        return False
+
+    def _begin(self, job: ActiveJob) -> None:
+        """Slice 0: prefill + first token, then the immediate expiry check."""
+        request = job.request
+        self.counters.record_queue_wait(request.lane, self._clock() - request.arrival_time)
+        try:
+            batch = self.runner.spec_begin(request)
+        except Exception as exc:  # noqa: BLE001
+            self._end(job, "error", error=f"spec_begin failed: {exc}")
+            return
+        job.started = True
+        job.slices_run += 1
+        self.sink.tokens(request, batch.token_ids)
+        if batch.finish_reason:
+            self._end(job, batch.finish_reason)
+        elif job.burst:
+            self._burst(job)
+        else:
+            self._park_if_expired(job)
+
+    def _round(self, job: ActiveJob) -> None:
+        if not self._run_round(job):
+            return
+        if job.burst:
+            self._burst(job)
+        else:
+            self._park_if_expired(job)  # a round boundary
+
+    def _burst(self, job: ActiveJob) -> None:
+        """Legacy burst: rounds until the job ends, inside this one step."""
+        while self.active is job:
+            if job.request.cancel_requested:
+                self._end(job, "cancelled")
+                return
+            self._run_round(job)
+
+    def _run_round(self, job: ActiveJob) -> bool:
+        """One round; True if the job is still active after it."""
+        request = job.request
+        probe = self.policy.wants_probe(request.spec.num_probe_rounds)
+        try:
+            outcome = self.runner.spec_round(request.request_id, probe=probe)
+        except Exception as exc:  # noqa: BLE001
+            self._end(job, "error", error=f"spec_round failed: {exc}")
+            return False
+        job.slices_run += 1
+        stats = request.spec
+        stats.num_rounds += 1
+        stats.num_probe_rounds += int(outcome.probe)
+        stats.num_drafted += outcome.num_drafted
+        stats.num_accepted += outcome.num_accepted
+        self.counters.spec_rounds += 1
+        self.counters.probe_rounds += int(outcome.probe)
+        self.counters.drafted_tokens += outcome.num_drafted
+        self.counters.accepted_tokens += outcome.num_accepted
+        self.policy.record_round(outcome)
+        self.sink.tokens(request, outcome.token_ids)
+        if outcome.finish_reason:
+            self._end(job, outcome.finish_reason)
+            return False
+        return True
+
+    def _park_if_expired(self, job: ActiveJob) -> None:
+        if not grant_expired(job.slices_run, job.budget, len(self.backlog) > 0):
+            return
+        request = job.request
+        try:
+            self.runner.spec_park(request.request_id)
+        except Exception as exc:  # noqa: BLE001
+            self._end(job, "error", error=f"spec_park failed: {exc}")
+            return
+        self.grant_log.append((request.request_id, job.slices_run))
+        request.status = RequestStatus.PARKED
+        request.spec.num_parks += 1
+        self.counters.parks += 1
+        self.backlog.push(request, EntryKind.PARKED)  # may reach cap+1 until the next promotion
+        self.counters.observe_backlog(len(self.backlog))
+        self.active = None
+
+    def _end(self, job: ActiveJob, reason: str, error: str | None = None) -> None:
+        """The active job's grant ends with its request: release the session."""
+        request = job.request
+        self.active = None
+        if job.slices_run:
+            self.grant_log.append((request.request_id, job.slices_run))
+        try:
+            self.runner.spec_finish(request.request_id)
+        except Exception as exc:  # noqa: BLE001
+            reason, error = "error", error or f"spec_finish failed: {exc}"
+        real_rounds = request.spec.num_rounds - request.spec.num_probe_rounds
+        self.policy.session_done(real_rounds)
+        self.sink.finish(request, reason, error=error)
+
+    # -- cancellation and shutdown ---------------------------------------------------
+    def cancel(self, request: Request) -> bool:
+        """Cancel a request the slot holds (active, parked or waiting); its session is
+        released now. False if the slot does not hold it."""
+        if self.active is not None and self.active.request is request:
+            self._end(self.active, "cancelled")
+            return True
+        entry = self.backlog.remove(request.request_id)
+        if entry is None:
+            return False
+        self.counters.observe_backlog(len(self.backlog))
+        if entry.kind is EntryKind.PARKED:
+            self.runner.spec_finish(request.request_id)
+        self.counters.backlog_aborts += 1
+        self.sink.finish(request, "cancelled")
+        return True
+
+    def snapshot(self) -> dict:
+        job = self.active
+        return {
+            "owner": None if job is None else {
+                "request_id": job.request.request_id,
+                "lane": job.request.lane.name.lower(),
+                "slices_run": job.slices_run,
+                "budget": job.budget,
+                "started": job.started,
+            },
+            "backlog": self.backlog.snapshot(),
+            "backlog_peak": self.backlog.peak_depth,
+            "grant_log_tail": [list(item) for item in list(self.grant_log)[-32:]],
+        }

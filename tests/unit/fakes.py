@@ -1,0 +1,152 @@
+"""A scripted fake `ModelRunner`: no model, deterministic tokens, strict protocol checks.
+
+Tokens are a function of (prompt, position) on every path, so classic, sliced, burst
+and rotated streams of one request are comparable. The fake enforces the drafter
+handoff: `spec_begin` / `spec_resume` need a free drafter, `spec_round` / `spec_park`
+need the caller to hold it, so a wedged or double-booked slot fails the test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.request import Request
+from scheduler.runner import RoundOutcome, TokenBatch
+
+MODEL_ACTIONS = ("classic_prefill", "classic_decode", "spec_begin", "spec_round")
+
+
+def token_at(request: Request, position: int) -> int:
+    return (sum(request.prompt_ids) * 31 + 7 * position) % 997 + 3
+
+
+class ProtocolError(AssertionError):
+    pass
+
+
+@dataclass
+class FakeSession:
+    request: Request
+    parked: bool = False
+
+
+class FakeRunner:
+    def __init__(self, *, round_tokens: int = 2, num_draft_tokens: int = 4, unsupported: tuple[str, ...] = (),
+                 round_seconds: float = 0.010, probe_seconds: float = 0.010, key: str = "fake|fake|cpu|4") -> None:
+        self.round_tokens = round_tokens
+        self.num_draft_tokens = num_draft_tokens
+        self.unsupported = set(unsupported)
+        self.round_seconds = round_seconds
+        self.probe_seconds = probe_seconds
+        self.key = key
+        self.sessions: dict[str, FakeSession] = {}
+        self.drafter_holder: str | None = None
+        self.rows: dict[str, Request] = {}
+        self.actions: list[tuple[str, tuple[str, ...]]] = []  # model actions, in order
+        self.calls: list[tuple[str, str]] = []  # bookkeeping calls (park/resume/finish/remove)
+        self.fail_on: set[tuple[str, str]] = set()  # (method, request_id) that raise
+
+    # -- helpers ------------------------------------------------------------------------
+    def _emit(self, request: Request, count: int) -> tuple[list[int], str | None]:
+        done = len(request.output_ids)
+        room = request.sampling.max_tokens - done
+        tokens = []
+        for i in range(min(count, room)):
+            token = token_at(request, done + i)
+            tokens.append(token)
+            if token in request.sampling.stop_token_ids:
+                return tokens, "stop"
+        finish = "length" if done + len(tokens) >= request.sampling.max_tokens else None
+        return tokens, finish
+
+    def _maybe_fail(self, method: str, request_id: str) -> None:
+        if (method, request_id) in self.fail_on:
+            raise RuntimeError(f"scripted failure in {method}({request_id})")
+
+    # -- classic ----------------------------------------------------------------------
+    def classic_prefill(self, requests):
+        self.actions.append(("classic_prefill", tuple(r.request_id for r in requests)))
+        out = []
+        for request in requests:
+            self._maybe_fail("classic_prefill", request.request_id)
+            if request.request_id in self.rows or request.request_id in self.sessions:
+                raise ProtocolError(f"{request.request_id} admitted twice")
+            self.rows[request.request_id] = request
+            tokens, finish = self._emit(request, 1)
+            out.append(TokenBatch(request.request_id, tokens, finish))
+        return out
+
+    def classic_decode(self):
+        self.actions.append(("classic_decode", tuple(self.rows)))
+        if not self.rows:
+            raise ProtocolError("decode without rows")
+        out = []
+        for request in self.rows.values():
+            tokens, finish = self._emit(request, 1)
+            out.append(TokenBatch(request.request_id, tokens, finish))
+        return out
+
+    def classic_remove(self, request_id):
+        self.calls.append(("classic_remove", request_id))
+        self.rows.pop(request_id, None)
+
+    def num_classic_rows(self):
+        return len(self.rows)
+
+    # -- speculative --------------------------------------------------------------------
+    def spec_supports(self, request):
+        return request.request_id not in self.unsupported
+
+    def spec_begin(self, request):
+        self.actions.append(("spec_begin", (request.request_id,)))
+        self._maybe_fail("spec_begin", request.request_id)
+        if self.drafter_holder is not None:
+            raise ProtocolError(f"spec_begin({request.request_id}) while {self.drafter_holder} holds the drafter")
+        if request.request_id in self.sessions:
+            raise ProtocolError(f"second session for {request.request_id}")
+        self.sessions[request.request_id] = FakeSession(request)
+        self.drafter_holder = request.request_id
+        tokens, finish = self._emit(request, 1)
+        return TokenBatch(request.request_id, tokens, finish)
+
+    def spec_round(self, request_id, probe=False):
+        self.actions.append(("spec_round", (request_id,)))
+        self._maybe_fail("spec_round", request_id)
+        if self.drafter_holder != request_id:
+            raise ProtocolError(f"spec_round({request_id}) but {self.drafter_holder} holds the drafter")
+        request = self.sessions[request_id].request
+        tokens, finish = self._emit(request, 1 if probe else self.round_tokens)
+        drafted = 0 if probe else self.num_draft_tokens
+        accepted = max(0, len(tokens) - 1) if not probe else 0
+        seconds = self.probe_seconds if probe else self.round_seconds
+        return RoundOutcome(request_id, tokens, finish, drafted, accepted, probe, seconds)
+
+    def spec_park(self, request_id):
+        self.calls.append(("spec_park", request_id))
+        if self.drafter_holder != request_id:
+            raise ProtocolError(f"spec_park({request_id}) but {self.drafter_holder} holds the drafter")
+        self.drafter_holder = None
+        self.sessions[request_id].parked = True
+
+    def spec_resume(self, request_id):
+        self.calls.append(("spec_resume", request_id))
+        self._maybe_fail("spec_resume", request_id)
+        session = self.sessions.get(request_id)
+        if session is None or not session.parked:
+            raise ProtocolError(f"spec_resume({request_id}) of a session that is not parked")
+        if self.drafter_holder is not None:
+            raise ProtocolError(f"spec_resume({request_id}) while {self.drafter_holder} holds the drafter")
+        session.parked = False
+        self.drafter_holder = request_id
+
+    def spec_finish(self, request_id):
+        self.calls.append(("spec_finish", request_id))
+        self.sessions.pop(request_id, None)
+        if self.drafter_holder == request_id:
+            self.drafter_holder = None
+
+    def num_live_sessions(self):
+        return len(self.sessions)
+
+    def policy_key(self):
+        return self.key

@@ -1,0 +1,61 @@
+"""Drivers shared by the model tests: classic decode through the adapter, and
+speculative sessions run to completion."""
+
+from models.batch_adapter import ClassicBatch
+from models.drafters import DraftModelDrafter, NgramDrafter
+from models.session import SpeculativeSession
+
+
+def run_classic(model, requests, eos_token_ids, **kw):
+    """{request_id: (tokens, finish_reason)} from one prefill group plus decode steps."""
+    batch = ClassicBatch(model, eos_token_ids=eos_token_ids, **kw)
+    out = {r.request_id: [] for r in requests}
+    reasons = {}
+    for b in batch.prefill(requests):
+        out[b.request_id] += b.token_ids
+        if b.finish_reason:
+            reasons[b.request_id] = b.finish_reason
+    while len(reasons) < len(requests):
+        for b in batch.decode():
+            out[b.request_id] += b.token_ids
+            if b.finish_reason:
+                reasons[b.request_id] = b.finish_reason
+    for r in requests:
+        batch.remove(r.request_id)
+    assert batch.num_rows() == 0
+    return {rid: (out[rid], reasons[rid]) for rid in out}
+
+
+def make_drafter(kind, loaded):
+    if kind == "draft_model":
+        return DraftModelDrafter(loaded[1].model, loaded[1].name)
+    return NgramDrafter()
+
+
+def new_session(loaded, request, k, drafter=None):
+    target = loaded[0]
+    session = SpeculativeSession(
+        request.request_id,
+        target.model,
+        request.prompt_ids,
+        request.sampling,
+        num_draft_tokens=k,
+        eos_token_ids=sorted(target.tokenizer.eos_token_ids),
+    )
+    if drafter is not None:
+        session.bind(drafter)
+    return session
+
+
+def run_session(loaded, request, k, drafter):
+    """(tokens, finish_reason, [(tokens, drafted, accepted) per round])."""
+    session = new_session(loaded, request, k, drafter)
+    first = session.begin()
+    tokens, reason, rounds = list(first.token_ids), first.finish_reason, []
+    while reason is None:
+        r = session.step()
+        tokens += r.token_ids
+        reason = r.finish_reason
+        rounds.append((r.token_ids, r.num_drafted, r.num_accepted))
+    session.finish()
+    return tokens, reason, rounds

@@ -1,0 +1,169 @@
+"""The engine thread over the fake runner: lifecycle, queues, snapshot, reconfigure."""
+
+import threading
+import time
+
+import pytest
+
+from scheduler.config import SchedulerConfig
+from scheduler.engine import Engine, QueueFullError
+from tests.unit.factories import make_request
+from tests.unit.fakes import FakeRunner, token_at
+
+
+class SlowRunner(FakeRunner):
+    """Each model action takes a little wall time, so requests overlap."""
+
+    def __init__(self, delay=0.002, **kw):
+        super().__init__(**kw)
+        self.delay = delay
+        self.thread_ids = set()
+
+    def _note(self):
+        self.thread_ids.add(threading.get_ident())
+        time.sleep(self.delay)
+
+    def spec_begin(self, request):
+        self._note()
+        return super().spec_begin(request)
+
+    def spec_round(self, request_id, probe=False):
+        self._note()
+        return super().spec_round(request_id, probe)
+
+    def classic_decode(self):
+        self._note()
+        return super().classic_decode()
+
+
+def collect(engine, ids, timeout=10.0):
+    streams, finishes = {}, {}
+    deadline = time.monotonic() + timeout
+    while set(finishes) != set(ids):
+        assert time.monotonic() < deadline, f"timed out; finished {sorted(finishes)}"
+        for event in engine.get_events(timeout=0.5):
+            streams.setdefault(event.request_id, []).extend(event.token_ids)
+            if event.finish_reason:
+                finishes[event.request_id] = event
+    return streams, finishes
+
+
+@pytest.fixture
+def engine_factory():
+    engines = []
+
+    def make(runner=None, **overrides):
+        overrides.setdefault("b1_policy", "on")
+        runner = runner or SlowRunner()
+        holder = {}
+
+        def factory():
+            holder["thread"] = threading.get_ident()
+            return runner
+
+        engine = Engine(factory, SchedulerConfig(**overrides))
+        engine.start()
+        engines.append(engine)
+        return engine, runner, holder
+
+    yield make
+    for engine in engines:
+        engine.stop()
+
+
+def test_runner_built_on_engine_thread_and_all_model_work_there(engine_factory):
+    engine, runner, holder = engine_factory(grant_rounds=1)
+    reqs = [make_request(rid, rounds=4) for rid in "ABC"]
+    for r in reqs:
+        engine.submit(r)
+    streams, finishes = collect(engine, "ABC")
+    assert holder["thread"] != threading.get_ident()
+    assert runner.thread_ids == {holder["thread"]}
+    for r in reqs:
+        assert streams[r.request_id] == [token_at(r, i) for i in range(r.sampling.max_tokens)]
+        assert finishes[r.request_id].finish_reason == "length"
+    snap = engine.snapshot()
+    assert snap["counters"]["grants"] >= 3 and snap["unfinished"] == 0 and snap["slot"]["owner"] is None
+
+
+def test_load_error_reraised_by_start():
+    def broken():
+        raise OSError("no weights here")
+
+    engine = Engine(broken, SchedulerConfig())
+    with pytest.raises(OSError, match="no weights"):
+        engine.start()
+    with pytest.raises(RuntimeError):
+        engine.submit(make_request("A"))
+
+
+def test_queue_full_and_duplicate_ids(engine_factory):
+    engine, runner, _ = engine_factory(runner=SlowRunner(delay=0.05), max_queue_depth=2)
+    engine.submit(make_request("A", rounds=5))
+    engine.submit(make_request("B", rounds=5))
+    with pytest.raises(QueueFullError):
+        engine.submit(make_request("C"))
+    engine.cancel("B")
+    collect(engine, "B")
+    with pytest.raises(ValueError):
+        engine.submit(make_request("A"))
+    engine.submit(make_request("C", rounds=1))
+    collect(engine, "AC")
+
+
+def test_cancel_from_another_thread(engine_factory):
+    engine, runner, _ = engine_factory(runner=SlowRunner(delay=0.01), grant_rounds=1)
+    engine.submit(make_request("A", rounds=50))
+    engine.submit(make_request("B", rounds=3))
+    first = engine.get_events(timeout=5.0)
+    assert first
+    engine.cancel("A")
+    engine.cancel("nope")  # unknown ids are ignored
+    streams, finishes = collect(engine, "AB")
+    assert finishes["A"].finish_reason == "cancelled" and finishes["B"].finish_reason == "length"
+    deadline = time.monotonic() + 2
+    while engine.snapshot()["counters"]["live_sessions"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert runner.sessions == {} and runner.drafter_holder is None
+
+
+def test_idle_engine_blocks_and_wakes(engine_factory):
+    engine, runner, _ = engine_factory()
+    time.sleep(0.1)
+    idle_ticks = engine.snapshot()["counters"]["actions"].get("idle", 0)
+    time.sleep(0.2)
+    assert engine.snapshot()["counters"]["actions"].get("idle", 0) == idle_ticks  # not spinning
+    engine.submit(make_request("A", rounds=1))
+    collect(engine, "A")
+
+
+def test_stop_cancels_pending_requests(engine_factory):
+    engine, runner, _ = engine_factory(runner=SlowRunner(delay=0.02))
+    engine.submit(make_request("A", rounds=100))
+    engine.submit(make_request("B", rounds=100))
+    engine.get_events(timeout=5.0)
+    engine.stop()
+    events = engine.get_events(timeout=0)
+    finishes = {e.request_id: e.finish_reason for e in events if e.finish_reason}
+    assert finishes == {"A": "cancelled", "B": "cancelled"}
+    assert runner.sessions == {} and runner.rows == {}
+    assert not engine.running
+
+
+def test_reconfigure_validates_and_applies(engine_factory):
+    engine, _, _ = engine_factory()
+    with pytest.raises(ValueError):
+        engine.reconfigure(max_batch_size=3)
+    with pytest.raises(ValueError):
+        engine.reconfigure(grant_rounds=-1)
+    engine.reconfigure(grant_rounds=3, skip_cap=4)
+    deadline = time.monotonic() + 2
+    while engine.snapshot()["config"]["grant_rounds"] != 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    engine.submit(make_request("A", rounds=1))
+    collect(engine, "A")
+    snap = engine.snapshot()
+    assert snap["config"]["skip_cap"] == 4
+    assert {"slot", "queue_depth", "classic_rows", "counters", "policy", "config"} <= set(snap)
+    assert set(snap["queue_depth"]) == {"high", "normal", "low"}

@@ -68,14 +68,14 @@ def test_classic_prefill_decode_remove(runner, prompt_ids):
     assert [t.request_id for t in first] == ["a", "b"]
     assert all(len(t.token_ids) == 1 and t.finish_reason is None for t in first)
     assert runner.num_classic_rows() == 2
-    # A later prefill does not advance existing rows.
-    c = make_request("c", prompt_ids[3], 1)
+    # A later prefill does not advance existing rows; the new row then decodes with them.
+    c = make_request("c", prompt_ids[3], 4)
     (only_c,) = runner.classic_prefill([c])
-    assert only_c.request_id == "c" and only_c.finish_reason == "length"
-    runner.classic_remove("c")
-    out = {"a": first[0].token_ids, "b": first[1].token_ids}
+    assert only_c.request_id == "c" and len(only_c.token_ids) == 1 and only_c.finish_reason is None
+    assert runner.num_classic_rows() == 3
+    out = {"a": first[0].token_ids, "b": first[1].token_ids, "c": only_c.token_ids}
     reasons = {}
-    while len(reasons) < 2:
+    while len(reasons) < 3:
         step = runner.classic_decode()
         assert all(isinstance(t, TokenBatch) and len(t.token_ids) == 1 for t in step)
         for t in step:
@@ -87,6 +87,11 @@ def test_classic_prefill_decode_remove(runner, prompt_ids):
     assert runner.num_classic_rows() == 0
     assert (out["a"], reasons["a"]) == classic_expected(runner, prompt_ids[1], 6)
     assert (out["b"], reasons["b"]) == classic_expected(runner, prompt_ids[2], 3)
+    assert (out["c"], reasons["c"]) == classic_expected(runner, prompt_ids[3], 4)
+    # A row that finishes at its first token.
+    (d,) = runner.classic_prefill([make_request("d", prompt_ids[9], 1)])
+    assert len(d.token_ids) == 1 and d.finish_reason == "length"
+    runner.classic_remove("d")
 
 
 def test_spec_begin_round_park_resume_finish(runner, prompt_ids):
@@ -145,3 +150,23 @@ def test_max_tokens_one(runner, prompt_ids):
     assert len(first.token_ids) == 1 and first.finish_reason == "length"
     runner.spec_finish("m")
     assert runner.num_live_sessions() == 0
+
+
+def test_cancel_a_classic_row_and_an_active_session(runner, prompt_ids):
+    a, b = make_request("a", prompt_ids[10], 8), make_request("b", prompt_ids[11], 8)
+    out_b = runner.classic_prefill([a, b])[1].token_ids
+    runner.classic_decode()
+    runner.classic_remove("a")  # cancelled mid-stream
+    # b's tokens from the decode above are lost to this test; restart it to compare.
+    runner.classic_remove("b")
+    assert runner.num_classic_rows() == 0
+    (first,) = runner.classic_prefill([make_request("b2", prompt_ids[11], 8)])
+    assert first.token_ids == out_b
+    runner.classic_remove("b2")
+
+    runner.spec_begin(make_request("x", prompt_ids[12], 16))
+    runner.spec_round("x")
+    runner.spec_finish("x")  # cancelled while holding the drafter
+    assert runner.num_live_sessions() == 0
+    runner.spec_begin(make_request("y", prompt_ids[12], 16))  # the drafter is free again
+    runner.spec_finish("y")

@@ -167,3 +167,15 @@ def test_reconfigure_validates_and_applies(engine_factory):
     assert snap["config"]["skip_cap"] == 4
     assert {"slot", "queue_depth", "classic_rows", "counters", "policy", "config"} <= set(snap)
     assert set(snap["queue_depth"]) == {"high", "normal", "low"}
+
+
+def test_snapshot_is_json_serializable(engine_factory):
+    import json
+
+    engine, _, _ = engine_factory(grant_rounds=1)
+    for rid in "AB":
+        engine.submit(make_request(rid, rounds=2))
+    collect(engine, "AB")
+    snap = json.loads(json.dumps(engine.snapshot()))
+    assert snap["counters"]["ttft"]["normal"]["count"] == 2
+    assert snap["policy"]["mode"] == "on"

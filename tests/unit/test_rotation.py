@@ -212,7 +212,8 @@ def test_high_lane_pressure_bounds_normal_job_gap():
     a_positions = [i for i, rid in enumerate(owners) if rid == "A"]
     assert len(a_positions) >= 3
     gaps = [j - i - 1 for i, j in zip(a_positions, a_positions[1:])]
-    assert max(gaps) <= 3 and min(gaps) >= 1, gaps
+    assert max(gaps) <= 3, gaps  # the acceptance bound
+    assert set(gaps) == {2}, gaps  # what the skip cap of 2 actually gives with a full ring
     assert scheduler.counters.skip_escalations >= 1
     assert a.status is RequestStatus.FINISHED
 

@@ -37,6 +37,7 @@ def test_grant_schedule(budget, expected):
     assert all(len(r.model_actions) <= 1 for r in trace.ticks)  # HOL bound, incl. promotion ticks
     assert scheduler.runner.sessions == {} and scheduler.runner.drafter_holder is None
     assert a.spec.num_rounds == 3 and b.spec.num_rounds == 2  # same rounds as isolated runs
+    assert (a.spec.num_drafted, a.spec.num_accepted) == (12, 3)
     assert a.spec.num_grants == sum(1 for rid, _ in expected if rid == "A")
     assert a.spec.num_parks == a.spec.num_grants - 1
     assert trace.finishes()["A"].stats.num_parks == a.spec.num_parks
@@ -167,6 +168,9 @@ def test_cancelled_waiter_is_skipped():
     b.cancel_requested = True  # lands mid-tick, before the promotion
     record = tick(scheduler, trace)
     assert record.model_actions == [("spec_begin", ("C",))]  # next entry tried in the same tick
+    # both decisions (B cancelled, then C) counted a skip for A; C parked with 0
+    assert [(e["request_id"], e["skipped_grants"]) for e in scheduler.snapshot()["slot"]["backlog"]] == [
+        ("A", 2), ("C", 0)]
     run_until_idle(scheduler, trace)
     assert trace.finishes()["B"].finish_reason == "cancelled" and trace.streams().get("B", []) == []
     assert "B" not in [rid for rid, _ in scheduler.grant_log]

@@ -1,0 +1,96 @@
+"""Scenario 1: one stream, classic vs speculative, K sweep, both drafters.
+
+    python -m scripts.bench_single [--quick] [--out results/single]
+
+For each drafter and K, the same prompts run classic (B=1 policy "off": the same
+runner and weights, speculative disabled) and speculative (policy "on"), alternating
+classic/speculative per prompt; the ratio is taken per pair and then summarized.
+Reported rate = output tokens / (finish - first token): decode speed, prefill excluded.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import models  # noqa: F401
+from scheduler.config import SchedulerConfig
+from scripts import bench_util, metrics
+from scripts.bench_engine import Arrival, drive, load_runner, stream_tokens_per_s
+from scripts.prompts import token_prompts
+
+
+def run(quick: bool, target: str, draft: str, seed: int = 0) -> dict:
+    ks = [2, 4] if quick else [1, 2, 3, 4, 6, 8]
+    num_prompts = 2 if quick else 4
+    max_tokens = 96 if quick else 256
+    rows = []
+    for drafter in ("draft_model", "ngram"):
+        for k in ks:
+            runner = load_runner(target, drafter, draft, num_draft_tokens=k)
+            bench_util.warm_up(runner, runner.tokenizer)
+            prompts = token_prompts(runner.tokenizer, num_prompts, seed, num_tokens=64)
+            pairs = []
+            for i, prompt in enumerate(prompts):
+                pair = {}
+                for mode, policy in (("classic", "off"), ("speculative", "on")):
+                    config = SchedulerConfig(b1_policy=policy, num_draft_tokens=k)
+                    result = drive(runner, config, [Arrival(f"{mode}{i}", prompt, max_tokens)])
+                    rec = result.records[f"{mode}{i}"]
+                    pair[mode] = {"tokens_per_s": stream_tokens_per_s(rec), "output_tokens": rec["output_tokens"],
+                                  "speculative": rec["speculative"],
+                                  "ttft_ms": metrics.per_request(rec)["ttft_s"] * 1000}
+                pair["ratio"] = pair["speculative"]["tokens_per_s"] / pair["classic"]["tokens_per_s"]
+                pairs.append(pair)
+            spec = [p["speculative"]["speculative"] for p in pairs]
+            rounds = sum(s["rounds"] - s["probe_rounds"] for s in spec)
+            rows.append({
+                "drafter": drafter, "k": k,
+                "classic_tok_s": statistics.median(p["classic"]["tokens_per_s"] for p in pairs),
+                "spec_tok_s": statistics.median(p["speculative"]["tokens_per_s"] for p in pairs),
+                "ratio_median": statistics.median(p["ratio"] for p in pairs),
+                "ratio_min": min(p["ratio"] for p in pairs),
+                "ratio_max": max(p["ratio"] for p in pairs),
+                "acceptance_length": sum(s["accepted"] for s in spec) / rounds + 1 if rounds else None,
+                "output_tokens": [p["speculative"]["output_tokens"] for p in pairs],
+                "pairs": pairs,
+            })
+            runner.close()
+    return {"scenario": "single_stream", "quick": quick, "max_tokens": max_tokens, "num_prompts": num_prompts,
+            "machine": bench_util.machine(), "rows": rows}
+
+
+COLUMNS = [("drafter", "drafter"), ("k", "K"), ("classic_tok_s", "classic tok/s"),
+           ("spec_tok_s", "spec tok/s"), ("ratio_median", "ratio (median)"), ("ratio_min", "min"),
+           ("ratio_max", "max"), ("acceptance_length", "accept len")]
+
+
+def plot(result: dict, path: str) -> None:
+    plt = bench_util.pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for drafter in ("draft_model", "ngram"):
+        rows = [r for r in result["rows"] if r["drafter"] == drafter]
+        ax.plot([r["k"] for r in rows], [r["ratio_median"] for r in rows], marker="o", label=drafter)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("K (draft tokens per round)")
+    ax.set_ylabel("speculative / classic decode tok/s")
+    ax.set_title("Scenario 1: single stream")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = bench_util.scenario_args(__doc__.split("\n\n")[0], "results/single").parse_args(argv)
+    result = run(args.quick, args.target, args.draft, args.seed)
+    text = metrics.table(result["rows"], COLUMNS, digits=2)
+    print(text)
+    bench_util.write_json(args.out, "single_stream", result)
+    bench_util.write_text(args.out, "single_stream.md", text + "\n")
+    if not args.no_plot:
+        plot(result, f"{args.out}/single_stream.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,52 @@
+"""Bundled prompt sets, reproducible by seed: snippets of held-out stdlib source.
+
+The bundled pair was trained on the standard library with every 20th file held out
+(`models.corpus.split_corpus`); prompts come from those held-out files, so they are
+in-distribution for the bundled models without being memorized training text. A
+prompt is the `num_chars` characters starting at a line boundary of a file chosen by
+`random.Random(seed)`; the same seed and Python version give the same prompts.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+PROMPT_SETS = ("stdlib", "chat")
+
+
+@functools.lru_cache(maxsize=1)
+def _held_out_files() -> tuple[str, ...]:
+    from models.corpus import split_corpus
+
+    _, valid = split_corpus()
+    return tuple(text for text in valid if len(text) > 4000)
+
+
+def stdlib_snippets(num_prompts: int, seed: int = 0, num_chars: int = 600) -> list[str]:
+    """`num_prompts` code snippets of about `num_chars` characters each."""
+    files = _held_out_files()
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num_prompts):
+        text = files[rng.randrange(len(files))]
+        start = rng.randrange(0, max(1, len(text) - num_chars - 1))
+        newline = text.find("\n", start)
+        start = newline + 1 if 0 <= newline < len(text) - num_chars else start
+        prompts.append(text[start:start + num_chars])
+    return prompts
+
+
+def chat_messages(num_prompts: int, seed: int = 0, num_chars: int = 600) -> list[list[dict]]:
+    """The same snippets as chat requests asking to continue the code."""
+    return [[{"role": "user", "content": "Continue this Python code:\n" + s}]
+            for s in stdlib_snippets(num_prompts, seed, num_chars)]
+
+
+def token_prompts(tokenizer, num_prompts: int, seed: int = 0, num_tokens: int = 128) -> list[list[int]]:
+    """Token-id prompts of exactly `num_tokens` tokens (for the engine benchmark)."""
+    prompts = []
+    for text in stdlib_snippets(num_prompts, seed, num_chars=num_tokens * 6):
+        ids = tokenizer.encode(text)
+        prompts.append(list(ids[:num_tokens]))
+    return prompts

@@ -40,7 +40,8 @@ def machine() -> dict:
             versions[dist] = None
     info = {"date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "nproc": os.cpu_count(), "cpu": cpu, "platform": platform.platform(),
-            "python": sys.version.split()[0], "versions": versions, "argv": sys.argv}
+            "python": sys.version.split()[0], "versions": versions, "argv": sys.argv,
+            "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
     try:
         import mlx.core as mx
         info["mlx_device"] = str(mx.default_device())

@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
+from models.bucketed import BucketedForward
 from models.rollback import draft_cache_trim
 
 PREFILL_STEP = 2048
@@ -49,9 +50,12 @@ class DraftModelDrafter:
 
     kind = "draft_model"
 
-    def __init__(self, model: nn.Module, name: str):
+    def __init__(self, model: nn.Module, name: str, fast: BucketedForward | None = None):
+        """`fast`: compiled shape-stable forwards of `model` (GPU path), used by
+        `propose_array`; None drafts with the plain forward."""
         self.model = model
         self.name = name
+        self.fast = fast
         if not can_trim_prompt_cache(make_prompt_cache(model)):
             raise ValueError(f"draft model {name!r} has a cache that cannot be trimmed")
 
@@ -79,6 +83,26 @@ class DraftModelDrafter:
             drafts.append(token)
         state.num_cached = len(history) + k - 1
         return mx.stack(drafts).tolist()
+
+    def propose_array(self, state: DraftModelState, history: Sequence[int], k: int) -> mx.array:
+        """Exactly `k` (>= 1) greedy drafts as a lazy int32 array of shape (k,): the same
+        tokens as `propose`, but nothing waits for the device, so the caller can chain
+        the verify forward onto them."""
+        feed = mx.array([list(history[state.num_cached :])], dtype=mx.int32)
+        if self.fast is not None:
+            step = self.fast.greedy
+        else:
+            def step(cache, tokens):
+                logits = self.model(tokens, cache=cache)[:, -1]
+                return mx.argmax(logits, axis=-1).astype(mx.int32)
+        token = step(state.cache, feed)
+        drafts = [token]
+        for _ in range(k - 1):
+            mx.async_eval(token)
+            token = step(state.cache, token.reshape(1, 1))
+            drafts.append(token)
+        state.num_cached = len(history) + k - 1
+        return mx.concatenate(drafts)
 
     def rollback(self, state: DraftModelState, num_drafted: int, num_accepted: int) -> None:
         trim = draft_cache_trim(num_drafted, num_accepted)

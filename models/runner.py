@@ -14,6 +14,7 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
+from models import bucketed
 from models.batch_adapter import ClassicBatch
 from models.drafters import Drafter, DraftModelDrafter, DrafterSlot, NgramDrafter
 from models.loader import LoadedModel, load_pair
@@ -41,7 +42,13 @@ class MlxRunner:
         num_draft_tokens: int = 4,
         max_batch_size: int = 16,
         prefill_batch_size: int = 8,
+        fast_verify: bool | None = None,
+        warm_positions: int | None = None,
     ):
+        """`fast_verify`: speculative rounds through `models.bucketed` (shape-stable,
+        compiled forwards; one host sync per round). None = on when MLX's default device
+        is a GPU. `warm_positions`: with fast_verify, compile the shapes of contexts up to
+        this many positions at load (None = min(max_context, 2048); 0 = lazily)."""
         if num_draft_tokens < 1:
             raise ValueError("num_draft_tokens must be >= 1")
         self.target = target
@@ -59,6 +66,33 @@ class MlxRunner:
         trimmable = can_trim_prompt_cache(make_prompt_cache(target.model))
         self._slot = DrafterSlot(drafter) if drafter is not None and trimmable else None
         self._sessions: dict[str, SpeculativeSession] = {}
+        if fast_verify is None:
+            fast_verify = mx.default_device() != mx.cpu
+        self._verifier = None
+        if fast_verify and self._slot is not None and bucketed.supports(target.model):
+            self._verifier = bucketed.BucketedForward(target.model)
+            if isinstance(drafter, DraftModelDrafter) and drafter.fast is None:
+                if bucketed.supports(drafter.model):
+                    drafter.fast = bucketed.BucketedForward(drafter.model)
+            if warm_positions is None:
+                warm_positions = min(self.max_context, 2048)
+            if warm_positions > 0:
+                self.warm(warm_positions)
+
+    @property
+    def fast_verify(self) -> bool:
+        return self._verifier is not None
+
+    def warm(self, max_positions: int) -> int:
+        """Compile the fast path's shapes for contexts up to `max_positions`: verifies of
+        1 (probe) and K + 1 positions, draft steps of 1 and 2. Returns the shape count."""
+        if self._verifier is None:
+            return 0
+        count = self._verifier.warm((1, self.num_draft_tokens + 1), max_positions)
+        drafter = self._slot.drafter
+        if isinstance(drafter, DraftModelDrafter) and drafter.fast is not None:
+            count += drafter.fast.warm((1, 2), max_positions, greedy=True)
+        return count
 
     @classmethod
     def from_paths(
@@ -70,6 +104,8 @@ class MlxRunner:
         num_draft_tokens: int = 4,
         max_batch_size: int = 16,
         prefill_batch_size: int = 8,
+        fast_verify: bool | None = None,
+        warm_positions: int | None = None,
     ) -> "MlxRunner":
         """Load models and build the runner; raises `ModelLoadError` / `ValueError`."""
         if drafter_kind not in (None, *DRAFTER_KINDS):
@@ -88,6 +124,8 @@ class MlxRunner:
             num_draft_tokens=num_draft_tokens,
             max_batch_size=max_batch_size,
             prefill_batch_size=prefill_batch_size,
+            fast_verify=fast_verify,
+            warm_positions=warm_positions,
         )
 
     # -- classic --------------------------------------------------------------------
@@ -127,6 +165,7 @@ class MlxRunner:
             request.sampling,
             num_draft_tokens=self.num_draft_tokens,
             eos_token_ids=self.eos_token_ids,
+            verifier=self._verifier,
         )
         session.bind(self._slot.take(request.request_id))
         self._sessions[request.request_id] = session

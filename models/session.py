@@ -25,6 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
+from models.bucketed import BucketedForward
 from models.drafters import Drafter
 from models.rollback import accept_count, clip_tokens, draft_budget, target_cache_trim
 from models.sampling import RequestSampler
@@ -50,6 +51,12 @@ class SessionCounters:
     num_drafted: int = 0
     num_accepted: int = 0
     round_seconds: list[float] = field(default_factory=list)
+    # Host wall time per round phase, summed: "draft" (proposing; includes its sync on
+    # the plain path), "verify" (building/dispatching the target forward), "sync"
+    # (waiting for the round's tokens), "rollback" (trims and bookkeeping).
+    phase_seconds: dict = field(
+        default_factory=lambda: {"draft": 0.0, "verify": 0.0, "sync": 0.0, "rollback": 0.0}
+    )
 
 
 class SpeculativeSession:
@@ -62,7 +69,10 @@ class SpeculativeSession:
         *,
         num_draft_tokens: int,
         eos_token_ids: Sequence[int],
+        verifier: BucketedForward | None = None,
     ):
+        """`verifier`: the shape-stable compiled target forward (GPU path); None runs
+        the plain mlx-lm forward, whose CPU results the tests pin exactly."""
         if not prompt_ids:
             raise ValueError("a speculative session needs a non-empty prompt")
         self.request_id = request_id
@@ -71,6 +81,7 @@ class SpeculativeSession:
         self.max_tokens = sampling.max_tokens
         self.stop_ids = tuple(dict.fromkeys(tuple(eos_token_ids) + sampling.stop_token_ids))
         self.num_draft_tokens = num_draft_tokens
+        self.verifier = verifier
         self.sampler = RequestSampler(sampling)
         self.counters = SessionCounters()
         self.history: list[int] = []
@@ -141,15 +152,31 @@ class SpeculativeSession:
         if k and not self._draft_ready:
             self.draft_state = self.drafter.new_state(self.history[:-1])
             self._draft_ready = True
-        draft = self.drafter.propose(self.draft_state, self.history, k) if k else []
-        num_drafted = len(draft)
-        pending = self.history[-1]
-        logits = self.target(mx.array([[pending] + draft]), cache=self.cache)[0]
-        verified = self._sample(logits)
-        num_accepted = accept_count(draft, verified)
-        trim_prompt_cache(self.cache, target_cache_trim(num_drafted, num_accepted))
+        phases = self.counters.phase_seconds
+        if self.verifier is not None:
+            draft, verified, trim = self._verify_bucketed(k, phases)
+            num_drafted = len(draft)
+            num_accepted = accept_count(draft, verified)
+            trim -= num_accepted
+        else:
+            t0 = time.perf_counter()
+            draft = self.drafter.propose(self.draft_state, self.history, k) if k else []
+            num_drafted = len(draft)
+            pending = self.history[-1]
+            t1 = time.perf_counter()
+            logits = self.target(mx.array([[pending] + draft]), cache=self.cache)[0]
+            t2 = time.perf_counter()
+            verified = self._sample(logits)
+            phases["draft"] += t1 - t0
+            phases["verify"] += t2 - t1
+            phases["sync"] += time.perf_counter() - t2
+            num_accepted = accept_count(draft, verified)
+            trim = target_cache_trim(num_drafted, num_accepted)
+        t3 = time.perf_counter()
+        trim_prompt_cache(self.cache, trim)
         if num_drafted:
             self.drafter.rollback(self.draft_state, num_drafted, num_accepted)
+        phases["rollback"] += time.perf_counter() - t3
         tokens, reason = self._emit(verified[: num_accepted + 1])
         seconds = time.perf_counter() - tic
         c = self.counters
@@ -159,6 +186,36 @@ class SpeculativeSession:
         c.num_accepted += num_accepted
         c.round_seconds.append(seconds)
         return RoundResult(tokens, reason, num_drafted, num_accepted, probe, seconds)
+
+    def _verify_bucketed(self, k: int, phases: dict) -> tuple[list[int], list[int], int]:
+        """Draft and verify with one host sync: (drafts, target tokens, positions added).
+
+        The verify always covers 1 + k positions (shorter drafts are padded; padded
+        positions are trimmed like rejected drafts), so its shape depends only on k and
+        the cache bucket. A drafter with `propose_array` drafts lazily on the device,
+        and its tokens feed the verify without a round trip through the host.
+        """
+        t0 = time.perf_counter()
+        pending = mx.array([self.history[-1]], dtype=mx.int32)
+        lazy = k > 0 and hasattr(self.drafter, "propose_array")
+        if lazy:
+            drafts = self.drafter.propose_array(self.draft_state, self.history, k)
+            tokens = mx.concatenate([pending, drafts])
+        else:
+            draft = self.drafter.propose(self.draft_state, self.history, k) if k else []
+            tokens = mx.array([self.history[-1]] + draft + [0] * (k - len(draft)), dtype=mx.int32)
+        t1 = time.perf_counter()
+        logits = self.verifier.logits(self.cache, tokens[None])[0]
+        target = self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        t2 = time.perf_counter()
+        if lazy:
+            mx.eval(drafts, target)
+            draft = drafts.tolist()
+        verified = target.tolist()
+        phases["draft"] += t1 - t0
+        phases["verify"] += t2 - t1
+        phases["sync"] += time.perf_counter() - t2
+        return draft, verified, k
 
     def finish(self) -> None:
         """Release caches and draft state. Idempotent."""

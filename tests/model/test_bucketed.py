@@ -1,0 +1,152 @@
+"""The GPU path (`models.bucketed`): shape-stable compiled forwards and the one-sync
+speculative round, checked on CPU in float32 against the plain forward and classic decode."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from models.bucketed import BucketedForward, round_up, supports
+from models.drafters import DraftModelDrafter, NgramDrafter
+from models.runner import MlxRunner
+from models.session import SpeculativeSession
+
+from .conftest import make_request
+from .helpers import run_classic
+
+pytestmark = pytest.mark.model
+
+MAX_TOKENS = 24
+
+
+def test_round_up_table():
+    for n, bucket, want in [(0, 16, 16), (1, 16, 16), (16, 16, 16), (17, 16, 32), (40, 256, 256)]:
+        assert round_up(n, bucket) == want
+
+
+def test_logits_match_plain_forward_across_buckets_and_trims(loaded, prompt_ids):
+    model = loaded[0].model
+    assert supports(model)
+    fast = BucketedForward(model, bucket=16)
+    plain_cache, fast_cache = make_prompt_cache(model), make_prompt_cache(model)
+    prompt = mx.array([prompt_ids[0]])
+    mx.eval(model(prompt, cache=plain_cache), model(prompt, cache=fast_cache))
+    sizes = set()
+    for step in range(90):  # grows past prefill's 256 positions, with trims in between
+        tokens = mx.array([[(7 * step + j) % 300 + 1 for j in range(1 + step % 8)]])
+        want = model(tokens, cache=plain_cache)
+        got = fast.logits(fast_cache, tokens)
+        assert got.shape == want.shape
+        assert mx.allclose(got, want, atol=1e-5).item(), f"step {step}"
+        assert fast_cache[0].offset == plain_cache[0].offset
+        assert fast_cache[0].keys.shape[2] % 16 == 0
+        sizes.add(fast_cache[0].keys.shape[2])
+        trim_prompt_cache(plain_cache, step % 3)
+        trim_prompt_cache(fast_cache, step % 3)
+        greedy_want = mx.argmax(model(mx.array([[5]]), cache=plain_cache)[:, -1], axis=-1)
+        assert fast.greedy(fast_cache, mx.array([[5]])).tolist() == greedy_want.tolist()
+    assert len(sizes) >= 3
+
+
+def test_empty_cache_falls_back_to_plain_forward(loaded):
+    model = loaded[0].model
+    fast = BucketedForward(model, bucket=16)
+    cache = make_prompt_cache(model)
+    tokens = mx.array([[3, 4, 5]])
+    assert mx.allclose(fast.logits(cache, tokens), model(tokens, cache=make_prompt_cache(model))).item()
+    assert cache[0].offset == 3
+
+
+def test_warm_counts_shapes(loaded):
+    fast = BucketedForward(loaded[1].model, bucket=16)
+    # buckets 16, 32, 48; lengths 1 and 5 fit each
+    assert fast.warm((1, 5), 40) == 6
+    assert fast.warm((1,), 16, greedy=True) == 1
+
+
+def test_propose_array_equals_propose(loaded, prompt_ids):
+    draft = loaded[1].model
+    for fast in (None, BucketedForward(draft, bucket=16)):
+        drafter = DraftModelDrafter(draft, "d", fast=fast)
+        ref = DraftModelDrafter(draft, "d")
+        history = list(prompt_ids[2]) + [11]
+        a, b = drafter.new_state(prompt_ids[2]), ref.new_state(prompt_ids[2])
+        for k in (3, 1, 5):
+            got = drafter.propose_array(a, history, k)
+            assert got.dtype == mx.int32 and got.shape == (k,)
+            want = ref.propose(b, history, k)
+            assert got.tolist() == want
+            assert a.num_cached == b.num_cached
+            # accept one draft, then continue from the target's token
+            drafter.rollback(a, k, 1)
+            ref.rollback(b, k, 1)
+            history += want[:1] + [17]
+
+
+def _run_fast(loaded, request, k, drafter):
+    target = loaded[0]
+    session = SpeculativeSession(
+        request.request_id, target.model, request.prompt_ids, request.sampling,
+        num_draft_tokens=k, eos_token_ids=sorted(target.tokenizer.eos_token_ids),
+        verifier=BucketedForward(target.model, bucket=16),
+    )
+    session.bind(drafter)
+    first = session.begin()
+    tokens, reason, drafted, accepted = list(first.token_ids), first.finish_reason, 0, 0
+    while reason is None:
+        probe = session.counters.num_rounds % 7 == 3  # probe rounds go through it too
+        r = session.step(probe=probe)
+        tokens += r.token_ids
+        reason = r.finish_reason
+        drafted += r.num_drafted
+        accepted += r.num_accepted
+    phases = session.counters.phase_seconds
+    session.finish()
+    assert set(phases) == {"draft", "verify", "sync", "rollback"}
+    return (tokens, reason), drafted, accepted
+
+
+@pytest.fixture(scope="module")
+def classic_outputs(loaded, prompt_ids):
+    requests = [make_request(f"r{i}", ids, MAX_TOKENS) for i, ids in enumerate(prompt_ids)]
+    return run_classic(loaded[0].model, requests, sorted(loaded[0].tokenizer.eos_token_ids))
+
+
+@pytest.mark.parametrize("kind", ["draft_model", "draft_model_fast", "ngram"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_fast_session_equals_classic(loaded, prompt_ids, classic_outputs, kind, k):
+    draft = loaded[1].model
+    drafter = {
+        "draft_model": lambda: DraftModelDrafter(draft, "d"),
+        "draft_model_fast": lambda: DraftModelDrafter(draft, "d", fast=BucketedForward(draft, 16)),
+        "ngram": NgramDrafter,
+    }[kind]()
+    drafted = accepted = 0
+    for i, ids in enumerate(prompt_ids):
+        out, d, a = _run_fast(loaded, make_request(f"r{i}", ids, MAX_TOKENS), k, drafter)
+        assert out == classic_outputs[f"r{i}"], f"prompt {i} diverged at K={k}"
+        drafted += d
+        accepted += a
+    assert 0 < accepted < drafted
+
+
+def test_runner_fast_verify_on_cpu(tiny_pair, loaded, prompt_ids, classic_outputs):
+    runner = MlxRunner.from_paths(tiny_pair[0], drafter_kind="draft_model", drafter_path=tiny_pair[1],
+                                  num_draft_tokens=3, fast_verify=True, warm_positions=0)
+    assert runner.fast_verify
+    assert runner.warm(256) == 2 + 2  # one 256-position bucket: verify 1 and 4, draft 1 and 2
+    try:
+        for i in (0, 5, 9):
+            req = make_request(f"r{i}", prompt_ids[i], MAX_TOKENS)
+            first = runner.spec_begin(req)
+            tokens, reason = list(first.token_ids), first.finish_reason
+            while reason is None:
+                out = runner.spec_round(req.request_id)
+                tokens += out.token_ids
+                reason = out.finish_reason
+            runner.spec_finish(req.request_id)
+            assert (tokens, reason) == classic_outputs[f"r{i}"]
+    finally:
+        runner.close()
+    default = MlxRunner.from_paths(tiny_pair[0], drafter_kind="ngram")
+    assert not default.fast_verify  # CPU default keeps the plain path
+    default.close()

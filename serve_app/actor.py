@@ -63,7 +63,9 @@ class SchedulerActor:
         self._engine.start()
 
     def info(self) -> dict:
-        return dict(self._info)
+        import ray
+
+        return {**self._info, "node_id": ray.get_runtime_context().get_node_id()}
 
     def poll(self, timeout: float) -> list:
         return self._engine.get_events(timeout)

@@ -61,7 +61,8 @@ class SpecslotServer:
         self.codec = TextCodec.from_path(self.args.model)
         self.client = EngineClient(ActorSource(self.args, num_gpus=self.args.actor_num_gpus))
         await self.client.start()
-        self.service = OpenAIService(self.client, self.codec, self.args, ReplicaMetrics())
+        self.service = OpenAIService(self.client, self.codec, self.args, ReplicaMetrics(),
+                                     identity=_identity())
 
     def __serve_build_asgi_app__(self):
         return self.service.app()
@@ -78,6 +79,13 @@ class SpecslotServer:
 
     async def __del__(self) -> None:
         await self.client.close()
+
+
+def _identity() -> dict:
+    import ray
+
+    return {"replica_id": serve.get_replica_context().replica_id.unique_id,
+            "node_id": ray.get_runtime_context().get_node_id()}
 
 
 def build_app(args: dict) -> Application:

@@ -33,8 +33,9 @@ DRAIN_AFTER_STOP_S = 2.0  # wait for the cancelled request's final stats after a
 
 class OpenAIService:
     def __init__(self, client: EngineClient, codec: TextCodec, args: ServeArgs,
-                 metrics: ReplicaMetrics | None = None) -> None:
+                 metrics: ReplicaMetrics | None = None, identity: dict | None = None) -> None:
         self.client = client
+        self.identity = dict(identity or {})  # e.g. replica and node ids, for operators
         self.codec = codec
         self.args = args
         self.metrics = metrics or ReplicaMetrics()
@@ -73,8 +74,9 @@ class OpenAIService:
         if snapshot is None:
             raise APIError(503, "scheduler unavailable", "server_error", headers=self._retry())
         snapshot = dict(snapshot)
-        snapshot["replica"] = {"open_streams": self.client.num_open_streams,
-                               "scheduler_restarts": self.client.num_restarts}
+        snapshot["replica"] = {**self.identity, "open_streams": self.client.num_open_streams,
+                               "scheduler_restarts": self.client.num_restarts,
+                               "scheduler_node_id": self.client.info.get("node_id")}
         return JSONResponse(snapshot)
 
     async def _snapshot_or_none(self) -> dict | None:
@@ -117,8 +119,14 @@ class OpenAIService:
         if spec.stream:
             return StreamingResponse(self._sse(fmt, pieces, spec.include_usage),
                                      media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return await self._collect(fmt, pieces)
+                                     headers={"Cache-Control": "no-cache", **self._id_header()})
+        response = await self._collect(fmt, pieces)
+        response.headers.update(self._id_header())
+        return response
+
+    def _id_header(self) -> dict[str, str]:
+        replica = self.identity.get("replica_id")
+        return {"X-Specslot-Replica": replica} if replica else {}
 
     async def _collect(self, fmt: ResponseFormat, pieces) -> Response:
         texts: list[str] = []

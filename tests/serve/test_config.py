@@ -1,0 +1,127 @@
+"""Deployment args: every shipped config builds, bad args fail with clear messages."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import yaml
+
+from scheduler.config import SchedulerConfig
+from serve_app.app import ConfigError, build_app, validate_args, validate_user_config
+from serve_app.config import ServeArgs
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
+
+
+def test_all_expected_configs_exist():
+    names = {os.path.basename(p) for p in CONFIGS}
+    assert {"local.yaml", "autoscale.yaml", "legacy-hold.yaml", "classic-only.yaml", "gpu.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_every_config_builds_its_app(path):
+    from ray.serve.schema import ServeDeploySchema
+
+    with open(path) as f:
+        config = yaml.safe_load(f)
+    ServeDeploySchema.model_validate(config)  # what `serve run` checks first
+    for app_cfg in config["applications"]:
+        assert app_cfg["import_path"] == "serve_app.app:build_app"
+        app = build_app(app_cfg["args"])
+        (bound_args,) = app._bound_deployment.init_args
+        assert os.path.isabs(bound_args["model"])
+        args = ServeArgs.model_validate(bound_args)
+        assert isinstance(args.scheduler_config(env={}), SchedulerConfig)
+        for dep in app_cfg.get("deployments", []):
+            validate_user_config(dep.get("user_config"))
+            assert dep.get("max_ongoing_requests", 0) >= 256
+
+
+def test_config_specifics():
+    def args_of(name):
+        with open(os.path.join(REPO, "configs", name)) as f:
+            return yaml.safe_load(f)["applications"][0]
+
+    assert ServeArgs.model_validate(args_of("legacy-hold.yaml")["args"]).scheduler_config(env={}).grant_rounds == 0
+    assert not ServeArgs.model_validate(args_of("classic-only.yaml")["args"]).speculative
+    scaling = args_of("autoscale.yaml")["deployments"][0]["autoscaling_config"]
+    assert (scaling["min_replicas"], scaling["max_replicas"]) == (1, 4)
+    local = args_of("local.yaml")
+    assert local["args"]["model"] == "models/bundled/target"
+    assert build_app(local["args"])._bound_deployment.init_args[0]["model"] == os.path.join(
+        REPO, "models", "bundled", "target")
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    ({"model": "m", "grant_rounds": -1}, "args.grant_rounds: Input should be greater than or equal to 0"),
+    ({"model": "m", "grant_round": 3}, "args.grant_round: unknown key"),
+    ({"model": "m", "skip_cap": "2"}, "args.skip_cap: Input should be a valid integer"),
+    ({"model": "m", "tick_slice": "yes"}, "args.tick_slice"),
+    ({"model": "m", "num_draft_tokens": 0}, "args.num_draft_tokens"),
+    ({"model": "m", "b1_policy": "sometimes"}, "args.b1_policy"),
+    ({"model": "m", "drafter": {"kind": "draft_model"}}, "drafter.path is required"),
+    ({"model": "m", "drafter": {"kind": "eagle"}}, "args.drafter.kind"),
+    ({"model": "m", "max_lane_unauthenticated": "urgent"}, "args.max_lane_unauthenticated"),
+    ({"model": "m", "api_keys": [{"key": "short"}]}, "args.api_keys.0.key"),
+    ({"model": "m", "default_max_tokens": 10, "max_tokens_limit": 5}, "default_max_tokens must not exceed"),
+    ({}, "args.model: Field required"),
+])
+def test_bad_args_are_rejected_with_the_field_named(bad, fragment):
+    with pytest.raises(ConfigError) as info:
+        validate_args(bad)
+    assert fragment in str(info.value)
+    with pytest.raises(ConfigError):
+        build_app(bad)
+
+
+@pytest.mark.parametrize("env, yaml_value, expected", [
+    ({}, None, 8),
+    ({"SPECSLOT_SLICE_GRANT_ROUNDS": "3"}, None, 3),
+    ({"SPECSLOT_SLICE_GRANT_ROUNDS": "0"}, None, 0),
+    ({"SPECSLOT_SLICE_GRANT_ROUNDS": "lots"}, None, 8),
+    ({"SPECSLOT_SLICE_GRANT_ROUNDS": "3"}, 5, 5),  # the YAML wins when it sets the field
+])
+def test_grant_rounds_env_override_only_when_yaml_is_silent(env, yaml_value, expected):
+    raw = {"model": "m"} if yaml_value is None else {"model": "m", "grant_rounds": yaml_value}
+    assert ServeArgs.model_validate(raw).scheduler_config(env=env).grant_rounds == expected
+
+
+@pytest.mark.parametrize("env, yaml_value, expected", [
+    ({}, None, True),
+    ({"SPECSLOT_TICK_SLICE": "0"}, None, False),
+    ({"SPECSLOT_TICK_SLICE": "garbage"}, None, True),
+    ({"SPECSLOT_TICK_SLICE": "0"}, True, True),
+])
+def test_tick_slice_env_override_only_when_yaml_is_silent(env, yaml_value, expected):
+    raw = {"model": "m"} if yaml_value is None else {"model": "m", "tick_slice": yaml_value}
+    assert ServeArgs.model_validate(raw).scheduler_config(env=env).tick_slice is expected
+
+
+@pytest.mark.parametrize("user_config, ok", [
+    ({"grant_rounds": 3, "skip_cap": 1, "tick_slice": False, "backlog_cap": 0}, True),
+    ({}, True),
+    ({"grant_rounds": -1}, False),
+    ({"max_batch_size": 4}, False),  # not live-reconfigurable
+    ({"skip_cap": 0}, False),
+])
+def test_user_config_validation(user_config, ok):
+    if ok:
+        validate_user_config(user_config)
+    else:
+        with pytest.raises(ConfigError):
+            validate_user_config(user_config)
+
+
+def test_api_key_lane_caps():
+    from scheduler.request import Lane
+
+    args = ServeArgs.model_validate({"model": "m", "api_keys": [
+        {"key": "key-high-0001", "max_lane": "high"}, {"key": "key-norm-0001", "max_lane": "normal"}]})
+    assert args.lane_cap_for("key-high-0001") is Lane.HIGH
+    assert args.lane_cap_for("key-norm-0001") is Lane.NORMAL
+    assert args.lane_cap_for("wrong") is None and args.lane_cap_for(None) is None
+    open_args = ServeArgs.model_validate({"model": "m", "max_lane_unauthenticated": "low"})
+    assert open_args.lane_cap_for(None) is Lane.LOW

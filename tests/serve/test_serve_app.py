@@ -1,0 +1,128 @@
+"""The OpenAI API through real Ray Serve on 127.0.0.1 (one shared two-node cluster)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from serve_app.app import SpecslotServer, build_app
+
+pytestmark = pytest.mark.serve
+
+MODEL = "tiny"
+PROMPT = "def parse(text):\n    "
+
+
+def deploy(ray_cluster, tiny_pair, name, route, args=None, **options):
+    from ray import serve
+
+    target, draft = tiny_pair
+    full_args = {"model": target, "served_model_name": MODEL,
+                 "drafter": {"kind": "draft_model", "path": draft}, **(args or {})}
+    app = build_app(full_args)
+    if options:
+        app = SpecslotServer.options(**options).bind(*app._bound_deployment.init_args)
+    serve.run(app, name=name, route_prefix=route, blocking=False)
+    base = ray_cluster["base"] + (route if route != "/" else "")
+    wait_until(lambda: httpx.get(f"{base}/health", timeout=5).status_code == 200, 120)
+    return base
+
+
+def wait_until(predicate, timeout_s, interval_s=0.1):
+    deadline = time.monotonic() + timeout_s
+    last_exc = None
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except Exception as exc:  # the service may still be starting
+            last_exc = exc
+        time.sleep(interval_s)
+    raise AssertionError(f"condition not met within {timeout_s}s (last error: {last_exc!r})")
+
+
+@pytest.fixture(scope="module")
+def main_app(ray_cluster, tiny_pair):
+    return deploy(ray_cluster, tiny_pair, "main", "/")
+
+
+def oai(base, **kw):
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, **kw)
+
+
+def test_chat_and_completions_streaming_and_not(main_app):
+    client = oai(main_app)
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert full.choices[0].finish_reason in ("stop", "length")
+    assert full.usage.completion_tokens >= 1
+    spec = full.usage.model_extra["speculative"]
+    assert set(spec) >= {"rounds", "drafted", "accepted", "grants", "parks"}
+
+    pieces, usage = [], None
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24,
+                                           temperature=0, stream=True,
+                                           stream_options={"include_usage": True}):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].text)
+        if chunk.usage:
+            usage = chunk.usage
+    assert "".join(pieces) == full.choices[0].text  # greedy: streamed == non-streamed
+    assert usage.completion_tokens == full.usage.completion_tokens
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    assert chat.choices[0].message.role == "assistant"
+    deltas = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True) if c.choices]
+    assert "".join(deltas) == chat.choices[0].message.content
+
+
+def test_greedy_output_equals_engine_direct(main_app, tiny_pair):
+    """The served greedy token stream equals the Engine's own, run in this process."""
+    from scheduler.request import Request, SamplingParams
+    from serve_app.actor import build_engine
+    from serve_app.codec import TextCodec
+    from serve_app.config import ServeArgs
+
+    target, draft = tiny_pair
+    args = ServeArgs.model_validate({"model": target, "drafter": {"kind": "draft_model", "path": draft}})
+    engine, info = build_engine(args)
+    engine.start()
+    try:
+        codec = TextCodec.from_path(target)
+        prompts = [PROMPT, "import os\nimport ", "class Stack:\n    def push(self, item):"]
+        for i, prompt in enumerate(prompts):
+            engine.submit(Request(f"direct-{i}", codec.encode(prompt),
+                                  SamplingParams(max_tokens=40, temperature=0.0,
+                                                 stop_token_ids=tuple(info["eos_token_ids"]))))
+        outputs: dict[str, list[int]] = {f"direct-{i}": [] for i in range(len(prompts))}
+        finished = set()
+        while len(finished) < len(prompts):
+            for event in engine.get_events(timeout=5):
+                outputs[event.request_id].extend(event.token_ids)
+                if event.finish_reason:
+                    finished.add(event.request_id)
+    finally:
+        engine.stop()
+    client = oai(main_app)
+    for i, prompt in enumerate(prompts):
+        served = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0)
+        ids = [t for t in outputs[f"direct-{i}"] if t not in info["eos_token_ids"]]
+        assert served.choices[0].text == codec.decode(ids)
+        assert served.usage.completion_tokens == len(outputs[f"direct-{i}"])
+
+
+def test_text_stop_sequence_truncates_and_frees_the_request(main_app):
+    client = oai(main_app)
+    free = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0).choices[0].text
+    assert len(free) > 8
+    stop = free[5:8]
+    cut = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop])
+    assert cut.choices[0].text == free[:free.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    wait_until(lambda: httpx.get(f"{main_app}/v1/internal/scheduler").json()["unfinished"] == 0, 10)

@@ -113,8 +113,10 @@ def plot(result: dict, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    args = bench_util.scenario_args(__doc__.split("\n\n")[0], "results/rotation").parse_args(argv)
-    result = run(args.quick, args.target, args.draft, args.seed)
+    ap = bench_util.scenario_args(__doc__.split("\n\n")[0], "results/rotation")
+    ap.add_argument("--repeats", type=int, default=None, help="runs per configuration (default 3)")
+    args = ap.parse_args(argv)
+    result = run(args.quick, args.target, args.draft, args.seed, repeats=args.repeats)
     text = table(result["rows"])
     print(text)
     bench_util.write_json(args.out, "rotation", result)

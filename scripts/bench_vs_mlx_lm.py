@@ -1,0 +1,130 @@
+"""Scenario 4: our service side by side with `mlx_lm.server`, alternating runs.
+
+    python -m scripts.bench_vs_mlx_lm [--quick] [--out results/vs_mlx_lm]
+
+All servers are started by this script on 127.0.0.1 and stopped with SIGTERM:
+- `specslot`: our service through its own entry point (`python -m serve_app.cli`,
+  configs/local.yaml with the port moved): speculative slot + classic batching.
+- `mlx_lm`: `mlx_lm server --model <target>` (the same model directory).
+- `mlx_lm+draft`: the same with `--draft-model <draft> --num-draft-tokens 4`.
+- on CPU also `mlx_lm-f32` / `mlx_lm-f32+draft`: the peer on a float32 copy of the same
+  weights. Our loader casts float16 weights to float32 on CPU (much faster there), so
+  the same-directory peer runs different arithmetic; the f32 rows are the fair pair.
+
+All servers stay up; for each concurrency (1, 4, 16) and repeat, one run per server in
+turn with the same seeded prompts (streaming completions, greedy, fixed max_tokens);
+ratios are ours / peer for each (our run, peer run) pair of the same repeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+
+from scripts import bench_util, metrics, servers
+from scripts.loadgen import LoadConfig, run_load
+
+CONCURRENCIES = (1, 4, 16)
+
+
+def _is_cpu() -> bool:
+    import models  # noqa: F401
+    import mlx.core as mx
+    return mx.default_device() == mx.cpu
+
+
+def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "results/vs_mlx_lm",
+        concurrencies: tuple[int, ...] = CONCURRENCIES, base_port: int = 8120) -> dict:
+    max_tokens = 48 if quick else 128
+    repeats = 2 if quick else 3
+    peers = [("mlx_lm", target, None), ("mlx_lm+draft", target, draft)]
+    if _is_cpu():
+        t32, d32 = servers.float32_copy(target, out_dir), servers.float32_copy(draft, out_dir)
+        peers += [("mlx_lm-f32", t32, None), ("mlx_lm-f32+draft", t32, d32)]
+    fleet = [servers.ours(base_port, out_dir)]
+    fleet += [servers.mlx_lm_server(base_port + 1 + i, out_dir, model, d, name=name)
+              for i, (name, model, d) in enumerate(peers)]
+    runs = []
+    try:
+        for server in fleet:
+            server.start("/v1/models")
+        for server in fleet:  # warm-up: first-call costs out of the measured runs
+            asyncio.run(run_load(LoadConfig(base_url=server.base_url, num_prompts=2, concurrency=2,
+                                            max_tokens=8, seed=seed + 999, progress=False)))
+        for concurrency in concurrencies:
+            num_prompts = max(4, 2 * concurrency) if quick else max(8, 4 * concurrency)
+            for rep in range(repeats):
+                for server in fleet:
+                    cfg = LoadConfig(base_url=server.base_url, num_prompts=num_prompts, concurrency=concurrency,
+                                     max_tokens=max_tokens, seed=seed + rep, progress=False, ignore_eos="off")
+                    result = asyncio.run(run_load(cfg))
+                    runs.append({"server": server.name, "concurrency": concurrency, "repeat": rep,
+                                 "summary": result["summary"], "output_lengths": result["output_lengths"]})
+                    s = result["summary"]
+                    print(f"c={concurrency} rep={rep} {server.name:<18} {s['output_throughput']:8.1f} tok/s "
+                          f"TTFT {s['mean_ttft_ms']:8.1f} ms  TPOT {metrics.fmt(s['median_tpot_ms'])} ms "
+                          f"failed {s['failed']}", flush=True)
+    finally:
+        stops = {server.name: server.stop() for server in fleet}
+    startup = {server.name: server.startup_s for server in fleet}
+    return {"scenario": "vs_mlx_lm", "quick": quick, "max_tokens": max_tokens, "repeats": repeats,
+            "machine": bench_util.machine(), "servers": {s.name: s.cmd for s in fleet}, "startup_s": startup,
+            "exit_codes": stops, "runs": runs, "rows": pair_ratios(runs, [p[0] for p in peers])}
+
+
+def pair_ratios(runs: list[dict], peers: list[str]) -> list[dict]:
+    rows = []
+    for concurrency in sorted({r["concurrency"] for r in runs}):
+        ours = {r["repeat"]: r["summary"] for r in runs if r["concurrency"] == concurrency and r["server"] == "specslot"}
+        for peer in peers:
+            theirs = {r["repeat"]: r["summary"] for r in runs if r["concurrency"] == concurrency and r["server"] == peer}
+            reps = sorted(set(ours) & set(theirs))
+            tput = [ours[k]["output_throughput"] / theirs[k]["output_throughput"] for k in reps]
+            ttft = [ours[k]["mean_ttft_ms"] / theirs[k]["mean_ttft_ms"] for k in reps]
+            rows.append({"concurrency": concurrency, "peer": peer, "pairs": len(reps),
+                         "ours_tok_s": statistics.median(ours[k]["output_throughput"] for k in reps),
+                         "peer_tok_s": statistics.median(theirs[k]["output_throughput"] for k in reps),
+                         "throughput_ratios": tput, "throughput_ratio_median": statistics.median(tput),
+                         "ttft_ratios": ttft, "ttft_ratio_median": statistics.median(ttft),
+                         "ours_ttft_ms": statistics.median(ours[k]["mean_ttft_ms"] for k in reps),
+                         "peer_ttft_ms": statistics.median(theirs[k]["mean_ttft_ms"] for k in reps)})
+    return rows
+
+
+COLUMNS = [("concurrency", "concurrency"), ("peer", "peer"), ("ours_tok_s", "specslot tok/s"),
+           ("peer_tok_s", "peer tok/s"), ("throughput_ratio_median", "tok/s ratio (median of pairs)"),
+           ("ours_ttft_ms", "specslot TTFT ms"), ("peer_ttft_ms", "peer TTFT ms"),
+           ("ttft_ratio_median", "TTFT ratio")]
+
+
+def plot(result: dict, path: str) -> None:
+    plt = bench_util.pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for peer in sorted({r["peer"] for r in result["rows"]}):
+        rows = [r for r in result["rows"] if r["peer"] == peer]
+        ax.plot([r["concurrency"] for r in rows], [r["throughput_ratio_median"] for r in rows], marker="o", label=peer)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("specslot / peer output tok/s")
+    ax.set_title("Scenario 4: side by side with mlx_lm.server")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = bench_util.scenario_args(__doc__.split("\n\n")[0], "results/vs_mlx_lm").parse_args(argv)
+    result = run(args.quick, args.target, args.draft, args.seed, out_dir=args.out)
+    text = metrics.table(result["rows"], COLUMNS, digits=2)
+    print(text)
+    bench_util.write_json(args.out, "vs_mlx_lm", result)
+    bench_util.write_text(args.out, "vs_mlx_lm.md", text + "\n")
+    if not args.no_plot:
+        plot(result, f"{args.out}/vs_mlx_lm.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,60 @@
+"""Quick mode of scenarios 1 and 2 against the bundled pair: the commands run end to
+end, write their JSON, and the numbers show the behaviour the scenarios measure."""
+
+import json
+import os
+
+import pytest
+
+from scripts import bench_rotation, bench_single
+
+pytestmark = pytest.mark.model
+BUNDLED = os.path.isfile("models/bundled/target/model.safetensors")
+
+
+@pytest.mark.skipif(not BUNDLED, reason="bundled pair not present")
+def test_single_stream_quick(tmp_path):
+    assert bench_single.main(["--quick", "--out", str(tmp_path), "--no-plot"]) == 0
+    result = json.loads((tmp_path / "single_stream.json").read_text())
+    assert result["scenario"] == "single_stream" and result["quick"] is True
+    assert {"date_utc", "nproc", "cpu", "versions"} <= set(result["machine"])
+    assert {(r["drafter"], r["k"]) for r in result["rows"]} == {
+        (d, k) for d in ("draft_model", "ngram") for k in (2, 4)}
+    for row in result["rows"]:
+        assert row["classic_tok_s"] > 0 and row["spec_tok_s"] > 0
+        assert row["ratio_min"] <= row["ratio_median"] <= row["ratio_max"]
+        assert 1.0 <= row["acceptance_length"] <= row["k"] + 1
+        for pair in row["pairs"]:
+            assert pair["ratio"] == pytest.approx(pair["speculative"]["tokens_per_s"] / pair["classic"]["tokens_per_s"])
+            assert pair["classic"]["speculative"]["rounds"] == 0  # policy "off": classic decode
+            assert pair["speculative"]["speculative"]["rounds"] > 0
+            # Greedy on both paths: same length (an EOS would end both at the same token).
+            assert pair["classic"]["output_tokens"] == pair["speculative"]["output_tokens"]
+    assert (tmp_path / "single_stream.md").read_text().startswith("| drafter |")
+
+
+@pytest.mark.skipif(not BUNDLED, reason="bundled pair not present")
+def test_rotation_quick(tmp_path):
+    assert bench_rotation.main(["--quick", "--repeats", "1", "--out", str(tmp_path), "--no-plot"]) == 0
+    result = json.loads((tmp_path / "rotation.json").read_text())
+    rows = {(r["streams"], r["config"]): r for r in result["rows"]}
+    assert set(rows) == {(n, c) for n in (2, 3, 4) for c in ("g8", "g2", "g1", "g0", "classic")}
+    for (streams, config), row in rows.items():
+        assert len(row["rounds"]) == len(row["stream_tok_s"]) == streams
+        assert len(row["late_ttft_ms"]) == streams - 1 and all(t > 0 for t in row["late_ttft_ms"])
+        assert row["aggregate_tok_s"] > 0
+        assert 1 / streams - 1e-9 <= row["jain_rate"] <= 1 + 1e-9
+        assert all(n == result["max_tokens"] or n > 0 for n in row["output_tokens"])
+        if config == "classic":
+            assert row["rounds"] == [0] * streams and row["jain_rounds"] is None
+        else:
+            assert sum(row["round_share"]) == pytest.approx(1.0)
+    for streams in (2, 3, 4):
+        # Budget 0: the first stream holds the slot, latecomers decode classic.
+        assert rows[(streams, "g0")]["rounds"][0] > 0 and rows[(streams, "g0")]["rounds"][1:] == [0] * (streams - 1)
+        assert rows[(streams, "g0")]["parks"] == [0] * streams
+    # Two streams under a small budget rotate: both get rounds and both are parked.
+    for config in ("g2", "g1"):
+        row = rows[(2, config)]
+        assert all(r > 0 for r in row["rounds"]) and all(p > 0 for p in row["parks"])
+        assert row["jain_rounds"] > 0.9

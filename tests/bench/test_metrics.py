@@ -1,0 +1,60 @@
+"""The benchmark metrics: vLLM definitions on hand-made request records."""
+
+import pytest
+
+from scripts import metrics
+
+
+def record(lane="normal", arrival=0.0, chunks=((0.5, 1), (0.7, 2), (1.0, 1)), finish=1.0, output=4):
+    return {"lane": lane, "arrival_s": arrival, "first_token_s": chunks[0][0] if chunks else None,
+            "chunks": list(chunks), "finish_s": finish, "prompt_tokens": 10, "output_tokens": output,
+            "speculative": None, "error": None}
+
+
+def test_per_request_follows_vllm_definitions():
+    d = metrics.per_request(record())
+    assert d["ttft_s"] == pytest.approx(0.5)
+    assert d["e2el_s"] == pytest.approx(1.0)
+    assert d["tpot_s"] == pytest.approx((1.0 - 0.5) / 3)  # (E2EL - TTFT) / (tokens - 1)
+    assert d["itl_s"] == pytest.approx([0.2, 0.3])  # one gap per streamed chunk
+
+
+@pytest.mark.parametrize("values, expected", [
+    ([1, 1, 1, 1], 1.0),
+    ([1, 0, 0, 0], 0.25),
+    ([2, 1], 9 / 10),
+    ([0, 0], None),
+    ([], None),
+])
+def test_jain_index(values, expected):
+    assert metrics.jain_index(values) == (pytest.approx(expected) if expected is not None else None)
+
+
+def test_describe_reports_milliseconds_and_percentiles():
+    d = metrics.describe([i / 1000 for i in range(1, 101)], "ttft")
+    assert d["mean_ttft_ms"] == pytest.approx(50.5)
+    assert d["median_ttft_ms"] == pytest.approx(50.5)
+    assert d["p90_ttft_ms"] == pytest.approx(90.1)
+    assert d["p99_ttft_ms"] == pytest.approx(99.01)
+    assert metrics.describe([], "x") == {"mean_x_ms": None, "median_x_ms": None, "p90_x_ms": None, "p99_x_ms": None}
+
+
+def test_summary_per_lane_and_failures():
+    records = [record("high"), record("normal", output=2, chunks=((0.2, 1), (0.4, 1)), finish=0.4),
+               dict(record("normal"), error="HTTP 503")]
+    s = metrics.summarize(records, duration_s=2.0)
+    assert (s["completed"], s["failed"]) == (2, 1)
+    assert s["output_throughput"] == pytest.approx(3.0)
+    assert s["request_throughput"] == pytest.approx(1.0)
+    assert set(s["lanes"]) == {"high", "normal"}
+    assert s["lanes"]["high"]["mean_ttft_ms"] == pytest.approx(500)
+    assert s["lanes"]["normal"]["completed"] == 1 and s["lanes"]["normal"]["failed"] == 1
+    assert s["acceptance_length"] is None
+
+
+def test_speculative_totals_exclude_probe_rounds_from_acceptance_length():
+    spec = {"rounds": 12, "probe_rounds": 2, "drafted": 40, "accepted": 25, "grants": 2, "parks": 1}
+    s = metrics.speculative_totals([dict(record(), speculative=spec)])
+    assert s["speculative"]["rounds"] == 12
+    assert s["acceptance_length"] == pytest.approx(25 / 10 + 1)
+    assert s["acceptance_rate"] == pytest.approx(25 / 40)

@@ -6,7 +6,7 @@ stays on the Engine's own thread. The replica polls in a loop, so one round trip
 every event of a tick for all of the replica's requests (the per-token hop cost is
 measured by scripts/measure_actor_hop.py).
 
-`ActorSource` is the replica side: it creates the actor on the replica's node (soft
+`ActorSource` is the replica side: it creates the actor on the replica's node (hard
 affinity), and re-creates it when it dies.
 """
 
@@ -21,7 +21,8 @@ from serve_app.config import ServeArgs
 
 logger = logging.getLogger(__name__)
 
-ACTOR_MAX_CONCURRENCY = 8  # poll + submits/cancels/snapshots in flight at once
+ACTOR_MAX_CONCURRENCY = 8
+ACTOR_NAMESPACE = "specslot"  # poll + submits/cancels/snapshots in flight at once
 
 
 def build_engine(args: ServeArgs):
@@ -89,10 +90,13 @@ class SchedulerActor:
 class ActorSource:
     """`EventSource` over a `SchedulerActor` this replica owns."""
 
-    def __init__(self, args: ServeArgs, num_gpus: float = 0.0) -> None:
+    def __init__(self, args: ServeArgs, num_gpus: float = 0.0, name_prefix: str | None = None) -> None:
         self._args = args
         self._num_gpus = num_gpus
+        self._name_prefix = name_prefix
+        self._num_created = 0
         self._actor = None
+        self.actor_name: str | None = None
 
     def _create(self):
         import ray
@@ -100,17 +104,22 @@ class ActorSource:
 
         node_id = ray.get_runtime_context().get_node_id()
         cls = ray.remote(SchedulerActor)
+        # Named (per incarnation, so a re-creation never races the dead one's name) so
+        # operators and tests can find a replica's scheduler: `ray.get_actor(name, "specslot")`.
+        self._num_created += 1
+        self.actor_name = (f"{self._name_prefix}-{self._num_created}"
+                           if self._name_prefix else None)
         # num_cpus=0: the engine thread is the real CPU user and the replica is idle
         # glue; reserving cores here would make small machines unschedulable.
         return cls.options(
             num_cpus=0, num_gpus=self._num_gpus, max_concurrency=ACTOR_MAX_CONCURRENCY,
-            max_restarts=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True),
+            max_restarts=0, name=self.actor_name, namespace=ACTOR_NAMESPACE if self.actor_name else None,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         ).remote(self._args.model_dump(mode="json"))
 
     async def start(self) -> dict:
         self._actor = self._create()
-        return await self._call(self._actor.info)
+        return {**await self._call(self._actor.info), "actor_name": self.actor_name}
 
     async def _call(self, method, *args):
         import ray

@@ -59,10 +59,13 @@ class SpecslotServer:
     async def __init__(self, args: dict) -> None:
         self.args = validate_args(args)
         self.codec = TextCodec.from_path(self.args.model)
-        self.client = EngineClient(ActorSource(self.args, num_gpus=self.args.actor_num_gpus))
+        identity = _identity()
+        source = ActorSource(self.args, num_gpus=self.args.actor_num_gpus,
+                             name_prefix=f"scheduler-{identity['replica_id']}")
+        self.client = EngineClient(source)
         await self.client.start()
         self.service = OpenAIService(self.client, self.codec, self.args, ReplicaMetrics(),
-                                     identity=_identity())
+                                     identity=identity)
 
     def __serve_build_asgi_app__(self):
         return self.service.app()

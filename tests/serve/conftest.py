@@ -19,6 +19,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 # Keep every Ray address on loopback: by default Ray swaps 127.0.0.1 for the host's
 # routable IP when connecting, which also sends traffic off loopback.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+# Both "nodes" share one host; without this the proxy sends every request to the
+# replica on its own node and the two-node test could not see the other one answer.
+os.environ.setdefault("RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING", "0")
 # Autoscaling decisions need fresh metrics; Serve's default push interval is 10 s.
 os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.5")
 os.environ.setdefault("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.5")

@@ -1,0 +1,146 @@
+"""Replicas, nodes, autoscaling, scheduler-actor recovery and `serve run`, on loopback."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import yaml
+
+from conftest import REPO_ROOT, free_port
+from test_serve_app import MODEL, PROMPT, deploy, main_app, oai, wait_until  # noqa: F401
+
+pytestmark = pytest.mark.serve
+
+
+def running_replicas(app_name: str) -> int:
+    from ray import serve
+
+    dep = serve.status().applications[app_name].deployments["SpecslotServer"]
+    return dep.replica_states.get("RUNNING", 0)
+
+
+def test_two_replicas_one_per_node_both_serve(ray_cluster, tiny_pair):
+    from ray import serve
+
+    base = deploy(ray_cluster, tiny_pair, "pair", "/p", num_replicas=2, max_replicas_per_node=1)
+    wait_until(lambda: running_replicas("pair") == 2, 60)
+    client = oai(base)
+    answered: dict[str, str] = {}
+    for _ in range(60):
+        raw = client.completions.with_raw_response.create(model=MODEL, prompt=PROMPT, max_tokens=3,
+                                                          temperature=0)
+        answered[raw.headers["x-specslot-replica"]] = raw.parse().choices[0].text
+        if len(answered) == 2:
+            break
+    assert len(answered) == 2, answered
+    nodes = {}
+    for _ in range(60):
+        state = httpx.get(f"{base}/v1/internal/scheduler").json()["replica"]
+        assert state["scheduler_node_id"] == state["node_id"]  # the actor lives by its replica
+        nodes[state["replica_id"]] = state["node_id"]
+        if len(nodes) == 2:
+            break
+    assert len(set(nodes.values())) == 2, nodes  # one replica on each Ray node
+    assert len(set(answered.values())) == 1  # same greedy text from both
+    serve.delete("pair")
+
+
+def test_autoscaling_goes_1_to_2_under_load_and_back(ray_cluster, tiny_pair):
+    from ray import serve
+
+    with open(os.path.join(REPO_ROOT, "configs", "autoscale.yaml")) as f:
+        scaling = yaml.safe_load(f)["applications"][0]["deployments"][0]["autoscaling_config"]
+    scaling.update(max_replicas=2, target_ongoing_requests=1, upscale_delay_s=0.5,
+                   downscale_delay_s=2, look_back_period_s=1)
+    base = deploy(ray_cluster, tiny_pair, "auto", "/a", autoscaling_config=scaling)
+    assert running_replicas("auto") == 1
+    stop = threading.Event()
+
+    def load():
+        while not stop.is_set():
+            httpx.post(f"{base}/v1/completions", timeout=60,
+                       json={"prompt": PROMPT, "max_tokens": 200, "temperature": 0})
+
+    with cf.ThreadPoolExecutor(4) as pool:
+        for _ in range(4):
+            pool.submit(load)
+        try:
+            wait_until(lambda: running_replicas("auto") == 2, 90, 0.5)
+        finally:
+            stop.set()
+    wait_until(lambda: running_replicas("auto") == 1, 90, 0.5)
+    serve.delete("auto")
+
+
+def test_killed_scheduler_actor_ends_streams_cleanly_and_is_recreated(ray_cluster, main_app):
+    import ray
+
+    state = httpx.get(f"{main_app}/v1/internal/scheduler").json()["replica"]
+    actor = ray.get_actor(state["scheduler_actor"], namespace="specslot")
+    lines: list[str] = []
+
+    def stream():
+        with httpx.stream("POST", f"{main_app}/v1/completions", timeout=60,
+                          json={"prompt": PROMPT, "max_tokens": 400, "temperature": 0,
+                                "stream": True}) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+
+    t = threading.Thread(target=stream)
+    t.start()
+    wait_until(lambda: len(lines) >= 4, 20, 0.01)
+    killed_at = time.monotonic()
+    ray.kill(actor, no_restart=True)
+    t.join(30)
+    assert not t.is_alive()
+    payloads = [line for line in lines if line.startswith("data: ")]
+    assert payloads[-1] == "data: [DONE]"
+    assert '"error"' in payloads[-2] and "Traceback" not in payloads[-2]
+    client = oai(main_app)
+    wait_until(lambda: client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3)
+               .usage.completion_tokens == 3, 60, 0.2)
+    recovery_s = time.monotonic() - killed_at
+    after = httpx.get(f"{main_app}/v1/internal/scheduler").json()["replica"]
+    assert after["scheduler_restarts"] == state["scheduler_restarts"] + 1
+    assert after["scheduler_actor"] != state["scheduler_actor"]
+    print(f"\nscheduler actor recovery: {recovery_s:.2f}s from kill to the next good response")
+
+
+def test_serve_run_local_config_answers_and_shuts_down_on_sigterm(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    with open(os.path.join(REPO_ROOT, "configs", "local.yaml")) as f:
+        config = yaml.safe_load(f)
+    port = free_port()
+    config["http_options"]["port"] = port
+    config["applications"][0]["args"].update(
+        model=target, drafter={"kind": "draft_model", "path": draft}, served_model_name=MODEL,
+        policy_cache_dir=str(tmp_path / "policy"))
+    path = tmp_path / "local.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "RAY_ADDRESS": "local", "PYTHONPATH": REPO_ROOT}
+    serve_bin = os.path.join(os.path.dirname(sys.executable), "serve")
+    proc = subprocess.Popen([serve_bin, "run", str(path)], cwd=REPO_ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: httpx.get(f"{base}/health", timeout=5).status_code == 200, 120, 0.5)
+        text = "".join(c.choices[0].text for c in oai(base).completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True))
+        assert text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) is not None
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{base}/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -114,15 +114,15 @@ def test_killed_scheduler_actor_ends_streams_cleanly_and_is_recreated(ray_cluste
     print(f"\nscheduler actor recovery: {recovery_s:.2f}s from kill to the next good response")
 
 
-def test_serve_run_local_config_answers_and_shuts_down_on_sigterm(tiny_pair, tmp_path):
-    target, draft = tiny_pair
+def test_serve_run_local_config_answers_and_shuts_down_on_sigterm(tmp_path):
+    """configs/local.yaml as shipped (bundled pair, relative paths), only the port and
+    the policy cache moved; `serve run` in the background ignores SIGINT, so SIGTERM."""
     with open(os.path.join(REPO_ROOT, "configs", "local.yaml")) as f:
         config = yaml.safe_load(f)
     port = free_port()
     config["http_options"]["port"] = port
-    config["applications"][0]["args"].update(
-        model=target, drafter={"kind": "draft_model", "path": draft}, served_model_name=MODEL,
-        policy_cache_dir=str(tmp_path / "policy"))
+    app_args = config["applications"][0]["args"]
+    app_args["policy_cache_dir"] = str(tmp_path / "policy")
     path = tmp_path / "local.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "RAY_ADDRESS": "local", "PYTHONPATH": REPO_ROOT}
@@ -133,9 +133,17 @@ def test_serve_run_local_config_answers_and_shuts_down_on_sigterm(tiny_pair, tmp
     base = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: httpx.get(f"{base}/health", timeout=5).status_code == 200, 120, 0.5)
-        text = "".join(c.choices[0].text for c in oai(base).completions.create(
-            model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True))
-        assert text
+        client = oai(base)
+        name = app_args["served_model_name"]
+        text = "".join(c.choices[0].text for c in client.completions.create(
+            model=name, prompt="def main():\n    ", max_tokens=24, temperature=0, stream=True))
+        full = client.completions.create(model=name, prompt="def main():\n    ", max_tokens=24,
+                                         temperature=0)
+        assert text == full.choices[0].text and text
+        assert full.usage.model_extra["speculative"]["rounds"] >= 1  # the draft model is used
+        chat = client.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": "Write a loop."}], max_tokens=16)
+        assert chat.choices[0].message.content is not None
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) is not None
         with pytest.raises(httpx.HTTPError):

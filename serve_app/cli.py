@@ -1,6 +1,6 @@
 """`python -m serve_app.cli [config.yaml]`: `serve run` with clean shutdown on signals.
 
-Starts a local Ray instance (no dashboard) unless RAY_ADDRESS is set, then hands the
+Starts a local Ray instance (no dashboard, loopback only) unless RAY_ADDRESS is set, then hands the
 config to `serve run`. SIGTERM and SIGINT both lead to `serve.shutdown()` (replicas
 stop their scheduler actors) followed by Ray's own shutdown, even when the process was
 started in the background with SIGINT ignored.
@@ -26,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no such config file: {config}", file=sys.stderr)
         return 2
 
+    if not os.environ.get("RAY_ADDRESS"):
+        # A local Ray instance stays on loopback (Ray otherwise binds its services to the
+        # host's routable IP); the HTTP address comes from the config's http_options.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import models  # noqa: F401  (fast BLAS before anything imports mlx)
     import ray
     from ray.serve.scripts import cli

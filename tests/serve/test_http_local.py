@@ -1,0 +1,146 @@
+"""The HTTP layer without Ray: a scripted EngineClient behind the real Starlette app."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from scheduler.events import TokenEvent
+from scheduler.request import Lane, SpecStats
+from serve_app.client import QueueFull
+from serve_app.codec import TextCodec
+from serve_app.config import ServeArgs
+from serve_app.http import OpenAIService
+from serve_app.responses import StopMatcher
+
+
+class ScriptedClient:
+    """Answers every request with `script` (token id lists), recording what it saw."""
+
+    def __init__(self, script, eos=0, full=False):
+        self.script = script
+        self.info = {"max_context": 512, "eos_token_ids": [eos]}
+        self.full = full
+        self.submitted, self.cancelled = [], []
+        self.healthy, self.num_open_streams, self.num_restarts = True, 0, 0
+
+    async def submit(self, request):
+        if self.full:
+            raise QueueFull()
+        self.submitted.append(request)
+        return self._events(request)
+
+    async def _events(self, request):
+        for i, ids in enumerate(self.script):
+            await asyncio.sleep(0.01)
+            last = i == len(self.script) - 1
+            yield TokenEvent(request.request_id, ids, "length" if last else None,
+                             stats=SpecStats(num_rounds=2, num_drafted=6, num_accepted=4) if last else None)
+
+    async def cancel(self, request_id):
+        self.cancelled.append(request_id)
+
+    def release(self, request_id):
+        pass
+
+    async def snapshot(self):
+        return {"counters": {"grants": 1}}
+
+
+@pytest.fixture(scope="module")
+def codec(tmp_path_factory):
+    from models.tiny import build_tiny_pair
+
+    target, _ = build_tiny_pair(str(tmp_path_factory.mktemp("tiny-http")))
+    return TextCodec.from_path(target)
+
+
+def make_app(codec, client, **args):
+    service = OpenAIService(client, codec, ServeArgs.model_validate({"model": "m", **args}))
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=service.app()), base_url="http://t")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_stop_matcher_table():
+    cases = [
+        (["END"], ["abcE", "ND tail"], ["ab", "c"], True),
+        (["\n\n"], ["a\n", "\nb"], ["a", ""], True),
+        (["xyz"], ["ab", "cd"], ["", "ab"], False),
+        ([], ["ab", "cd"], ["ab", "cd"], False),
+    ]
+    for stops, feeds, outs, hits in cases:
+        m = StopMatcher(stops)
+        got = [m.feed(f) for f in feeds]
+        assert [g[0] for g in got] == outs
+        assert any(g[1] for g in got) is hits
+
+
+def test_incremental_decoder_matches_full_decode(codec):
+    ids = codec.encode("def f(x):\n    return 'héllo wörld' + str(x)\n")
+    decoder = codec.decoder()
+    text = "".join(decoder.add([t]) for t in ids) + decoder.flush()
+    assert text == codec.decode(ids)
+
+
+@pytest.mark.parametrize("header, cap, expected", [
+    ("high", "high", Lane.HIGH), ("high", "normal", Lane.NORMAL), ("low", "normal", Lane.LOW),
+    (None, "low", Lane.LOW), ("weird", "high", Lane.NORMAL),
+])
+def test_x_priority_is_capped_by_the_deployment(codec, header, cap, expected):
+    client = ScriptedClient([[5], [6]])
+    async def go():
+        async with make_app(codec, client, max_lane_unauthenticated=cap) as http:
+            headers = {"X-Priority": header} if header else {}
+            r = await http.post("/v1/completions", json={"prompt": "hi"}, headers=headers)
+            assert r.status_code == 200
+    run(go())
+    assert client.submitted[0].lane is expected
+
+
+def test_api_keys_gate_v1_routes_but_not_health(codec):
+    client = ScriptedClient([[5]])
+    keys = [{"key": "secret-key-1", "max_lane": "normal"}]
+    async def go():
+        async with make_app(codec, client, api_keys=keys) as http:
+            assert (await http.get("/health")).status_code == 200
+            r = await http.post("/v1/completions", json={"prompt": "hi"})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            r = await http.post("/v1/completions", json={"prompt": "hi"},
+                                headers={"Authorization": "Bearer secret-key-1", "X-Priority": "high"})
+            assert r.status_code == 200
+    run(go())
+    assert client.submitted[0].lane is Lane.NORMAL
+
+
+def test_text_stop_across_tokens_cancels_and_reports_usage(codec):
+    ids = codec.encode("alpha beta gamma delta")
+    client = ScriptedClient([[t] for t in ids])
+    async def go():
+        async with make_app(codec, client) as http:
+            r = await http.post("/v1/completions", json={"prompt": "hi", "stop": ["gam"]})
+            return r.json()
+    body = run(go())
+    assert body["choices"][0]["text"] == "alpha beta "
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert client.cancelled == [client.submitted[0].request_id]
+
+
+def test_usage_carries_speculative_stats_and_queue_full_is_503(codec):
+    async def go():
+        async with make_app(codec, ScriptedClient([[5], [6, 7]])) as http:
+            body = (await http.post("/v1/completions", json={"prompt": "hi"})).json()
+        async with make_app(codec, ScriptedClient([], full=True)) as http:
+            full = await http.post("/v1/completions", json={"prompt": "hi"})
+        return body, full
+    body, full = run(go())
+    assert body["usage"]["completion_tokens"] == 3
+    assert body["usage"]["speculative"] == {"rounds": 2, "probe_rounds": 0, "drafted": 6,
+                                            "accepted": 4, "grants": 0, "parks": 0,
+                                            "acceptance_length": 3.0}
+    assert full.status_code == 503 and full.headers["retry-after"] == "1"
+    assert full.json()["error"]["code"] == "queue_full"

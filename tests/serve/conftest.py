@@ -8,13 +8,11 @@ models from `models.tiny` stand in for the bundled pair (same code path, faster)
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 
 import models  # noqa: F401  (fast BLAS before mlx)
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Keep every Ray address on loopback: by default Ray swaps 127.0.0.1 for the host's
 # routable IP when connecting, which also sends traffic off loopback.
@@ -26,11 +24,8 @@ os.environ.setdefault("RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING", "0")
 os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.5")
 os.environ.setdefault("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.5")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Ray reads the variables above when it is imported: import it only after them.
+from serve_helpers import REPO_ROOT, deploy, free_port  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -44,8 +39,13 @@ def tiny_pair(tmp_path_factory):
 def ray_cluster():
     """Head + one worker node, both 127.0.0.1; the driver connects to the head."""
     import ray
+    import ray._private.ray_constants as ray_constants
     from ray import serve
     from ray.cluster_utils import Cluster
+
+    # If another test module imported Ray before this conftest set the variable, the
+    # constant it controls is already read: pin it so addresses stay on loopback.
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
     node_args = {"node_ip_address": "127.0.0.1", "num_cpus": 1,
                  "object_store_memory": 100 * 1024 * 1024}
@@ -59,3 +59,9 @@ def ray_cluster():
     serve.shutdown()
     ray.shutdown()
     cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def main_app(ray_cluster, tiny_pair):
+    """The default app at `/`: tiny pair, draft-model drafter, one replica."""
+    return deploy(ray_cluster, tiny_pair, "main", "/")

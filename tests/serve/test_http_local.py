@@ -15,6 +15,8 @@ from serve_app.config import ServeArgs
 from serve_app.http import OpenAIService
 from serve_app.responses import StopMatcher
 
+pytestmark = pytest.mark.model
+
 
 class ScriptedClient:
     """Answers every request with `script` (token id lists), recording what it saw."""

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from test_serve_app import MODEL, PROMPT, deploy, oai, wait_until
+from serve_helpers import MODEL, PROMPT, deploy, oai, wait_until
 
 pytestmark = pytest.mark.serve
 

@@ -14,8 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from conftest import REPO_ROOT, free_port
-from test_serve_app import MODEL, PROMPT, deploy, main_app, oai, wait_until  # noqa: F401
+from serve_helpers import MODEL, PROMPT, REPO_ROOT, deploy, free_port, oai, wait_until
 
 pytestmark = pytest.mark.serve
 

@@ -1,0 +1,56 @@
+"""Shared helpers of the serve tests: deploy an app on the session cluster, wait, connect."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import httpx
+import openai
+
+from serve_app.app import SpecslotServer, build_app
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+MODEL = "tiny"
+PROMPT = "def parse(text):\n    "
+
+
+def deploy(ray_cluster, tiny_pair, name, route, args=None, **options):
+    from ray import serve
+
+    target, draft = tiny_pair
+    full_args = {"model": target, "served_model_name": MODEL,
+                 "drafter": {"kind": "draft_model", "path": draft}, **(args or {})}
+    app = build_app(full_args)
+    if options:
+        app = SpecslotServer.options(**options).bind(*app._bound_deployment.init_args)
+    serve.run(app, name=name, route_prefix=route, blocking=False)
+    base = ray_cluster["base"] + (route if route != "/" else "")
+    wait_until(lambda: httpx.get(f"{base}/health", timeout=5).status_code == 200, 120)
+    return base
+
+
+def wait_until(predicate, timeout_s, interval_s=0.1):
+    deadline = time.monotonic() + timeout_s
+    last_exc = None
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except Exception as exc:  # the service may still be starting
+            last_exc = exc
+        time.sleep(interval_s)
+    raise AssertionError(f"condition not met within {timeout_s}s (last error: {last_exc!r})")
+
+
+def oai(base, **kw):
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, **kw)

@@ -89,6 +89,15 @@ def test_service_healthy_after_the_matrix_and_openai_client_sees_errors(app):
         r = httpx.get(f"{app}{path}")
         assert r.status_code == status
     assert httpx.get(f"{app}/v1/models").json()["data"][0]["id"] == MODEL
+    metrics = httpx.get(f"{app}/metrics").text
+    for series in ("specslot_ttft_seconds_count", "specslot_itl_seconds_count",
+                   "specslot_acceptance_length_count", "specslot_drafted_tokens_total",
+                   "specslot_accepted_tokens_total", "specslot_scheduler_grants",
+                   "specslot_scheduler_parks", "specslot_scheduler_skip_escalations",
+                   "specslot_scheduler_backlog_depth", "specslot_scheduler_live_sessions",
+                   'specslot_scheduler_queue_wait_seconds_count{lane="high"}',
+                   'specslot_requests_total{finish_reason="length",lane="normal"}'):
+        assert series in metrics, series
 
 
 def _stream_request(base, priority, max_tokens=300, prompt=PROMPT):

@@ -115,6 +115,11 @@ class OpenAIService:
             self.metrics.rejected.labels("503").inc()
             raise APIError(503, "the server is at capacity; retry later", "server_error",
                            code="queue_full", headers=self._retry()) from None
+        except Exception:  # scheduler dead or restarting: the replica recovers it
+            logger.warning("submitting %s failed", request_id, exc_info=True)
+            self.metrics.rejected.labels("503").inc()
+            raise APIError(503, "the scheduler is restarting; retry later", "server_error",
+                           code="scheduler_unavailable", headers=self._retry()) from None
         fmt = ResponseFormat(request_id, self.args.model_name, chat)
         pieces = self._pieces(request, events, spec, len(prompt_ids))
         if spec.stream:

@@ -146,3 +146,36 @@ def test_usage_carries_speculative_stats_and_queue_full_is_503(codec):
                                             "acceptance_length": 3.0}
     assert full.status_code == 503 and full.headers["retry-after"] == "1"
     assert full.json()["error"]["code"] == "queue_full"
+
+
+class FailingClient(ScriptedClient):
+    """Streams one token, then the scheduler reports an internal error (with detail)."""
+
+    async def _events(self, request):
+        yield TokenEvent(request.request_id, [5])
+        yield TokenEvent(request.request_id, [], "error",
+                         error="Traceback (most recent call last): File /srv/secret.py")
+
+
+class DeadClient(ScriptedClient):
+    async def submit(self, request):
+        from serve_app.client import SchedulerLost
+
+        raise SchedulerLost("actor died: /tmp/ray/session_x")
+
+
+def test_scheduler_failures_are_clean_errors_without_internal_detail(codec):
+    async def go():
+        async with make_app(codec, FailingClient([])) as http:
+            stream = await http.post("/v1/completions", json={"prompt": "hi", "stream": True})
+            full = await http.post("/v1/completions", json={"prompt": "hi"})
+        async with make_app(codec, DeadClient([])) as http:
+            dead = await http.post("/v1/completions", json={"prompt": "hi"})
+        return stream, full, dead
+    stream, full, dead = run(go())
+    lines = [l for l in stream.text.splitlines() if l.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2]
+    assert full.status_code == 500 and full.json()["error"]["code"] == "generation_failed"
+    assert dead.status_code == 503 and dead.json()["error"]["code"] == "scheduler_unavailable"
+    for text in (stream.text, full.text, dead.text):
+        assert "Traceback" not in text and "secret" not in text and "/tmp" not in text

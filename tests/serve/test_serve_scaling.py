@@ -124,7 +124,8 @@ def test_serve_run_local_config_answers_and_shuts_down_on_sigterm(tmp_path):
     app_args["policy_cache_dir"] = str(tmp_path / "policy")
     path = tmp_path / "local.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "RAY_ADDRESS": "local", "PYTHONPATH": REPO_ROOT}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # as a user runs it
+    env["RAY_ADDRESS"] = "local"
     serve_bin = os.path.join(os.path.dirname(sys.executable), "serve")
     proc = subprocess.Popen([serve_bin, "run", str(path)], cwd=REPO_ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -139,7 +139,15 @@ def test_x_priority_lanes_show_in_the_scheduler_and_queue_full_is_503(app):
     wait_until(lambda: snapshot(app)["unfinished"] == 0, 20)
 
 
+def disconnects(base) -> float:
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith("specslot_requests_total") and 'finish_reason="disconnected"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def test_client_disconnect_mid_stream_leaves_no_live_session(app):
+    before = disconnects(app)
     for _ in range(3):
         with httpx.stream("POST", f"{app}/v1/completions", timeout=30,
                           json={"prompt": PROMPT, "max_tokens": 300, "temperature": 0,
@@ -148,12 +156,19 @@ def test_client_disconnect_mid_stream_leaves_no_live_session(app):
             got = [next(chunks) for _ in range(6)]
             assert any(line.startswith("data: {") for line in got)
         # leaving the block closes the connection mid-stream
+    for _ in range(2):  # a non-streaming client that gives up waiting
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{app}/v1/completions", timeout=httpx.Timeout(5, read=0.3),
+                       json={"prompt": PROMPT, "max_tokens": 300, "temperature": 0})
     def drained():
         state = snapshot(app)
         c = state["counters"]
         return (state["unfinished"] == 0 and c["live_sessions"] == 0
                 and state["replica"]["open_streams"] == 0 and state["slot"]["owner"] is None)
     wait_until(drained, 20)
+    # The streams were abandoned (cancelled in the scheduler) long before their 300
+    # tokens; a non-streaming one may finish before the proxy notices, so not counted.
+    assert disconnects(app) - before >= 3
 
 
 def test_live_reconfigure_through_user_config(app, ray_cluster, tiny_pair):

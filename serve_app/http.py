@@ -202,7 +202,7 @@ class OpenAIService:
                 return
         finally:
             if not done:  # the client went away (or the response task was cancelled)
-                self._spawn(self._abandon(rid))
+                self._spawn(self._abandon(rid, lane))
             else:
                 self.client.release(rid)
 
@@ -217,10 +217,10 @@ class OpenAIService:
             self.client.release(rid)
         return None
 
-    async def _abandon(self, rid: str) -> None:
+    async def _abandon(self, rid: str, lane: str) -> None:
         self.client.release(rid)
         await self.client.cancel(rid)
-        self.metrics.requests.labels("unknown", "disconnected").inc()
+        self.metrics.requests.labels(lane, "disconnected").inc()
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -16,6 +16,7 @@ engine's classic decode against raw mlx-lm `generate_step` on the same model.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -75,7 +76,7 @@ def engine_vs_raw(target: str, quick: bool, seed: int) -> dict:
     from models.loader import load_model
 
     max_tokens = 128 if quick else 512
-    num_pairs = 3 if quick else 6
+    num_pairs = 5 if quick else 8
     raw = load_model(target)
     engine = Engine(lambda: load_runner(target, None), SchedulerConfig(b1_policy="off"))
     engine.start()
@@ -100,24 +101,32 @@ def engine_vs_raw(target: str, quick: bool, seed: int) -> dict:
             "meets_0_95": statistics.median(ratios) >= 0.95}
 
 
-def actor_hop(quick: bool) -> dict:
+def actor_hop(quick: bool, out_dir: str) -> dict:
+    """The serve layer's own hop measurement (tiny models, LocalSource vs ActorSource)."""
     script = os.path.join(os.path.dirname(__file__), "measure_actor_hop.py")
     if not os.path.isfile(script):
         return {"available": False, "note": "scripts/measure_actor_hop.py not present; not measured"}
-    cmd = [sys.executable, "-m", "scripts.measure_actor_hop"] + (["--quick"] if quick else [])
+    out_json = os.path.join(out_dir, "actor_hop.json")
+    cmd = [sys.executable, "-m", "scripts.measure_actor_hop", "--out", out_json]
+    cmd += ["--requests", "4", "--max-tokens", "64", "--repeats", "1"] if quick else []
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired:
-        return {"available": True, "command": " ".join(cmd), "error": "timed out after 600 s"}
-    return {"available": True, "command": " ".join(cmd), "returncode": proc.returncode,
-            "stdout": proc.stdout[-8000:], "stderr_tail": proc.stderr[-2000:]}
+        return {"available": True, "command": " ".join(cmd[1:]), "error": "timed out after 600 s"}
+    result = {"available": True, "command": "python " + " ".join(cmd[1:]), "returncode": proc.returncode,
+              "stdout": proc.stdout[-8000:], "stderr_tail": proc.stderr[-2000:]}
+    if proc.returncode == 0 and os.path.isfile(out_json):
+        with open(out_json) as f:
+            result["measured"] = json.load(f)
+    return result
 
 
-def run(quick: bool, target: str, draft: str, seed: int = 0, with_actor_hop: bool = True) -> dict:
+def run(quick: bool, target: str, draft: str, seed: int = 0, with_actor_hop: bool = True,
+        out_dir: str = "results/overhead") -> dict:
     return {"scenario": "overhead", "quick": quick, "machine": bench_util.machine(),
             "scheduler_tick": scheduler_tick_overhead(target, draft, quick, seed),
             "engine_vs_raw": engine_vs_raw(target, quick, seed),
-            "actor_hop": actor_hop(quick) if with_actor_hop else {"available": False, "note": "skipped"}}
+            "actor_hop": actor_hop(quick, out_dir) if with_actor_hop else {"available": False, "note": "skipped"}}
 
 
 def report(result: dict) -> str:
@@ -133,7 +142,13 @@ def report(result: dict) -> str:
         f"({evr['ratio_min']:.3f}..{evr['ratio_max']:.3f}); >= 0.95: {evr['meets_0_95']} |",
     ]
     hop = result["actor_hop"]
-    lines.append(f"| actor hop | {'see actor_hop.stdout in the JSON' if hop.get('available') else hop.get('note')} |")
+    measured = hop.get("measured")
+    if measured:
+        for conc, us in sorted(measured.get("overhead_us_per_token", {}).items()):
+            lines.append(f"| actor hop added per token, concurrency {conc} | {us:+.1f} us |")
+        lines.append(f"| bare actor poll round trip | {measured.get('poll_round_trip_us', float('nan')):.0f} us |")
+    else:
+        lines.append(f"| actor hop | not measured: {hop.get('note') or hop.get('error') or hop.get('stderr_tail', '')[-200:]} |")
     return "\n".join(lines)
 
 
@@ -141,7 +156,8 @@ def main(argv=None) -> int:
     ap = bench_util.scenario_args(__doc__.split("\n\n")[0], "results/overhead")
     ap.add_argument("--no-actor-hop", action="store_true")
     args = ap.parse_args(argv)
-    result = run(args.quick, args.target, args.draft, args.seed, with_actor_hop=not args.no_actor_hop)
+    result = run(args.quick, args.target, args.draft, args.seed, with_actor_hop=not args.no_actor_hop,
+                 out_dir=args.out)
     text = report(result)
     print(text)
     if result["actor_hop"].get("stdout"):

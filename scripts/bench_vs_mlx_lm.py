@@ -11,9 +11,12 @@ All servers are started by this script on 127.0.0.1 and stopped with SIGTERM:
   weights. Our loader casts float16 weights to float32 on CPU (much faster there), so
   the same-directory peer runs different arithmetic; the f32 rows are the fair pair.
 
-All servers stay up; for each concurrency (1, 4, 16) and repeat, one run per server in
-turn with the same seeded prompts (streaming completions, greedy, fixed max_tokens);
-ratios are ours / peer for each (our run, peer run) pair of the same repeat.
+The peer's `--draft-model` path decodes one request at a time (no batching), so the
+`+draft` peers are fair at concurrency 1; quick mode runs them only there, full mode
+everywhere. All servers stay up (an idle mlx_lm.server uses no CPU); for each
+concurrency and repeat, one run per server in turn with the same seeded prompts
+(streaming completions, greedy, fixed max_tokens); ratios are ours / peer for each
+(our run, peer run) pair of the same repeat.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def _is_cpu() -> bool:
 
 def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "results/vs_mlx_lm",
         concurrencies: tuple[int, ...] = CONCURRENCIES, base_port: int = 8120) -> dict:
-    max_tokens = 48 if quick else 128
+    max_tokens = 32 if quick else 128
     repeats = 2 if quick else 3
     peers = [("mlx_lm", target, None), ("mlx_lm+draft", target, draft)]
     if _is_cpu():
@@ -52,9 +55,11 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "res
             asyncio.run(run_load(LoadConfig(base_url=server.base_url, num_prompts=2, concurrency=2,
                                             max_tokens=8, seed=seed + 999, progress=False)))
         for concurrency in concurrencies:
-            num_prompts = max(4, 2 * concurrency) if quick else max(8, 4 * concurrency)
+            num_prompts = max(4, concurrency) if quick else max(8, 4 * concurrency)
             for rep in range(repeats):
                 for server in fleet:
+                    if quick and concurrency > 1 and server.name.endswith("+draft"):
+                        continue
                     cfg = LoadConfig(base_url=server.base_url, num_prompts=num_prompts, concurrency=concurrency,
                                      max_tokens=max_tokens, seed=seed + rep, progress=False, ignore_eos="off")
                     result = asyncio.run(run_load(cfg))
@@ -79,6 +84,8 @@ def pair_ratios(runs: list[dict], peers: list[str]) -> list[dict]:
         for peer in peers:
             theirs = {r["repeat"]: r["summary"] for r in runs if r["concurrency"] == concurrency and r["server"] == peer}
             reps = sorted(set(ours) & set(theirs))
+            if not reps:  # e.g. a +draft peer skipped at this concurrency in quick mode
+                continue
             tput = [ours[k]["output_throughput"] / theirs[k]["output_throughput"] for k in reps]
             ttft = [ours[k]["mean_ttft_ms"] / theirs[k]["mean_ttft_ms"] for k in reps]
             rows.append({"concurrency": concurrency, "peer": peer, "pairs": len(reps),

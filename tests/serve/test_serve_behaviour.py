@@ -140,10 +140,10 @@ def test_x_priority_lanes_show_in_the_scheduler_and_queue_full_is_503(app):
 
 
 def disconnects(base) -> float:
-    for line in httpx.get(f"{base}/metrics").text.splitlines():
-        if line.startswith("specslot_requests_total") and 'finish_reason="disconnected"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return sum(float(line.rsplit(" ", 1)[1])
+               for line in httpx.get(f"{base}/metrics").text.splitlines()
+               if line.startswith("specslot_requests_total")
+               and 'finish_reason="disconnected"' in line)
 
 
 def test_client_disconnect_mid_stream_leaves_no_live_session(app):

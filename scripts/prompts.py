@@ -12,8 +12,6 @@ from __future__ import annotations
 import functools
 import random
 
-PROMPT_SETS = ("stdlib", "chat")
-
 
 @functools.lru_cache(maxsize=1)
 def _held_out_files() -> tuple[str, ...]:

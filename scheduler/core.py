@@ -45,6 +45,7 @@ class Scheduler:
         self._cancels: list[str] = []
         self._queues: dict[Lane, deque[Request]] = {lane: deque() for lane in Lane}
         self._rows: dict[str, Request] = {}
+        self._cancelled_in_prefill: set[str] = set()  # rows whose cancel arrived mid-prefill
         self._next_seq = 0
         self._yielded_last = False  # the last model action was speculative
         self.last_decision: Decision | None = None
@@ -118,7 +119,7 @@ class Scheduler:
 
     def _route(self, request: Request) -> None:
         if request.cancel_requested:
-            self.sink.finish(request, "cancelled")
+            self.sink.finish(request, "cancelled", phase="inbox")
             return
         if not self.runner.spec_supports(request):
             self._to_classic(request, None)
@@ -141,14 +142,17 @@ class Scheduler:
         if request is None:  # unknown or already finished
             return
         request.cancel_requested = True
+        phase = None
         if request.status is RequestStatus.QUEUED:
             self._queues[request.lane].remove(request)
         elif request.status is RequestStatus.CLASSIC:
             self._rows.pop(request_id, None)
             self.runner.classic_remove(request_id)
+            if request_id in self._cancelled_in_prefill:
+                phase = "prefill"
         elif self.slot.cancel(request):
             return
-        self.sink.finish(request, "cancelled")
+        self.sink.finish(request, "cancelled", phase=phase)
 
     # -- classic actions -------------------------------------------------------------
     def _prefill(self, count: int) -> None:
@@ -167,6 +171,9 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - fail these rows, keep serving
             self._fail_rows(admitted, f"classic_prefill failed: {exc}")
             return
+        # A cancel flagged while the prefill ran is applied at the next drain; remember
+        # it happened mid-prefill so the cancellation is counted under that phase.
+        self._cancelled_in_prefill.update(r.request_id for r in admitted if r.cancel_requested)
         self._apply_classic(batches)
 
     def _decode(self) -> None:
@@ -201,6 +208,7 @@ class Scheduler:
     # -- lifecycle -------------------------------------------------------------------
     def _forget(self, request: Request) -> None:
         self._requests.pop(request.request_id, None)
+        self._cancelled_in_prefill.discard(request.request_id)
 
     def cancel_all(self) -> list[TokenEvent]:
         """Cancel every unfinished request now (shutdown); returns their events."""
@@ -213,6 +221,7 @@ class Scheduler:
         return {
             "slot": self.slot.snapshot(),
             "queue_depth": {lane.name.lower(): len(q) for lane, q in self._queues.items()},
+            "queued_ids": [r.request_id for lane in Lane for r in self._queues[lane]],
             "classic_rows": len(self._rows),
             "classic_row_ids": list(self._rows),
             "unfinished": len(self._requests),

@@ -10,9 +10,41 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from scheduler.request import Lane
+from scheduler.request import Lane, RequestStatus
 
 SAMPLE_WINDOW = 1024  # recent samples kept per lane and kind
+
+# Where a request was when its cancellation took effect:
+#   inbox   - submitted, cancelled before the scheduler routed it
+#   queued  - in the classic admission queue
+#   prefill - its prefill was running (the cancel arrived during the tick that prefilled
+#             it) or it held the slot with slice 0 not yet run
+#   classic - a decoding classic row
+#   waiting - a not-yet-started backlog entry
+#   parked  - a backlog entry with a saved session
+#   active  - the started owner of the speculative slot
+CANCEL_PHASES = ("inbox", "queued", "prefill", "classic", "waiting", "parked", "active")
+_PHASE_OF_STATUS = {
+    RequestStatus.QUEUED: "queued",
+    RequestStatus.CLASSIC: "classic",
+    RequestStatus.WAITING: "waiting",
+    RequestStatus.PARKED: "parked",
+    RequestStatus.ACTIVE: "active",
+}
+
+
+def cancel_phase(status: RequestStatus, override: str | None = None) -> str:
+    """The phase a cancellation is counted under: `override` (a phase the caller knows,
+    e.g. "prefill") else the request's status at cancellation.
+
+    >>> cancel_phase(RequestStatus.PARKED), cancel_phase(RequestStatus.CLASSIC, "prefill")
+    ('parked', 'prefill')
+    """
+    if override is not None:
+        if override not in CANCEL_PHASES:
+            raise ValueError(f"unknown cancel phase {override!r}")
+        return override
+    return _PHASE_OF_STATUS.get(status, "inbox")
 
 
 def _lane_windows() -> dict[str, deque]:
@@ -60,6 +92,7 @@ class Counters:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     classic_fallbacks: Counter = field(default_factory=Counter)  # by reason
+    cancelled_by_phase: Counter = field(default_factory=Counter)  # CANCEL_PHASES
     actions: Counter = field(default_factory=Counter)  # ticks by action
     queue_wait: LatencySamples = field(default_factory=LatencySamples)
     ttft: LatencySamples = field(default_factory=LatencySamples)
@@ -89,6 +122,7 @@ class Counters:
         }
         plain["classic_fallbacks"] = dict(self.classic_fallbacks)
         plain["classic_fallbacks_total"] = sum(self.classic_fallbacks.values())
+        plain["cancelled_by_phase"] = {p: self.cancelled_by_phase[p] for p in CANCEL_PHASES}
         plain["actions"] = dict(self.actions)
         plain["queue_wait"] = self.queue_wait.to_dict()
         plain["ttft"] = self.ttft.to_dict()

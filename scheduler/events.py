@@ -11,7 +11,7 @@ import copy
 from dataclasses import dataclass
 from typing import Callable
 
-from scheduler.counters import Counters
+from scheduler.counters import Counters, cancel_phase
 from scheduler.request import Request, RequestStatus, SpecStats
 
 _STATUS_FOR_FINISH = {
@@ -57,10 +57,16 @@ class EventSink:
             self._counters.record_ttft(request.lane, request.first_token_time - request.arrival_time)
         self._event(request.request_id).token_ids.extend(token_ids)
 
-    def finish(self, request: Request, reason: str, error: str | None = None) -> None:
-        """Mark `request` done and emit its finishing event. Idempotent."""
+    def finish(self, request: Request, reason: str, error: str | None = None,
+               phase: str | None = None) -> None:
+        """Mark `request` done and emit its finishing event. Idempotent.
+
+        A cancellation is counted by phase: `phase` if given, else derived from the
+        request's status (still the pre-cancel one here)."""
         if request.status.is_done:
             return
+        if reason == "cancelled":
+            self._counters.cancelled_by_phase[cancel_phase(request.status, phase)] += 1
         request.status = _STATUS_FOR_FINISH[reason]
         request.finish_reason = reason
         event = self._event(request.request_id)

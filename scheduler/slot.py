@@ -37,6 +37,11 @@ class ActiveJob:
     burst: bool  # cached at grant start: run the whole generation in one step
     started: bool  # slice 0 done (session exists)
     slices_run: int = 0
+    cancelled_in_prefill: bool = False  # its cancel was flagged while slice 0 ran
+
+    @property
+    def cancel_phase(self) -> str | None:
+        return "prefill" if not self.started or self.cancelled_in_prefill else None
 
 
 class SpecSlot:
@@ -149,6 +154,7 @@ class SpecSlot:
             return
         job.started = True
         job.slices_run += 1
+        job.cancelled_in_prefill = request.cancel_requested
         self.sink.tokens(request, batch.token_ids)
         if batch.finish_reason:
             self._end(job, batch.finish_reason)
@@ -228,7 +234,7 @@ class SpecSlot:
             reason, error = "error", error or f"spec_finish failed: {exc}"
         real_rounds = request.spec.num_rounds - request.spec.num_probe_rounds
         self.policy.session_done(real_rounds)
-        self.sink.finish(request, reason, error=error)
+        self.sink.finish(request, reason, error=error, phase=job.cancel_phase)
 
     # -- cancellation and shutdown ---------------------------------------------------
     def cancel(self, request: Request) -> bool:

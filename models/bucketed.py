@@ -7,7 +7,10 @@ length every round. Here the forward always attends over the cache's whole buffe
 capacity is a multiple of `bucket`, with an explicit mask that hides every slot at or
 beyond each query's own position (the padding and stale entries of rejected drafts).
 Shapes then change only when the buffer grows into a new bucket, so each (bucket, query
-length) compiles once, and `warm` can do that at load.
+length) compiles once, and `warm` can do that at load. Prefill goes the same way
+(`prefill`): fixed chunks of `prefill_chunk` positions, the last one padded, so a new
+prompt length costs no new shape either (a plain causal prefill of length P builds a
+cuDNN attention plan per P, tens of milliseconds each on the GPU).
 
 The whole forward is one `mx.compile`d function per shape: tokens, the offset (an array,
 so it is no compile-time constant) and the cache buffers go in; logits (or the greedy
@@ -32,6 +35,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 DEFAULT_BUCKET = 256
+DEFAULT_PREFILL_CHUNK = 128
 
 
 class _BufferView:
@@ -81,17 +85,50 @@ class BucketedForward:
     to `cache` exactly like `model(tokens, cache=cache)` and return the logits (1, L, V),
     resp. the argmax token of the last position (shape (1,)), all lazily (no host sync).
     A cache that holds nothing yet (no buffers to infer shapes from) goes through the
-    plain model once.
+    plain model once; `prefill` allocates the buffers instead, so its whole path is
+    compiled. `prefill_chunk` = 0 means callers should prefill with the plain model.
     """
 
-    def __init__(self, model: nn.Module, bucket: int = DEFAULT_BUCKET, compile: bool = True):
+    def __init__(self, model: nn.Module, bucket: int = DEFAULT_BUCKET, compile: bool = True,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         if bucket < 1:
             raise ValueError("bucket must be >= 1")
+        if prefill_chunk < 0:
+            raise ValueError("prefill_chunk must be >= 0")
         self.model = model
         self.bucket = bucket
+        self.prefill_chunk = prefill_chunk
         wrap = mx.compile if compile else (lambda f: f)
         self._logits = wrap(partial(_forward, model, False))
         self._greedy = wrap(partial(_forward, model, True))
+        self._template: list | None = None  # per layer: (keys, values) with 0 positions
+
+    def prefill(self, cache: list, ids: Sequence[int]) -> None:
+        """Append `ids` to `cache` lazily (nothing waits for the device), in chunks of
+        `prefill_chunk` positions; the last chunk is padded and the padding trimmed.
+        Gives `cache` bucket-sized buffers first if it has none (also for empty `ids`)."""
+        if self.prefill_chunk < 1:
+            raise ValueError("prefill needs prefill_chunk >= 1")
+        if cache[0].keys is None:
+            for c, (k, v) in zip(cache, self._empty_buffers()):
+                c.keys, c.values, c.offset = _resize(k, self.bucket), _resize(v, self.bucket), 0
+        ids = list(ids)
+        size = self.prefill_chunk
+        for start in range(0, len(ids), size):
+            chunk = ids[start : start + size]
+            pad = size - len(chunk)
+            self._run(self._greedy, cache, mx.array([chunk + [0] * pad], dtype=mx.int32))
+            if pad:
+                for c in cache:
+                    c.offset -= pad  # padded slots lie beyond the offset: masked, then overwritten
+
+    def _empty_buffers(self) -> list:
+        if self._template is None:
+            probe = make_prompt_cache(self.model)
+            self.model(mx.zeros((1, 1), dtype=mx.int32), cache=probe)  # shapes and dtypes
+            self._template = [(c.keys[..., :0, :], c.values[..., :0, :]) for c in probe]
+            mx.eval(self._template)
+        return self._template
 
     def logits(self, cache: list, tokens: mx.array) -> mx.array:
         return self._run(self._logits, cache, tokens)
@@ -136,8 +173,6 @@ class BucketedForward:
 
     def warm(self, lengths: Sequence[int], max_positions: int, greedy: bool = False) -> int:
         """Compile every (bucket, query length) up to `max_positions`; returns the count."""
-        probe = make_prompt_cache(self.model)
-        self.model(mx.zeros((1, 1), dtype=mx.int32), cache=probe)  # buffers to copy shapes from
         fn = self._greedy if greedy else self._logits
         count = 0
         for size in range(self.bucket, round_up(max_positions, self.bucket) + 1, self.bucket):
@@ -145,12 +180,13 @@ class BucketedForward:
                 if n > size:
                     continue
                 buffers = []
-                for c in probe:
-                    buffers += [_resize(c.keys[..., :0, :], size), _resize(c.values[..., :0, :], size)]
+                for k, v in self._empty_buffers():
+                    buffers += [_resize(k, size), _resize(v, size)]
                 mx.eval(fn(mx.zeros((1, n), dtype=mx.int32), mx.array(size - n, dtype=mx.int32),
                            *buffers))
                 count += 1
         return count
+
 
 def _resize(buffer: mx.array, size: int) -> mx.array:
     """`buffer` cut or zero-padded to `size` positions along axis 2."""

@@ -62,6 +62,9 @@ class DraftModelDrafter:
     def new_state(self, prompt_ids: Sequence[int]) -> DraftModelState:
         cache = make_prompt_cache(self.model)
         ids = list(prompt_ids)
+        if self.fast is not None and self.fast.prefill_chunk:
+            self.fast.prefill(cache, ids)  # lazy: evaluated with the first round's drafts
+            return DraftModelState(cache, len(ids))
         for start in range(0, len(ids), PREFILL_STEP):
             self.model(mx.array([ids[start : start + PREFILL_STEP]]), cache=cache)
             mx.eval([c.state for c in cache])

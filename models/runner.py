@@ -20,7 +20,7 @@ from models.drafters import Drafter, DraftModelDrafter, DrafterSlot, NgramDrafte
 from models.loader import LoadedModel, load_pair
 from models.sampling import supports_sampling
 from models.session import SpeculativeSession
-from scheduler.request import Request
+from scheduler.request import Request, SamplingParams
 from scheduler.runner import RoundOutcome, TokenBatch
 
 DRAFTER_KINDS = ("draft_model", "ngram")
@@ -44,11 +44,16 @@ class MlxRunner:
         prefill_batch_size: int = 8,
         fast_verify: bool | None = None,
         warm_positions: int | None = None,
+        prefill_chunk: int = bucketed.DEFAULT_PREFILL_CHUNK,
+        warm_session: bool = True,
     ):
         """`fast_verify`: speculative rounds through `models.bucketed` (shape-stable,
         compiled forwards; one host sync per round). None = on when MLX's default device
         is a GPU. `warm_positions`: with fast_verify, compile the shapes of contexts up to
-        this many positions at load (None = min(max_context, 2048); 0 = lazily)."""
+        this many positions at load (None = min(max_context, 2048); 0 = lazily).
+        `prefill_chunk`: with fast_verify, a session's prefill (target and draft model)
+        runs in compiled chunks of this many positions (0 = plain mlx-lm prefill).
+        `warm_session`: `warm` also runs throwaway requests end to end (see there)."""
         if num_draft_tokens < 1:
             raise ValueError("num_draft_tokens must be >= 1")
         self.target = target
@@ -69,11 +74,12 @@ class MlxRunner:
         if fast_verify is None:
             fast_verify = mx.default_device() != mx.cpu
         self._verifier = None
+        self._warm_session = warm_session
         if fast_verify and self._slot is not None and bucketed.supports(target.model):
-            self._verifier = bucketed.BucketedForward(target.model)
+            self._verifier = bucketed.BucketedForward(target.model, prefill_chunk=prefill_chunk)
             if isinstance(drafter, DraftModelDrafter) and drafter.fast is None:
                 if bucketed.supports(drafter.model):
-                    drafter.fast = bucketed.BucketedForward(drafter.model)
+                    drafter.fast = bucketed.BucketedForward(drafter.model, prefill_chunk=prefill_chunk)
             if warm_positions is None:
                 warm_positions = min(self.max_context, 2048)
             if warm_positions > 0:
@@ -85,14 +91,42 @@ class MlxRunner:
 
     def warm(self, max_positions: int) -> int:
         """Compile the fast path's shapes for contexts up to `max_positions`: verifies of
-        1 (probe) and K + 1 positions, draft steps of 1 and 2. Returns the shape count."""
+        1 (probe) and K + 1 positions, draft steps of 1 and 2, prefill chunks of target
+        and draft. Returns the shape count. With `warm_session`, then also runs
+        throwaway requests through begin, a probe round and full rounds (greedy and
+        sampled), so what the shapes do not cover (library handles, kernels of the first
+        use, the sampler) is paid here and not by the first real request."""
         if self._verifier is None:
             return 0
         count = self._verifier.warm((1, self.num_draft_tokens + 1), max_positions)
+        chunk = self._verifier.prefill_chunk
+        if chunk:
+            count += self._verifier.warm((chunk,), max_positions, greedy=True)
         drafter = self._slot.drafter
         if isinstance(drafter, DraftModelDrafter) and drafter.fast is not None:
-            count += drafter.fast.warm((1, 2), max_positions, greedy=True)
+            lengths = (1, 2, drafter.fast.prefill_chunk) if drafter.fast.prefill_chunk else (1, 2)
+            count += drafter.fast.warm(lengths, max_positions, greedy=True)
+        if self._warm_session:
+            self._run_warm_requests()
         return count
+
+    def _run_warm_requests(self) -> None:
+        if self._slot.holder is not None:  # only at load, before any request holds the slot
+            return
+        prompt = list(self.tokenizer.encode("def warm(x):\n    return x + 1\n"))[:16] or [1]
+        n = 2 * (self.num_draft_tokens + 1) + 2
+        for i, params in enumerate((SamplingParams(max_tokens=n),
+                                    SamplingParams(max_tokens=n, temperature=0.7, top_p=0.9, seed=0))):
+            request = Request(f"__warm{i}", prompt, params)
+            if not self.spec_supports(request):
+                return
+            try:
+                if self.spec_begin(request).finish_reason is None:
+                    reason = self.spec_round(request.request_id, probe=True).finish_reason
+                    while reason is None:
+                        reason = self.spec_round(request.request_id).finish_reason
+            finally:
+                self.spec_finish(request.request_id)
 
     @classmethod
     def from_paths(

@@ -124,10 +124,16 @@ class SpeculativeSession:
         tic = time.perf_counter()
         self.cache = make_prompt_cache(self.target)
         head = self.prompt_ids[:-1]
-        for start in range(0, len(head), PREFILL_STEP):
-            self.target(mx.array([head[start : start + PREFILL_STEP]]), cache=self.cache)
-            mx.eval([c.state for c in self.cache])
-        logits = self.target(mx.array([self.prompt_ids[-1:]]), cache=self.cache)[0]
+        last = mx.array([self.prompt_ids[-1:]], dtype=mx.int32)
+        if self.verifier is not None and self.verifier.prefill_chunk:
+            # Shape-stable and lazy: one host sync for the whole begin.
+            self.verifier.prefill(self.cache, head)
+            logits = self.verifier.logits(self.cache, last)[0]
+        else:
+            for start in range(0, len(head), PREFILL_STEP):
+                self.target(mx.array([head[start : start + PREFILL_STEP]]), cache=self.cache)
+                mx.eval([c.state for c in self.cache])
+            logits = self.target(last, cache=self.cache)[0]
         first = self._sample(logits)
         if self.drafter is not None:
             self.draft_state = self.drafter.new_state(self.prompt_ids)
@@ -190,20 +196,25 @@ class SpeculativeSession:
     def _verify_bucketed(self, k: int, phases: dict) -> tuple[list[int], list[int], int]:
         """Draft and verify with one host sync: (drafts, target tokens, positions added).
 
-        The verify always covers 1 + k positions (shorter drafts are padded; padded
-        positions are trimmed like rejected drafts), so its shape depends only on k and
-        the cache bucket. A drafter with `propose_array` drafts lazily on the device,
-        and its tokens feed the verify without a round trip through the host.
+        The verify covers 1 + K positions whenever k > 0 (K = num_draft_tokens; a
+        shorter draft, e.g. near max_tokens or from the n-gram drafter, is padded and the
+        padding trimmed like rejected drafts), and 1 position for a probe, so its shape
+        depends only on K and the cache bucket and was compiled at load. A drafter with
+        `propose_array` drafts lazily on the device, and its tokens feed the verify
+        without a round trip through the host.
         """
         t0 = time.perf_counter()
-        pending = mx.array([self.history[-1]], dtype=mx.int32)
+        width = self.num_draft_tokens if k > 0 else 0
         lazy = k > 0 and hasattr(self.drafter, "propose_array")
         if lazy:
             drafts = self.drafter.propose_array(self.draft_state, self.history, k)
-            tokens = mx.concatenate([pending, drafts])
+            parts = [mx.array([self.history[-1]], dtype=mx.int32), drafts]
+            if width > k:
+                parts.append(mx.zeros((width - k,), dtype=mx.int32))
+            tokens = mx.concatenate(parts)
         else:
             draft = self.drafter.propose(self.draft_state, self.history, k) if k else []
-            tokens = mx.array([self.history[-1]] + draft + [0] * (k - len(draft)), dtype=mx.int32)
+            tokens = mx.array([self.history[-1]] + draft + [0] * (width - len(draft)), dtype=mx.int32)
         t1 = time.perf_counter()
         logits = self.verifier.logits(self.cache, tokens[None])[0]
         target = self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
@@ -215,7 +226,7 @@ class SpeculativeSession:
         phases["draft"] += t1 - t0
         phases["verify"] += t2 - t1
         phases["sync"] += time.perf_counter() - t2
-        return draft, verified, k
+        return draft, verified, width
 
     def finish(self) -> None:
         """Release caches and draft state. Idempotent."""

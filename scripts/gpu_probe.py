@@ -1,8 +1,10 @@
 """Where a round's time goes on the GPU: synchronised forwards at a fixed offset (shapes
 warm) for the plain mlx-lm forward and the bucketed compiled one, then repeated oracle
-sessions (K = 4, alpha = 0.8) against classic decode, medians of `--repeats`.
+sessions (K = 4 and 6, alpha = 0.8) against classic decode, interleaved in one process
+on one prompt (each repeat runs ours, mlx-lm, K=4, K=6 in turn), `--repeats` times.
+Reports medians, min-max spreads and the per-repeat paired speedups (ours_i / spec_i).
 
-    python scripts/gpu_probe.py --size 1B --out DIR     (writes DIR/gpu_probe.json)
+    python scripts/gpu_probe.py --size 1B --repeats 7 --out DIR   (writes DIR/gpu_probe.json)
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def forward_ms(fn, cache, n, reps=20):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="1B")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=384)
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
@@ -66,10 +68,19 @@ def main():
                 f"{r['tokens_per_round']:.2f} tok/round, phases {r['phase_ms']}")
     med = {k: statistics.median(v) for k, v in rows.items()}
     res["median_ms_per_token"] = med
+    res["range_ms_per_token"] = {k: [min(v), max(v)] for k, v in rows.items()}
     res["all_ms_per_token"] = rows
+    res["paired_speedup"] = {}
     for k in (4, 6):
+        for base in ("ours", "mlxlm"):
+            ratios = [b / s for b, s in zip(rows[base], rows[f"K{k}"])]
+            res["paired_speedup"][f"K{k}_vs_{base}"] = ratios
+            log(f"[{args.size}] K={k} a=0.8 vs {base}: paired x{statistics.median(ratios):.2f} median, "
+                f"range x{min(ratios):.2f}-x{max(ratios):.2f}, per repeat "
+                + " ".join(f"{r:.2f}" for r in ratios))
         log(f"[{args.size}] median K={k} a=0.8: {med[f'K{k}']:.2f} ms/tok -> x{med['ours']/med[f'K{k}']:.2f} ours, "
-            f"x{med['mlxlm']/med[f'K{k}']:.2f} mlx-lm (classic ours {med['ours']:.2f}, mlx-lm {med['mlxlm']:.2f})")
+            f"x{med['mlxlm']/med[f'K{k}']:.2f} mlx-lm (classic ours {med['ours']:.2f}, mlx-lm {med['mlxlm']:.2f}); "
+            f"ranges ms/tok: " + ", ".join(f"{n} {lo:.2f}-{hi:.2f}" for n, (lo, hi) in res["range_ms_per_token"].items()))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_probe.json"), "w") as f:
         json.dump(res, f, indent=1)

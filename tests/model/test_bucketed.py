@@ -56,6 +56,28 @@ def test_empty_cache_falls_back_to_plain_forward(loaded):
     assert cache[0].offset == 3
 
 
+@pytest.mark.parametrize("length", [0, 1, 7, 8, 9, 21])
+def test_chunked_prefill_matches_plain_prefill(loaded, length):
+    model = loaded[0].model
+    fast = BucketedForward(model, bucket=16, prefill_chunk=8)
+    ids = [(5 * i) % 300 + 1 for i in range(length)]
+    plain_cache, fast_cache = make_prompt_cache(model), make_prompt_cache(model)
+    if ids:
+        model(mx.array([ids]), cache=plain_cache)
+    fast.prefill(fast_cache, ids)
+    assert fast_cache[0].offset == plain_cache[0].offset == length
+    assert fast_cache[0].keys.shape[2] % 16 == 0  # buffers exist even for an empty prompt
+    for step in range(3):  # then decode and verify on top of it, with a trim
+        tokens = mx.array([[7 + step, 9, 11][: 1 + step]])
+        want = model(tokens, cache=plain_cache)
+        got = fast.logits(fast_cache, tokens)
+        assert mx.allclose(got, want, atol=1e-5).item(), f"length {length} step {step}"
+        trim_prompt_cache(plain_cache, step)
+        trim_prompt_cache(fast_cache, step)
+    with pytest.raises(ValueError):
+        BucketedForward(model, prefill_chunk=0).prefill(make_prompt_cache(model), ids)
+
+
 def test_warm_counts_shapes(loaded):
     fast = BucketedForward(loaded[1].model, bucket=16)
     # buckets 16, 32, 48; lengths 1 and 5 fit each
@@ -82,12 +104,12 @@ def test_propose_array_equals_propose(loaded, prompt_ids):
             history += want[:1] + [17]
 
 
-def _run_fast(loaded, request, k, drafter):
+def _run_fast(loaded, request, k, drafter, prefill_chunk=4):
     target = loaded[0]
     session = SpeculativeSession(
         request.request_id, target.model, request.prompt_ids, request.sampling,
         num_draft_tokens=k, eos_token_ids=sorted(target.tokenizer.eos_token_ids),
-        verifier=BucketedForward(target.model, bucket=16),
+        verifier=BucketedForward(target.model, bucket=16, prefill_chunk=prefill_chunk),
     )
     session.bind(drafter)
     first = session.begin()
@@ -117,12 +139,14 @@ def test_fast_session_equals_classic(loaded, prompt_ids, classic_outputs, kind, 
     draft = loaded[1].model
     drafter = {
         "draft_model": lambda: DraftModelDrafter(draft, "d"),
-        "draft_model_fast": lambda: DraftModelDrafter(draft, "d", fast=BucketedForward(draft, 16)),
+        "draft_model_fast": lambda: DraftModelDrafter(draft, "d", fast=BucketedForward(draft, 16, prefill_chunk=4)),
         "ngram": NgramDrafter,
     }[kind]()
     drafted = accepted = 0
     for i, ids in enumerate(prompt_ids):
-        out, d, a = _run_fast(loaded, make_request(f"r{i}", ids, MAX_TOKENS), k, drafter)
+        # prefill in chunks of 4 (several chunks, padded) and, for one prompt, plainly
+        chunk = 0 if i == 3 else 4
+        out, d, a = _run_fast(loaded, make_request(f"r{i}", ids, MAX_TOKENS), k, drafter, chunk)
         assert out == classic_outputs[f"r{i}"], f"prompt {i} diverged at K={k}"
         drafted += d
         accepted += a
@@ -133,7 +157,10 @@ def test_runner_fast_verify_on_cpu(tiny_pair, loaded, prompt_ids, classic_output
     runner = MlxRunner.from_paths(tiny_pair[0], drafter_kind="draft_model", drafter_path=tiny_pair[1],
                                   num_draft_tokens=3, fast_verify=True, warm_positions=0)
     assert runner.fast_verify
-    assert runner.warm(256) == 2 + 2  # one 256-position bucket: verify 1 and 4, draft 1 and 2
+    # one 256-position bucket: verify 1 and 4 + prefill chunk 128; draft 1, 2 and 128
+    assert runner.warm(256) == 3 + 3
+    # the throwaway warm requests leave nothing behind
+    assert runner.num_live_sessions() == 0 and runner._slot.holder is None
     try:
         for i in (0, 5, 9):
             req = make_request(f"r{i}", prompt_ids[i], MAX_TOKENS)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 from scheduler.request import Request
 from serve_app.client import SchedulerLost, submit_or_full
@@ -66,7 +67,7 @@ class SchedulerActor:
     def info(self) -> dict:
         import ray
 
-        return {**self._info, "node_id": ray.get_runtime_context().get_node_id()}
+        return {**self._info, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
     def poll(self, timeout: float) -> list:
         return self._engine.get_events(timeout)

@@ -9,6 +9,7 @@ YAML configs point `import_path` at `serve_app.app:build_app`; `args` is validat
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import models  # noqa: F401  (fast BLAS before anything imports mlx)
@@ -88,7 +89,7 @@ def _identity() -> dict:
     import ray
 
     return {"replica_id": serve.get_replica_context().replica_id.unique_id,
-            "node_id": ray.get_runtime_context().get_node_id()}
+            "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
 
 def build_app(args: dict) -> Application:

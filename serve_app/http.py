@@ -77,7 +77,8 @@ class OpenAIService:
         snapshot["replica"] = {**self.identity, "open_streams": self.client.num_open_streams,
                                "scheduler_restarts": self.client.num_restarts,
                                "scheduler_node_id": self.client.info.get("node_id"),
-                               "scheduler_actor": self.client.info.get("actor_name")}
+                               "scheduler_actor": self.client.info.get("actor_name"),
+                               "scheduler_pid": self.client.info.get("pid")}
         return JSONResponse(snapshot)
 
     async def _snapshot_or_none(self) -> dict | None:

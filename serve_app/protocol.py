@@ -9,6 +9,7 @@ and never carry internal detail (paths, stack traces).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Literal, Union
 
@@ -119,6 +120,9 @@ class GenerationSpec:
     include_usage: bool
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def decode_json(raw: bytes) -> dict:
     try:
         text = raw.decode("utf-8")
@@ -130,6 +134,14 @@ def decode_json(raw: bytes) -> dict:
         raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_body")
+    # JSON may escape a lone UTF-16 surrogate ("\ud800"): valid JSON, but not text the
+    # tokenizer can encode. Only bodies with surrogate escapes pay for the full check.
+    if _SURROGATE_ESCAPE.search(text):
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, "request body contains an unpaired surrogate escape",
+                           code="invalid_body") from None
     return body
 
 

@@ -1,3 +1,69 @@
-"""Session-wide test setup: load the fast BLAS before anything imports mlx."""
+"""Session-wide test setup: the fast BLAS before anything imports mlx, and the ONE
+Ray cluster every Serve-level test directory shares (tests/serve, tests/reliability).
+
+The cluster is two nodes on loopback, both processes on this machine
+(`ray.cluster_utils.Cluster`); every app the tests deploy uses `num_cpus: 0` replicas
+and actors, so 2 cores suffice. It lives here, not in one directory's conftest, so a
+run of several directories still starts exactly one cluster.
+"""
+
+import os
+import socket
+
+import pytest
 
 import models  # noqa: F401  (side effect: fast BLAS before mlx.core)
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Keep every Ray address on loopback: by default Ray swaps 127.0.0.1 for the host's
+# routable IP when connecting, which also sends traffic off loopback.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+# Both "nodes" share one host; without this the proxy sends every request to the
+# replica on its own node and a two-node test could not see the other one answer.
+os.environ.setdefault("RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING", "0")
+# Autoscaling decisions need fresh metrics; Serve's default push interval is 10 s.
+os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.5")
+os.environ.setdefault("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.5")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """(target_path, draft_path): tiny random models standing in for the bundled pair
+    (same code path, faster). tests/model overrides it with its own."""
+    from models.tiny import build_tiny_pair
+
+    return build_tiny_pair(str(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """Head + one worker node, both 127.0.0.1; the driver connects to the head and
+    Serve's proxy listens on 127.0.0.1 only."""
+    import ray
+    import ray._private.ray_constants as ray_constants
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    # If a test module imported Ray before the variable above was set, the constant it
+    # controls is already read: pin it so addresses stay on loopback.
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+    node_args = {"node_ip_address": "127.0.0.1", "num_cpus": 1,
+                 "object_store_memory": 100 * 1024 * 1024}
+    cluster = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False})
+    cluster.add_node(**node_args)
+    ray.init(address=cluster.address, namespace="serve",
+             runtime_env={"env_vars": {"PYTHONPATH": REPO_ROOT}})
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+    yield {"cluster": cluster, "port": port, "base": f"http://127.0.0.1:{port}"}
+    serve.shutdown()
+    ray.shutdown()
+    cluster.shutdown()

@@ -29,6 +29,16 @@ def snapshot(base):
 
 
 LONG_PROMPT = "x = 1\n" * 400  # well over the tiny model's 512-token context
+HI = {"prompt": "hi", "max_tokens": 3}
+USER = [{"role": "user", "content": "hi"}]
+
+
+def j(body) -> bytes:
+    return json.dumps(body).encode()
+
+
+# (route, body, expected status[, headers]): each must be a 4xx with an OpenAI error body
+# (or 200 where the input is odd but valid), never a 5xx.
 BAD_BODIES = [
     ("completions", b"{not json", 400),
     ("completions", b"\xff\xfe\x00garbage", 400),
@@ -63,19 +73,83 @@ BAD_BODIES = [
     ("chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}).encode(), 400),
     ("completions", b"{" * 100_000, 413),
     ("completions", b" " * (65 * 1024), 413),
+    # -- malformed bodies and types
+    ("completions", b"", 400),
+    ("completions", b"null", 400),
+    ("completions", b"{}", 400),
+    ("completions", b"[" * 50_000, 400),  # nesting deeper than the parser's recursion limit
+    ("completions", b'{"prompt": "a\\ud800b"}', 400),  # an unpaired surrogate escape
+    ("completions", b'{"prompt": "hi", "prompt": 5}', 400),  # duplicate key: the last wins
+    ("completions", j({"prompt": None}), 400),
+    ("completions", j({"prompt": 123}), 400),
+    ("completions", j({"prompt": ["a", "b"]}), 400),
+    ("completions", j({"prompt": [[1, 2]]}), 400),
+    ("completions", j({"prompt": [1.5, 2]}), 400),
+    ("completions", j({**HI, "max_tokens": True}), 400),
+    ("completions", b'{"prompt": "hi", "max_tokens": Infinity}', 400),
+    ("completions", b'{"prompt": "hi", "temperature": NaN}', 400),
+    ("completions", j({**HI, "max_tokens": 2**70}), 400),
+    ("completions", j({**HI, "max_tokens": -(2**70)}), 400),
+    ("completions", j({**HI, "max_completion_tokens": 3}), 400),  # both limits given
+    ("completions", j({"prompt": "hi", "max_completion_tokens": 0}), 400),
+    ("completions", j({**HI, "seed": 2**70}), 400),
+    ("completions", j({**HI, "stream": 1}), 400),
+    ("completions", j({**HI, "stop": 5}), 400),
+    ("completions", j({**HI, "stop": ["x" * 300]}), 400),
+    ("completions", j({**HI, "echo": True}), 400),
+    ("completions", j({**HI, "logprobs": 3}), 400),  # unknown / unsupported fields
+    ("completions", j({**HI, "presence_penalty": 0.5}), 400),
+    ("completions", j({**HI, "model": ""}), 400),
+    ("completions", j({**HI, "user": "u" * 300}), 400),
+    ("completions", j({**HI, "stream": True, "stream_options": {"include_usage": "y"}}), 400),
+    ("completions", j({"prompt": [5] * 600, "max_tokens": 3}), 400),  # ids past the context
+    ("completions", j({"prompt": "hi", "max_tokens": 510}), 400),  # > max_tokens_limit
+    ("completions", j({"prompt": "hi\u0000there", "max_tokens": 3}), 200),  # NUL is text
+    ("completions", b"a" * (10 * 1024 * 1024), 413),  # a 10 MB body
+    ("completions", j({"prompt": "x" * (10 * 1024 * 1024)}), 413),  # 10 MB of valid JSON
+    # -- chat specifics
+    ("chat/completions", b"{}", 400),
+    ("chat/completions", j({"messages": None}), 400),
+    ("chat/completions", j({"messages": [{"role": "USER", "content": "hi"}]}), 400),
+    ("chat/completions", j({"messages": [{"role": "tool", "content": "hi"}]}), 400),
+    ("chat/completions", j({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}), 400),
+    ("chat/completions", j({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}), 400),
+    ("chat/completions", j({"messages": [{"role": "user", "content": [{"type": "text"}]}]}), 400),
+    ("chat/completions", j({"messages": [["user", "hi"]]}), 400),
+    ("chat/completions", j({"messages": USER, "tools": []}), 400),
+    ("chat/completions", j({"messages": USER, "response_format": {"type": "json_object"}}), 400),
+    ("chat/completions", j({"messages": USER, "n": 0}), 400),
+    ("chat/completions", j({"messages": USER, "max_tokens": -1}), 400),
+    ("chat/completions", j({"messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 3}), 400),
+    ("chat/completions", j({"messages": [{"role": "user", "content": "x"}] * 5000}), 413),  # 150 KB
+    ("chat/completions", j({"prompt": "hi"}), 400),  # a completions body on the chat route
+    ("completions", j({"messages": USER}), 400),  # and the other way round
+    # -- absurd X-Priority values: the header is unauthenticated, so they are served as
+    #    the normal lane, never an error (scheduler.request.parse_priority)
+    ("completions", j(HI), 200, {"X-Priority": "urgent!!!"}),
+    ("completions", j(HI), 200, {"X-Priority": "-1"}),
+    ("completions", j(HI), 200, {"X-Priority": "99999999999999999999"}),
+    ("completions", j(HI), 200, {"X-Priority": "high, low"}),
+    ("completions", j(HI), 200, {"X-Priority": "h" * 4000}),
+    ("completions", j(HI), 200, {"X-Priority": ""}),
 ]
 
 
-@pytest.mark.parametrize("route, body, status", BAD_BODIES,
-                         ids=[f"{i}-{s}" for i, (_, _, s) in enumerate(BAD_BODIES)])
-def test_bad_input_gets_an_openai_error_and_the_service_keeps_running(app, route, body, status):
-    r = httpx.post(f"{app}/v1/{route}", content=body, timeout=30,
-                   headers={"Content-Type": "application/json"})
-    assert r.status_code == status, r.text
+@pytest.mark.parametrize("case", BAD_BODIES, ids=[f"{i}-{c[2]}" for i, c in enumerate(BAD_BODIES)])
+def test_bad_input_gets_an_openai_error_and_the_service_keeps_running(app, case):
+    route, body, status = case[:3]
+    headers = {"Content-Type": "application/json", **(case[3] if len(case) > 3 else {})}
+    try:
+        r = httpx.post(f"{app}/v1/{route}", content=body, timeout=30, headers=headers)
+    except httpx.WriteError:  # refused with 413 before the client finished sending
+        assert status == 413 and len(body) > 1024 * 1024
+        return
+    assert r.status_code == status, r.text[:300]
     if status != 200:
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"}
         assert "Traceback" not in err["message"] and "/" not in err["message"].replace("/v1", "")
+        assert ".py" not in err["message"] and "site-packages" not in r.text
 
 
 def test_service_healthy_after_the_matrix_and_openai_client_sees_errors(app):
@@ -85,6 +159,8 @@ def test_service_healthy_after_the_matrix_and_openai_client_sees_errors(app):
     assert info.value.body["code"] == "model_not_found"
     ok = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0)
     assert ok.usage.completion_tokens == 5
+    # No input killed the replica or its scheduler actor along the way.
+    assert snapshot(app)["replica"]["scheduler_restarts"] == 0
     for path, status in (("/v1/nope", 404), ("/v1/models", 200), ("/health", 200)):
         r = httpx.get(f"{app}{path}")
         assert r.status_code == status

@@ -35,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     from ray.serve.scripts import cli
 
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or None, namespace="serve",
+        # "local" always starts a fresh instance: with no address, ray.init joins the
+        # cluster recorded under /tmp/ray, which may be another user's or a dead one.
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", namespace="serve",
                  include_dashboard=False)
     # After ray.init, which installs its own SIGTERM handler (a bare sys.exit).
     signal.signal(signal.SIGTERM, _interrupt)

@@ -7,8 +7,9 @@ length the process has not met), then the 64-token prompt again. Per request: TT
 TPOT, the runner time of `spec_begin` and of the first and the slowest round. Per
 process: load and warm-up seconds.
 
-Modes: "before" = plain mlx-lm prefill, shape warm-up only (the code as first measured);
-"after" = compiled chunked prefill and the end-to-end warm requests at load. "cold"
+Modes: "before" = plain mlx-lm prefill, shape warm-up only (the first measured code,
+except that both modes verify 1 + K positions to the end); "after" = compiled chunked
+prefill and the end-to-end warm requests at load. "cold"
 children get empty kernel caches (MLX_PTX_CACHE_DIR, CUDA_CACHE_PATH), as the first
 process on a fresh machine does.
 

@@ -49,17 +49,22 @@ class EngineClient:
         self._source = source
         self._router = EventRouter()
         self._pump: asyncio.Task | None = None
+        self._cancel_sender: asyncio.Task | None = None
+        self._cancel_queue: asyncio.Queue = asyncio.Queue()
         self._live_changes: dict = {}
         self.info: dict = {}
         self.num_restarts = 0
 
     async def start(self) -> None:
         self.info = await self._source.start()
-        self._pump = asyncio.get_running_loop().create_task(self._pump_events())
+        loop = asyncio.get_running_loop()
+        self._pump = loop.create_task(self._pump_events())
+        self._cancel_sender = loop.create_task(self._send_cancels())
 
     async def close(self) -> None:
-        if self._pump is not None:
-            self._pump.cancel()
+        for task in (self._pump, self._cancel_sender):
+            if task is not None:
+                task.cancel()
         self._router.fail_all(SCHEDULER_LOST)
         await self._source.close()
 
@@ -95,10 +100,36 @@ class EngineClient:
             self._router.close(request_id)
 
     async def cancel(self, request_id: str) -> None:
+        """Cancel `request_id` in the scheduler; returns once the cancel is sent.
+
+        The call is made by this client's own long-lived task, not the caller's: when
+        Serve cancels an HTTP request whose client went away, Ray also cancels every
+        actor call made from that request's task, which would drop the cancel itself
+        and leave the request generating to max_tokens.
+        """
+        if self._cancel_sender is None or self._cancel_sender.done():
+            await self._send_cancel(request_id)
+            return
+        sent = asyncio.get_running_loop().create_future()
+        self._cancel_queue.put_nowait((request_id, sent))
+        await sent
+
+    async def _send_cancels(self) -> None:
+        while True:
+            request_id, sent = await self._cancel_queue.get()
+            try:
+                await self._send_cancel(request_id)
+            finally:
+                if not sent.done():
+                    sent.set_result(None)
+
+    async def _send_cancel(self, request_id: str) -> None:
         try:
             await self._source.cancel(request_id)
         except SchedulerLost:
             pass  # a dead scheduler holds nothing to cancel
+        except Exception:  # the request still ends (its client is gone); keep sending others
+            logger.exception("cancelling %s failed", request_id)
 
     def release(self, request_id: str) -> None:
         self._router.close(request_id)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rel_helpers import AUTH, drained
+from rel_helpers import AUTH, drained, state
 from scheduler.counters import CANCEL_PHASES
 from serve_helpers import wait_until
 
@@ -38,3 +38,25 @@ def test_http_soak_random_hang_ups_lose_nothing(rel_app):
     assert report.targets["hung_up"] >= HTTP_REQUESTS // 4
     assert report.cancelled >= 5  # hang-ups reached the scheduler as cancellations
     wait_until(lambda: drained(rel_app), 10)
+
+
+def cancellations(base: str) -> int:
+    return sum(state(base)["counters"]["cancelled_by_phase"].values())
+
+
+@pytest.mark.serve
+def test_every_hang_up_reaches_the_scheduler_as_a_cancellation(rel_app):
+    """A client that hangs up mid-stream must free its request at once, not leave it
+    generating to max_tokens (the cancel RPC must survive Serve cancelling the request)."""
+    import httpx
+
+    before = cancellations(rel_app)
+    for _ in range(8):
+        with httpx.stream("POST", f"{rel_app}/v1/completions", headers=AUTH, timeout=30,
+                          json={"prompt": "import os\nimport ", "max_tokens": 300,
+                                "temperature": 0, "stream": True}) as r:
+            lines = r.iter_lines()
+            for _ in range(4):
+                next(lines)
+    wait_until(lambda: drained(rel_app), 20)
+    assert cancellations(rel_app) - before == 8

@@ -162,11 +162,9 @@ def main(argv=None) -> int:
     result = run(args.quick, args.target, args.draft, args.seed, with_actor_hop=not args.no_actor_hop,
                  out_dir=args.out)
     text = report(result)
-    print(text)
+    bench_util.publish(args, "overhead", result, text)
     if result["actor_hop"].get("stdout"):
         print(result["actor_hop"]["stdout"])
-    bench_util.write_json(args.out, "overhead", result)
-    bench_util.write_text(args.out, "overhead.md", text + "\n")
     return 0
 
 

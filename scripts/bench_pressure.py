@@ -107,11 +107,7 @@ def main(argv=None) -> int:
     args = bench_util.scenario_args(__doc__.split("\n\n")[0], "results/pressure").parse_args(argv)
     result = run(args.quick, args.target, args.draft, args.seed)
     text = metrics.table(result["rows"], COLUMNS, digits=1)
-    print(text)
-    bench_util.write_json(args.out, "pressure", result)
-    bench_util.write_text(args.out, "pressure.md", text + "\n")
-    if not args.no_plot:
-        plot(result, f"{args.out}/pressure.png")
+    bench_util.publish(args, "pressure", result, text, plot)
     return 0
 
 

@@ -118,11 +118,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     result = run(args.quick, args.target, args.draft, args.seed, repeats=args.repeats)
     text = table(result["rows"])
-    print(text)
-    bench_util.write_json(args.out, "rotation", result)
-    bench_util.write_text(args.out, "rotation.md", text + "\n")
-    if not args.no_plot:
-        plot(result, f"{args.out}/rotation.png")
+    bench_util.publish(args, "rotation", result, text, plot)
     return 0
 
 

@@ -84,11 +84,7 @@ def main(argv=None) -> int:
     args = bench_util.scenario_args(__doc__.split("\n\n")[0], "results/single").parse_args(argv)
     result = run(args.quick, args.target, args.draft, args.seed)
     text = metrics.table(result["rows"], COLUMNS, digits=2)
-    print(text)
-    bench_util.write_json(args.out, "single_stream", result)
-    bench_util.write_text(args.out, "single_stream.md", text + "\n")
-    if not args.no_plot:
-        plot(result, f"{args.out}/single_stream.png")
+    bench_util.publish(args, "single_stream", result, text, plot)
     return 0
 
 

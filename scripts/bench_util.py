@@ -71,6 +71,16 @@ def write_text(out_dir: str, name: str, text: str) -> str:
     return path
 
 
+def publish(args, name: str, result: dict, text: str, plot=None) -> None:
+    """A scenario's outputs: the table on stdout, `<name>.json`, `<name>.md` and, unless
+    `--no-plot`, `<name>.png` drawn by `plot(result, path)`."""
+    print(text)
+    write_json(args.out, name, result)
+    write_text(args.out, f"{name}.md", text + "\n")
+    if plot is not None and not args.no_plot:
+        plot(result, os.path.join(args.out, f"{name}.png"))
+
+
 def pyplot():
     """matplotlib's pyplot on a file-only backend (imported only when plotting)."""
     import matplotlib

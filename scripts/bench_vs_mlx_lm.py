@@ -125,11 +125,7 @@ def main(argv=None) -> int:
     args = bench_util.scenario_args(__doc__.split("\n\n")[0], "results/vs_mlx_lm").parse_args(argv)
     result = run(args.quick, args.target, args.draft, args.seed, out_dir=args.out)
     text = metrics.table(result["rows"], COLUMNS, digits=2)
-    print(text)
-    bench_util.write_json(args.out, "vs_mlx_lm", result)
-    bench_util.write_text(args.out, "vs_mlx_lm.md", text + "\n")
-    if not args.no_plot:
-        plot(result, f"{args.out}/vs_mlx_lm.png")
+    bench_util.publish(args, "vs_mlx_lm", result, text, plot)
     return 0
 
 

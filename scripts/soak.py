@@ -37,6 +37,7 @@ import models  # noqa: F401  (fast BLAS before mlx)
 from scheduler.config import SchedulerConfig
 from scheduler.counters import CANCEL_PHASES
 from scheduler.request import Lane, Request, SamplingParams
+from scripts.soak_inject import CancelInjector
 
 PROMPTS = [
     "def parse(text):\n    ", "import os\nimport ", "class Stack:\n    def push(self, item):",
@@ -49,86 +50,6 @@ MAX_TOKENS = (8, 48)  # per-request max_tokens drawn from this range
 # the slot rotates (parks) often; b1 "on" so the tiny pair always takes the slot.
 SOAK_CONFIG = dict(b1_policy="on", grant_rounds=2, backlog_cap=2, max_batch_size=4,
                    prefill_batch_size=2, max_queue_depth=64)
-
-
-class CancelInjector:
-    """A `ModelRunner` wrapper that cancels chosen requests from inside the tick.
-
-    `engine.cancel` only flags the request and queues the id (it takes the engine's
-    input lock, not the tick's state lock), so calling it on the engine thread mid-tick
-    is the same as a client's cancel arriving at that instant; it takes effect at the
-    next tick's drain. Prefill targets are cancelled while their prefill runs. Classic
-    row, active and parked targets are cancelled during a classic action, which leaves
-    the slot untouched, so they are still in that phase at the drain. Also tracks the
-    peak number of live speculative sessions after every slot call.
-    """
-
-    def __init__(self, runner) -> None:
-        self._runner = runner
-        self.engine = None
-        self.targets: dict[str, str] = {}  # request id -> phase still to cancel it in
-        self._rows: set[str] = set()
-        self._active: str | None = None
-        self._parked: set[str] = set()
-        self.peak_live_sessions = 0
-
-    def __getattr__(self, name):
-        return getattr(self._runner, name)
-
-    def try_cancel(self, request_id: str, phase: str) -> None:
-        """Cancel `request_id` if it is still targeted at `phase` (once; thread-safe)."""
-        if self.targets.get(request_id) == phase and self.targets.pop(request_id, None):
-            self.engine.cancel(request_id)
-
-    def _classic_tick(self) -> None:
-        for rid in list(self._rows):
-            self.try_cancel(rid, "classic")
-        for rid in list(self._parked):
-            self.try_cancel(rid, "parked")
-        if self._active is not None:
-            self.try_cancel(self._active, "active")
-
-    def _observe(self) -> None:
-        self.peak_live_sessions = max(self.peak_live_sessions, self._runner.num_live_sessions())
-
-    def classic_prefill(self, requests):
-        self._classic_tick()
-        for r in requests:
-            self.try_cancel(r.request_id, "prefill")
-        self._rows.update(r.request_id for r in requests)
-        return self._runner.classic_prefill(requests)
-
-    def classic_decode(self):
-        self._classic_tick()
-        return self._runner.classic_decode()
-
-    def classic_remove(self, request_id):
-        self._rows.discard(request_id)
-        return self._runner.classic_remove(request_id)
-
-    def spec_begin(self, request):
-        self.try_cancel(request.request_id, "prefill")
-        out = self._runner.spec_begin(request)
-        self._active = request.request_id
-        self._observe()
-        return out
-
-    def spec_park(self, request_id):
-        self._runner.spec_park(request_id)
-        self._active = None
-        self._parked.add(request_id)
-
-    def spec_resume(self, request_id):
-        self._runner.spec_resume(request_id)
-        self._parked.discard(request_id)
-        self._active = request_id
-        self._observe()
-
-    def spec_finish(self, request_id):
-        self._runner.spec_finish(request_id)
-        self._parked.discard(request_id)
-        if self._active == request_id:
-            self._active = None
 
 
 @dataclass

@@ -46,6 +46,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
+        self._stopped = threading.Event()  # the loop has ended; the thread stays parked
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -57,7 +58,7 @@ class Engine:
         self._thread.start()
         self._ready.wait()
         if self._load_error is not None:
-            self._thread.join()
+            self._stopped.wait()
             raise self._load_error
 
     def stop(self) -> None:
@@ -66,11 +67,11 @@ class Engine:
             self._stopping = True
             self._wake.notify_all()
         if self._thread is not None:
-            self._thread.join()
+            self._stopped.wait()
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and not self._stopped.is_set()
 
     # -- thread-safe inputs ------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -127,6 +128,22 @@ class Engine:
 
     # -- the engine thread ------------------------------------------------------------
     def _run(self) -> None:
+        """The engine thread's body. It never returns: once the loop has ended it parks.
+
+        A thread that has run MLX work and then exits leaves MLX's thread-local stream
+        state to be torn down later, and the process then often aborts at exit
+        ("terminate called without an active exception", mlx 0.32.4 + mlx-lm 0.32.2).
+        A parked daemon thread holds no model (the runner is closed and dropped) and
+        ends with the process.
+        """
+        try:
+            self._loop()
+        finally:
+            self._scheduler = None
+            self._stopped.set()
+        threading.Event().wait()
+
+    def _loop(self) -> None:
         try:
             runner = self._runner_factory()
             scheduler = Scheduler(runner, self._config, clock=self._clock)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import tempfile
@@ -272,10 +271,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # After an Engine has run MLX work on its thread, interpreter teardown intermittently
-    # aborts in a C++ destructor ("terminate called without an active exception"; see
-    # docs/reliability.md); the report is complete here, so exit without teardown.
-    os._exit(code)
+    sys.exit(main())

@@ -94,6 +94,12 @@ class ServeArgs(BaseModel):
     b1_default_enabled: bool = Field(
         True, description="Verdict when the measured speedup is between 1.0 and 1.5."
     )
+    b1_profile_requests: int = Field(
+        3, ge=1, le=1000, description="Speculative requests b1_policy=auto profiles before it decides."
+    )
+    b1_probe_rounds: int = Field(
+        2, ge=1, le=100, description="Probe rounds (empty-draft verifies, the classic step time) per profiled request."
+    )
     max_batch_size: int = Field(16, ge=1, le=1024, description="Classic continuous-batching rows.")
     prefill_batch_size: int = Field(8, ge=1, le=1024, description="Requests prefilled in one classic prefill.")
     max_queue_depth: int = Field(
@@ -165,6 +171,8 @@ class ServeArgs(BaseModel):
             num_draft_tokens=self.num_draft_tokens,
             b1_policy=self.b1_policy,
             b1_default_enabled=self.b1_default_enabled,
+            b1_profile_requests=self.b1_profile_requests,
+            b1_probe_rounds=self.b1_probe_rounds,
             max_batch_size=self.max_batch_size,
             prefill_batch_size=self.prefill_batch_size,
             max_queue_depth=self.max_queue_depth,

@@ -62,6 +62,8 @@ def test_config_specifics():
     ({"model": "m", "tick_slice": "yes"}, "args.tick_slice"),
     ({"model": "m", "num_draft_tokens": 0}, "args.num_draft_tokens"),
     ({"model": "m", "b1_policy": "sometimes"}, "args.b1_policy"),
+    ({"model": "m", "b1_probe_rounds": 0}, "args.b1_probe_rounds"),
+    ({"model": "m", "b1_profile_requests": -1}, "args.b1_profile_requests"),
     ({"model": "m", "drafter": {"kind": "draft_model"}}, "drafter.path is required"),
     ({"model": "m", "drafter": {"kind": "eagle"}}, "args.drafter.kind"),
     ({"model": "m", "max_lane_unauthenticated": "urgent"}, "args.max_lane_unauthenticated"),
@@ -75,6 +77,12 @@ def test_bad_args_are_rejected_with_the_field_named(bad, fragment):
     assert fragment in str(info.value)
     with pytest.raises(ConfigError):
         build_app(bad)
+
+
+def test_policy_profiling_knobs_reach_the_scheduler_config():
+    config = ServeArgs.model_validate({"model": "m", "b1_profile_requests": 5, "b1_probe_rounds": 4})
+    scheduler_config = config.scheduler_config(env={})
+    assert (scheduler_config.b1_profile_requests, scheduler_config.b1_probe_rounds) == (5, 4)
 
 
 @pytest.mark.parametrize("env, yaml_value, expected", [

@@ -133,3 +133,12 @@ def test_api_key_lane_caps():
     assert args.lane_cap_for("wrong") is None and args.lane_cap_for(None) is None
     open_args = ServeArgs.model_validate({"model": "m", "max_lane_unauthenticated": "low"})
     assert open_args.lane_cap_for(None) is Lane.LOW
+
+
+def test_every_knob_is_documented():
+    """docs/configuration.md names every deployment arg and live knob."""
+    doc_path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "configuration.md")
+    with open(doc_path) as f:
+        doc = f.read()
+    names = list(ServeArgs.model_fields) + list(validate_user_config({}).model_fields)
+    assert [name for name in names if f"`{name}" not in doc] == []

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from scheduler.adaptive import B1Policy
-from scheduler.backlog import EntryKind, GrantBacklog
+from scheduler.backlog import BacklogEntry, EntryKind, GrantBacklog
 from scheduler.config import SchedulerConfig
 from scheduler.counters import Counters
 from scheduler.events import EventSink
@@ -120,10 +120,7 @@ class SpecSlot:
             self.counters.observe_backlog(len(self.backlog))
             request = entry.request
             if request.cancel_requested:  # aborted; the next entry is tried in this tick
-                if entry.kind is EntryKind.PARKED:
-                    self.runner.spec_finish(request.request_id)
-                self.counters.backlog_aborts += 1
-                self.sink.finish(request, "cancelled")
+                self._abort(entry)
                 continue
             if entry.kind is EntryKind.WAITING:
                 if not self.policy.should_run():  # settled to decline while it waited
@@ -247,11 +244,15 @@ class SpecSlot:
         if entry is None:
             return False
         self.counters.observe_backlog(len(self.backlog))
-        if entry.kind is EntryKind.PARKED:
-            self.runner.spec_finish(request.request_id)
-        self.counters.backlog_aborts += 1
-        self.sink.finish(request, "cancelled")
+        self._abort(entry)
         return True
+
+    def _abort(self, entry: BacklogEntry) -> None:
+        """Drop a cancelled backlog entry taken out of the ring: release its session."""
+        if entry.kind is EntryKind.PARKED:
+            self.runner.spec_finish(entry.request.request_id)
+        self.counters.backlog_aborts += 1
+        self.sink.finish(entry.request, "cancelled")
 
     def snapshot(self) -> dict:
         job = self.active

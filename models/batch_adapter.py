@@ -25,7 +25,7 @@ from typing import Sequence
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, GenerationBatch, StopSequences
 
-from models.sampling import RequestSampler
+from models.sampling import RequestSampler, stop_token_ids
 from scheduler.request import Request
 from scheduler.runner import TokenBatch
 
@@ -59,8 +59,7 @@ class ClassicBatch:
         return list(self._uid_by_request)
 
     def _stop_sequences(self, request: Request) -> StopSequences:
-        stop_ids = dict.fromkeys(self._eos_token_ids + tuple(request.sampling.stop_token_ids))
-        return StopSequences([[t] for t in stop_ids])
+        return StopSequences([[t] for t in stop_token_ids(self._eos_token_ids, request.sampling)])
 
     def prefill(self, requests: Sequence[Request]) -> list[TokenBatch]:
         """Admit and prefill `requests`; returns each one's first token(s).

@@ -9,7 +9,7 @@ speculative, alone or batched), and an unseeded request gets a fresh random seed
 from __future__ import annotations
 
 import secrets
-from typing import Callable
+from typing import Callable, Sequence
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_p
@@ -49,3 +49,9 @@ class RequestSampler:
 def supports_sampling(params: SamplingParams) -> bool:
     """Options both paths implement (temperature >= 0, 0 < top_p <= 1, max_tokens > 0)."""
     return params.temperature >= 0.0 and 0.0 < params.top_p <= 1.0 and params.max_tokens > 0
+
+
+def stop_token_ids(eos_token_ids: Sequence[int], params: SamplingParams) -> tuple[int, ...]:
+    """Tokens that end a request on either path: the model's EOS ids, then the
+    request's own stop ids (emitted, like EOS), without repeats."""
+    return tuple(dict.fromkeys((*eos_token_ids, *params.stop_token_ids)))

@@ -28,7 +28,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from models.bucketed import BucketedForward
 from models.drafters import Drafter
 from models.rollback import accept_count, clip_tokens, draft_budget, target_cache_trim
-from models.sampling import RequestSampler
+from models.sampling import RequestSampler, stop_token_ids
 from scheduler.request import SamplingParams
 
 PREFILL_STEP = 2048
@@ -79,7 +79,7 @@ class SpeculativeSession:
         self.target = target
         self.prompt_ids = list(prompt_ids)
         self.max_tokens = sampling.max_tokens
-        self.stop_ids = tuple(dict.fromkeys(tuple(eos_token_ids) + sampling.stop_token_ids))
+        self.stop_ids = stop_token_ids(eos_token_ids, sampling)
         self.num_draft_tokens = num_draft_tokens
         self.verifier = verifier
         self.sampler = RequestSampler(sampling)

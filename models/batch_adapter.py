@@ -16,6 +16,14 @@ Our contract is one model action per call:
 - `decode()` runs one batched decode step over all rows and returns one token per row.
 Finish reasons are mlx-lm's: "stop" (an EOS or per-request stop token, which is
 emitted) or "length" (max_tokens reached); stop wins when both apply.
+
+A lone row runs outside `BatchGenerator`, as a `models.solo.SoloRow` (plain KV cache,
+generate_step's pipelining; why: see that module). It moves into the batch when
+another row is admitted: its pending token is emitted first, then the token is the
+one-token "prompt" of a batch row that keeps the row's KV cache, sampler and
+remaining budget. When the batch drains to one decoding row with nothing left to
+prefill, that row moves back out (its pending token and cache are extracted).
+Neither move recomputes or redraws a token, so a seeded stream is the same either way.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, GenerationBatch, StopSequences
 
 from models.sampling import RequestSampler, stop_token_ids
+from models.solo import SoloRow
 from scheduler.request import Request
 from scheduler.runner import TokenBatch
 
@@ -40,8 +49,10 @@ class ClassicBatch:
         eos_token_ids: Sequence[int],
         max_batch_size: int = 16,
         prefill_batch_size: int = 8,
+        single_row_fast_path: bool = True,
     ):
         self._model = model
+        self._single_row_fast_path = single_row_fast_path
         self._eos_token_ids = tuple(eos_token_ids)
         self._gen = BatchGenerator(
             model,
@@ -51,41 +62,107 @@ class ClassicBatch:
         )
         self._uid_by_request: dict[str, int] = {}
         self._request_by_uid: dict[int, str] = {}
+        self._stop_ids: dict[str, tuple[int, ...]] = {}  # every row, solo or batched
+        self._solo: SoloRow | None = None  # the lone decoding row, if any
+        self._finished_solo: set[str] = set()  # finished solo rows not yet removed
 
     def num_rows(self) -> int:
-        return len(self._uid_by_request)
+        """Rows admitted and not yet removed (finished ones included)."""
+        return len(self.request_ids())
 
     def request_ids(self) -> list[str]:
-        return list(self._uid_by_request)
+        ids = list(self._uid_by_request) + sorted(self._finished_solo)
+        return ids + [self._solo.request_id] if self._solo is not None else ids
 
-    def _stop_sequences(self, request: Request) -> StopSequences:
-        return StopSequences([[t] for t in stop_token_ids(self._eos_token_ids, request.sampling)])
+    def _stop_sequences(self, request_id: str) -> StopSequences:
+        return StopSequences([[t] for t in self._stop_ids[request_id]])
+
+    def _batch_is_empty(self) -> bool:
+        gen = self._gen
+        return not (len(gen._generation_batch) or len(gen._prompt_batch) or gen._unprocessed_sequences)
+
+    def _retire_solo_if_finished(self, batch: TokenBatch) -> None:
+        if batch.finish_reason is not None:
+            self._finished_solo.add(self._solo.request_id)
+            self._solo = None
+
+    def _register(self, uid: int, request_id: str) -> None:
+        self._uid_by_request[request_id] = uid
+        self._request_by_uid[uid] = request_id
+
+    def _solo_into_batch(self) -> list[TokenBatch]:
+        """Move the solo row into `BatchGenerator` (queued for prefill as a one-token
+        prompt). Returns the pending token it emitted on the way."""
+        solo, self._solo = self._solo, None
+        if solo is None:
+            return []
+        emitted = solo.step(queue_next=False)
+        if emitted.finish_reason is not None:
+            self._finished_solo.add(solo.request_id)
+            return [emitted]
+        (uid,) = self._gen.insert(
+            [emitted.token_ids],
+            max_tokens=[solo.max_tokens - solo.num_emitted],
+            caches=[solo.cache],
+            samplers=[solo.sampler],
+            stop_sequences=[self._stop_sequences(solo.request_id)],
+        )
+        self._register(uid, solo.request_id)
+        return [emitted]
+
+    def _batch_into_solo(self) -> None:
+        """When exactly one row decodes in the batch and nothing waits for prefill,
+        take it out: its cache holds every emitted token and its next token is in
+        flight, which is a `SoloRow`'s state."""
+        gen = self._gen
+        rows = gen._generation_batch
+        if self._solo is not None or len(rows) != 1 or len(gen._prompt_batch) or gen._unprocessed_sequences:
+            return
+        uid = rows.uids[0]
+        request_id = self._request_by_uid[uid]
+        solo = SoloRow(request_id, self._model, rows.extract_cache(0), rows.samplers[0],
+                       self._stop_ids[request_id], rows.max_tokens[0], rows._next_tokens,
+                       num_emitted=rows._num_tokens[0])
+        gen.remove([uid])
+        del self._uid_by_request[request_id], self._request_by_uid[uid]
+        self._solo = solo
 
     def prefill(self, requests: Sequence[Request]) -> list[TokenBatch]:
         """Admit and prefill `requests`; returns each one's first token(s).
 
-        Existing rows are set aside while the new group is processed, so they do not
-        advance (`_generation_batch` is swapped for an empty one and merged back;
-        merging is what `BatchGenerator` itself does when rows leave prefill). A
-        one-token prompt can reach decode before a longer one in the same group and
-        then emits more than one token here.
+        Existing batch rows are set aside while the new group is processed, so they
+        do not advance (`_generation_batch` is swapped for an empty one and merged
+        back; merging is what `BatchGenerator` itself does when rows leave prefill).
+        A one-token prompt can reach decode before a longer one in the same group and
+        then emits more than one token here. A solo row joins the group (see the
+        module docstring), so its tokens can be among the returned batches too.
         """
         if not requests:
             return []
         for r in requests:
-            if r.request_id in self._uid_by_request:
+            if r.request_id in self.request_ids():
                 raise ValueError(f"request {r.request_id!r} is already a classic row")
             if not r.prompt_ids:
                 raise ValueError(f"request {r.request_id!r} has an empty prompt")
+        for r in requests:
+            self._stop_ids[r.request_id] = stop_token_ids(self._eos_token_ids, r.sampling)
+        if (self._single_row_fast_path and len(requests) == 1 and self._solo is None
+                and self._batch_is_empty()):
+            (r,) = requests
+            self._solo, first = SoloRow.start(r.request_id, self._model, r.prompt_ids,
+                                              RequestSampler(r.sampling), self._stop_ids[r.request_id],
+                                              r.sampling.max_tokens)
+            self._retire_solo_if_finished(first)
+            return [first]
+        moved = self._solo_into_batch()
         uids = self._gen.insert(
             [list(r.prompt_ids) for r in requests],
             max_tokens=[r.sampling.max_tokens for r in requests],
             samplers=[RequestSampler(r.sampling) for r in requests],
-            stop_sequences=[self._stop_sequences(r) for r in requests],
+            stop_sequences=[self._stop_sequences(r.request_id) for r in requests],
         )
         for uid, r in zip(uids, requests):
-            self._uid_by_request[r.request_id] = uid
-            self._request_by_uid[uid] = r.request_id
+            self._register(uid, r.request_id)
 
         outputs: dict[int, TokenBatch] = {}
         existing = self._gen._generation_batch
@@ -106,10 +183,17 @@ class ClassicBatch:
             if len(new_rows):
                 existing.extend(new_rows)
             self._gen._generation_batch = existing
-        return [outputs[uid] for uid in uids]
+        others = [b for uid, b in outputs.items() if uid not in set(uids)]
+        return moved + others + [outputs[uid] for uid in uids]
 
     def decode(self) -> list[TokenBatch]:
         """One batched decode step: one token for every active row."""
+        if self._single_row_fast_path:
+            self._batch_into_solo()
+        if self._solo is not None:
+            batch = self._solo.step()
+            self._retire_solo_if_finished(batch)
+            return [batch]
         if not self._uid_by_request:
             return []
         _, responses = self._gen.next()
@@ -120,6 +204,11 @@ class ClassicBatch:
 
     def remove(self, request_id: str) -> None:
         """Drop a row (finished rows are already out of the batch). Idempotent."""
+        self._stop_ids.pop(request_id, None)
+        self._finished_solo.discard(request_id)
+        if self._solo is not None and self._solo.request_id == request_id:
+            self._solo = None
+            return
         uid = self._uid_by_request.pop(request_id, None)
         if uid is None:
             return
@@ -127,4 +216,5 @@ class ClassicBatch:
         self._gen.remove([uid])
 
     def close(self) -> None:
+        self._solo = None
         self._gen.close()

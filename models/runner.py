@@ -19,7 +19,7 @@ from models.batch_adapter import ClassicBatch
 from models.drafters import Drafter, DraftModelDrafter, DrafterSlot, NgramDrafter
 from models.loader import LoadedModel, load_pair
 from models.sampling import supports_sampling
-from models.session import SpeculativeSession
+from models.session import PROBE_TOKENS, SpeculativeSession
 from scheduler.request import Request, SamplingParams
 from scheduler.runner import RoundOutcome, TokenBatch
 
@@ -98,13 +98,15 @@ class MlxRunner:
         use, the sampler) is paid here and not by the first real request."""
         if self._verifier is None:
             return 0
-        count = self._verifier.warm((1, self.num_draft_tokens + 1), max_positions)
+        count = self._verifier.warm((1, self.num_draft_tokens + 1), max_positions)  # 1: a last-token round
         chunk = self._verifier.prefill_chunk
         if chunk:
             count += self._verifier.warm((chunk,), max_positions, greedy=True)
         drafter = self._slot.drafter
         if isinstance(drafter, DraftModelDrafter) and drafter.fast is not None:
-            lengths = (1, 2, drafter.fast.prefill_chunk) if drafter.fast.prefill_chunk else (1, 2)
+            # Catch-up feeds: 1-2 tokens after a round, PROBE_TOKENS + 1-2 after a probe.
+            lengths = (1, 2, PROBE_TOKENS + 1, PROBE_TOKENS + 2)
+            lengths += (drafter.fast.prefill_chunk,) if drafter.fast.prefill_chunk else ()
             count += drafter.fast.warm(lengths, max_positions, greedy=True)
         if self._warm_session:
             self._run_warm_requests()
@@ -221,6 +223,7 @@ class MlxRunner:
             result.num_accepted,
             probe,
             seconds,
+            result.seconds_per_token,
         )
 
     def spec_park(self, request_id: str) -> None:

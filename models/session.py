@@ -32,6 +32,7 @@ from models.sampling import RequestSampler, stop_token_ids
 from scheduler.request import SamplingParams
 
 PREFILL_STEP = 2048
+PROBE_TOKENS = 8  # classic steps per probe round: a steady-state rate, not one cold step
 
 
 @dataclass
@@ -42,6 +43,7 @@ class RoundResult:
     num_accepted: int
     probe: bool
     seconds: float
+    seconds_per_token: float | None = None  # a probe's steady-state classic decode time
 
 
 @dataclass
@@ -146,15 +148,22 @@ class SpeculativeSession:
         """Exactly one round: draft K, verify K + 1 positions in one target forward,
         emit the accepted drafts plus one target token, roll both caches back.
 
-        A probe round verifies an empty draft (one target position, one token) and
-        needs no bound drafter.
+        A probe round measures classic decode instead (`_probe_tokens`): it needs no
+        bound drafter and emits up to `PROBE_TOKENS` tokens.
         """
         if self.cache is None or self.finished:
             raise RuntimeError(f"session {self.request_id!r} is not running")
-        if not probe and self.drafter is None:
+        if probe:
+            tic = time.perf_counter()
+            tokens, per_token = self._probe_tokens()
+            tokens, reason = self._emit(tokens)
+            seconds = time.perf_counter() - tic
+            self._count_round(True, 0, 0, seconds)
+            return RoundResult(tokens, reason, 0, 0, True, seconds, per_token)
+        if self.drafter is None:
             raise RuntimeError(f"session {self.request_id!r} does not hold the drafter")
         tic = time.perf_counter()
-        k = 0 if probe else draft_budget(self.num_draft_tokens, self.max_tokens - self.num_emitted)
+        k = draft_budget(self.num_draft_tokens, self.max_tokens - self.num_emitted)
         if k and not self._draft_ready:
             self.draft_state = self.drafter.new_state(self.history[:-1])
             self._draft_ready = True
@@ -185,20 +194,59 @@ class SpeculativeSession:
         phases["rollback"] += time.perf_counter() - t3
         tokens, reason = self._emit(verified[: num_accepted + 1])
         seconds = time.perf_counter() - tic
+        self._count_round(False, num_drafted, num_accepted, seconds)
+        return RoundResult(tokens, reason, num_drafted, num_accepted, False, seconds)
+
+    def _count_round(self, probe: bool, num_drafted: int, num_accepted: int, seconds: float) -> None:
         c = self.counters
         c.num_rounds += 1
         c.num_probe_rounds += int(probe)
         c.num_drafted += num_drafted
         c.num_accepted += num_accepted
         c.round_seconds.append(seconds)
-        return RoundResult(tokens, reason, num_drafted, num_accepted, probe, seconds)
+
+    def _probe_tokens(self) -> tuple[list[int], float]:
+        """Classic decode of up to `PROBE_TOKENS` tokens, pipelined the way a lone
+        classic row runs (`models.solo`): the forward for token i + 1 is queued before
+        the host reads token i. Returns the tokens and the steady-state seconds per
+        token (first read to last read, over the tokens in between), which is what the
+        adaptive policy compares a round against.
+
+        The plain model forward works on both paths' caches (the bucketed path keeps
+        ordinary `KVCache`s). Afterwards the cache holds every token but the last one,
+        the new pending token, as between rounds.
+        """
+        n = max(1, min(PROBE_TOKENS, self.max_tokens - self.num_emitted))
+        tic = time.perf_counter()
+
+        def forward(token: mx.array) -> mx.array:
+            logits = self.target(token.reshape(1, 1), cache=self.cache)[:, -1, :]
+            return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+        pending = forward(mx.array([self.history[-1]], dtype=mx.int32))
+        mx.async_eval(pending)
+        tokens: list[int] = []
+        reads: list[float] = []
+        for i in range(n):
+            current = pending
+            if i + 1 < n:
+                pending = forward(current)
+                mx.async_eval(pending)
+            tokens.append(current.item())
+            reads.append(time.perf_counter())
+            if tokens[-1] in self.stop_ids:  # the session ends here; nothing follows
+                break
+        if len(reads) > 1:
+            return tokens, (reads[-1] - reads[0]) / (len(reads) - 1)
+        return tokens, reads[0] - tic
 
     def _verify_bucketed(self, k: int, phases: dict) -> tuple[list[int], list[int], int]:
         """Draft and verify with one host sync: (drafts, target tokens, positions added).
 
         The verify covers 1 + K positions whenever k > 0 (K = num_draft_tokens; a
         shorter draft, e.g. near max_tokens or from the n-gram drafter, is padded and the
-        padding trimmed like rejected drafts), and 1 position for a probe, so its shape
+        padding trimmed like rejected drafts), and 1 position when no draft fits (a
+        request's last token), so its shape
         depends only on K and the cache bucket and was compiled at load. A drafter with
         `propose_array` drafts lazily on the device, and its tokens feed the verify
         without a round trip through the host.

@@ -1,9 +1,9 @@
 """The adaptive B=1 policy: should a request take the speculative slot at all?
 
 In `auto` mode the first speculative requests per (target, drafter, hardware, K)
-profile the slot: a few *probe rounds* (verify with an empty draft, shaped like one
-classic step) give the classic step time; real rounds give the round time and the
-acceptance. Then
+profile the slot: a few *probe rounds* (a short burst of classic decode, pipelined like
+a lone classic row) give the classic time per token; real rounds give the round time
+and the acceptance. Then
 
     speedup = (accepted per round + 1) * classic step time / round time
 
@@ -148,7 +148,10 @@ class B1Policy:
             return
         if outcome.probe:
             self._num_probes += 1
-            self._probe_seconds += outcome.seconds
+            per_token = outcome.seconds_per_token
+            if per_token is None:
+                per_token = outcome.seconds / max(len(outcome.token_ids), 1)
+            self._probe_seconds += per_token
         else:
             self._num_rounds += 1
             self._round_seconds += outcome.seconds

@@ -35,7 +35,9 @@ class RoundOutcome:
     A round drafts `num_drafted` tokens, verifies them with one target forward and
     emits the `num_accepted` matching prefix plus one target token, so
     `len(token_ids) == num_accepted + 1` unless clipped by `max_tokens` or a stop token.
-    A probe round drafts nothing and emits exactly one token.
+    A probe round drafts nothing and measures classic decode instead: it emits one or
+    more tokens, decoded the classic way, and `seconds_per_token` is its steady-state
+    time per token (None: use `seconds / len(token_ids)`).
     """
 
     request_id: str
@@ -45,6 +47,7 @@ class RoundOutcome:
     num_accepted: int
     probe: bool
     seconds: float  # wall time of the round's model work, for the adaptive policy
+    seconds_per_token: float | None = None
 
 
 class ModelRunner(Protocol):

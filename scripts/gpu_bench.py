@@ -128,7 +128,7 @@ def spec_run(model, prompt, drafter, k, n, verifier=None, eos=(), probes=0):
     for _ in range(probes):  # shaped like the adaptive policy's probes
         r = s.step(probe=True)
         out += r.token_ids
-        probe_s.append(r.seconds)
+        probe_s.append(r.seconds_per_token)
     for key in s.counters.phase_seconds:
         s.counters.phase_seconds[key] = 0.0
     rounds = drafted = accepted = 0

@@ -6,6 +6,7 @@ import random
 import pytest
 
 from models.drafters import DraftModelDrafter
+from models.session import PROBE_TOKENS
 
 from .conftest import make_request
 from .helpers import make_drafter, new_session, run_session
@@ -98,9 +99,9 @@ def test_each_session_owns_its_draft_cache(loaded, prompt_ids):
 
 
 def test_probe_rounds_interleave_with_real_rounds(loaded, prompt_ids):
-    """Probe rounds (no drafter bound) keep the session exact."""
+    """Probe rounds (no drafter bound; a burst of classic steps) keep the session exact."""
     drafter = make_drafter("draft_model", loaded)
-    request = make_request("p", prompt_ids[3], 20)
+    request = make_request("p", prompt_ids[3], 4 * PROBE_TOKENS + 24)
     expected, _, _ = run_session(loaded, request, K, drafter)
     session = new_session(loaded, request, K, drafter)
     tokens = list(session.begin().token_ids)
@@ -114,10 +115,34 @@ def test_probe_rounds_interleave_with_real_rounds(loaded, prompt_ids):
             session.bind(drafter)
         r = session.step(probe=probe)
         if probe:
-            assert (r.num_drafted, r.num_accepted, len(r.token_ids)) == (0, 0, 1)
+            assert (r.num_drafted, r.num_accepted, len(r.token_ids)) == (0, 0, PROBE_TOKENS)
+            assert 0 < r.seconds_per_token < r.seconds
         tokens += r.token_ids
     while not session.finished:
         session.bind(drafter)
         tokens += session.step().token_ids
     assert tokens == expected
     assert session.counters.num_probe_rounds == 4
+
+
+@pytest.mark.parametrize("max_tokens", [2, PROBE_TOKENS + 3])
+def test_probe_round_near_the_budget_and_at_a_stop_token(loaded, prompt_ids, max_tokens):
+    """A probe never emits past max_tokens, ends at a stop token, and leaves the cache
+    holding every token but the pending one."""
+    request = make_request("p", prompt_ids[5], max_tokens)
+    expected, reason, _ = run_session(loaded, request, K, make_drafter("ngram", loaded))
+    session = new_session(loaded, request, K)
+    tokens = list(session.begin().token_ids)
+    while not session.finished:
+        r = session.step(probe=True)
+        tokens += r.token_ids
+        assert r.finish_reason or session.cache[0].offset == len(session.history) - 1
+    assert (tokens, session.finish_reason) == (expected, reason)
+
+    stop = expected[min(3, len(expected) - 1)]
+    stopping = make_request("q", prompt_ids[5], max_tokens, stop_token_ids=(stop,))
+    session = new_session(loaded, stopping, K)
+    tokens = list(session.begin().token_ids)
+    while not session.finished:
+        tokens += session.step(probe=True).token_ids
+    assert (tokens, session.finish_reason) == (expected[: expected.index(stop) + 1], "stop")

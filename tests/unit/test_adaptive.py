@@ -54,6 +54,22 @@ def test_profiling_settles_after_profile_requests(round_s, accepted, default, se
     assert policy.should_run() is settled_enabled
 
 
+@pytest.mark.parametrize("probe, expected_classic_s", [
+    # a multi-token probe reports its steady-state time per token ...
+    (RoundOutcome("r", [1] * 8, None, 0, 0, True, 0.080, seconds_per_token=0.006), 0.006),
+    # ... without it, the round's time is spread over its tokens
+    (RoundOutcome("r", [1] * 8, None, 0, 0, True, 0.080), 0.010),
+    (RoundOutcome("r", [1], None, 0, 0, True, 0.012), 0.012),
+])
+def test_probe_gives_classic_time_per_token(probe, expected_classic_s):
+    policy = B1Policy("auto", "k", profile_requests=1)
+    policy.record_round(probe)
+    policy.record_round(outcome(False, 0.020, accepted=3))
+    policy.session_done(num_real_rounds=1)
+    assert policy.measurement.classic_step_s == pytest.approx(expected_classic_s)
+    assert policy.measurement.speedup == pytest.approx(4 * expected_classic_s / 0.020)
+
+
 def test_session_without_real_rounds_does_not_count():
     policy = B1Policy("auto", "k", profile_requests=1)
     policy.record_round(outcome(True, 0.01))

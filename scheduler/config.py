@@ -25,6 +25,9 @@ class SchedulerConfig:
     grant_rounds: int = DEFAULT_GRANT_ROUNDS  # slices per grant; 0 = no rotation
     skip_cap: int = 2  # grant decisions an entry may be skipped before it is overdue
     backlog_cap: int = 2  # grant ring entries (parked jobs + waiters)
+    # A new request goes classic when this many other requests are live; 0 = never
+    # (see policy.batch_allows_speculation).
+    speculative_disable_by_batch_size: int = 0
     num_draft_tokens: int = 4
     b1_policy: str = "auto"  # "auto" | "on" | "off"
     b1_default_enabled: bool = True  # verdict when the speedup is between 1.0 and 1.5
@@ -43,6 +46,7 @@ class SchedulerConfig:
             "grant_rounds": 0,
             "skip_cap": 1,
             "backlog_cap": 0,
+            "speculative_disable_by_batch_size": 0,
             "num_draft_tokens": 1,
             "b1_profile_requests": 1,
             "b1_probe_rounds": 1,

@@ -2,8 +2,9 @@
 action (`policy.decide`) -> run it through the `ModelRunner` -> finalize -> events.
 
 Single-threaded: `engine.Engine` owns the thread and the queues around it. Routing of
-a new request: speculative if the runner supports it and the B=1 policy runs it and
-the slot has room (free, or a backlog place); otherwise a classic row. Classic
+a new request: speculative if the runner supports it, the B=1 policy runs it, fewer
+than `speculative_disable_by_batch_size` other requests are live (when set) and the
+slot has room (free, or a backlog place); otherwise a classic row. Classic
 admission is strict lane order (high first), FIFO within a lane.
 """
 
@@ -18,7 +19,7 @@ from scheduler.adaptive import B1Policy
 from scheduler.config import SchedulerConfig
 from scheduler.counters import Counters
 from scheduler.events import EventSink, TokenEvent
-from scheduler.policy import Action, Decision, decide
+from scheduler.policy import Action, Decision, batch_allows_speculation, decide
 from scheduler.request import Lane, Request, RequestStatus
 from scheduler.runner import ModelRunner, TokenBatch
 from scheduler.slot import SpecSlot
@@ -40,7 +41,7 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every unfinished request
         self.sink = EventSink(self.counters, clock, on_finish=self._forget)
         self.slot = SpecSlot(runner, lambda: self.config, self.policy, self.counters, self.sink,
-                             self._to_classic, clock)
+                             self._to_classic, clock, live_requests=self.num_unfinished)
         self._inbox: list[Request] = []
         self._cancels: list[str] = []
         self._queues: dict[Lane, deque[Request]] = {lane: deque() for lane in Lane}
@@ -125,6 +126,9 @@ class Scheduler:
             self._to_classic(request, None)
         elif not self.policy.should_run():
             self._to_classic(request, "policy_declined")
+        elif not batch_allows_speculation(self.num_unfinished() - 1,
+                                          self.config.speculative_disable_by_batch_size):
+            self._to_classic(request, "batch_size")
         else:
             reason = self.slot.try_admit(request)
             if reason is not None:

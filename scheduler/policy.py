@@ -68,6 +68,21 @@ def can_join_backlog(backlog_len: int, cap: int, budget: int) -> bool:
     return budget > 0 and backlog_len < cap
 
 
+def batch_allows_speculation(num_others: int, disable_by_batch_size: int) -> bool:
+    """Whether a request that has not started speculating may still take the slot or
+    join the ring, given `num_others` other unfinished requests (classic rows, queued,
+    slot holder, ring entries, arrivals not yet routed).
+
+    The slot runs its own forward passes beside the classic batch, so every other live
+    request makes it dearer: with `disable_by_batch_size` N > 0 the request goes
+    classic once N or more others are live (1 = only a lone request speculates);
+    0 never disables.
+    >>> batch_allows_speculation(0, 1), batch_allows_speculation(1, 1), batch_allows_speculation(9, 0)
+    (True, False, True)
+    """
+    return disable_by_batch_size == 0 or num_others < disable_by_batch_size
+
+
 class GrantView(NamedTuple):
     """What grant order looks at for one backlog entry.
 

@@ -23,7 +23,7 @@ from scheduler.backlog import BacklogEntry, EntryKind, GrantBacklog
 from scheduler.config import SchedulerConfig
 from scheduler.counters import Counters
 from scheduler.events import EventSink
-from scheduler.policy import SpecStep, can_join_backlog, grant_expired
+from scheduler.policy import SpecStep, batch_allows_speculation, can_join_backlog, grant_expired
 from scheduler.request import Request, RequestStatus
 from scheduler.runner import ModelRunner
 
@@ -47,7 +47,8 @@ class ActiveJob:
 class SpecSlot:
     def __init__(self, runner: ModelRunner, config: Callable[[], SchedulerConfig],
                  policy: B1Policy, counters: Counters, sink: EventSink,
-                 to_classic: Callable[[Request, str], None], clock: Callable[[], float]) -> None:
+                 to_classic: Callable[[Request, str], None], clock: Callable[[], float],
+                 live_requests: Callable[[], int] = lambda: 0) -> None:
         self.runner = runner
         self._config = config
         self.policy = policy
@@ -55,6 +56,7 @@ class SpecSlot:
         self.sink = sink
         self._to_classic = to_classic
         self._clock = clock
+        self._live_requests = live_requests  # unfinished requests, for the batch-size rule
         self.backlog = GrantBacklog()
         self.active: ActiveJob | None = None
         self.grant_log: deque[tuple[str, int]] = deque(maxlen=GRANT_LOG_LIMIT)
@@ -113,9 +115,9 @@ class SpecSlot:
         return True
 
     def _promote(self) -> bool:
-        skip_cap = self._config().skip_cap
+        config = self._config()
         while len(self.backlog):
-            entry, escalated = self.backlog.grant(skip_cap)
+            entry, escalated = self.backlog.grant(config.skip_cap)
             self.counters.skip_escalations += int(escalated)
             self.counters.observe_backlog(len(self.backlog))
             request = entry.request
@@ -125,6 +127,12 @@ class SpecSlot:
             if entry.kind is EntryKind.WAITING:
                 if not self.policy.should_run():  # settled to decline while it waited
                     self._to_classic(request, "declined_at_promotion")
+                    continue
+                # The batch grew while it waited: a waiter has no session yet, so it
+                # joins the classic batch instead (a parked job must resume here).
+                if not batch_allows_speculation(self._live_requests() - 1,
+                                                config.speculative_disable_by_batch_size):
+                    self._to_classic(request, "batch_size_at_promotion")
                     continue
                 self.counters.promotions += 1
                 self._begin(self._install(request, started=False))

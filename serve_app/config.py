@@ -88,6 +88,11 @@ class ServeArgs(BaseModel):
     )
     skip_cap: int = Field(2, ge=1, le=1000, description="Grant decisions an entry may be skipped before it must win.")
     backlog_cap: int = Field(2, ge=0, le=64, description="Grant backlog entries (parked + waiting) beyond the slot.")
+    speculative_disable_by_batch_size: int = Field(
+        0, ge=0, le=1_000_000,
+        description="A new request skips the speculative slot (and its ring) and decodes in the "
+        "classic batch when this many other requests are live; 0 = never.",
+    )
     b1_policy: Literal["auto", "on", "off"] = Field(
         "auto", description="Adaptive B=1 policy: profile and decide (auto), always (on), never (off)."
     )
@@ -168,6 +173,7 @@ class ServeArgs(BaseModel):
             grant_rounds=grant_rounds,
             skip_cap=self.skip_cap,
             backlog_cap=self.backlog_cap,
+            speculative_disable_by_batch_size=self.speculative_disable_by_batch_size,
             num_draft_tokens=self.num_draft_tokens,
             b1_policy=self.b1_policy,
             b1_default_enabled=self.b1_default_enabled,

@@ -51,6 +51,8 @@ def test_config_specifics():
     assert (scaling["min_replicas"], scaling["max_replicas"]) == (1, 4)
     local = args_of("local.yaml")
     assert local["args"]["model"] == "models/bundled/target"
+    # measured on the bundled pair on CPU: only a lone request speculates
+    assert ServeArgs.model_validate(local["args"]).scheduler_config(env={}).speculative_disable_by_batch_size == 1
     assert build_app(local["args"])._bound_deployment.init_args[0]["model"] == os.path.join(
         REPO, "models", "bundled", "target")
 
@@ -63,6 +65,7 @@ def test_config_specifics():
     ({"model": "m", "num_draft_tokens": 0}, "args.num_draft_tokens"),
     ({"model": "m", "b1_policy": "sometimes"}, "args.b1_policy"),
     ({"model": "m", "b1_probe_rounds": 0}, "args.b1_probe_rounds"),
+    ({"model": "m", "speculative_disable_by_batch_size": -1}, "args.speculative_disable_by_batch_size"),
     ({"model": "m", "b1_profile_requests": -1}, "args.b1_profile_requests"),
     ({"model": "m", "drafter": {"kind": "draft_model"}}, "drafter.path is required"),
     ({"model": "m", "drafter": {"kind": "eagle"}}, "args.drafter.kind"),
@@ -83,6 +86,12 @@ def test_policy_profiling_knobs_reach_the_scheduler_config():
     config = ServeArgs.model_validate({"model": "m", "b1_profile_requests": 5, "b1_probe_rounds": 4})
     scheduler_config = config.scheduler_config(env={})
     assert (scheduler_config.b1_profile_requests, scheduler_config.b1_probe_rounds) == (5, 4)
+
+
+@pytest.mark.parametrize("raw, expected", [({}, 0), ({"speculative_disable_by_batch_size": 3}, 3)])
+def test_batch_size_rule_reaches_the_scheduler_config(raw, expected):
+    config = ServeArgs.model_validate({"model": "m", **raw}).scheduler_config(env={})
+    assert config.speculative_disable_by_batch_size == expected
 
 
 @pytest.mark.parametrize("env, yaml_value, expected", [

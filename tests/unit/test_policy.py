@@ -3,7 +3,7 @@
 import pytest
 
 from scheduler.policy import (
-    Action, Decision, GrantView, SpecStep, can_join_backlog, decide, grant_expired,
+    Action, Decision, GrantView, SpecStep, batch_allows_speculation, can_join_backlog, decide, grant_expired,
     next_grant_index, num_to_admit, parse_grant_budget, parse_tick_slice, slice_takes_tick,
 )
 from scheduler.request import Lane
@@ -31,6 +31,15 @@ def test_parse_grant_budget_custom_default():
 ])
 def test_parse_tick_slice(raw, default, expected):
     assert parse_tick_slice(raw, default=default) is expected
+
+
+@pytest.mark.parametrize("num_others, threshold, expected", [
+    (0, 0, True), (100, 0, True),  # 0 = the rule is off
+    (0, 1, True), (1, 1, False), (5, 1, False),  # 1: only a lone request speculates
+    (0, 3, True), (2, 3, True), (3, 3, False), (4, 3, False),
+])
+def test_batch_allows_speculation(num_others, threshold, expected):
+    assert batch_allows_speculation(num_others, threshold) is expected
 
 
 @pytest.mark.parametrize("slices_run, budget, backlog_nonempty, expected", [

@@ -1,6 +1,7 @@
 """Scenario 4: our service side by side with `mlx_lm.server`, alternating runs.
 
     python -m scripts.bench_vs_mlx_lm [--quick] [--out results/vs_mlx_lm]
+        [--config PATH[:key=value,...]]... [--concurrency N]... [--peer NAME]... [--repeats N]
 
 All servers are started by this script on 127.0.0.1 and stopped with SIGTERM:
 - `specslot`: our service through its own entry point (`python -m serve_app.cli`,
@@ -17,12 +18,20 @@ everywhere. All servers stay up (an idle mlx_lm.server uses no CPU); for each
 concurrency and repeat, one run per server in turn with the same seeded prompts
 (streaming completions, greedy, fixed max_tokens); ratios are ours / peer for each
 (our run, peer run) pair of the same repeat.
+
+`--config` (repeatable) starts one of our servers per config, each alternating with the
+peers: `configs/classic-only.yaml`, or `configs/local.yaml:backlog_cap=0,grant_rounds=2`
+to override `args` keys (YAML values). With more than one config each is named
+`specslot[<spec>]`. `--concurrency` and `--peer` (repeatable) narrow the sweep.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
+
+import yaml
 
 from scripts import bench_util, metrics, servers
 from scripts.loadgen import LoadConfig, run_load
@@ -36,17 +45,53 @@ def _is_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
+DEFAULT_CONFIG = "configs/local.yaml"
+
+
+def parse_config_spec(spec: str) -> tuple[str, dict]:
+    """`PATH[:key=value,...]` -> (path, args overrides); values are parsed as YAML.
+
+    >>> parse_config_spec("configs/local.yaml:backlog_cap=0,tick_slice=false")
+    ('configs/local.yaml', {'backlog_cap': 0, 'tick_slice': False})
+    """
+    path, _, rest = spec.partition(":")
+    overrides = {}
+    for item in filter(None, rest.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"bad override {item!r} in --config {spec!r}; expected key=value")
+        overrides[key.strip()] = yaml.safe_load(value)
+    return path, overrides
+
+
+def our_servers(specs: list[str], base_port: int, out_dir: str) -> list:
+    """One server per config spec; a lone default spec keeps the plain name `specslot`."""
+    fleet = []
+    for i, spec in enumerate(specs):
+        path, overrides = parse_config_spec(spec)
+        name = "specslot" if len(specs) == 1 else f"specslot[{os.path.basename(path)}{spec[len(path):]}]"
+        fleet.append(servers.ours(base_port + i, out_dir, path, overrides, name=name))
+    return fleet
+
+
 def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "results/vs_mlx_lm",
-        concurrencies: tuple[int, ...] = CONCURRENCIES, base_port: int = 8120) -> dict:
+        concurrencies: tuple[int, ...] = CONCURRENCIES, base_port: int = 8120,
+        configs: list[str] | None = None, peer_names: list[str] | None = None,
+        repeats: int | None = None) -> dict:
     max_tokens = 32 if quick else 128
-    repeats = 2 if quick else 3
+    repeats = repeats or (2 if quick else 3)
     peers = [("mlx_lm", target, None), ("mlx_lm+draft", target, draft)]
     if _is_cpu():
         t32, d32 = servers.float32_copy(target, out_dir), servers.float32_copy(draft, out_dir)
         peers += [("mlx_lm-f32", t32, None), ("mlx_lm-f32+draft", t32, d32)]
-    fleet = [servers.ours(base_port, out_dir)]
-    fleet += [servers.mlx_lm_server(base_port + 1 + i, out_dir, model, d, name=name)
-              for i, (name, model, d) in enumerate(peers)]
+    if peer_names:
+        unknown = set(peer_names) - {p[0] for p in peers}
+        if unknown:
+            raise ValueError(f"unknown peer(s) {sorted(unknown)}; choose from {[p[0] for p in peers]}")
+        peers = [p for p in peers if p[0] in peer_names]
+    ours = our_servers(configs or [DEFAULT_CONFIG], base_port, out_dir)
+    fleet = ours + [servers.mlx_lm_server(base_port + len(ours) + i, out_dir, model, d, name=name)
+                    for i, (name, model, d) in enumerate(peers)]
     runs = []
     try:
         for server in fleet:
@@ -74,31 +119,39 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "res
     startup = {server.name: server.startup_s for server in fleet}
     return {"scenario": "vs_mlx_lm", "quick": quick, "max_tokens": max_tokens, "repeats": repeats,
             "machine": bench_util.machine(), "servers": {s.name: s.cmd for s in fleet}, "startup_s": startup,
-            "exit_codes": stops, "runs": runs, "rows": pair_ratios(runs, [p[0] for p in peers])}
+            "exit_codes": stops, "runs": runs,
+            "rows": pair_ratios(runs, [p[0] for p in peers], [s.name for s in ours])}
 
 
-def pair_ratios(runs: list[dict], peers: list[str]) -> list[dict]:
+def pair_ratios(runs: list[dict], peers: list[str], ours_names: list[str] = ("specslot",)) -> list[dict]:
     rows = []
     for concurrency in sorted({r["concurrency"] for r in runs}):
-        ours = {r["repeat"]: r["summary"] for r in runs if r["concurrency"] == concurrency and r["server"] == "specslot"}
-        for peer in peers:
-            theirs = {r["repeat"]: r["summary"] for r in runs if r["concurrency"] == concurrency and r["server"] == peer}
-            reps = sorted(set(ours) & set(theirs))
-            if not reps:  # e.g. a +draft peer skipped at this concurrency in quick mode
-                continue
-            tput = [ours[k]["output_throughput"] / theirs[k]["output_throughput"] for k in reps]
-            ttft = [ours[k]["mean_ttft_ms"] / theirs[k]["mean_ttft_ms"] for k in reps]
-            rows.append({"concurrency": concurrency, "peer": peer, "pairs": len(reps),
-                         "ours_tok_s": statistics.median(ours[k]["output_throughput"] for k in reps),
-                         "peer_tok_s": statistics.median(theirs[k]["output_throughput"] for k in reps),
-                         "throughput_ratios": tput, "throughput_ratio_median": statistics.median(tput),
-                         "ttft_ratios": ttft, "ttft_ratio_median": statistics.median(ttft),
-                         "ours_ttft_ms": statistics.median(ours[k]["mean_ttft_ms"] for k in reps),
-                         "peer_ttft_ms": statistics.median(theirs[k]["mean_ttft_ms"] for k in reps)})
+        for name in ours_names:
+            rows += _pairs_at(runs, concurrency, name, peers)
     return rows
 
 
-COLUMNS = [("concurrency", "concurrency"), ("peer", "peer"), ("ours_tok_s", "specslot tok/s"),
+def _pairs_at(runs: list[dict], concurrency: int, ours_name: str, peers: list[str]) -> list[dict]:
+    rows = []
+    ours = {r["repeat"]: r["summary"] for r in runs if r["concurrency"] == concurrency and r["server"] == ours_name}
+    for peer in peers:
+        theirs = {r["repeat"]: r["summary"] for r in runs if r["concurrency"] == concurrency and r["server"] == peer}
+        reps = sorted(set(ours) & set(theirs))
+        if not reps:  # e.g. a +draft peer skipped at this concurrency in quick mode
+            continue
+        tput = [ours[k]["output_throughput"] / theirs[k]["output_throughput"] for k in reps]
+        ttft = [ours[k]["mean_ttft_ms"] / theirs[k]["mean_ttft_ms"] for k in reps]
+        rows.append({"concurrency": concurrency, "ours": ours_name, "peer": peer, "pairs": len(reps),
+                     "ours_tok_s": statistics.median(ours[k]["output_throughput"] for k in reps),
+                     "peer_tok_s": statistics.median(theirs[k]["output_throughput"] for k in reps),
+                     "throughput_ratios": tput, "throughput_ratio_median": statistics.median(tput),
+                     "ttft_ratios": ttft, "ttft_ratio_median": statistics.median(ttft),
+                     "ours_ttft_ms": statistics.median(ours[k]["mean_ttft_ms"] for k in reps),
+                     "peer_ttft_ms": statistics.median(theirs[k]["mean_ttft_ms"] for k in reps)})
+    return rows
+
+
+COLUMNS = [("concurrency", "concurrency"), ("ours", "ours"), ("peer", "peer"), ("ours_tok_s", "specslot tok/s"),
            ("peer_tok_s", "peer tok/s"), ("throughput_ratio_median", "tok/s ratio (median of pairs)"),
            ("ours_ttft_ms", "specslot TTFT ms"), ("peer_ttft_ms", "peer TTFT ms"),
            ("ttft_ratio_median", "TTFT ratio")]
@@ -107,9 +160,10 @@ COLUMNS = [("concurrency", "concurrency"), ("peer", "peer"), ("ours_tok_s", "spe
 def plot(result: dict, path: str) -> None:
     plt = bench_util.pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    for peer in sorted({r["peer"] for r in result["rows"]}):
-        rows = [r for r in result["rows"] if r["peer"] == peer]
-        ax.plot([r["concurrency"] for r in rows], [r["throughput_ratio_median"] for r in rows], marker="o", label=peer)
+    for ours, peer in sorted({(r.get("ours", "specslot"), r["peer"]) for r in result["rows"]}):
+        rows = [r for r in result["rows"] if r["peer"] == peer and r.get("ours", "specslot") == ours]
+        label = peer if ours == "specslot" else f"{ours} / {peer}"
+        ax.plot([r["concurrency"] for r in rows], [r["throughput_ratio_median"] for r in rows], marker="o", label=label)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrency")
@@ -122,8 +176,17 @@ def plot(result: dict, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    args = bench_util.scenario_args(__doc__.split("\n\n")[0], "results/vs_mlx_lm").parse_args(argv)
-    result = run(args.quick, args.target, args.draft, args.seed, out_dir=args.out)
+    ap = bench_util.scenario_args(__doc__.split("\n\n")[0], "results/vs_mlx_lm")
+    ap.add_argument("--config", action="append", default=None, metavar="PATH[:key=value,...]",
+                    help=f"our deployment config, repeatable (default {DEFAULT_CONFIG})")
+    ap.add_argument("--concurrency", action="append", type=int, default=None,
+                    help=f"repeatable (default {' '.join(map(str, CONCURRENCIES))})")
+    ap.add_argument("--peer", action="append", default=None, help="only these peers (repeatable)")
+    ap.add_argument("--repeats", type=int, default=None, help="runs per server and concurrency")
+    args = ap.parse_args(argv)
+    result = run(args.quick, args.target, args.draft, args.seed, out_dir=args.out,
+                 concurrencies=tuple(args.concurrency or CONCURRENCIES), configs=args.config,
+                 peer_names=args.peer, repeats=args.repeats)
     text = metrics.table(result["rows"], COLUMNS, digits=2)
     bench_util.publish(args, "vs_mlx_lm", result, text, plot)
     return 0

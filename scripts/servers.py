@@ -61,12 +61,16 @@ class Server:
             return self.proc.wait(10)
 
 
-def ours(port: int, out_dir: str, base_config: str = "configs/local.yaml") -> Server:
+def ours(port: int, out_dir: str, base_config: str = "configs/local.yaml", args: dict | None = None,
+         name: str = "specslot") -> Server:
     """Our service through its own entry point (`python -m serve_app.cli <config>`), with
-    the config's HTTP port moved to `port`."""
+    the config's HTTP port moved to `port` and `args` (if any) merged over the first
+    application's `args`."""
     with open(base_config) as f:
         config = yaml.safe_load(f)
     config.setdefault("http_options", {}).update({"host": HOST, "port": port})
+    if args:
+        config["applications"][0].setdefault("args", {}).update(args)
     path = os.path.join(out_dir, f"specslot-{port}.yaml")
     os.makedirs(out_dir, exist_ok=True)
     with open(path, "w") as f:
@@ -74,7 +78,7 @@ def ours(port: int, out_dir: str, base_config: str = "configs/local.yaml") -> Se
     # A private Ray temp dir: otherwise `ray.init()` joins whatever cluster last wrote
     # /tmp/ray/ray_current_cluster on this machine (e.g. someone's test cluster).
     ray_tmp = f"/tmp/specslot-bench-ray-{port}"
-    return Server("specslot", [sys.executable, "-m", "serve_app.cli", path], port,
+    return Server(name, [sys.executable, "-m", "serve_app.cli", path], port,
                   os.path.join(out_dir, f"specslot-{port}.log"), env={"RAY_ADDRESS": "", "RAY_TMPDIR": ray_tmp})
 
 

@@ -28,6 +28,7 @@ Neither move recomputes or redraws a token, so a seeded stream is the same eithe
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import mlx.nn as nn
@@ -50,9 +51,16 @@ class ClassicBatch:
         max_batch_size: int = 16,
         prefill_batch_size: int = 8,
         single_row_fast_path: bool = True,
+        solo_burst_s: float = 0.0,
     ):
+        """`solo_burst_s`: a solo row's `decode()` keeps stepping until this much time
+        has passed (at least one step; 0 = exactly one), so when steps are fast one
+        call returns several tokens and the caller's per-call overhead is shared."""
+        if solo_burst_s < 0:
+            raise ValueError("solo_burst_s must be >= 0")
         self._model = model
         self._single_row_fast_path = single_row_fast_path
+        self._solo_burst_s = solo_burst_s
         self._eos_token_ids = tuple(eos_token_ids)
         self._gen = BatchGenerator(
             model,
@@ -109,6 +117,16 @@ class ClassicBatch:
         )
         self._register(uid, solo.request_id)
         return [emitted]
+
+    def _solo_burst(self) -> TokenBatch:
+        tic = time.perf_counter()
+        batch = self._solo.step()
+        while batch.finish_reason is None and time.perf_counter() - tic < self._solo_burst_s:
+            more = self._solo.step()
+            batch.token_ids += more.token_ids
+            batch.finish_reason = more.finish_reason
+        self._retire_solo_if_finished(batch)
+        return batch
 
     def _batch_into_solo(self) -> None:
         """When exactly one row decodes in the batch and nothing waits for prefill,
@@ -191,9 +209,7 @@ class ClassicBatch:
         if self._single_row_fast_path:
             self._batch_into_solo()
         if self._solo is not None:
-            batch = self._solo.step()
-            self._retire_solo_if_finished(batch)
-            return [batch]
+            return [self._solo_burst()]
         if not self._uid_by_request:
             return []
         _, responses = self._gen.next()

@@ -24,6 +24,10 @@ from scheduler.request import Request, SamplingParams
 from scheduler.runner import RoundOutcome, TokenBatch
 
 DRAFTER_KINDS = ("draft_model", "ngram")
+# Per-tick time a lone classic row may keep decoding: on an H200 a bundled-model step is
+# ~1.4 ms and an engine tick's own work ~0.05-0.1 ms, so ~3 steps per tick make that
+# overhead a few percent; on CPU a step takes longer than this and a tick stays one step.
+DEFAULT_CLASSIC_BURST_MS = 4.0
 
 
 def hardware_name() -> str:
@@ -46,6 +50,7 @@ class MlxRunner:
         warm_positions: int | None = None,
         prefill_chunk: int = bucketed.DEFAULT_PREFILL_CHUNK,
         warm_session: bool = True,
+        classic_burst_ms: float = DEFAULT_CLASSIC_BURST_MS,
     ):
         """`fast_verify`: speculative rounds through `models.bucketed` (shape-stable,
         compiled forwards; one host sync per round). None = on when MLX's default device
@@ -53,7 +58,10 @@ class MlxRunner:
         this many positions at load (None = min(max_context, 2048); 0 = lazily).
         `prefill_chunk`: with fast_verify, a session's prefill (target and draft model)
         runs in compiled chunks of this many positions (0 = plain mlx-lm prefill).
-        `warm_session`: `warm` also runs throwaway requests end to end (see there)."""
+        `warm_session`: `warm` also runs throwaway requests end to end (see there).
+        `classic_burst_ms`: a classic row decoding alone keeps stepping within one
+        `classic_decode` call until this much time has passed (several tokens per tick
+        when steps are fast; 0 = one token per call)."""
         if num_draft_tokens < 1:
             raise ValueError("num_draft_tokens must be >= 1")
         self.target = target
@@ -66,6 +74,7 @@ class MlxRunner:
             eos_token_ids=self.eos_token_ids,
             max_batch_size=max_batch_size,
             prefill_batch_size=prefill_batch_size,
+            solo_burst_s=classic_burst_ms / 1000.0,
         )
         # Rolling back a rejected draft needs a trimmable target cache.
         trimmable = can_trim_prompt_cache(make_prompt_cache(target.model))
@@ -142,6 +151,7 @@ class MlxRunner:
         prefill_batch_size: int = 8,
         fast_verify: bool | None = None,
         warm_positions: int | None = None,
+        classic_burst_ms: float = DEFAULT_CLASSIC_BURST_MS,
     ) -> "MlxRunner":
         """Load models and build the runner; raises `ModelLoadError` / `ValueError`."""
         if drafter_kind not in (None, *DRAFTER_KINDS):
@@ -162,6 +172,7 @@ class MlxRunner:
             prefill_batch_size=prefill_batch_size,
             fast_verify=fast_verify,
             warm_positions=warm_positions,
+            classic_burst_ms=classic_burst_ms,
         )
 
     # -- classic --------------------------------------------------------------------

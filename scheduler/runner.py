@@ -60,7 +60,9 @@ class ModelRunner(Protocol):
         """
 
     def classic_decode(self) -> list[TokenBatch]:
-        """One batched decode step over all active classic rows: one model action."""
+        """One batched decode step over all active classic rows: one model action.
+        A runner may return several tokens for a row decoding alone (a short burst of
+        steps that amortizes the per-tick overhead); each row's tokens are in order."""
 
     def classic_remove(self, request_id: str) -> None:
         """Drop a row (finished or cancelled). Idempotent."""

@@ -121,3 +121,26 @@ def test_duplicate_request_id_rejected(loaded, prompt_ids):
     batch.prefill([make_request("a", prompt_ids[2], 30)])
     with pytest.raises(ValueError, match="already a classic row"):
         batch.prefill([make_request("a", prompt_ids[3], 30)])
+
+
+@pytest.mark.parametrize("burst_s, max_tokens", [(0.0, 20), (10.0, 20), (10.0, 1)])
+def test_solo_burst_returns_several_tokens_per_call(loaded, prompt_ids, burst_s, max_tokens):
+    """With a burst budget a lone row's decode() keeps stepping (here: a budget no run
+    reaches, so one call runs the row to its end); the stream is unchanged."""
+    request = make_request("a", prompt_ids[7], max_tokens)
+    batch = ClassicBatch(loaded[0].model, eos_token_ids=eos(loaded), solo_burst_s=burst_s)
+    (first,) = batch.prefill([request])
+    tokens, reason, calls = list(first.token_ids), first.finish_reason, 0
+    while reason is None:
+        (b,) = batch.decode()
+        calls += 1
+        tokens += b.token_ids
+        reason = b.finish_reason
+        assert len(b.token_ids) == (1 if burst_s == 0 else max_tokens - 1)
+    assert (tokens, reason) == reference(loaded, request)
+    assert calls == (max_tokens - 1 if burst_s == 0 else min(1, max_tokens - 1))
+
+
+def test_negative_burst_rejected(loaded):
+    with pytest.raises(ValueError, match="solo_burst_s"):
+        ClassicBatch(loaded[0].model, eos_token_ids=eos(loaded), solo_burst_s=-1)

@@ -13,8 +13,9 @@ prompt length costs no new shape either (a plain causal prefill of length P buil
 cuDNN attention plan per P, tens of milliseconds each on the GPU).
 
 The whole forward is one `mx.compile`d function per shape: tokens, the offset (an array,
-so it is no compile-time constant) and the cache buffers go in; logits (or the greedy
-token) and the updated buffers come out. That removes the per-op Python graph building,
+so it is no compile-time constant) and the cache buffers go in; the head (logits, the
+greedy token of the last position, or the greedy token of every position) and the
+updated buffers come out. That removes the per-op Python graph building,
 which is about half of a synchronised decode step of a 1B model on an H200.
 
 Contract: works for any mlx-lm model whose layers take a standard `KVCache` through
@@ -61,11 +62,24 @@ class _BufferView:
         return key_pos[None, :] <= query_pos[:, None]
 
 
-def _forward(model: nn.Module, greedy: bool, tokens: mx.array, offset: mx.array, *buffers):
+HEADS = ("logits", "last", "every")
+
+
+def _greedy(logits: mx.array) -> mx.array:
+    # The argmax of the log-probabilities, exactly as the sampler takes it at temperature 0.
+    return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1).astype(mx.int32)
+
+
+def _forward(model: nn.Module, head: str, tokens: mx.array, offset: mx.array, *buffers):
     views = [_BufferView(buffers[i], buffers[i + 1], offset) for i in range(0, len(buffers), 2)]
     logits = model(tokens, cache=views)
-    head = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32) if greedy else logits
-    return (head, *[a for v in views for a in (v.keys, v.values)])
+    if head == "last":
+        out = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
+    elif head == "every":
+        out = _greedy(logits)
+    else:
+        out = logits
+    return (out, *[a for v in views for a in (v.keys, v.values)])
 
 
 def supports(model: nn.Module) -> bool:
@@ -81,9 +95,11 @@ def round_up(n: int, bucket: int) -> int:
 class BucketedForward:
     """Compiled, shape-stable forwards of one model over its `KVCache` lists.
 
-    `logits(cache, tokens)` and `greedy(cache, tokens)` append `tokens` (shape (1, L))
-    to `cache` exactly like `model(tokens, cache=cache)` and return the logits (1, L, V),
-    resp. the argmax token of the last position (shape (1,)), all lazily (no host sync).
+    `logits(cache, tokens)`, `greedy(cache, tokens)` and `greedy_every(cache, tokens)`
+    append `tokens` (shape (1, L)) to `cache` exactly like `model(tokens, cache=cache)`
+    and return the logits (1, L, V), the argmax token of the last position (shape (1,)),
+    resp. the greedy token of every position (1, L; the argmax of the log-probabilities,
+    as a temperature-0 sampler takes it), all lazily (no host sync).
     A cache that holds nothing yet (no buffers to infer shapes from) goes through the
     plain model once; `prefill` allocates the buffers instead, so its whole path is
     compiled. `prefill_chunk` = 0 means callers should prefill with the plain model.
@@ -99,8 +115,7 @@ class BucketedForward:
         self.bucket = bucket
         self.prefill_chunk = prefill_chunk
         wrap = mx.compile if compile else (lambda f: f)
-        self._logits = wrap(partial(_forward, model, False))
-        self._greedy = wrap(partial(_forward, model, True))
+        self._fns = {head: wrap(partial(_forward, model, head)) for head in HEADS}
         self._template: list | None = None  # per layer: (keys, values) with 0 positions
 
     def prefill(self, cache: list, ids: Sequence[int]) -> None:
@@ -117,7 +132,7 @@ class BucketedForward:
         for start in range(0, len(ids), size):
             chunk = ids[start : start + size]
             pad = size - len(chunk)
-            self._run(self._greedy, cache, mx.array([chunk + [0] * pad], dtype=mx.int32))
+            self._run(self._fns["last"], cache, mx.array([chunk + [0] * pad], dtype=mx.int32))
             if pad:
                 for c in cache:
                     c.offset -= pad  # padded slots lie beyond the offset: masked, then overwritten
@@ -131,12 +146,17 @@ class BucketedForward:
         return self._template
 
     def logits(self, cache: list, tokens: mx.array) -> mx.array:
-        return self._run(self._logits, cache, tokens)
+        return self._run(self._fns["logits"], cache, tokens)
 
     def greedy(self, cache: list, tokens: mx.array) -> mx.array:
         if cache[0].keys is None:
             return mx.argmax(self.model(tokens, cache=cache)[:, -1], axis=-1).astype(mx.int32)
-        return self._run(self._greedy, cache, tokens)
+        return self._run(self._fns["last"], cache, tokens)
+
+    def greedy_every(self, cache: list, tokens: mx.array) -> mx.array:
+        if cache[0].keys is None:
+            return _greedy(self.model(tokens, cache=cache))
+        return self._run(self._fns["every"], cache, tokens)
 
     def _run(self, fn, cache: list, tokens: mx.array) -> mx.array:
         if cache[0].keys is None:
@@ -171,9 +191,11 @@ class BucketedForward:
             c.keys = _resize(c.keys, size)
             c.values = _resize(c.values, size)
 
-    def warm(self, lengths: Sequence[int], max_positions: int, greedy: bool = False) -> int:
-        """Compile every (bucket, query length) up to `max_positions`; returns the count."""
-        fn = self._greedy if greedy else self._logits
+    def warm(self, lengths: Sequence[int], max_positions: int, head: str = "logits") -> int:
+        """Compile every (bucket, query length) of one head (`HEADS`: "logits" for
+        `logits`, "last" for `greedy` and prefill, "every" for `greedy_every`) up to
+        `max_positions`; returns the count."""
+        fn = self._fns[head]
         count = 0
         for size in range(self.bucket, round_up(max_positions, self.bucket) + 1, self.bucket):
             for n in lengths:

@@ -100,23 +100,25 @@ class MlxRunner:
 
     def warm(self, max_positions: int) -> int:
         """Compile the fast path's shapes for contexts up to `max_positions`: verifies of
-        1 (probe) and K + 1 positions, draft steps of 1 and 2, prefill chunks of target
+        1 and K + 1 positions (logits for sampled requests, greedy tokens for greedy ones), draft steps of 1 and 2, prefill chunks of target
         and draft. Returns the shape count. With `warm_session`, then also runs
         throwaway requests through begin, a probe round and full rounds (greedy and
         sampled), so what the shapes do not cover (library handles, kernels of the first
         use, the sampler) is paid here and not by the first real request."""
         if self._verifier is None:
             return 0
-        count = self._verifier.warm((1, self.num_draft_tokens + 1), max_positions)  # 1: a last-token round
+        verify_widths = (1, self.num_draft_tokens + 1)  # 1: a request's last-token round
+        count = self._verifier.warm(verify_widths, max_positions)  # sampled requests
+        count += self._verifier.warm(verify_widths, max_positions, head="every")  # greedy ones
         chunk = self._verifier.prefill_chunk
         if chunk:
-            count += self._verifier.warm((chunk,), max_positions, greedy=True)
+            count += self._verifier.warm((chunk,), max_positions, head="last")
         drafter = self._slot.drafter
         if isinstance(drafter, DraftModelDrafter) and drafter.fast is not None:
             # Catch-up feeds: 1-2 tokens after a round, PROBE_TOKENS + 1-2 after a probe.
             lengths = (1, 2, PROBE_TOKENS + 1, PROBE_TOKENS + 2)
             lengths += (drafter.fast.prefill_chunk,) if drafter.fast.prefill_chunk else ()
-            count += drafter.fast.warm(lengths, max_positions, greedy=True)
+            count += drafter.fast.warm(lengths, max_positions, head="last")
         if self._warm_session:
             self._run_warm_requests()
         return count

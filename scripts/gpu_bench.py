@@ -171,7 +171,7 @@ def bench_random(size, args, rep):
     verifier = BucketedForward(model)
     max_pos = len(prompt) + n + 16
     tic = time.perf_counter()
-    shapes = verifier.warm(sorted({1} | {k + 1 for k in args.ks}), max_pos)
+    shapes = verifier.warm(sorted({1} | {k + 1 for k in args.ks}), max_pos, head="every")
     row["warm"] = {"shapes": shapes, "seconds": time.perf_counter() - tic}
     plan = [("after", k, 0.8) for k in args.ks] + [("after", 4, a) for a in args.alphas]
     plan += [("before", k, 0.8) for k in args.before_ks] + [("uncompiled", 4, 0.8)]
@@ -226,7 +226,8 @@ def bench_bundled(args, rep, dtype_name):
     vt, vd = BucketedForward(tgt.model), BucketedForward(dft.model)
     max_pos = max(len(p) for p in prompts) + n + 16
     vt.warm(sorted({1} | {k + 1 for k in args.bundled_ks}), max_pos)
-    vd.warm((1, 2), max_pos, greedy=True)
+    vt.warm(sorted({1} | {k + 1 for k in args.bundled_ks}), max_pos, head="every")
+    vd.warm((1, 2), max_pos, head="last")
     for kind in ("draft_model", "ngram"):
         for path in ("before", "after"):
             for k in args.bundled_ks:

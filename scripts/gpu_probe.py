@@ -59,6 +59,7 @@ def main():
     ref, _ = classic_ours(model, prompt, args.tokens + 16)
     rows = {"ours": [], "mlxlm": [], **{f"K{k}": [] for k in (4, 6)}}
     compiled.warm((1, 5, 7), len(prompt) + args.tokens + 16)
+    compiled.warm((1, 5, 7), len(prompt) + args.tokens + 16, head="every")
     if args.ref == "spec":
         # The fast path's own greedy continuation (every draft accepted): in bf16 its
         # numerics (chunked prefill, K+1-wide verifies) differ from classic decode in

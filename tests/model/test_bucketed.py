@@ -44,6 +44,10 @@ def test_logits_match_plain_forward_across_buckets_and_trims(loaded, prompt_ids)
         trim_prompt_cache(fast_cache, step % 3)
         greedy_want = mx.argmax(model(mx.array([[5]]), cache=plain_cache)[:, -1], axis=-1)
         assert fast.greedy(fast_cache, mx.array([[5]])).tolist() == greedy_want.tolist()
+        every = mx.array([[9, 4, 7][: 1 + step % 3]])
+        logits = model(every, cache=plain_cache)
+        every_want = mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
+        assert fast.greedy_every(fast_cache, every).tolist() == every_want.tolist()
     assert len(sizes) >= 3
 
 
@@ -82,7 +86,7 @@ def test_warm_counts_shapes(loaded):
     fast = BucketedForward(loaded[1].model, bucket=16)
     # buckets 16, 32, 48; lengths 1 and 5 fit each
     assert fast.warm((1, 5), 40) == 6
-    assert fast.warm((1,), 16, greedy=True) == 1
+    assert fast.warm((1,), 16, head="last") == 1
 
 
 def test_propose_array_equals_propose(loaded, prompt_ids):
@@ -157,9 +161,9 @@ def test_runner_fast_verify_on_cpu(tiny_pair, loaded, prompt_ids, classic_output
     runner = MlxRunner.from_paths(tiny_pair[0], drafter_kind="draft_model", drafter_path=tiny_pair[1],
                                   num_draft_tokens=3, fast_verify=True, warm_positions=0)
     assert runner.fast_verify
-    # one 256-position bucket: verify 1 and 4 + prefill chunk 128; draft 1, 2, the two
-    # catch-up lengths after a probe (PROBE_TOKENS + 1, + 2) and 128
-    assert runner.warm(256) == 3 + 5
+    # one 256-position bucket: verify 1 and 4 (logits and greedy heads) + prefill chunk 128;
+    # draft 1, 2, the two catch-up lengths after a probe (PROBE_TOKENS + 1, + 2) and 128
+    assert runner.warm(256) == 5 + 5
     # the throwaway warm requests leave nothing behind
     assert runner.num_live_sessions() == 0 and runner._slot.holder is None
     try:

@@ -78,7 +78,10 @@ def test_classic_prefill_decode_remove(runner, prompt_ids):
     reasons = {}
     while len(reasons) < 3:
         step = runner.classic_decode()
-        assert all(isinstance(t, TokenBatch) and len(t.token_ids) == 1 for t in step)
+        # One token per row while rows share the batch; a row left alone may get a
+        # short burst (classic_burst_ms).
+        assert all(isinstance(t, TokenBatch) and len(t.token_ids) >= 1 for t in step)
+        assert len(step) == 1 or all(len(t.token_ids) == 1 for t in step)
         for t in step:
             out[t.request_id] += t.token_ids
             if t.finish_reason:

@@ -172,6 +172,15 @@ def raw_generate_step(model, prompt_ids: list[int], num_tokens: int) -> float:
     return count / (time.perf_counter() - tic)
 
 
+def ticks_by_action(ticks: list[dict]) -> dict:
+    """Count and mean wall time (ms) of the ticks of each action: what one slot round,
+    one batched decode step and one prefill cost in this run."""
+    grouped: dict[str, list[float]] = {}
+    for t in ticks:
+        grouped.setdefault(t["action"], []).append(t["tick_s"])
+    return {action: {"ticks": len(v), "mean_ms": round(1000 * sum(v) / len(v), 2)} for action, v in grouped.items()}
+
+
 def stream_tokens_per_s(record: dict) -> float | None:
     """Decode rate of one request after its first token (vLLM's 1 / TPOT)."""
     tpot = metrics.per_request(record)["tpot_s"]
@@ -189,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--stagger-tokens", type=int, default=0)
     ap.add_argument("--grant-rounds", type=int, default=8)
+    ap.add_argument("--backlog-cap", type=int, default=2)
+    ap.add_argument("--speculative-disable-by-batch-size", type=int, default=0)
     ap.add_argument("--b1-policy", choices=["auto", "on", "off"], default="on")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the JSON result here")
@@ -196,15 +207,19 @@ def main(argv: list[str] | None = None) -> int:
     runner = load_runner(args.target, None if args.drafter == "none" else args.drafter, args.draft,
                          args.num_draft_tokens)
     config = SchedulerConfig(grant_rounds=args.grant_rounds, b1_policy=args.b1_policy,
-                             num_draft_tokens=args.num_draft_tokens)
+                             num_draft_tokens=args.num_draft_tokens, backlog_cap=args.backlog_cap,
+                             speculative_disable_by_batch_size=args.speculative_disable_by_batch_size)
     arrivals = stream_arrivals(runner.tokenizer, args.streams, args.max_tokens, args.prompt_tokens,
                                args.seed, args.stagger_tokens)
     run = drive(runner, config, arrivals)
     summary = metrics.summarize(list(run.records.values()), run.duration_s)
     out = {"args": vars(args), "summary": summary, "grant_log": run.grant_log, "counters": run.counters,
-           "requests": run.records}
-    print(json.dumps({k: summary[k] for k in ("completed", "output_throughput", "mean_ttft_ms",
-                                              "mean_tpot_ms", "acceptance_length")}, indent=1))
+           "ticks_by_action": ticks_by_action(run.ticks), "requests": run.records}
+    print(json.dumps({**{k: summary[k] for k in ("completed", "output_throughput", "mean_ttft_ms",
+                                                 "mean_tpot_ms", "acceptance_length")},
+                      "ttft_ms": sorted(round(1000 * r["first_token_s"]) for r in run.records.values()),
+                      "ticks_by_action": out["ticks_by_action"],
+                      "classic_fallbacks": run.counters["classic_fallbacks"]}, indent=1))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1, default=str)

@@ -19,6 +19,14 @@ concurrency and repeat, one run per server in turn with the same seeded prompts
 (streaming completions, greedy, fixed max_tokens); ratios are ours / peer for each
 (our run, peer run) pair of the same repeat.
 
+Prompts: every (concurrency, repeat) run gets its own seeded prompt set, the same for
+every server of that run, so no server sees a prompt twice. `mlx_lm.server` keeps an
+LRU prompt cache (10 KV caches by default) and we have none, so reusing prompts across
+runs hands the peer prefix-cache hits that depend on what ran before (its c=4 TTFT
+goes from ~3 s cold to ~0.1 s on the bundled pair). `--repeat-prompts` restores
+reuse (seed = seed + repeat at every concurrency), to measure that cache on purpose;
+the JSON records each run's `cached_prompt_tokens` as the server reports them.
+
 `--config` (repeatable) starts one of our servers per config, each alternating with the
 peers: `configs/classic-only.yaml`, or `configs/local.yaml:backlog_cap=0,grant_rounds=2`
 to override `args` keys (YAML values). With more than one config each is named
@@ -77,7 +85,7 @@ def our_servers(specs: list[str], base_port: int, out_dir: str) -> list:
 def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "results/vs_mlx_lm",
         concurrencies: tuple[int, ...] = CONCURRENCIES, base_port: int = 8120,
         configs: list[str] | None = None, peer_names: list[str] | None = None,
-        repeats: int | None = None) -> dict:
+        repeats: int | None = None, repeat_prompts: bool = False) -> dict:
     max_tokens = 32 if quick else 128
     repeats = repeats or (2 if quick else 3)
     peers = [("mlx_lm", target, None), ("mlx_lm+draft", target, draft)]
@@ -102,25 +110,37 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "res
         for concurrency in concurrencies:
             num_prompts = max(4, concurrency) if quick else max(8, 4 * concurrency)
             for rep in range(repeats):
+                prompt_seed = seed + rep if repeat_prompts else run_seed(seed, concurrency, rep)
                 for server in fleet:
                     if quick and concurrency > 1 and server.name.endswith("+draft"):
                         continue
                     cfg = LoadConfig(base_url=server.base_url, num_prompts=num_prompts, concurrency=concurrency,
-                                     max_tokens=max_tokens, seed=seed + rep, progress=False, ignore_eos="off")
+                                     max_tokens=max_tokens, seed=prompt_seed, progress=False, ignore_eos="off")
                     result = asyncio.run(run_load(cfg))
                     runs.append({"server": server.name, "concurrency": concurrency, "repeat": rep,
+                                 "prompt_seed": prompt_seed, "cached_prompt_tokens": result["cached_prompt_tokens"],
                                  "summary": result["summary"], "output_lengths": result["output_lengths"]})
                     s = result["summary"]
                     print(f"c={concurrency} rep={rep} {server.name:<18} {s['output_throughput']:8.1f} tok/s "
                           f"TTFT {s['mean_ttft_ms']:8.1f} ms  TPOT {metrics.fmt(s['median_tpot_ms'])} ms "
-                          f"failed {s['failed']}", flush=True)
+                          f"failed {s['failed']} cached prompt tokens {result['cached_prompt_tokens']}", flush=True)
     finally:
         stops = {server.name: server.stop() for server in fleet}
     startup = {server.name: server.startup_s for server in fleet}
     return {"scenario": "vs_mlx_lm", "quick": quick, "max_tokens": max_tokens, "repeats": repeats,
+            "repeat_prompts": repeat_prompts,
             "machine": bench_util.machine(), "servers": {s.name: s.cmd for s in fleet}, "startup_s": startup,
             "exit_codes": stops, "runs": runs,
             "rows": pair_ratios(runs, [p[0] for p in peers], [s.name for s in ours])}
+
+
+def run_seed(seed: int, concurrency: int, repeat: int) -> int:
+    """Prompt seed of one (concurrency, repeat) run: distinct across runs.
+
+    >>> run_seed(0, 4, 1), run_seed(0, 16, 0)
+    (4001, 16000)
+    """
+    return seed + 1000 * concurrency + repeat
 
 
 def pair_ratios(runs: list[dict], peers: list[str], ours_names: list[str] = ("specslot",)) -> list[dict]:
@@ -183,10 +203,12 @@ def main(argv=None) -> int:
                     help=f"repeatable (default {' '.join(map(str, CONCURRENCIES))})")
     ap.add_argument("--peer", action="append", default=None, help="only these peers (repeatable)")
     ap.add_argument("--repeats", type=int, default=None, help="runs per server and concurrency")
+    ap.add_argument("--repeat-prompts", action="store_true",
+                    help="reuse the same prompts in every run (exercises the peer's prompt cache)")
     args = ap.parse_args(argv)
     result = run(args.quick, args.target, args.draft, args.seed, out_dir=args.out,
                  concurrencies=tuple(args.concurrency or CONCURRENCIES), configs=args.config,
-                 peer_names=args.peer, repeats=args.repeats)
+                 peer_names=args.peer, repeats=args.repeats, repeat_prompts=args.repeat_prompts)
     text = metrics.table(result["rows"], COLUMNS, digits=2)
     bench_util.publish(args, "vs_mlx_lm", result, text, plot)
     return 0

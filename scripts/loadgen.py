@@ -108,7 +108,8 @@ async def one_request(session, cfg: LoadConfig, item: dict, t0: float, send_igno
     body = dict(item["body"], **({"ignore_eos": True} if send_ignore_eos else {}))
     rec = {"index": item["index"], "lane": item["lane"], "arrival_s": time.perf_counter() - t0,
            "first_token_s": None, "chunks": [], "finish_s": None, "prompt_tokens": 0, "output_tokens": 0,
-           "speculative": None, "error": None, "finish_reason": None, "usage_reported": False}
+           "speculative": None, "error": None, "finish_reason": None, "usage_reported": False,
+           "cached_prompt_tokens": None}
     num_chunks = 0
     try:
         async with session.post(cfg.base_url + _path(cfg), json=body, headers={"X-Priority": item["lane"]}) as resp:
@@ -145,6 +146,9 @@ async def one_request(session, cfg: LoadConfig, item: dict, t0: float, send_igno
                         rec["prompt_tokens"] = usage.get("prompt_tokens", 0)
                         rec["output_tokens"] = usage.get("completion_tokens", 0)
                         rec["speculative"] = usage.get("speculative")
+                        # prompt tokens served from a server-side prompt cache (mlx_lm.server)
+                        details = usage.get("prompt_tokens_details") or {}
+                        rec["cached_prompt_tokens"] = details.get("cached_tokens")
     except Exception as exc:  # noqa: BLE001 - one failed request is a data point, not a crash
         rec["error"] = f"{type(exc).__name__}: {exc}"
     rec["finish_s"] = time.perf_counter() - t0
@@ -205,6 +209,7 @@ async def run_load(cfg: LoadConfig) -> dict:
                            "max": max(lengths, default=None),
                            "mean": sum(lengths) / len(lengths) if lengths else None,
                            "usage_reported": all(r["usage_reported"] for r in records)},
+        "cached_prompt_tokens": sum(r.get("cached_prompt_tokens") or 0 for r in records),
         "summary": summary,
         "requests": records,
     }

@@ -48,6 +48,7 @@ def build_engine(args: ServeArgs):
             num_draft_tokens=args.num_draft_tokens,
             max_batch_size=args.max_batch_size,
             prefill_batch_size=args.prefill_batch_size,
+            classic_burst_ms=args.classic_burst_ms,
         )
         info["max_context"] = runner.max_context
         info["eos_token_ids"] = sorted(runner.eos_token_ids)

@@ -103,10 +103,16 @@ class ServeArgs(BaseModel):
         3, ge=1, le=1000, description="Speculative requests b1_policy=auto profiles before it decides."
     )
     b1_probe_rounds: int = Field(
-        2, ge=1, le=100, description="Probe rounds (empty-draft verifies, the classic step time) per profiled request."
+        2, ge=1, le=100,
+        description="Probe rounds (bursts of pipelined classic steps: the classic time per token) per profiled request.",
     )
     max_batch_size: int = Field(16, ge=1, le=1024, description="Classic continuous-batching rows.")
     prefill_batch_size: int = Field(8, ge=1, le=1024, description="Requests prefilled in one classic prefill.")
+    classic_burst_ms: float = Field(
+        4.0, ge=0.0, le=1000.0,
+        description="A classic row decoding alone keeps stepping for up to this long per engine tick "
+        "(several tokens per tick when steps are fast); 0 = one token per tick.",
+    )
     max_queue_depth: int = Field(
         256, ge=1, le=1_000_000, description="Pending requests per replica before 503 + Retry-After."
     )

@@ -66,6 +66,7 @@ def test_config_specifics():
     ({"model": "m", "b1_policy": "sometimes"}, "args.b1_policy"),
     ({"model": "m", "b1_probe_rounds": 0}, "args.b1_probe_rounds"),
     ({"model": "m", "speculative_disable_by_batch_size": -1}, "args.speculative_disable_by_batch_size"),
+    ({"model": "m", "classic_burst_ms": -0.5}, "args.classic_burst_ms"),
     ({"model": "m", "b1_profile_requests": -1}, "args.b1_profile_requests"),
     ({"model": "m", "drafter": {"kind": "draft_model"}}, "drafter.path is required"),
     ({"model": "m", "drafter": {"kind": "eagle"}}, "args.drafter.kind"),
@@ -86,6 +87,28 @@ def test_policy_profiling_knobs_reach_the_scheduler_config():
     config = ServeArgs.model_validate({"model": "m", "b1_profile_requests": 5, "b1_probe_rounds": 4})
     scheduler_config = config.scheduler_config(env={})
     assert (scheduler_config.b1_profile_requests, scheduler_config.b1_probe_rounds) == (5, 4)
+
+
+@pytest.mark.parametrize("raw, expected", [({}, 4.0), ({"classic_burst_ms": 0}, 0.0), ({"classic_burst_ms": 2.5}, 2.5)])
+def test_runner_args_reach_the_mlx_runner(monkeypatch, raw, expected):
+    """The engine's runner factory builds MlxRunner with the deployment's runner args."""
+    import models.runner
+    from serve_app.actor import build_engine
+
+    seen = {}
+
+    class Built:
+        max_context, eos_token_ids = 128, [0]
+
+    def from_paths(path, **kwargs):
+        seen.update(kwargs, path=path)
+        return Built()
+
+    monkeypatch.setattr(models.runner.MlxRunner, "from_paths", staticmethod(from_paths))
+    engine, info = build_engine(ServeArgs.model_validate({"model": "m", "max_batch_size": 7, **raw}))
+    engine._runner_factory()
+    assert seen["classic_burst_ms"] == expected and seen["max_batch_size"] == 7 and seen["path"] == "m"
+    assert info == {"max_context": 128, "eos_token_ids": [0]}
 
 
 @pytest.mark.parametrize("raw, expected", [({}, 0), ({"speculative_disable_by_batch_size": 3}, 3)])

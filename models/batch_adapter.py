@@ -24,6 +24,10 @@ one-token "prompt" of a batch row that keeps the row's KV cache, sampler and
 remaining budget. When the batch drains to one decoding row with nothing left to
 prefill, that row moves back out (its pending token and cache are extracted).
 Neither move recomputes or redraws a token, so a seeded stream is the same either way.
+
+`adopt` takes a stream decoded elsewhere (a speculative session demoted to classic)
+the same way: its cache, sampler and pending token become a row, as a `SoloRow` when
+no other row exists, else as a one-token prompt of `BatchGenerator`.
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
+import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import BatchGenerator, GenerationBatch, StopSequences
+from mlx_lm.generate import BatchGenerator, GenerationBatch, StopSequences, generation_stream
 
 from models.sampling import RequestSampler, stop_token_ids
 from models.solo import SoloRow
@@ -117,6 +122,46 @@ class ClassicBatch:
         )
         self._register(uid, solo.request_id)
         return [emitted]
+
+    def adopt(self, request_id: str, cache: list, sampler: RequestSampler, pending_token: int, *,
+              max_tokens: int, num_emitted: int, stop_ids: Sequence[int]) -> list[TokenBatch]:
+        """Take over a live decode from elsewhere (a speculative session) as a row.
+
+        State handed over: `cache` holds every token of the stream but `pending_token`,
+        which is the last token already emitted to the client; `sampler` is the
+        request's sampler with its key where the other path left it; `num_emitted` of
+        `max_tokens` are out. The row's first step feeds `pending_token` and samples
+        the next token, which is the next token the stream would have had as a classic
+        row: nothing is recomputed or redrawn.
+
+        Alone (fast path on, no other row) the row becomes a `SoloRow` whose first
+        forward is queued now; otherwise it joins `BatchGenerator` as a one-token
+        prompt and emits from a later `decode()` / `prefill()`. A lone row moved into
+        the batch on the way emits its pending token: those batches are returned.
+        """
+        if request_id in self.request_ids():
+            raise ValueError(f"request {request_id!r} is already a classic row")
+        if num_emitted >= max_tokens:
+            raise ValueError(f"request {request_id!r} has no tokens left to decode")
+        self._stop_ids[request_id] = tuple(stop_ids)
+        if self._single_row_fast_path and self._solo is None and self._batch_is_empty():
+            row = SoloRow(request_id, self._model, cache, sampler, self._stop_ids[request_id],
+                          max_tokens, pending=None, num_emitted=num_emitted)
+            with mx.stream(generation_stream):
+                row.pending = row._forward(mx.array([pending_token], dtype=mx.int32))
+                mx.async_eval(row.pending)
+            self._solo = row
+            return []
+        moved = self._solo_into_batch()
+        (uid,) = self._gen.insert(
+            [[pending_token]],
+            max_tokens=[max_tokens - num_emitted],
+            caches=[cache],
+            samplers=[sampler],
+            stop_sequences=[self._stop_sequences(request_id)],
+        )
+        self._register(uid, request_id)
+        return moved
 
     def _solo_burst(self) -> TokenBatch:
         tic = time.perf_counter()

@@ -254,6 +254,23 @@ class MlxRunner:
         if self._slot is not None:
             self._slot.return_(request_id)
 
+    def spec_to_classic(self, request_id: str) -> list[TokenBatch]:
+        """Demote a live session (active or parked) to a classic row: the drafter goes
+        back to the slot and the draft state is dropped; the target cache, the sampler
+        and the pending token become the row (`ClassicBatch.adopt`), so the stream goes
+        on exactly where it was. Returns tokens other rows emitted on the way."""
+        session = self._sessions[request_id]
+        if session.cache is None or session.finished:
+            raise RuntimeError(f"session {request_id!r} is not running")
+        moved = self._classic.adopt(
+            request_id, session.cache, session.sampler, session.history[-1],
+            max_tokens=session.max_tokens, num_emitted=session.num_emitted, stop_ids=session.stop_ids)
+        del self._sessions[request_id]
+        session.cache = None  # the classic row owns it now
+        session.finish()
+        self._slot.return_(request_id)
+        return moved
+
     def num_live_sessions(self) -> int:
         return len(self._sessions)
 

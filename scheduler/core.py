@@ -41,7 +41,8 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every unfinished request
         self.sink = EventSink(self.counters, clock, on_finish=self._forget)
         self.slot = SpecSlot(runner, lambda: self.config, self.policy, self.counters, self.sink,
-                             self._to_classic, clock, live_requests=self.num_unfinished)
+                             self._to_classic, clock, live_requests=self.num_unfinished,
+                             num_rows=lambda: len(self._rows), adopt_row=self._adopt_row)
         self._inbox: list[Request] = []
         self._cancels: list[str] = []
         self._queues: dict[Lane, deque[Request]] = {lane: deque() for lane in Lane}
@@ -140,6 +141,12 @@ class Scheduler:
             self.counters.classic_fallbacks[reason] += 1
         request.status = RequestStatus.QUEUED
         self._queues[request.lane].append(request)
+
+    def _adopt_row(self, request: Request, batches: list[TokenBatch]) -> None:
+        """A speculative request demoted by the slot continues as a classic row."""
+        request.status = RequestStatus.CLASSIC
+        self._rows[request.request_id] = request
+        self._apply_classic(batches)
 
     def _cancel_now(self, request_id: str) -> None:
         request = self._requests.get(request_id)

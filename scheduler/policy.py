@@ -83,6 +83,22 @@ def batch_allows_speculation(num_others: int, disable_by_batch_size: int) -> boo
     return disable_by_batch_size == 0 or num_others < disable_by_batch_size
 
 
+def should_demote(num_others: int, disable_by_batch_size: int, num_rows: int, max_rows: int) -> bool:
+    """Whether a started speculative session (the slot holder at a slice boundary, or
+    a parked job at its promotion) moves into the classic batch.
+
+    The batch-size rule applied to a request that already speculates: with
+    `disable_by_batch_size` N > 0 and N or more other live requests it demotes, if the
+    batch has a free row (at `max_rows` it keeps speculating rather than stall).
+    0 never demotes.
+    >>> should_demote(1, 1, 1, 16), should_demote(0, 1, 0, 16), should_demote(3, 0, 3, 16)
+    (True, False, False)
+    >>> should_demote(2, 1, 16, 16)
+    False
+    """
+    return not batch_allows_speculation(num_others, disable_by_batch_size) and num_rows < max_rows
+
+
 class GrantView(NamedTuple):
     """What grant order looks at for one backlog entry.
 

@@ -88,6 +88,15 @@ class ModelRunner(Protocol):
     def spec_finish(self, request_id: str) -> None:
         """Release a session (and the drafter if it holds it). Idempotent."""
 
+    def spec_to_classic(self, request_id: str) -> list[TokenBatch]:
+        """Demote a started, unfinished session (active or parked) to a classic row,
+        exactly: its cache, sampler state and pending (already emitted) token become
+        the row, the drafter returns to the slot, and the row's next token is the one
+        the stream would have had as a classic row all along. Not a model action: it
+        may queue the row's next forward, and may return tokens of another row that
+        had to move on the way (apply them like `classic_decode`'s). The request is a
+        classic row afterwards (`classic_decode`, `classic_remove`)."""
+
     def num_live_sessions(self) -> int: ...
 
     def policy_key(self) -> str:

@@ -1,4 +1,5 @@
-"""The speculative slot: one active job, the grant backlog, grants, parks, promotions.
+"""The speculative slot: one active job, the grant backlog, grants, parks, promotions,
+and demotions (a started session moved into the classic batch by the batch-size rule).
 
 Invariants: at most one job holds the slot (and the runner's drafter); each `step()`
 runs at most one speculative model action (a slice 0, a round, or a promotion plus its
@@ -23,9 +24,9 @@ from scheduler.backlog import BacklogEntry, EntryKind, GrantBacklog
 from scheduler.config import SchedulerConfig
 from scheduler.counters import Counters
 from scheduler.events import EventSink
-from scheduler.policy import SpecStep, batch_allows_speculation, can_join_backlog, grant_expired
+from scheduler.policy import SpecStep, batch_allows_speculation, can_join_backlog, grant_expired, should_demote
 from scheduler.request import Request, RequestStatus
-from scheduler.runner import ModelRunner
+from scheduler.runner import ModelRunner, TokenBatch
 
 GRANT_LOG_LIMIT = 4096
 
@@ -48,7 +49,10 @@ class SpecSlot:
     def __init__(self, runner: ModelRunner, config: Callable[[], SchedulerConfig],
                  policy: B1Policy, counters: Counters, sink: EventSink,
                  to_classic: Callable[[Request, str], None], clock: Callable[[], float],
-                 live_requests: Callable[[], int] = lambda: 0) -> None:
+                 live_requests: Callable[[], int] = lambda: 0, num_rows: Callable[[], int] = lambda: 0,
+                 adopt_row: Callable[[Request, list[TokenBatch]], None] | None = None) -> None:
+        """`adopt_row(request, batches)`: the scheduler takes a demoted request as a
+        classic row and applies `batches` (other rows' tokens); None = never demote."""
         self.runner = runner
         self._config = config
         self.policy = policy
@@ -57,6 +61,8 @@ class SpecSlot:
         self._to_classic = to_classic
         self._clock = clock
         self._live_requests = live_requests  # unfinished requests, for the batch-size rule
+        self._num_rows = num_rows  # classic rows
+        self._adopt_row = adopt_row
         self.backlog = GrantBacklog()
         self.active: ActiveJob | None = None
         self.grant_log: deque[tuple[str, int]] = deque(maxlen=GRANT_LOG_LIMIT)
@@ -108,6 +114,11 @@ class SpecSlot:
         if job.request.cancel_requested:  # cancelled since the drain: stop before any work
             self._end(job, "cancelled")
             return False
+        if job.started and self._demotable():  # the batch grew: the holder joins it
+            self.active = None
+            self.grant_log.append((job.request.request_id, job.slices_run))
+            self._demote(job.request)
+            return self._promote()  # the ring sees the same batch: parked jobs follow, waiters go classic
         if job.started:
             self._round(job)
         else:
@@ -137,6 +148,9 @@ class SpecSlot:
                 self.counters.promotions += 1
                 self._begin(self._install(request, started=False))
                 return True
+            if self._demotable():  # a parked job has a session: it moves, it does not restart
+                self._demote(request)
+                continue
             self.counters.promotions += 1
             job = self._install(request, started=True)
             try:
@@ -226,6 +240,29 @@ class SpecSlot:
         self.backlog.push(request, EntryKind.PARKED)  # may reach cap+1 until the next promotion
         self.counters.observe_backlog(len(self.backlog))
         self.active = None
+
+    def _demotable(self) -> bool:
+        config = self._config()
+        return self._adopt_row is not None and should_demote(
+            self._live_requests() - 1, config.speculative_disable_by_batch_size,
+            self._num_rows(), config.max_batch_size)
+
+    def _demote(self, request: Request) -> None:
+        """Move a started session (taken off the slot or out of the ring) into the
+        classic batch; its SpecStats keep what it did."""
+        try:
+            batches = self.runner.spec_to_classic(request.request_id)
+        except Exception as exc:  # noqa: BLE001 - fail this request, keep serving
+            for release in (self.runner.spec_finish, self.runner.classic_remove):
+                try:
+                    release(request.request_id)
+                except Exception:  # noqa: BLE001 - best effort after a failure
+                    pass
+            self.sink.finish(request, "error", error=f"spec_to_classic failed: {exc}")
+            return
+        self.counters.demotions += 1
+        self.policy.session_done(request.spec.num_rounds - request.spec.num_probe_rounds)
+        self._adopt_row(request, batches)
 
     def _end(self, job: ActiveJob, reason: str, error: str | None = None) -> None:
         """The active job's grant ends with its request: release the session."""

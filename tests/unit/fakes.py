@@ -45,6 +45,7 @@ class FakeRunner:
         self.actions: list[tuple[str, tuple[str, ...]]] = []  # model actions, in order
         self.calls: list[tuple[str, str]] = []  # bookkeeping calls (park/resume/finish/remove)
         self.fail_on: set[tuple[str, str]] = set()  # (method, request_id) that raise
+        self.adopt_moves_lone_row = False
 
     # -- helpers ------------------------------------------------------------------------
     def _emit(self, request: Request, count: int) -> tuple[list[int], str | None]:
@@ -144,6 +145,30 @@ class FakeRunner:
         self.sessions.pop(request_id, None)
         if self.drafter_holder == request_id:
             self.drafter_holder = None
+
+    def spec_to_classic(self, request_id):
+        """Demote a started session to a classic row. With `adopt_moves_lone_row`, a
+        lone classic row emits its next token on the way, like the real adapter's
+        lone row moving into the batch."""
+        self.calls.append(("spec_to_classic", request_id))
+        self._maybe_fail("spec_to_classic", request_id)
+        session = self.sessions.get(request_id)
+        if session is None:
+            raise ProtocolError(f"spec_to_classic({request_id}) without a session")
+        if request_id in self.rows:
+            raise ProtocolError(f"{request_id} admitted twice")
+        if not session.parked and self.drafter_holder != request_id:
+            raise ProtocolError(f"spec_to_classic({request_id}) of an active session without the drafter")
+        moved = []
+        if self.adopt_moves_lone_row and len(self.rows) == 1:
+            (other,) = self.rows.values()
+            tokens, finish = self._emit(other, 1)
+            moved.append(TokenBatch(other.request_id, tokens, finish))
+        del self.sessions[request_id]
+        if self.drafter_holder == request_id:
+            self.drafter_holder = None
+        self.rows[request_id] = session.request
+        return moved
 
     def num_live_sessions(self):
         return len(self.sessions)

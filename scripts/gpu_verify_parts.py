@@ -1,0 +1,71 @@
+"""Which part of a short multi-token forward costs more than a one-token one (made for the H200).
+
+For a 1B Llama's shapes (hidden 2048, MLP 8192, 32 query / 8 KV heads of 64), times
+synchronised batches of 16 (one per layer) of: each projection matmul at M query rows,
+and attention at L queries over a 768-key cache with a boolean mask vs with no mask
+(L = 1) / the causal string. Prints microseconds per op, medians of 20 runs.
+
+Read it as a comparison between variants in the same harness, not as kernel times: each
+op is dispatched from Python, so host dispatch (~15-25 us per op on the H200's host) is
+part of every figure.
+
+    python3 scripts/gpu_verify_parts.py
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import models  # noqa: E402,F401  (fast BLAS before mlx.core)
+import mlx.core as mx  # noqa: E402
+
+LAYERS = 16
+HIDDEN, MLP, HEADS, KV_HEADS, HEAD_DIM, KEYS = 2048, 8192, 32, 8, 64, 768
+
+
+def per_op_us(fn, reps: int = 20) -> float:
+    for _ in range(3):
+        mx.eval(fn())
+    times = []
+    for _ in range(reps):
+        tic = time.perf_counter()
+        mx.eval(fn())
+        times.append((time.perf_counter() - tic) / LAYERS * 1e6)
+    return statistics.median(times)
+
+
+def main() -> None:
+    dt = mx.bfloat16 if mx.default_device() != mx.cpu else mx.float32
+    mx.random.seed(0)
+    weights = {name: [mx.random.normal(shape).astype(dt) * 0.02 for _ in range(LAYERS)]
+               for name, shape in [("q/o proj", (HIDDEN, HIDDEN)), ("k/v proj", (HIDDEN, KV_HEADS * HEAD_DIM)),
+                                   ("gate/up proj", (HIDDEN, MLP)), ("down proj", (MLP, HIDDEN))]}
+    mx.eval(weights)
+    keys = mx.random.normal((1, KV_HEADS, KEYS, HEAD_DIM)).astype(dt)
+    values = mx.random.normal((1, KV_HEADS, KEYS, HEAD_DIM)).astype(dt)
+    print(f"device {mx.default_device()}, {LAYERS} ops per sync, microseconds per op (median)")
+    for name, ws in weights.items():
+        row = []
+        for m in (1, 2, 5, 7):
+            x = mx.random.normal((1, m, ws[0].shape[0])).astype(dt)
+            mx.eval(x)
+            row.append(f"M={m}: {per_op_us(lambda: [x @ w for w in ws]):7.1f}")
+        print(f"matmul {name:14s} " + "  ".join(row))
+    for length in (1, 5, 7):
+        q = mx.random.normal((1, HEADS, length, HEAD_DIM)).astype(dt)
+        mask = mx.arange(KEYS)[None, :] <= (KEYS - length + mx.arange(length))[:, None]
+        mx.eval(q, mask)
+        sdpa = mx.fast.scaled_dot_product_attention
+        masked = per_op_us(lambda: [sdpa(q, keys, values, scale=0.125, mask=mask) for _ in range(LAYERS)])
+        plain = per_op_us(lambda: [sdpa(q, keys, values, scale=0.125, mask=None if length == 1 else "causal")
+                                   for _ in range(LAYERS)])
+        print(f"attention L={length}: boolean mask {masked:7.1f}   {'no mask' if length == 1 else 'causal'} {plain:7.1f}")
+
+
+if __name__ == "__main__":
+    main()

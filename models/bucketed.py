@@ -59,7 +59,11 @@ class _BufferView:
         # Query i sits at absolute position offset + i and sees keys 0..offset + i.
         query_pos = self.offset + mx.arange(n, dtype=mx.int32)
         key_pos = mx.arange(self.keys.shape[2], dtype=mx.int32)
-        return key_pos[None, :] <= query_pos[:, None]
+        visible = key_pos[None, :] <= query_pos[:, None]
+        # Additive, not boolean: on MLX CUDA a boolean mask took SDPA with several queries
+        # off its fast path (32-43 vs 18-23 us per call at 1B shapes, L = 5 and 7;
+        # scripts/gpu_verify_parts.py). Adding 0 or -inf gives the same softmax.
+        return mx.where(visible, 0.0, -mx.inf).astype(self.keys.dtype)
 
 
 HEADS = ("logits", "last", "every")

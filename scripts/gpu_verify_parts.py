@@ -2,8 +2,8 @@
 
 For a 1B Llama's shapes (hidden 2048, MLP 8192, 32 query / 8 KV heads of 64), times
 synchronised batches of 16 (one per layer) of: each projection matmul at M query rows,
-and attention at L queries over a 768-key cache with a boolean mask vs with no mask
-(L = 1) / the causal string. Prints microseconds per op, medians of 20 runs.
+and attention at L queries over a 768-key cache with a boolean mask, an additive mask,
+and no mask (L = 1) / the causal string. Prints microseconds per op, medians of 20 runs.
 
 Read it as a comparison between variants in the same harness, not as kernel times: each
 op is dispatched from Python, so host dispatch (~15-25 us per op on the H200's host) is
@@ -61,10 +61,14 @@ def main() -> None:
         mask = mx.arange(KEYS)[None, :] <= (KEYS - length + mx.arange(length))[:, None]
         mx.eval(q, mask)
         sdpa = mx.fast.scaled_dot_product_attention
+        additive = mx.where(mask, 0.0, -mx.inf).astype(dt)
+        mx.eval(additive)
         masked = per_op_us(lambda: [sdpa(q, keys, values, scale=0.125, mask=mask) for _ in range(LAYERS)])
+        added = per_op_us(lambda: [sdpa(q, keys, values, scale=0.125, mask=additive) for _ in range(LAYERS)])
         plain = per_op_us(lambda: [sdpa(q, keys, values, scale=0.125, mask=None if length == 1 else "causal")
                                    for _ in range(LAYERS)])
-        print(f"attention L={length}: boolean mask {masked:7.1f}   {'no mask' if length == 1 else 'causal'} {plain:7.1f}")
+        print(f"attention L={length}: boolean mask {masked:7.1f}   additive mask {added:7.1f}   "
+              f"{'no mask' if length == 1 else 'causal'} {plain:7.1f}")
 
 
 if __name__ == "__main__":

@@ -172,3 +172,28 @@ def test_scheduler_demotes_the_lone_speculator_when_a_second_request_comes(runne
     assert scheduler.counters.spec_rounds == a.spec.num_rounds  # no round after the demotion
     assert streams["A"] == isolated(runner, a)[0] and streams["B"] == isolated(runner, b)[0]
     assert runner.num_live_sessions() == 0 and runner.num_classic_rows() == 0
+
+
+@pytest.mark.parametrize("others", [0, 2], ids=["alone", "batch"])
+def test_demotion_from_the_bucketed_path(tiny_pair, prompt_ids, others):
+    """The GPU path's session caches (bucket-sized KV buffers, offset below capacity)
+    move into the classic batch just as well (float32 on CPU: streams stay exact)."""
+    fast = MlxRunner.from_paths(tiny_pair[0], drafter_kind="draft_model", drafter_path=tiny_pair[1],
+                                num_draft_tokens=3, classic_burst_ms=0, fast_verify=True,
+                                warm_positions=0)
+    try:
+        a = make_request("a", prompt_ids[4], 40)
+        rows = [make_request(f"r{i}", prompt_ids[12 + i], 24) for i in range(others)]
+        out, reasons = {}, {}
+        for r in rows:
+            drain(fast, out, reasons, fast.classic_prefill([r]))
+        out["a"] = speculate(fast, a, rounds=3)
+        session = fast.session("a")
+        assert session.cache[0].keys.shape[2] > session.cache[0].offset  # a bucketed buffer
+        drain(fast, out, reasons, fast.spec_to_classic("a"))
+        decode_all(fast, out, reasons, ["a", *[r.request_id for r in rows]])
+        assert (out["a"], reasons["a"]) == isolated(fast, a)
+        for r in rows:
+            assert (out[r.request_id], reasons[r.request_id]) == isolated(fast, r)
+    finally:
+        fast.close()

@@ -35,9 +35,8 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import BatchGenerator, GenerationBatch, StopSequences, generation_stream
+from mlx_lm.generate import BatchGenerator, GenerationBatch, StopSequences
 
 from models.sampling import RequestSampler, stop_token_ids
 from models.solo import SoloRow
@@ -90,9 +89,11 @@ class ClassicBatch:
     def _stop_sequences(self, request_id: str) -> StopSequences:
         return StopSequences([[t] for t in self._stop_ids[request_id]])
 
+    def _prefill_pending(self) -> bool:
+        return bool(len(self._gen._prompt_batch) or self._gen._unprocessed_sequences)
+
     def _batch_is_empty(self) -> bool:
-        gen = self._gen
-        return not (len(gen._generation_batch) or len(gen._prompt_batch) or gen._unprocessed_sequences)
+        return not len(self._gen._generation_batch) and not self._prefill_pending()
 
     def _retire_solo_if_finished(self, batch: TokenBatch) -> None:
         if batch.finish_reason is not None:
@@ -102,6 +103,19 @@ class ClassicBatch:
     def _register(self, uid: int, request_id: str) -> None:
         self._uid_by_request[request_id] = uid
         self._request_by_uid[uid] = request_id
+
+    def _insert_live_row(self, request_id: str, next_input: int, cache: list,
+                         sampler: RequestSampler, num_left: int) -> None:
+        """Queue a stream already under way as a batch row: `cache` holds everything
+        before `next_input`, which becomes a one-token prompt; `sampler` keeps its key."""
+        (uid,) = self._gen.insert(
+            [[next_input]],
+            max_tokens=[num_left],
+            caches=[cache],
+            samplers=[sampler],
+            stop_sequences=[self._stop_sequences(request_id)],
+        )
+        self._register(uid, request_id)
 
     def _solo_into_batch(self) -> list[TokenBatch]:
         """Move the solo row into `BatchGenerator` (queued for prefill as a one-token
@@ -113,14 +127,9 @@ class ClassicBatch:
         if emitted.finish_reason is not None:
             self._finished_solo.add(solo.request_id)
             return [emitted]
-        (uid,) = self._gen.insert(
-            [emitted.token_ids],
-            max_tokens=[solo.max_tokens - solo.num_emitted],
-            caches=[solo.cache],
-            samplers=[solo.sampler],
-            stop_sequences=[self._stop_sequences(solo.request_id)],
-        )
-        self._register(uid, solo.request_id)
+        (token,) = emitted.token_ids
+        self._insert_live_row(solo.request_id, token, solo.cache, solo.sampler,
+                              solo.max_tokens - solo.num_emitted)
         return [emitted]
 
     def adopt(self, request_id: str, cache: list, sampler: RequestSampler, pending_token: int, *,
@@ -145,22 +154,11 @@ class ClassicBatch:
             raise ValueError(f"request {request_id!r} has no tokens left to decode")
         self._stop_ids[request_id] = tuple(stop_ids)
         if self._single_row_fast_path and self._solo is None and self._batch_is_empty():
-            row = SoloRow(request_id, self._model, cache, sampler, self._stop_ids[request_id],
-                          max_tokens, pending=None, num_emitted=num_emitted)
-            with mx.stream(generation_stream):
-                row.pending = row._forward(mx.array([pending_token], dtype=mx.int32))
-                mx.async_eval(row.pending)
-            self._solo = row
+            self._solo = SoloRow.resume(request_id, self._model, cache, sampler, self._stop_ids[request_id],
+                                        max_tokens, pending_token, num_emitted=num_emitted)
             return []
         moved = self._solo_into_batch()
-        (uid,) = self._gen.insert(
-            [[pending_token]],
-            max_tokens=[max_tokens - num_emitted],
-            caches=[cache],
-            samplers=[sampler],
-            stop_sequences=[self._stop_sequences(request_id)],
-        )
-        self._register(uid, request_id)
+        self._insert_live_row(request_id, pending_token, cache, sampler, max_tokens - num_emitted)
         return moved
 
     def _solo_burst(self) -> TokenBatch:
@@ -179,7 +177,7 @@ class ClassicBatch:
         flight, which is a `SoloRow`'s state."""
         gen = self._gen
         rows = gen._generation_batch
-        if self._solo is not None or len(rows) != 1 or len(gen._prompt_batch) or gen._unprocessed_sequences:
+        if self._solo is not None or len(rows) != 1 or self._prefill_pending():
             return
         uid = rows.uids[0]
         request_id = self._request_by_uid[uid]

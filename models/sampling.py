@@ -37,6 +37,11 @@ class RequestSampler:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def from_logits(self, logits: mx.array) -> mx.array:
+        """Sample from raw logits: normalised to log-probabilities first, as mlx-lm's
+        samplers expect (and as every path of ours samples, so greedy ties break alike)."""
+        return self(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
     def __call__(self, logprobs: mx.array) -> mx.array:
         if self.is_greedy:
             return mx.argmax(logprobs, axis=-1)

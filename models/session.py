@@ -29,6 +29,7 @@ from models.bucketed import BucketedForward
 from models.drafters import Drafter
 from models.rollback import accept_count, clip_tokens, draft_budget, target_cache_trim
 from models.sampling import RequestSampler, stop_token_ids
+from models.solo import SoloRow
 from scheduler.request import SamplingParams
 
 PREFILL_STEP = 2048
@@ -114,8 +115,7 @@ class SpeculativeSession:
         return tokens, reason
 
     def _sample(self, logits: mx.array) -> list[int]:
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return self.sampler(logprobs).tolist()
+        return self.sampler.from_logits(logits).tolist()
 
     def begin(self) -> RoundResult:
         """Prefill target (and draft state, if bound) and emit the first token.
@@ -206,35 +206,29 @@ class SpeculativeSession:
         c.round_seconds.append(seconds)
 
     def _probe_tokens(self) -> tuple[list[int], float]:
-        """Classic decode of up to `PROBE_TOKENS` tokens, pipelined the way a lone
-        classic row runs (`models.solo`): the forward for token i + 1 is queued before
-        the host reads token i. Returns the tokens and the steady-state seconds per
-        token (first read to last read, over the tokens in between), which is what the
-        adaptive policy compares a round against.
+        """Classic decode of up to `PROBE_TOKENS` tokens, run by a lone classic row
+        (`models.solo.SoloRow`) over this session's cache and sampler, pipelined as
+        classic decode is: the forward for token i + 1 is queued before the host reads
+        token i. Returns the tokens and the steady-state seconds per token (first read
+        to last read, over the tokens in between), which is what the adaptive policy
+        compares a round against.
 
         The plain model forward works on both paths' caches (the bucketed path keeps
-        ordinary `KVCache`s). Afterwards the cache holds every token but the last one,
-        the new pending token, as between rounds.
+        ordinary `KVCache`s). The row stops at a stop token or after n tokens without
+        queueing more, so the cache then holds every token but the last one, the new
+        pending token, as between rounds.
         """
         n = max(1, min(PROBE_TOKENS, self.max_tokens - self.num_emitted))
         tic = time.perf_counter()
-
-        def forward(token: mx.array) -> mx.array:
-            logits = self.target(token.reshape(1, 1), cache=self.cache)[:, -1, :]
-            return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-
-        pending = forward(mx.array([self.history[-1]], dtype=mx.int32))
-        mx.async_eval(pending)
+        row = SoloRow.resume(self.request_id, self.target, self.cache, self.sampler, self.stop_ids,
+                             max_tokens=n, next_input=self.history[-1])
         tokens: list[int] = []
         reads: list[float] = []
-        for i in range(n):
-            current = pending
-            if i + 1 < n:
-                pending = forward(current)
-                mx.async_eval(pending)
-            tokens.append(current.item())
+        while True:
+            step = row.step()
+            tokens += step.token_ids
             reads.append(time.perf_counter())
-            if tokens[-1] in self.stop_ids:  # the session ends here; nothing follows
+            if step.finish_reason is not None:
                 break
         if len(reads) > 1:
             return tokens, (reads[-1] - reads[0]) / (len(reads) - 1)
@@ -268,7 +262,7 @@ class SpeculativeSession:
             target = self.verifier.greedy_every(self.cache, tokens[None])[0]
         else:
             logits = self.verifier.logits(self.cache, tokens[None])[0]
-            target = self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+            target = self.sampler.from_logits(logits)
         t2 = time.perf_counter()
         if lazy:
             mx.eval(drafts, target)

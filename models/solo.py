@@ -57,15 +57,24 @@ class SoloRow:
             for start in range(0, len(head), PREFILL_STEP):
                 model(mx.array([head[start : start + PREFILL_STEP]]), cache=cache)
                 mx.eval([c.state for c in cache])
-            row = cls(request_id, model, cache, sampler, stop_ids, max_tokens, pending=None)
-            row.pending = row._forward(mx.array(prompt_ids[-1:]))
-            mx.async_eval(row.pending)
+        row = cls.resume(request_id, model, cache, sampler, stop_ids, max_tokens, prompt_ids[-1])
         return row, row.step()
+
+    @classmethod
+    def resume(cls, request_id: str, model: nn.Module, cache: list, sampler: RequestSampler,
+               stop_ids: Sequence[int], max_tokens: int, next_input: int, num_emitted: int = 0) -> "SoloRow":
+        """A row whose `cache` holds everything before `next_input` (the last prompt
+        token, or the last token already emitted): the forward that feeds it and draws
+        the row's next token is queued now."""
+        row = cls(request_id, model, cache, sampler, stop_ids, max_tokens, pending=None, num_emitted=num_emitted)
+        with mx.stream(generation_stream):
+            row.pending = row._forward(mx.array([next_input], dtype=mx.int32))
+            mx.async_eval(row.pending)
+        return row
 
     def _forward(self, token: mx.array) -> mx.array:
         """Feed one token (shape (1,)) and draw the next from the request's sampler."""
-        logits = self.model(token[:, None], cache=self.cache)[:, -1, :]
-        return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        return self.sampler.from_logits(self.model(token[:, None], cache=self.cache)[:, -1, :])
 
     def _finish_reason(self, token: int) -> str | None:
         # mlx-lm's rule: a stop token ends the row even when max_tokens is also reached.

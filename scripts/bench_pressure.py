@@ -98,9 +98,7 @@ def plot(result: dict, path: str) -> None:
     ax.set_ylabel("ms between its grants")
     ax.set_title("Scenario 3: normal lane under high-lane pressure")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    bench_util.save_figure(fig, path)
 
 
 def main(argv=None) -> int:

@@ -107,9 +107,7 @@ def plot(result: dict, path: str) -> None:
         ax.set_xlabel("concurrent streams")
         ax.legend()
     fig.suptitle("Scenario 2: concurrent speculative-eligible streams")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    bench_util.save_figure(fig, path)
 
 
 def main(argv=None) -> int:

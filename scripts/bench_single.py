@@ -75,9 +75,7 @@ def plot(result: dict, path: str) -> None:
     ax.set_ylabel("speculative / classic decode tok/s")
     ax.set_title("Scenario 1: single stream")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    bench_util.save_figure(fig, path)
 
 
 def main(argv=None) -> int:

@@ -90,6 +90,13 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, path: str) -> None:
+    """Lay out, write (100 dpi) and release a figure made with `pyplot()`."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    pyplot().close(fig)
+
+
 def warm_up(runner, tokenizer) -> None:
     """One short classic and one short speculative request, so first-call costs
     (kernel compilation, allocator growth) stay out of the measurements."""

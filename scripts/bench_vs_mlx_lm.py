@@ -190,9 +190,7 @@ def plot(result: dict, path: str) -> None:
     ax.set_ylabel("specslot / peer output tok/s")
     ax.set_title("Scenario 4: side by side with mlx_lm.server")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    bench_util.save_figure(fig, path)
 
 
 def main(argv=None) -> int:

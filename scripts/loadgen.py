@@ -235,7 +235,7 @@ def report(result: dict) -> str:
 
 
 def plot(result: dict, path: str) -> None:
-    from scripts.bench_util import pyplot
+    from scripts.bench_util import pyplot, save_figure
 
     plt = pyplot()
     recs = [r for r in result["requests"] if not r["error"]]
@@ -255,9 +255,7 @@ def plot(result: dict, path: str) -> None:
     axes[2].set(xlabel="ITL (ms)", ylabel="fraction", title="inter-token latency CDF", xscale="log")
     for ax in axes:
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:

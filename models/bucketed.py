@@ -33,6 +33,7 @@ from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 DEFAULT_BUCKET = 256
@@ -66,6 +67,117 @@ class _BufferView:
         return mx.where(visible, 0.0, -mx.inf).astype(self.keys.dtype)
 
 
+class _FusedDecoder:
+    """A llama-family decoder (llama, mistral, qwen2: pre-norm blocks of full attention
+    and a SwiGLU MLP) run with fewer, wider matmuls: q, k and v come from one product,
+    gate and up from another, and rope turns q and k in one call. On MLX CUDA every
+    matmul of more than one row is a cuBLAS call wrapped in a CUDA-graph capture, whose
+    host cost dominates a short verify forward (host 2-2.5 ms of a 3-4 ms synchronised
+    1B forward while its kernels take 1.5-2.4 ms; scripts/gpu_forward_parts.py), so
+    seven products per layer becoming four is what a verify saves.
+
+    The model keeps its modules: their q/k/v and gate/up weights become row slices (views)
+    of the fused matrices, so no weight is stored twice and the plain forward (classic
+    decode, probes) computes exactly what it did. `build` returns None for any model this
+    does not fit; the bucketed forward then runs the model itself.
+    """
+
+    def __init__(self, model: nn.Module):
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.norm = inner.norm
+        self.head = None if model.args.tie_word_embeddings else model.lm_head
+        self.layers = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
+            gate_up = _fuse_rows([mlp.gate_proj, mlp.up_proj])
+            self.layers.append((layer.input_layernorm, qkv, attn, layer.post_attention_layernorm,
+                                gate_up, mlp))
+
+    @staticmethod
+    def build(model: nn.Module) -> "_FusedDecoder | None":
+        """The fused decoder of `model`, built once per model (later calls reuse it), or
+        None where the model is not of this shape. A built decoder must reproduce the
+        model's own logits on a short input, or it is dropped."""
+        cached = getattr(model, "_specslot_fused", None)
+        if cached is not None:
+            return cached or None
+        fused = None
+        if _fusable(model):
+            fused = _FusedDecoder(model)
+            tokens = mx.arange(1, 5, dtype=mx.int32)[None] % model.model.embed_tokens.weight.shape[0]
+            want = model(tokens, cache=make_prompt_cache(model)).astype(mx.float32)
+            got = fused(tokens, make_prompt_cache(model)).astype(mx.float32)
+            # Same products summed in another blocking differ in the last bits only; a
+            # structural mismatch (heads, rope, norms) shows at the scale of the logits.
+            if not mx.abs(got - want).max().item() <= 0.05 * mx.abs(want).max().item() + 1e-4:
+                fused = None
+        object.__setattr__(model, "_specslot_fused", fused or False)
+        return fused
+
+    def __call__(self, tokens: mx.array, cache: list) -> mx.array:
+        h = self.embed(tokens)
+        batch, length, _ = h.shape
+        mask = create_attention_mask(h, cache[0])
+        for (norm1, qkv, attn, norm2, gate_up, mlp), c in zip(self.layers, cache):
+            heads, kv_heads = attn.n_heads, attn.n_kv_heads
+            x = qkv(norm1(h))
+            dim = x.shape[-1] // (heads + 2 * kv_heads)
+            x = x.reshape(batch, length, heads + 2 * kv_heads, dim).transpose(0, 2, 1, 3)
+            qk = attn.rope(x[:, : heads + kv_heads], offset=c.offset)
+            keys, values = c.update_and_fetch(qk[:, heads:], x[:, heads + kv_heads :])
+            out = mx.fast.scaled_dot_product_attention(qk[:, :heads], keys, values, scale=attn.scale, mask=mask)
+            h = h + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+            gate, up = mx.split(gate_up(norm2(h)), 2, axis=-1)
+            h = h + mlp.down_proj(nn.silu(gate) * up)
+        h = self.norm(h)
+        return self.embed.as_linear(h) if self.head is None else self.head(h)
+
+
+_FUSABLE_MODULES = {"mlx_lm.models.llama", "mlx_lm.models.mistral", "mlx_lm.models.qwen2"}
+
+
+def _fusable(model: nn.Module) -> bool:
+    """Llama-family module, full attention in every layer, plain (unquantized) linears."""
+    if type(model).__module__ not in _FUSABLE_MODULES:
+        return False
+    inner = getattr(model, "model", None)
+    for layer in getattr(inner, "layers", None) or []:
+        attn, mlp = layer.self_attn, layer.mlp
+        if getattr(layer, "use_sliding", False):
+            return False
+        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                   mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if any(type(lin) is not nn.Linear for lin in linears):
+            return False
+        if any(type(n) is not nn.RMSNorm for n in (layer.input_layernorm, layer.post_attention_layernorm)):
+            return False
+    return bool(inner is not None and getattr(inner, "layers", None))
+
+
+def _fuse_rows(linears: list) -> nn.Linear:
+    """One `nn.Linear` whose output is the concatenated outputs of `linears` (same input
+    size); each of `linears` keeps its weight and bias as a row slice of the fused ones."""
+    weight = mx.concatenate([lin.weight for lin in linears], axis=0)
+    has_bias = "bias" in linears[0]
+    bias = mx.concatenate([lin.bias for lin in linears]) if has_bias else None
+    mx.eval(weight, *([bias] if has_bias else []))
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias)
+    fused.weight = weight
+    if has_bias:
+        fused.bias = bias
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = weight[start : start + rows]
+        if has_bias:
+            lin.bias = bias[start : start + rows]
+        start += rows
+    mx.eval([lin.parameters() for lin in linears])
+    return fused
+
+
 HEADS = ("logits", "last", "every")
 
 
@@ -74,7 +186,7 @@ def _greedy(logits: mx.array) -> mx.array:
     return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1).astype(mx.int32)
 
 
-def _forward(model: nn.Module, head: str, tokens: mx.array, offset: mx.array, *buffers):
+def _forward(model, head: str, tokens: mx.array, offset: mx.array, *buffers):
     views = [_BufferView(buffers[i], buffers[i + 1], offset) for i in range(0, len(buffers), 2)]
     logits = model(tokens, cache=views)
     if head == "last":
@@ -110,7 +222,7 @@ class BucketedForward:
     """
 
     def __init__(self, model: nn.Module, bucket: int = DEFAULT_BUCKET, compile: bool = True,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, fuse: bool = True):
         if bucket < 1:
             raise ValueError("bucket must be >= 1")
         if prefill_chunk < 0:
@@ -119,7 +231,9 @@ class BucketedForward:
         self.bucket = bucket
         self.prefill_chunk = prefill_chunk
         wrap = mx.compile if compile else (lambda f: f)
-        self._fns = {head: wrap(partial(_forward, model, head)) for head in HEADS}
+        self.fused = _FusedDecoder.build(model) if fuse else None
+        body = self.fused or model
+        self._fns = {head: wrap(partial(_forward, body, head)) for head in HEADS}
         self._template: list | None = None  # per layer: (keys, values) with 0 positions
 
     def prefill(self, cache: list, ids: Sequence[int]) -> None:

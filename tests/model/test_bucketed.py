@@ -182,3 +182,72 @@ def test_runner_fast_verify_on_cpu(tiny_pair, loaded, prompt_ids, classic_output
     default = MlxRunner.from_paths(tiny_pair[0], drafter_kind="ngram")
     assert not default.fast_verify  # CPU default keeps the plain path
     default.close()
+
+
+# -- the fused decoder (q/k/v and gate/up as one product each) ------------------------
+
+def _fresh_llama(seed: int = 3, tie: bool = False):
+    from models.tiny import random_model, tiny_args
+
+    args = tiny_args(vocab_size=97, num_layers=2, hidden=32)
+    args.tie_word_embeddings = tie
+    return random_model(args, seed=seed, embed_scale=2.0, out_scale=0.5)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_fused_decoder_keeps_the_plain_forward_exact_and_matches_it(tie):
+    model = _fresh_llama(tie=tie)
+    tokens = mx.array([[5, 9, 2, 40, 7, 1]])
+    before = model(tokens, cache=make_prompt_cache(model))
+    fast = BucketedForward(model, bucket=16)
+    assert fast.fused is not None
+    # The model's q/k/v and gate/up weights are now slices of the fused matrices: the
+    # plain forward (classic decode, probes) must give bit-identical logits.
+    assert mx.array_equal(model(tokens, cache=make_prompt_cache(model)), before).item()
+    assert BucketedForward(model, bucket=16).fused is fast.fused  # built once per model
+    unfused = BucketedForward(model, bucket=16, fuse=False)
+    assert unfused.fused is None
+    caches = [make_prompt_cache(model) for _ in range(3)]
+    for c in caches:
+        fast.prefill(c, [3, 1, 4, 1, 5, 9, 2, 6])
+    for n in (1, 2, 5):
+        step = mx.array([[11, 12, 13, 14, 15][:n]])
+        got = fast.logits(caches[0], step)
+        want = unfused.logits(caches[1], step)
+        plain = model(step, cache=caches[2])
+        assert mx.allclose(got, want, atol=1e-5).item() and mx.allclose(got, plain, atol=1e-5).item()
+
+
+def test_model_outside_the_llama_family_runs_unfused_and_exact():
+    from mlx_lm.models import qwen3
+
+    mx.random.seed(0)
+    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                           num_attention_heads=4, rms_norm_eps=1e-5, vocab_size=97, num_key_value_heads=2,
+                           max_position_embeddings=512, head_dim=8, tie_word_embeddings=True,
+                           rope_theta=10000.0)
+    model = qwen3.Model(args)
+    mx.eval(model.parameters())
+    fast = BucketedForward(model, bucket=16)
+    assert fast.fused is None  # q/k norms: not the shape the fused decoder computes
+    cache, plain = make_prompt_cache(model), make_prompt_cache(model)
+    fast.prefill(cache, [3, 1, 4, 1, 5])
+    model(mx.array([[3, 1, 4, 1, 5]]), cache=plain)
+    step = mx.array([[7, 8, 9]])
+    assert mx.allclose(fast.logits(cache, step), model(step, cache=plain), atol=1e-5).item()
+
+
+def test_fused_decoder_that_disagrees_with_the_model_is_dropped(monkeypatch):
+    from models import bucketed
+
+    model = _fresh_llama(seed=4)
+    real_call = bucketed._FusedDecoder.__call__
+    monkeypatch.setattr(bucketed._FusedDecoder, "__call__",
+                        lambda self, tokens, cache: real_call(self, tokens, cache) * 1.5)
+    assert BucketedForward(model, bucket=16).fused is None
+    cache, plain = make_prompt_cache(model), make_prompt_cache(model)
+    step = mx.array([[7, 8, 9]])
+    fast = BucketedForward(model, bucket=16)
+    fast.prefill(cache, [1, 2])
+    model(mx.array([[1, 2]]), cache=plain)
+    assert mx.allclose(fast.logits(cache, step), model(step, cache=plain), atol=1e-5).item()

@@ -1,10 +1,13 @@
 """Scenario 1: one stream, classic vs speculative, K sweep, both drafters.
 
-    python -m scripts.bench_single [--quick] [--out results/single]
+    python -m scripts.bench_single [--quick] [--with-auto] [--out results/single]
 
 For each drafter and K, the same prompts run classic (B=1 policy "off": the same
 runner and weights, speculative disabled) and speculative (policy "on"), alternating
 classic/speculative per prompt; the ratio is taken per pair and then summarized.
+`--with-auto` adds a third run per prompt under the adaptive policy ("auto", what
+`configs/*.yaml` ship): its ratio to classic shows whether the policy keeps a stream at
+least as fast as classic decode, and "auto spec rounds" how many full rounds it chose.
 Reported rate = output tokens / (finish - first token): decode speed, prefill excluded.
 """
 
@@ -19,7 +22,7 @@ from scripts.bench_engine import Arrival, drive, load_runner, stream_tokens_per_
 from scripts.prompts import token_prompts
 
 
-def run(quick: bool, target: str, draft: str, seed: int = 0) -> dict:
+def run(quick: bool, target: str, draft: str, seed: int = 0, with_auto: bool = False) -> dict:
     ks = [2, 4] if quick else [1, 2, 3, 4, 6, 8]
     num_prompts = 2 if quick else 4
     max_tokens = 96 if quick else 256
@@ -32,7 +35,8 @@ def run(quick: bool, target: str, draft: str, seed: int = 0) -> dict:
             pairs = []
             for i, prompt in enumerate(prompts):
                 pair = {}
-                for mode, policy in (("classic", "off"), ("speculative", "on")):
+                modes = [("classic", "off"), ("speculative", "on")] + ([("auto", "auto")] if with_auto else [])
+                for mode, policy in modes:
                     config = SchedulerConfig(b1_policy=policy, num_draft_tokens=k)
                     result = drive(runner, config, [Arrival(f"{mode}{i}", prompt, max_tokens)])
                     rec = result.records[f"{mode}{i}"]
@@ -40,10 +44,12 @@ def run(quick: bool, target: str, draft: str, seed: int = 0) -> dict:
                                   "speculative": rec["speculative"],
                                   "ttft_ms": metrics.per_request(rec)["ttft_s"] * 1000}
                 pair["ratio"] = pair["speculative"]["tokens_per_s"] / pair["classic"]["tokens_per_s"]
+                if with_auto:
+                    pair["auto_ratio"] = pair["auto"]["tokens_per_s"] / pair["classic"]["tokens_per_s"]
                 pairs.append(pair)
             spec = [p["speculative"]["speculative"] for p in pairs]
             rounds = sum(s["rounds"] - s["probe_rounds"] for s in spec)
-            rows.append({
+            row = {
                 "drafter": drafter, "k": k,
                 "classic_tok_s": statistics.median(p["classic"]["tokens_per_s"] for p in pairs),
                 "spec_tok_s": statistics.median(p["speculative"]["tokens_per_s"] for p in pairs),
@@ -53,7 +59,13 @@ def run(quick: bool, target: str, draft: str, seed: int = 0) -> dict:
                 "acceptance_length": sum(s["accepted"] for s in spec) / rounds + 1 if rounds else None,
                 "output_tokens": [p["speculative"]["output_tokens"] for p in pairs],
                 "pairs": pairs,
-            })
+            }
+            if with_auto:
+                auto = [p["auto"]["speculative"] for p in pairs]
+                row["auto_ratio_median"] = statistics.median(p["auto_ratio"] for p in pairs)
+                row["auto_ratio_min"] = min(p["auto_ratio"] for p in pairs)
+                row["auto_spec_rounds"] = sum(s["rounds"] - s["probe_rounds"] for s in auto)
+            rows.append(row)
             runner.close()
     return {"scenario": "single_stream", "quick": quick, "max_tokens": max_tokens, "num_prompts": num_prompts,
             "machine": bench_util.machine(), "rows": rows}
@@ -62,6 +74,8 @@ def run(quick: bool, target: str, draft: str, seed: int = 0) -> dict:
 COLUMNS = [("drafter", "drafter"), ("k", "K"), ("classic_tok_s", "classic tok/s"),
            ("spec_tok_s", "spec tok/s"), ("ratio_median", "ratio (median)"), ("ratio_min", "min"),
            ("ratio_max", "max"), ("acceptance_length", "accept len")]
+AUTO_COLUMNS = [("auto_ratio_median", "auto / classic (median)"), ("auto_ratio_min", "auto min"),
+                ("auto_spec_rounds", "auto spec rounds")]
 
 
 def plot(result: dict, path: str) -> None:
@@ -79,9 +93,12 @@ def plot(result: dict, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    args = bench_util.scenario_args(__doc__.split("\n\n")[0], "results/single").parse_args(argv)
-    result = run(args.quick, args.target, args.draft, args.seed)
-    text = metrics.table(result["rows"], COLUMNS, digits=2)
+    parser = bench_util.scenario_args(__doc__.split("\n\n")[0], "results/single")
+    parser.add_argument("--with-auto", action="store_true",
+                        help="also run each prompt under the adaptive policy (b1_policy auto)")
+    args = parser.parse_args(argv)
+    result = run(args.quick, args.target, args.draft, args.seed, with_auto=args.with_auto)
+    text = metrics.table(result["rows"], COLUMNS + (AUTO_COLUMNS if args.with_auto else []), digits=2)
     bench_util.publish(args, "single_stream", result, text, plot)
     return 0
 

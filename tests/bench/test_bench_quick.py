@@ -14,7 +14,7 @@ BUNDLED = os.path.isfile("models/bundled/target/model.safetensors")
 
 @pytest.mark.skipif(not BUNDLED, reason="bundled pair not present")
 def test_single_stream_quick(tmp_path):
-    assert bench_single.main(["--quick", "--out", str(tmp_path), "--no-plot"]) == 0
+    assert bench_single.main(["--quick", "--with-auto", "--out", str(tmp_path), "--no-plot"]) == 0
     result = json.loads((tmp_path / "single_stream.json").read_text())
     assert result["scenario"] == "single_stream" and result["quick"] is True
     assert {"date_utc", "nproc", "cpu", "versions"} <= set(result["machine"])
@@ -28,9 +28,15 @@ def test_single_stream_quick(tmp_path):
             assert pair["ratio"] == pytest.approx(pair["speculative"]["tokens_per_s"] / pair["classic"]["tokens_per_s"])
             assert pair["classic"]["speculative"]["rounds"] == 0  # policy "off": classic decode
             assert pair["speculative"]["speculative"]["rounds"] > 0
-            # Greedy on both paths: same length (an EOS would end both at the same token).
+            # Greedy on all paths: same length (an EOS would end them at the same token).
             assert pair["classic"]["output_tokens"] == pair["speculative"]["output_tokens"]
-    assert (tmp_path / "single_stream.md").read_text().startswith("| drafter |")
+            assert pair["auto"]["output_tokens"] == pair["classic"]["output_tokens"]
+            assert pair["auto_ratio"] == pytest.approx(pair["auto"]["tokens_per_s"] / pair["classic"]["tokens_per_s"])
+        assert row["auto_ratio_min"] <= row["auto_ratio_median"]
+        assert row["auto_spec_rounds"] == sum(p["auto"]["speculative"]["rounds"] - p["auto"]["speculative"]["probe_rounds"]
+                                              for p in row["pairs"])
+    table = (tmp_path / "single_stream.md").read_text()
+    assert table.startswith("| drafter |") and "auto / classic (median)" in table
 
 
 @pytest.mark.skipif(not BUNDLED, reason="bundled pair not present")

@@ -84,11 +84,13 @@ class RunResult:
     duration_s: float = 0.0
 
 
-def drive(runner, config: SchedulerConfig, arrivals: list[Arrival], max_ticks: int = 1_000_000) -> RunResult:
+def drive(runner, config: SchedulerConfig, arrivals: list[Arrival], max_ticks: int = 1_000_000,
+          policy=None) -> RunResult:
     """Run `arrivals` to completion on a fresh Scheduler; returns per-request records
-    (see `scripts.metrics`) and a per-tick timeline."""
+    (see `scripts.metrics`) and a per-tick timeline. `policy`: a `B1Policy` to share
+    across runs (as one replica's policy outlives its requests); None = a fresh one."""
     timed = TimedRunner(runner)
-    scheduler = Scheduler(timed, config, clock=time.perf_counter)
+    scheduler = Scheduler(timed, config, clock=time.perf_counter, policy=policy)
     pending = list(arrivals)
     records: dict[str, dict] = {}
     finished: set[str] = set()

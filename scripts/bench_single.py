@@ -6,8 +6,11 @@ For each drafter and K, the same prompts run classic (B=1 policy "off": the same
 runner and weights, speculative disabled) and speculative (policy "on"), alternating
 classic/speculative per prompt; the ratio is taken per pair and then summarized.
 `--with-auto` adds a third run per prompt under the adaptive policy ("auto", what
-`configs/*.yaml` ship): its ratio to classic shows whether the policy keeps a stream at
-least as fast as classic decode, and "auto spec rounds" how many full rounds it chose.
+`configs/*.yaml` ship), as a replica runs it once settled: one policy per drafter and K
+is first profiled on `b1_profile_requests` other prompts (unmeasured), then serves the
+measured ones. Its ratio to classic shows whether the policy keeps a stream at least as
+fast as classic decode; "auto est" is its speedup estimate and "auto spec rounds" the
+full rounds it chose.
 Reported rate = output tokens / (finish - first token): decode speed, prefill excluded.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 import statistics
 
 import models  # noqa: F401
+from scheduler.adaptive import B1Policy
 from scheduler.config import SchedulerConfig
 from scripts import bench_util, metrics
 from scripts.bench_engine import Arrival, drive, load_runner, stream_tokens_per_s
@@ -32,13 +36,15 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, with_auto: bool = F
             runner = load_runner(target, drafter, draft, num_draft_tokens=k)
             bench_util.warm_up(runner, runner.tokenizer)
             prompts = token_prompts(runner.tokenizer, num_prompts, seed, num_tokens=64)
+            auto_policy = settled_policy(runner, k, max_tokens, seed) if with_auto else None
             pairs = []
             for i, prompt in enumerate(prompts):
                 pair = {}
                 modes = [("classic", "off"), ("speculative", "on")] + ([("auto", "auto")] if with_auto else [])
                 for mode, policy in modes:
                     config = SchedulerConfig(b1_policy=policy, num_draft_tokens=k)
-                    result = drive(runner, config, [Arrival(f"{mode}{i}", prompt, max_tokens)])
+                    result = drive(runner, config, [Arrival(f"{mode}{i}", prompt, max_tokens)],
+                                   policy=auto_policy if mode == "auto" else None)
                     rec = result.records[f"{mode}{i}"]
                     pair[mode] = {"tokens_per_s": stream_tokens_per_s(rec), "output_tokens": rec["output_tokens"],
                                   "speculative": rec["speculative"],
@@ -65,16 +71,34 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, with_auto: bool = F
                 row["auto_ratio_median"] = statistics.median(p["auto_ratio"] for p in pairs)
                 row["auto_ratio_min"] = min(p["auto_ratio"] for p in pairs)
                 row["auto_spec_rounds"] = sum(s["rounds"] - s["probe_rounds"] for s in auto)
+                row["auto_estimate"] = auto_policy.measurement.speedup
+                row["auto_enabled"] = auto_policy.should_run()
             rows.append(row)
             runner.close()
     return {"scenario": "single_stream", "quick": quick, "max_tokens": max_tokens, "num_prompts": num_prompts,
             "machine": bench_util.machine(), "rows": rows}
 
 
+def settled_policy(runner, k: int, max_tokens: int, seed: int) -> B1Policy:
+    """An "auto" policy profiled the way a replica's is: its first requests run the slot
+    (probe rounds, then real rounds) until it has a verdict. Prompts differ from the
+    measured ones."""
+    config = SchedulerConfig(b1_policy="auto", num_draft_tokens=k)
+    policy = B1Policy("auto", runner.policy_key(), default_enabled=config.b1_default_enabled,
+                      profile_requests=config.b1_profile_requests, probe_rounds=config.b1_probe_rounds)
+    for j, prompt in enumerate(token_prompts(runner.tokenizer, config.b1_profile_requests, seed + 1,
+                                             num_tokens=64)):
+        drive(runner, config, [Arrival(f"profile{j}", prompt, max_tokens)], policy=policy)
+    if not policy.settled:
+        raise RuntimeError(f"the policy did not settle after {config.b1_profile_requests} requests")
+    return policy
+
+
 COLUMNS = [("drafter", "drafter"), ("k", "K"), ("classic_tok_s", "classic tok/s"),
            ("spec_tok_s", "spec tok/s"), ("ratio_median", "ratio (median)"), ("ratio_min", "min"),
            ("ratio_max", "max"), ("acceptance_length", "accept len")]
-AUTO_COLUMNS = [("auto_ratio_median", "auto / classic (median)"), ("auto_ratio_min", "auto min"),
+AUTO_COLUMNS = [("auto_estimate", "auto est"), ("auto_enabled", "auto on"),
+                ("auto_ratio_median", "auto / classic (median)"), ("auto_ratio_min", "auto min"),
                 ("auto_spec_rounds", "auto spec rounds")]
 
 

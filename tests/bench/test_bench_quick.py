@@ -33,6 +33,9 @@ def test_single_stream_quick(tmp_path):
             assert pair["auto"]["output_tokens"] == pair["classic"]["output_tokens"]
             assert pair["auto_ratio"] == pytest.approx(pair["auto"]["tokens_per_s"] / pair["classic"]["tokens_per_s"])
         assert row["auto_ratio_min"] <= row["auto_ratio_median"]
+        assert row["auto_estimate"] > 0
+        # A settled policy: full rounds exactly when its verdict enables the slot.
+        assert (row["auto_spec_rounds"] > 0) == row["auto_enabled"]
         assert row["auto_spec_rounds"] == sum(p["auto"]["speculative"]["rounds"] - p["auto"]["speculative"]["probe_rounds"]
                                               for p in row["pairs"])
     table = (tmp_path / "single_stream.md").read_text()

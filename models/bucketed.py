@@ -68,8 +68,8 @@ class _BufferView:
 
 
 class _FusedDecoder:
-    """A llama-family decoder (llama, mistral, qwen2: pre-norm blocks of full attention
-    and a SwiGLU MLP) run with fewer, wider matmuls: q, k and v come from one product,
+    """A llama-family decoder (mlx-lm's llama module, which also loads mistral, and qwen2:
+    pre-norm blocks of full attention and a SwiGLU MLP) run with fewer, wider matmuls: q, k and v come from one product,
     gate and up from another, and rope turns q and k in one call. On MLX CUDA every
     matmul of more than one row is a cuBLAS call wrapped in a CUDA-graph capture, whose
     host cost dominates a short verify forward (host 2-2.5 ms of a 3-4 ms synchronised
@@ -135,7 +135,8 @@ class _FusedDecoder:
         return self.embed.as_linear(h) if self.head is None else self.head(h)
 
 
-_FUSABLE_MODULES = {"mlx_lm.models.llama", "mlx_lm.models.mistral", "mlx_lm.models.qwen2"}
+# mlx-lm loads mistral checkpoints with its llama module.
+_FUSABLE_MODULES = {"mlx_lm.models.llama", "mlx_lm.models.qwen2"}
 
 
 def _fusable(model: nn.Module) -> bool:

@@ -218,6 +218,30 @@ def test_fused_decoder_keeps_the_plain_forward_exact_and_matches_it(tie):
         assert mx.allclose(got, want, atol=1e-5).item() and mx.allclose(got, plain, atol=1e-5).item()
 
 
+def test_qwen2_biases_fuse_with_their_rows():
+    from mlx_lm.models import qwen2
+
+    mx.random.seed(1)
+    args = qwen2.ModelArgs(model_type="qwen2", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                           num_attention_heads=4, rms_norm_eps=1e-5, vocab_size=97, num_key_value_heads=2,
+                           rope_theta=10000.0, tie_word_embeddings=False)
+    model = qwen2.Model(args)
+    for layer in model.model.layers:  # non-zero biases, so a misplaced bias row shows
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            proj.bias = mx.random.normal(proj.bias.shape)
+    mx.eval(model.parameters())
+    prompt, step = mx.array([[3, 1, 4, 1, 5]]), mx.array([[7, 8, 9]])
+    before = model(mx.concatenate([prompt, step], axis=1), cache=make_prompt_cache(model))[:, -3:]
+    fast = BucketedForward(model, bucket=16)
+    assert fast.fused is not None
+    cache, plain = make_prompt_cache(model), make_prompt_cache(model)
+    fast.prefill(cache, prompt[0].tolist())
+    model(prompt, cache=plain)
+    after = model(step, cache=plain)
+    assert mx.allclose(after, before, atol=1e-5).item()  # the model's own weights kept their rows
+    assert mx.allclose(fast.logits(cache, step), before, atol=1e-5).item()
+
+
 def test_model_outside_the_llama_family_runs_unfused_and_exact():
     from mlx_lm.models import qwen3
 

@@ -19,9 +19,16 @@ pytestmark = pytest.mark.serve
 @pytest.fixture(scope="module")
 def app(ray_cluster, tiny_pair):
     # Small limits so the matrix can hit them; a second route keeps it apart from `main`.
+    # A fixed code version: a redeploy that changes only `user_config` is then a live
+    # reconfigure of the same replica, as with `serve deploy` of a YAML (which versions
+    # code by the config's hash). The Python API otherwise draws a random version per
+    # `serve.run`; `_internal=True` is how Serve's own declarative path passes one.
     return deploy(ray_cluster, tiny_pair, "behaviour", "/b",
                   args={"max_tokens_limit": 300, "max_body_bytes": 64 * 1024,
-                        "max_queue_depth": 4, "backlog_cap": 4})
+                        "max_queue_depth": 4, "backlog_cap": 4}, **PINNED_VERSION)
+
+
+PINNED_VERSION = {"version": "behaviour-1", "_internal": True}
 
 
 def snapshot(base):
@@ -255,12 +262,17 @@ def test_live_reconfigure_through_user_config(app, ray_cluster, tiny_pair):
     target, draft = tiny_pair
     args = {"model": target, "served_model_name": MODEL, "drafter": {"kind": "draft_model", "path": draft},
             "max_tokens_limit": 300, "max_body_bytes": 64 * 1024, "max_queue_depth": 4, "backlog_cap": 4}
+    before = snapshot(app)["replica"]
     bound = build_app(args)._bound_deployment.init_args
-    app_v2 = SpecslotServer.options(user_config={"grant_rounds": 3, "skip_cap": 1, "tick_slice": True}).bind(*bound)
+    app_v2 = SpecslotServer.options(**PINNED_VERSION,
+                                    user_config={"grant_rounds": 3, "skip_cap": 1, "tick_slice": True}).bind(*bound)
     serve.run(app_v2, name="behaviour", route_prefix="/b", blocking=False)
     wait_until(lambda: snapshot(app)["config"]["grant_rounds"] == 3, 60)
     state = snapshot(app)
     assert state["config"]["skip_cap"] == 1
-    # (Through the Python API Serve versions code randomly, so this redeploy may replace
-    # the replica; with `serve deploy` of a YAML only `reconfigure` runs.)
+    # Same version, new user_config: Serve called `reconfigure` on the running replica
+    # (same replica, same process, same scheduler actor) instead of replacing it.
+    after = state["replica"]
+    for key in ("replica_id", "pid", "scheduler_pid", "scheduler_restarts"):
+        assert after[key] == before[key], key
     assert oai(app).completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).usage.completion_tokens == 4

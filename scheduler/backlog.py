@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Callable
 
 from scheduler.policy import GrantView, next_grant_index, overdue_indices
 from scheduler.request import Request
@@ -31,10 +32,12 @@ class BacklogEntry:
 
 
 class GrantBacklog:
-    def __init__(self) -> None:
+    def __init__(self, on_depth: Callable[[int], None] | None = None) -> None:
+        """`on_depth(depth)` hears the depth after every change (the counters' gauge
+        and peak), so no caller has to report it."""
         self._entries: list[BacklogEntry] = []
         self._next_seq = 0
-        self.peak_depth = 0
+        self._on_depth = on_depth or (lambda depth: None)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -47,13 +50,15 @@ class GrantBacklog:
         entry = BacklogEntry(request, kind, self._next_seq)
         self._next_seq += 1
         self._entries.append(entry)
-        self.peak_depth = max(self.peak_depth, len(self._entries))
+        self._on_depth(len(self._entries))
         return entry
 
     def remove(self, request_id: str) -> BacklogEntry | None:
         for i, entry in enumerate(self._entries):
             if entry.request.request_id == request_id:
-                return self._entries.pop(i)
+                removed = self._entries.pop(i)
+                self._on_depth(len(self._entries))
+                return removed
         return None
 
     def grant(self, skip_cap: int) -> tuple[BacklogEntry, bool]:
@@ -65,6 +70,7 @@ class GrantBacklog:
         selected = self._entries.pop(next_grant_index(views, skip_cap))
         for entry in self._entries:
             entry.skipped_grants += 1
+        self._on_depth(len(self._entries))
         return selected, escalated
 
     def snapshot(self) -> list[dict]:

@@ -63,7 +63,7 @@ class SpecSlot:
         self._live_requests = live_requests  # unfinished requests, for the batch-size rule
         self._num_rows = num_rows  # classic rows
         self._adopt_row = adopt_row
-        self.backlog = GrantBacklog()
+        self.backlog = GrantBacklog(on_depth=counters.observe_backlog)
         self.active: ActiveJob | None = None
         self.grant_log: deque[tuple[str, int]] = deque(maxlen=GRANT_LOG_LIMIT)
 
@@ -91,7 +91,6 @@ class SpecSlot:
         if config.tick_slice and can_join_backlog(len(self.backlog), config.backlog_cap, config.grant_rounds):
             request.status = RequestStatus.WAITING
             self.backlog.push(request, EntryKind.WAITING)
-            self.counters.observe_backlog(len(self.backlog))
             return None
         return "slot_busy" if config.grant_rounds == 0 or not config.tick_slice else "backlog_full"
 
@@ -130,7 +129,6 @@ class SpecSlot:
         while len(self.backlog):
             entry, escalated = self.backlog.grant(config.skip_cap)
             self.counters.skip_escalations += int(escalated)
-            self.counters.observe_backlog(len(self.backlog))
             request = entry.request
             if request.cancel_requested:  # aborted; the next entry is tried in this tick
                 self._abort(entry)
@@ -238,7 +236,6 @@ class SpecSlot:
         request.spec.num_parks += 1
         self.counters.parks += 1
         self.backlog.push(request, EntryKind.PARKED)  # may reach cap+1 until the next promotion
-        self.counters.observe_backlog(len(self.backlog))
         self.active = None
 
     def _demotable(self) -> bool:
@@ -288,7 +285,6 @@ class SpecSlot:
         entry = self.backlog.remove(request.request_id)
         if entry is None:
             return False
-        self.counters.observe_backlog(len(self.backlog))
         self._abort(entry)
         return True
 
@@ -310,6 +306,6 @@ class SpecSlot:
                 "started": job.started,
             },
             "backlog": self.backlog.snapshot(),
-            "backlog_peak": self.backlog.peak_depth,
+            "backlog_peak": self.counters.backlog_peak,
             "grant_log_tail": [list(item) for item in list(self.grant_log)[-32:]],
         }

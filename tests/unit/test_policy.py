@@ -150,3 +150,25 @@ def test_decide(kwargs, expected):
 ])
 def test_num_to_admit(queued, rows, max_rows, batch, expected):
     assert num_to_admit(queued, rows, max_rows, batch) == expected
+
+
+def test_backlog_reports_its_depth_after_every_change():
+    from scheduler.backlog import EntryKind, GrantBacklog
+    from scheduler.counters import Counters
+    from scheduler.request import Request, SamplingParams
+
+    counters = Counters()
+    seen: list[int] = []
+
+    def observe(depth: int) -> None:
+        seen.append(depth)
+        counters.observe_backlog(depth)
+
+    backlog = GrantBacklog(on_depth=observe)
+    for i, lane in enumerate([Lane.NORMAL, Lane.HIGH, Lane.LOW]):
+        backlog.push(Request(f"r{i}", [1, 2], SamplingParams(max_tokens=4), lane=lane), EntryKind.WAITING)
+    entry, _ = backlog.grant(skip_cap=2)
+    assert entry.request.request_id == "r1"  # the high lane first
+    assert backlog.remove("r2") is not None and backlog.remove("missing") is None
+    assert seen == [1, 2, 3, 2, 1]  # a failed remove changes nothing and reports nothing
+    assert (counters.backlog_depth, counters.backlog_peak) == (1, 3)

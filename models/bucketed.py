@@ -24,6 +24,8 @@ no sliding window (llama, mistral, qwen2, ...); `supports(model)` checks the cac
 Positions and masking are exact, so results equal the plain forward up to float
 summation order (greedy parity is tested in float32). The cache objects stay ordinary
 `KVCache`s: prefill, `trim_prompt_cache` and the classic path keep working on them.
+For llama and qwen2 the compiled forward is `_FusedDecoder` (fewer, wider matmuls);
+any other model runs its own forward.
 """
 
 from __future__ import annotations
@@ -68,9 +70,10 @@ class _BufferView:
 
 
 class _FusedDecoder:
-    """A llama-family decoder (mlx-lm's llama module, which also loads mistral, and qwen2:
-    pre-norm blocks of full attention and a SwiGLU MLP) run with fewer, wider matmuls: q, k and v come from one product,
-    gate and up from another, and rope turns q and k in one call. On MLX CUDA every
+    """A llama-family decoder (mlx-lm's llama module, which also loads mistral, and
+    qwen2: pre-norm blocks of full attention and a SwiGLU MLP) run with fewer, wider
+    matmuls: q, k and v come from one product, gate and up from another, and rope turns
+    q and k in one call. On MLX CUDA every
     matmul of more than one row is a cuBLAS call wrapped in a CUDA-graph capture, whose
     host cost dominates a short verify forward (host 2-2.5 ms of a 3-4 ms synchronised
     1B forward while its kernels take 1.5-2.4 ms; scripts/gpu_forward_parts.py), so

@@ -19,9 +19,12 @@ import logging
 import os
 import tempfile
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from scheduler.runner import RoundOutcome
+
+if TYPE_CHECKING:
+    from scheduler.config import SchedulerConfig
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +125,15 @@ class B1Policy:
         self._num_rounds = 0
         self._num_accepted = 0
         self._num_profiled = 0
+
+    @classmethod
+    def from_config(cls, config: "SchedulerConfig", key: str,
+                    clock: Callable[[], float] | None = None) -> "B1Policy":
+        """The policy `config` describes: mode, default verdict, profiling sizes and
+        where verdicts persist, for the runner profile `key`."""
+        return cls(config.b1_policy, key, default_enabled=config.b1_default_enabled,
+                   profile_requests=config.b1_profile_requests, probe_rounds=config.b1_probe_rounds,
+                   cache_dir=config.policy_cache_dir, clock=clock)
 
     @property
     def settled(self) -> bool:

@@ -19,7 +19,7 @@ from scheduler.adaptive import B1Policy
 from scheduler.config import SchedulerConfig
 from scheduler.counters import Counters
 from scheduler.events import EventSink, TokenEvent
-from scheduler.policy import Action, Decision, batch_allows_speculation, decide
+from scheduler.policy import Action, Decision, decide
 from scheduler.request import Lane, Request, RequestStatus
 from scheduler.runner import ModelRunner, TokenBatch
 from scheduler.slot import SpecSlot
@@ -34,10 +34,7 @@ class Scheduler:
         self.config = config
         self.clock = clock
         self.counters = Counters()
-        self.policy = policy or B1Policy(
-            config.b1_policy, runner.policy_key(), default_enabled=config.b1_default_enabled,
-            profile_requests=config.b1_profile_requests, probe_rounds=config.b1_probe_rounds,
-            cache_dir=config.policy_cache_dir, clock=clock)
+        self.policy = policy or B1Policy.from_config(config, runner.policy_key(), clock=clock)
         self._requests: dict[str, Request] = {}  # every unfinished request
         self.sink = EventSink(self.counters, clock, on_finish=self._forget)
         self.slot = SpecSlot(runner, lambda: self.config, self.policy, self.counters, self.sink,
@@ -127,8 +124,7 @@ class Scheduler:
             self._to_classic(request, None)
         elif not self.policy.should_run():
             self._to_classic(request, "policy_declined")
-        elif not batch_allows_speculation(self.num_unfinished() - 1,
-                                          self.config.speculative_disable_by_batch_size):
+        elif not self.slot.batch_allows():
             self._to_classic(request, "batch_size")
         else:
             reason = self.slot.try_admit(request)

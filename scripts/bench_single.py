@@ -54,7 +54,7 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, with_auto: bool = F
                     pair["auto_ratio"] = pair["auto"]["tokens_per_s"] / pair["classic"]["tokens_per_s"]
                 pairs.append(pair)
             spec = [p["speculative"]["speculative"] for p in pairs]
-            rounds = sum(s["rounds"] - s["probe_rounds"] for s in spec)
+            rounds = full_rounds(spec)
             row = {
                 "drafter": drafter, "k": k,
                 "classic_tok_s": statistics.median(p["classic"]["tokens_per_s"] for p in pairs),
@@ -67,10 +67,9 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, with_auto: bool = F
                 "pairs": pairs,
             }
             if with_auto:
-                auto = [p["auto"]["speculative"] for p in pairs]
                 row["auto_ratio_median"] = statistics.median(p["auto_ratio"] for p in pairs)
                 row["auto_ratio_min"] = min(p["auto_ratio"] for p in pairs)
-                row["auto_spec_rounds"] = sum(s["rounds"] - s["probe_rounds"] for s in auto)
+                row["auto_spec_rounds"] = full_rounds([p["auto"]["speculative"] for p in pairs])
                 row["auto_estimate"] = auto_policy.measurement.speedup
                 row["auto_enabled"] = auto_policy.should_run()
             rows.append(row)
@@ -79,13 +78,17 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, with_auto: bool = F
             "machine": bench_util.machine(), "rows": rows}
 
 
+def full_rounds(stats: list[dict]) -> int:
+    """Speculative rounds other than probes, over requests' `speculative` usage."""
+    return sum(s["rounds"] - s["probe_rounds"] for s in stats)
+
+
 def settled_policy(runner, k: int, max_tokens: int, seed: int) -> B1Policy:
     """An "auto" policy profiled the way a replica's is: its first requests run the slot
     (probe rounds, then real rounds) until it has a verdict. Prompts differ from the
     measured ones."""
     config = SchedulerConfig(b1_policy="auto", num_draft_tokens=k)
-    policy = B1Policy("auto", runner.policy_key(), default_enabled=config.b1_default_enabled,
-                      profile_requests=config.b1_profile_requests, probe_rounds=config.b1_probe_rounds)
+    policy = B1Policy.from_config(config, runner.policy_key())
     for j, prompt in enumerate(token_prompts(runner.tokenizer, config.b1_profile_requests, seed + 1,
                                              num_tokens=64)):
         drive(runner, config, [Arrival(f"profile{j}", prompt, max_tokens)], policy=policy)

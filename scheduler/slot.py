@@ -139,8 +139,7 @@ class SpecSlot:
                     continue
                 # The batch grew while it waited: a waiter has no session yet, so it
                 # joins the classic batch instead (a parked job must resume here).
-                if not batch_allows_speculation(self._live_requests() - 1,
-                                                config.speculative_disable_by_batch_size):
+                if not self.batch_allows():
                     self._to_classic(request, "batch_size_at_promotion")
                     continue
                 self.counters.promotions += 1
@@ -237,6 +236,11 @@ class SpecSlot:
         self.counters.parks += 1
         self.backlog.push(request, EntryKind.PARKED)  # may reach cap+1 until the next promotion
         self.active = None
+
+    def batch_allows(self) -> bool:
+        """The batch-size rule for a request that has not started speculating, counted
+        among the live requests itself (at admission and at its promotion)."""
+        return batch_allows_speculation(self._live_requests() - 1, self._config().speculative_disable_by_batch_size)
 
     def _demotable(self) -> bool:
         config = self._config()

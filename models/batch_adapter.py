@@ -95,6 +95,10 @@ class ClassicBatch:
     def _batch_is_empty(self) -> bool:
         return not len(self._gen._generation_batch) and not self._prefill_pending()
 
+    def _solo_path_free(self) -> bool:
+        """A new row may run as the lone `SoloRow`: fast path on, no other row."""
+        return self._single_row_fast_path and self._solo is None and self._batch_is_empty()
+
     def _retire_solo_if_finished(self, batch: TokenBatch) -> None:
         if batch.finish_reason is not None:
             self._finished_solo.add(self._solo.request_id)
@@ -153,7 +157,7 @@ class ClassicBatch:
         if num_emitted >= max_tokens:
             raise ValueError(f"request {request_id!r} has no tokens left to decode")
         self._stop_ids[request_id] = tuple(stop_ids)
-        if self._single_row_fast_path and self._solo is None and self._batch_is_empty():
+        if self._solo_path_free():
             self._solo = SoloRow.resume(request_id, self._model, cache, sampler, self._stop_ids[request_id],
                                         max_tokens, pending_token, num_emitted=num_emitted)
             return []
@@ -207,8 +211,7 @@ class ClassicBatch:
                 raise ValueError(f"request {r.request_id!r} has an empty prompt")
         for r in requests:
             self._stop_ids[r.request_id] = stop_token_ids(self._eos_token_ids, r.sampling)
-        if (self._single_row_fast_path and len(requests) == 1 and self._solo is None
-                and self._batch_is_empty()):
+        if len(requests) == 1 and self._solo_path_free():
             (r,) = requests
             self._solo, first = SoloRow.start(r.request_id, self._model, r.prompt_ids,
                                               RequestSampler(r.sampling), self._stop_ids[r.request_id],
@@ -244,7 +247,8 @@ class ClassicBatch:
             if len(new_rows):
                 existing.extend(new_rows)
             self._gen._generation_batch = existing
-        others = [b for uid, b in outputs.items() if uid not in set(uids)]
+        new_uids = set(uids)
+        others = [b for uid, b in outputs.items() if uid not in new_uids]
         return moved + others + [outputs[uid] for uid in uids]
 
     def decode(self) -> list[TokenBatch]:

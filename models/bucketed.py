@@ -38,6 +38,8 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from models.sampling import log_probs
+
 DEFAULT_BUCKET = 256
 DEFAULT_PREFILL_CHUNK = 128
 
@@ -73,11 +75,11 @@ class _FusedDecoder:
     """A llama-family decoder (mlx-lm's llama module, which also loads mistral, and
     qwen2: pre-norm blocks of full attention and a SwiGLU MLP) run with fewer, wider
     matmuls: q, k and v come from one product, gate and up from another, and rope turns
-    q and k in one call. On MLX CUDA every
-    matmul of more than one row is a cuBLAS call wrapped in a CUDA-graph capture, whose
-    host cost dominates a short verify forward (host 2-2.5 ms of a 3-4 ms synchronised
-    1B forward while its kernels take 1.5-2.4 ms; scripts/gpu_forward_parts.py), so
-    seven products per layer becoming four is what a verify saves.
+    q and k in one call. On MLX CUDA every matmul of more than one row is a cuBLAS call
+    wrapped in a CUDA-graph capture, whose host cost dominates a short verify forward
+    (host 2-2.5 ms of a 3-4 ms synchronised 1B forward while its kernels take
+    1.5-2.4 ms; scripts/gpu_forward_parts.py), so seven products per layer becoming four
+    is what a verify saves.
 
     The model keeps its modules: their q/k/v and gate/up weights become row slices (views)
     of the fused matrices, so no weight is stored twice and the plain forward (classic
@@ -144,10 +146,10 @@ _FUSABLE_MODULES = {"mlx_lm.models.llama", "mlx_lm.models.qwen2"}
 
 def _fusable(model: nn.Module) -> bool:
     """Llama-family module, full attention in every layer, plain (unquantized) linears."""
-    if type(model).__module__ not in _FUSABLE_MODULES:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if type(model).__module__ not in _FUSABLE_MODULES or not layers:
         return False
-    inner = getattr(model, "model", None)
-    for layer in getattr(inner, "layers", None) or []:
+    for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         if getattr(layer, "use_sliding", False):
             return False
@@ -157,7 +159,7 @@ def _fusable(model: nn.Module) -> bool:
             return False
         if any(type(n) is not nn.RMSNorm for n in (layer.input_layernorm, layer.post_attention_layernorm)):
             return False
-    return bool(inner is not None and getattr(inner, "layers", None))
+    return True
 
 
 def _fuse_rows(linears: list) -> nn.Linear:
@@ -187,7 +189,7 @@ HEADS = ("logits", "last", "every")
 
 def _greedy(logits: mx.array) -> mx.array:
     # The argmax of the log-probabilities, exactly as the sampler takes it at temperature 0.
-    return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1).astype(mx.int32)
+    return mx.argmax(log_probs(logits), axis=-1).astype(mx.int32)
 
 
 def _forward(model, head: str, tokens: mx.array, offset: mx.array, *buffers):

@@ -100,8 +100,8 @@ class MlxRunner:
 
     def warm(self, max_positions: int) -> int:
         """Compile the fast path's shapes for contexts up to `max_positions`: verifies of
-        1 and K + 1 positions (logits for sampled requests, greedy tokens for greedy ones), draft steps of 1 and 2, prefill chunks of target
-        and draft. Returns the shape count. With `warm_session`, then also runs
+        1 and K + 1 positions (logits for sampled requests, greedy tokens for greedy
+        ones), draft steps of 1 and 2, prefill chunks of target and draft. Returns the shape count. With `warm_session`, then also runs
         throwaway requests through begin, a probe round and full rounds (greedy and
         sampled), so what the shapes do not cover (library handles, kernels of the first
         use, the sampler) is paid here and not by the first real request."""

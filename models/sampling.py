@@ -40,7 +40,7 @@ class RequestSampler:
     def from_logits(self, logits: mx.array) -> mx.array:
         """Sample from raw logits: normalised to log-probabilities first, as mlx-lm's
         samplers expect (and as every path of ours samples, so greedy ties break alike)."""
-        return self(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        return self(log_probs(logits))
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         if self.is_greedy:
@@ -49,6 +49,12 @@ class RequestSampler:
             logprobs = apply_top_p(logprobs, self.top_p)
         self._key, subkey = mx.random.split(self._key)
         return mx.random.categorical(logprobs * (1.0 / self.temperature), key=subkey)
+
+
+def log_probs(logits: mx.array) -> mx.array:
+    """Logits normalised to log-probabilities over the last axis: what every sampling
+    path of ours (the sampler and the compiled greedy heads) takes its argmax or draw of."""
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def supports_sampling(params: SamplingParams) -> bool:

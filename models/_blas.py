@@ -1,13 +1,20 @@
-"""Load a fast BLAS in front of mlx-cpu's reference BLAS (Linux only).
+"""Choose and load the CPU BLAS that MLX's matmuls run on, before `mlx.core` is imported.
 
-The `mlx-cpu` wheel links a reference BLAS (~5 GFLOP/s for a 1024² float32 matmul on
-two cores). Loading OpenBLAS (from the `cmeel-openblas` wheel) with RTLD_GLOBAL before
-`mlx.core` is imported makes MLX resolve `cblas_*` to it instead (~100+ GFLOP/s).
+The `mlx-cpu` wheel links a reference BLAS (~6 GFLOP/s for a 1024² float32 matmul on two
+cores). Loading an OpenBLAS globally first makes MLX resolve `cblas_sgemm` to it instead
+(100-400 GFLOP/s). The choice is made from the CPU's own feature flags, read before
+anything is loaded: a library with instructions the CPU lacks dies with SIGILL, which no
+process can catch. `CHOICES` is the whole table; `select` is a pure function over it.
 
-OpenBLAS needs `libgfortran.so.5`. Where the system has none, we reuse the copy that
-mlx-cpu (or numpy) bundles under a hashed name: copied into a cache directory with its
-SONAME rewritten in place to `libgfortran.so.5`, so the loader matches OpenBLAS's
-DT_NEEDED entry against it. This module must not import mlx.
+The library we load is `scipy-openblas32` (the OpenBLAS that NumPy and SciPy ship), built
+with DYNAMIC_ARCH: it picks its kernels from `cpuid` at load, for every x86-64 level and
+arm64 core, so it runs wherever its baseline does. Its symbols carry a `scipy_` prefix;
+`models._elf` writes a cached copy that exports `cblas_*` under their plain names.
+
+Threads: `OPENBLAS_NUM_THREADS` wins, then `OMP_NUM_THREADS` as the user launched the
+process with it, else every core this process may run on. Ray sets `OMP_NUM_THREADS=1`
+inside its workers when a task or actor reserves under one CPU (ours reserve 0); that
+value is Ray's, not the user's, so it is ignored. This module must not import mlx.
 """
 
 from __future__ import annotations
@@ -15,17 +22,215 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import platform
 import sys
 import sysconfig
 import tempfile
+from dataclasses import dataclass
 
-_GFORTRAN = "libgfortran.so.5"
-_loaded_from: str | None = None
+from models import _elf
+
+OPENBLAS = "scipy-openblas32"
+REFERENCE = "reference"
+ACCELERATE = "accelerate"
+_PATCH_VERSION = 1  # bump when the rewritten copy's layout changes
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What `select` decided: the library and, in words, why."""
+
+    library: str
+    reason: str
+
+
+# (system, machine, CPU flags that must all be present, library): the first row that
+# matches wins. OpenBLAS's DYNAMIC_ARCH baseline is SSE2 on x86-64 and Advanced SIMD on
+# arm64; its kernels for AVX2 and AVX-512 are chosen at run time, only where present.
+CHOICES: tuple[tuple[str, str, frozenset[str], str], ...] = (
+    ("darwin", "*", frozenset(), ACCELERATE),
+    ("linux", "x86_64", frozenset({"sse2"}), OPENBLAS),
+    ("linux", "aarch64", frozenset({"asimd"}), OPENBLAS),
+)
+
+# OPENBLAS_CORETYPE forces a kernel set without checking the CPU: the flags each needs.
+_AVX512 = frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
+CORETYPE_FLAGS: dict[str, frozenset[str]] = {
+    "sapphirerapids": _AVX512 | {"avx512_bf16", "amx_bf16"},
+    "cooperlake": _AVX512 | {"avx512_bf16"},
+    "skylakex": _AVX512,
+    "haswell": frozenset({"avx2", "fma"}),
+    "zen": frozenset({"avx2", "fma"}),
+    "sandybridge": frozenset({"avx"}),
+    "bulldozer": frozenset({"avx"}),
+    "piledriver": frozenset({"avx", "fma"}),
+    "steamroller": frozenset({"avx", "fma"}),
+    "excavator": frozenset({"avx2", "fma"}),
+    "nehalem": frozenset({"sse4_2"}),
+    "neoversev1": frozenset({"sve"}),
+    "neoversev2": frozenset({"sve2"}),
+    "neoversen2": frozenset({"sve2"}),
+    "armv8sve": frozenset({"sve"}),
+    "a64fx": frozenset({"sve"}),
+}
+
+
+def select(system: str, machine: str, flags: frozenset[str]) -> Choice:
+    """The library for this CPU, from its flags alone.
+
+    >>> select("linux", "x86_64", frozenset({"sse2", "avx2"})).library
+    'scipy-openblas32'
+    >>> select("linux", "riscv64", frozenset()).library
+    'reference'
+    """
+    for row_system, row_machine, needed, library in CHOICES:
+        if row_system != system or row_machine not in ("*", machine):
+            continue
+        missing = needed - flags
+        if missing:
+            return Choice(REFERENCE, f"{machine} CPU lacks {', '.join(sorted(missing))}")
+        return Choice(library, f"{system}/{machine}, {_why(library)}")
+    return Choice(REFERENCE, f"no fast BLAS known for {system}/{machine}")
+
+
+def _why(library: str) -> str:
+    if library == ACCELERATE:
+        return "MLX links Apple's Accelerate itself"
+    return "DYNAMIC_ARCH: kernels picked from cpuid at load"
+
+
+def coretype_conflict(coretype: str | None, flags: frozenset[str]) -> str | None:
+    """Why a forced OPENBLAS_CORETYPE would crash this CPU, or None when it is safe."""
+    if not coretype:
+        return None
+    missing = CORETYPE_FLAGS.get(coretype.strip().lower(), frozenset()) - flags
+    if not missing:
+        return None
+    return f"OPENBLAS_CORETYPE={coretype} needs {', '.join(sorted(missing))}, which this CPU lacks"
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The first CPU's feature flags (x86 `flags`, arm64 `Features`); empty if unreadable."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def thread_count(environ: dict, launch_environ: dict, in_ray_worker: bool, num_cores: int) -> tuple[int, str]:
+    """(threads, where the number came from); see the module docstring for the order."""
+    for name, env in (("OPENBLAS_NUM_THREADS", environ), ("OMP_NUM_THREADS", environ)):
+        value = env.get(name, "").strip()
+        if name == "OMP_NUM_THREADS" and in_ray_worker and name not in launch_environ:
+            continue  # Ray's own default for workers, not the user's
+        if value.isdigit() and int(value) > 0:
+            return int(value), name
+    return num_cores, f"all {num_cores} usable cores"
+
+
+@dataclass
+class Loaded:
+    """What `load_fast_blas` did in this process."""
+
+    choice: Choice
+    path: str | None = None
+    threads: int | None = None
+    threads_from: str = ""
+    config: str = ""
+    core: str = ""
+    warning: str = ""
+
+
+_state: Loaded | None = None
+
+
+def loaded() -> Loaded | None:
+    """What this process loaded (None before `load_fast_blas` ran)."""
+    return _state
 
 
 def fast_blas_path() -> str | None:
-    """Path of the OpenBLAS this module loaded, or None."""
-    return _loaded_from
+    """Path of the library this process loaded, or None."""
+    return _state.path if _state else None
+
+
+def load_fast_blas() -> Loaded:
+    """Load the library `select` picks, globally, once per process.
+
+    Never raises: where no fast library can be loaded, MLX keeps its reference BLAS and
+    one warning line with the reason and the measured rate goes to stderr.
+    `SPECSLOT_FAST_BLAS=0` opts out.
+    """
+    global _state
+    if _state is not None:
+        return _state
+    system = sys.platform if sys.platform == "darwin" else platform.system().lower()
+    flags = cpu_flags()
+    choice = select(system, platform.machine(), flags)
+    _state = Loaded(choice)
+    if choice.library == OPENBLAS:
+        if os.environ.get("SPECSLOT_FAST_BLAS", "1") == "0":
+            _state.choice = Choice(REFERENCE, "SPECSLOT_FAST_BLAS=0")
+        elif "mlx.core" in sys.modules:
+            _state.choice = Choice(REFERENCE, "mlx.core was imported before models")
+        else:
+            try:
+                _load_openblas(_state, flags)
+            except (OSError, AttributeError, _elf.ElfError) as exc:
+                _state.choice = Choice(REFERENCE, f"{OPENBLAS} could not be loaded: {exc}")
+    if _state.choice.library == REFERENCE and _state.choice.reason != "SPECSLOT_FAST_BLAS=0":
+        _state.warning = (f"specslot: warning: MLX runs on its reference CPU BLAS "
+                          f"({_state.choice.reason}); measured {measure_gflops(256):.1f} GFLOP/s")
+        print(_state.warning, file=sys.stderr)
+    return _state
+
+
+def _load_openblas(state: Loaded, flags: frozenset[str]) -> None:
+    conflict = coretype_conflict(os.environ.get("OPENBLAS_CORETYPE"), flags)
+    if conflict:
+        print(f"specslot: warning: {conflict}; ignoring it", file=sys.stderr)
+        os.environ.pop("OPENBLAS_CORETYPE")
+    source = _find("scipy_openblas32/lib/libscipy_openblas*.so")
+    if source is None:
+        raise OSError(f"the {OPENBLAS} wheel is not installed")
+    lib = ctypes.CDLL(_plain_named_copy(source), mode=ctypes.RTLD_GLOBAL)
+    lib.cblas_sgemm  # noqa: B018  (AttributeError, reported by the caller, if the rename failed)
+    threads, state.threads_from = thread_count(os.environ, _launch_environ(), _in_ray_worker(), _usable_cores())
+    lib.scipy_openblas_set_num_threads(threads)
+    state.threads = lib.scipy_openblas_get_num_threads()
+    for attr, fn in (("config", lib.scipy_openblas_get_config), ("core", lib.scipy_openblas_get_corename)):
+        fn.restype = ctypes.c_char_p
+        setattr(state, attr, fn().decode())
+    state.path = lib._name
+
+
+def _plain_named_copy(source: str) -> str:
+    """A cached copy of `source` whose `scipy_cblas_*` symbols are exported as `cblas_*`."""
+    stat = os.stat(source)
+    name = f"libopenblas-plain-v{_PATCH_VERSION}-{stat.st_size}-{stat.st_mtime_ns}.so"
+    for folder in (_cache_dir(), os.path.join(tempfile.gettempdir(), f"specslot-blas-{os.getuid()}")):
+        target = os.path.join(folder, name)
+        if os.path.exists(target):
+            return target
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(source, "rb") as f:
+                image, renamed = _elf.strip_symbol_prefix(f.read(), b"scipy_", b"scipy_cblas_")
+            if b"cblas_sgemm" not in renamed:
+                raise _elf.ElfError("cblas_sgemm could not be exported under its plain name")
+            fd, tmp = tempfile.mkstemp(dir=folder)
+            with os.fdopen(fd, "wb") as f:
+                f.write(image)
+            os.replace(tmp, target)  # atomic: concurrent workers never see half a file
+            return target
+        except PermissionError:
+            continue
+    raise OSError("no writable cache directory for the BLAS library")
 
 
 def _site_dirs() -> list[str]:
@@ -44,69 +249,38 @@ def _find(pattern: str) -> str | None:
 
 def _cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    path = os.path.join(base, "specslot", "blas")
-    os.makedirs(path, exist_ok=True)
-    return path
+    return os.path.join(base, "specslot", "blas")
 
 
-def _rewrite_soname(data: bytes, old: bytes, new: bytes) -> bytes:
-    """Replace a NUL-terminated string in an ELF string table with a shorter one."""
-    needle = old + b"\0"
-    at = data.find(needle)
-    if at < 0 or len(new) > len(old):
-        raise OSError(f"cannot rewrite SONAME {old!r}")
-    padded = new + b"\0" * (len(old) - len(new) + 1)
-    return data[:at] + padded + data[at + len(needle):]
-
-
-def _preload_bundled_gfortran() -> None:
-    lib = _find("mlx_cpu.libs/libgfortran-*.so.5*") or _find("numpy.libs/libgfortran-*.so.5*")
-    if lib is None:
-        raise OSError("no libgfortran.so.5 on the system and none bundled in mlx-cpu/numpy")
-    libs_dir = os.path.dirname(lib)
-    for quadmath in sorted(glob.glob(os.path.join(libs_dir, "libquadmath-*.so*"))):
-        ctypes.CDLL(quadmath, mode=ctypes.RTLD_GLOBAL)
-    target = os.path.join(_cache_dir(), f"{os.path.basename(lib)}.{_GFORTRAN}")
-    if not os.path.exists(target):
-        with open(lib, "rb") as f:
-            data = f.read()
-        patched = _rewrite_soname(data, os.path.basename(lib).encode(), _GFORTRAN.encode())
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target))
-        with os.fdopen(fd, "wb") as f:
-            f.write(patched)
-        os.replace(tmp, target)
-    ctypes.CDLL(target, mode=ctypes.RTLD_GLOBAL)
-
-
-def load_fast_blas() -> str | None:
-    """Load OpenBLAS globally if we are on Linux and mlx.core is not imported yet.
-
-    Returns the library path, or None where nothing was loaded (macOS uses Accelerate;
-    `SPECSLOT_FAST_BLAS=0` opts out). Safe to call more than once.
-    """
-    global _loaded_from
-    if _loaded_from or not sys.platform.startswith("linux"):
-        return _loaded_from
-    if os.environ.get("SPECSLOT_FAST_BLAS", "1") == "0":
-        return None
-    openblas = _find("cmeel.prefix/lib/libopenblas.so.0")
-    if openblas is None:
-        return None
-    if "mlx.core" in sys.modules:
-        print("specslot: mlx.core was imported before models; CPU BLAS stays slow", file=sys.stderr)
-        return None
+def _launch_environ() -> dict:
+    """The environment this process was started with (not later os.environ changes)."""
     try:
-        ctypes.CDLL(_GFORTRAN, mode=ctypes.RTLD_GLOBAL)
+        with open("/proc/self/environ", "rb") as f:
+            items = f.read().split(b"\0")
     except OSError:
-        _preload_bundled_gfortran()
-    ctypes.CDLL(openblas, mode=ctypes.RTLD_GLOBAL)
-    _loaded_from = openblas
-    return openblas
+        return dict(os.environ)
+    return dict(item.decode(errors="replace").partition("=")[::2] for item in items if b"=" in item)
 
 
-def probe(size: int = 1024, repeats: int = 5) -> dict:
-    """What this process runs MLX's CPU matmuls on: the loaded library, whether
-    OpenBLAS is mapped, and the best float32 `size`² matmul rate in GFLOP/s."""
+def _in_ray_worker() -> bool:
+    ray = sys.modules.get("ray")
+    if ray is None:
+        return False
+    try:
+        return ray.get_runtime_context().worker.mode == ray.WORKER_MODE
+    except Exception:  # noqa: BLE001  (Ray not initialised in this process)
+        return False
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def measure_gflops(size: int = 1024, repeats: int = 5) -> float:
+    """Best float32 `size`² matmul rate on MLX's CPU stream, in GFLOP/s (imports mlx)."""
     import time
 
     import mlx.core as mx
@@ -119,8 +293,16 @@ def probe(size: int = 1024, repeats: int = 5) -> dict:
         start = time.perf_counter()
         mx.eval(mx.matmul(a, b, stream=mx.cpu))
         best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
+def probe(size: int = 1024, repeats: int = 5) -> dict:
+    """What this process runs MLX's CPU matmuls on: the library, its threads, whether an
+    OpenBLAS is mapped, and the best float32 `size`² matmul rate in GFLOP/s."""
     mapped = False
     if os.path.exists("/proc/self/maps"):
         with open("/proc/self/maps") as f:
-            mapped = "libopenblas" in f.read()
-    return {"path": _loaded_from, "openblas_mapped": mapped, "gflops": 2 * size**3 / best / 1e9}
+            mapped = "openblas" in f.read()
+    state = _state or Loaded(Choice(REFERENCE, "load_fast_blas was not called"))
+    return {"library": state.choice.library, "path": state.path, "threads": state.threads,
+            "openblas_mapped": mapped, "gflops": measure_gflops(size, repeats)}

@@ -1,5 +1,7 @@
-"""Ray workers (where replicas and scheduler actors run) get the fast BLAS too."""
+"""Ray workers (where replicas and scheduler actors run) get the fast BLAS too, on every
+core: Ray's OMP_NUM_THREADS=1 for workers that reserve no CPU is not the user's choice."""
 
+import os
 import sys
 
 import pytest
@@ -8,17 +10,23 @@ pytestmark = [pytest.mark.serve,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="macOS uses Accelerate")]
 
 
-def test_ray_worker_runs_mlx_on_openblas(ray_cluster):
+def test_ray_worker_runs_mlx_on_openblas_with_every_core(ray_cluster):
     import ray
-
 
     @ray.remote(num_cpus=0)
     def probe_worker():
+        import os
+
         import models  # noqa: F401  (what every specslot path to mlx imports first)
         import models._blas
 
-        return models._blas.probe()
+        return {**models._blas.probe(), "omp": os.environ.get("OMP_NUM_THREADS"),
+                "cores": models._blas._usable_cores()}
 
     result = ray.get(probe_worker.remote(), timeout=120)
-    assert result["path"] is not None and result["openblas_mapped"], "Ray worker lacks OpenBLAS"
+    assert result["library"] == "scipy-openblas32" and result["openblas_mapped"], result
+    if {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"} & set(os.environ):
+        pytest.skip("the user chose the thread count")  # pragma: no cover (CI sets neither)
+    assert result["omp"] == "1", "Ray no longer sets OMP_NUM_THREADS=1 in workers: revisit models._blas"
+    assert result["threads"] == min(result["cores"], 64), result
     assert result["gflops"] > 25, f"{result['gflops']:.1f} GFLOP/s in a Ray worker: slow BLAS"

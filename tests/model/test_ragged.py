@@ -117,7 +117,8 @@ def test_other_attention_calls_pass_through_unchanged():
     q = mx.random.normal((1, 4, 1, 32))
     qk = mx.quantize(mx.random.normal((1, 2, 5, 32)), group_size=32, bits=8)
     qv = mx.quantize(mx.random.normal((1, 2, 5, 32)), group_size=32, bits=8)
-    ours = mlx_base.scaled_dot_product_attention(q, qk, qv, cache=QuantizedCacheLike(), scale=0.25, mask=None)
-    theirs = ragged._MLX_QUANTIZED_SDPA(q, qk, qv, scale=0.25, mask=None, group_size=32, bits=8)
+    # (mlx-lm scales the queries in place: each call gets its own copy)
+    ours = mlx_base.scaled_dot_product_attention(q + 0, qk, qv, cache=QuantizedCacheLike(), scale=0.25, mask=None)
+    theirs = ragged._MLX_QUANTIZED_SDPA(q + 0, qk, qv, scale=0.25, mask=None, group_size=32, bits=8)
     assert mlx_base.quantized_scaled_dot_product_attention is ragged._attention
     assert mx.array_equal(ours, theirs)

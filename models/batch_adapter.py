@@ -38,6 +38,7 @@ from typing import Sequence
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, GenerationBatch, StopSequences
 
+from models.ragged import Rider
 from models.sampling import RequestSampler, stop_token_ids
 from models.solo import SoloRow
 from scheduler.request import Request
@@ -251,15 +252,30 @@ class ClassicBatch:
         others = [b for uid, b in outputs.items() if uid not in new_uids]
         return moved + others + [outputs[uid] for uid in uids]
 
-    def decode(self) -> list[TokenBatch]:
-        """One batched decode step: one token for every active row."""
+    def decode(self, rider: Rider | None = None) -> list[TokenBatch]:
+        """One batched decode step: one token for every active row.
+
+        With `rider` (a verify carried along, `models.ragged.Rider`) the step's forward
+        goes through it, so the verify runs in the same forward as the rows; a lone row
+        then steps exactly once. The rider stays unused when no forward runs (no rows,
+        or a lone row emitting its last token)."""
         if self._single_row_fast_path:
             self._batch_into_solo()
         if self._solo is not None:
-            return [self._solo_burst()]
+            if rider is None:
+                return [self._solo_burst()]
+            batch = self._solo.step(model=rider)
+            self._retire_solo_if_finished(batch)
+            return [batch]
         if not self._uid_by_request:
             return []
-        _, responses = self._gen.next()
+        rows = self._gen._generation_batch
+        if rider is not None:
+            rows.model = rider  # GenerationBatch runs its forward as `self.model(...)`
+        try:
+            _, responses = self._gen.next()
+        finally:
+            rows.model = self._model
         return [
             TokenBatch(self._request_by_uid[r.uid], [r.token], r.finish_reason)
             for r in responses

@@ -14,7 +14,7 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
-from models import bucketed
+from models import bucketed, ragged
 from models.batch_adapter import ClassicBatch
 from models.drafters import Drafter, DraftModelDrafter, DrafterSlot, NgramDrafter
 from models.loader import LoadedModel, load_pair
@@ -84,6 +84,8 @@ class MlxRunner:
             fast_verify = mx.default_device() != mx.cpu
         self._verifier = None
         self._warm_session = warm_session
+        # Why the verify cannot ride in the classic batch's forward (None: it can).
+        self.fuse_blocker: str | None = "no drafter" if self._slot is None else None
         if fast_verify and self._slot is not None and bucketed.supports(target.model):
             self._verifier = bucketed.BucketedForward(target.model, prefill_chunk=prefill_chunk)
             if isinstance(drafter, DraftModelDrafter) and drafter.fast is None:
@@ -93,6 +95,10 @@ class MlxRunner:
                 warm_positions = min(self.max_context, 2048)
             if warm_positions > 0:
                 self.warm(warm_positions)
+        if self._verifier is not None:
+            self.fuse_blocker = "the slot verifies through the compiled GPU path (fast_verify)"
+        elif self.fuse_blocker is None:
+            self.fuse_blocker = ragged.check_support(target.model)
 
     @property
     def fast_verify(self) -> bool:
@@ -238,6 +244,31 @@ class MlxRunner:
             seconds,
             result.seconds_per_token,
         )
+
+    def can_fuse(self) -> bool:
+        return self.fuse_blocker is None
+
+    def spec_round_with_decode(self, request_id: str) -> tuple[RoundOutcome, list[TokenBatch]]:
+        """The holder's round and one decode step of every classic row in one forward:
+        the verify tokens ride in the batch's step (`models.ragged.Rider`). When the
+        batch runs no forward (a lone row emitting its last token), the verify runs
+        alone."""
+        if not self.can_fuse():
+            raise RuntimeError(f"the verify cannot ride in the batch: {self.fuse_blocker}")
+        session = self._sessions[request_id]
+        if self._slot.holder != request_id:
+            raise RuntimeError(f"session {request_id!r} does not hold the drafter")
+        tic = time.perf_counter()
+        tokens = session.prepare_round()
+        rider = ragged.Rider(self.target.model, ragged.Group(session.cache, mx.array(tokens, dtype=mx.int32)))
+        rows = self._classic.decode(rider)
+        logits = rider.extra_logits
+        if logits is None:
+            logits = self.target.model(mx.array([tokens]), cache=session.cache)[0]
+        result = session.complete_round(tokens, logits, tic)
+        outcome = RoundOutcome(request_id, result.token_ids, result.finish_reason, result.num_drafted,
+                               result.num_accepted, False, time.perf_counter() - tic, fused=True)
+        return outcome, rows
 
     def spec_park(self, request_id: str) -> None:
         self._sessions[request_id].unbind()

@@ -162,36 +162,62 @@ class SpeculativeSession:
             return RoundResult(tokens, reason, 0, 0, True, seconds, per_token)
         if self.drafter is None:
             raise RuntimeError(f"session {self.request_id!r} does not hold the drafter")
+        if self.verifier is not None:
+            return self._step_bucketed()
+        tic = time.perf_counter()
+        tokens = self.prepare_round()
+        t1 = time.perf_counter()
+        logits = self.target(mx.array([tokens]), cache=self.cache)[0]
+        self.counters.phase_seconds["verify"] += time.perf_counter() - t1
+        return self.complete_round(tokens, logits, tic)
+
+    def prepare_round(self) -> list[int]:
+        """The first half of a round on the plain path: draft, and return the tokens
+        the target must verify, [pending] + drafts. Their forward may run alone
+        (`step`) or ride in the classic batch's forward (`models.ragged.Rider`); either
+        way `complete_round` takes the logits of exactly these tokens."""
+        if self.cache is None or self.finished:
+            raise RuntimeError(f"session {self.request_id!r} is not running")
+        if self.drafter is None:
+            raise RuntimeError(f"session {self.request_id!r} does not hold the drafter")
+        t0 = time.perf_counter()
+        k = draft_budget(self.num_draft_tokens, self.max_tokens - self.num_emitted)
+        if k and not self._draft_ready:
+            self.draft_state = self.drafter.new_state(self.history[:-1])
+            self._draft_ready = True
+        draft = self.drafter.propose(self.draft_state, self.history, k) if k else []
+        self.counters.phase_seconds["draft"] += time.perf_counter() - t0
+        return [self.history[-1]] + draft
+
+    def complete_round(self, tokens: list[int], logits: mx.array, tic: float) -> RoundResult:
+        """The second half: sample the verify positions, accept, roll both caches back,
+        emit. `logits` (1 + K, V) are the target's for `tokens`, already in the cache;
+        `tic` is when the round began (its wall time is reported)."""
+        phases = self.counters.phase_seconds
+        t2 = time.perf_counter()
+        verified = self._sample(logits)
+        phases["sync"] += time.perf_counter() - t2
+        draft = tokens[1:]
+        num_accepted = accept_count(draft, verified)
+        return self._finish_round(draft, verified, target_cache_trim(len(draft), num_accepted), tic)
+
+    def _step_bucketed(self) -> RoundResult:
         tic = time.perf_counter()
         k = draft_budget(self.num_draft_tokens, self.max_tokens - self.num_emitted)
         if k and not self._draft_ready:
             self.draft_state = self.drafter.new_state(self.history[:-1])
             self._draft_ready = True
-        phases = self.counters.phase_seconds
-        if self.verifier is not None:
-            draft, verified, trim = self._verify_bucketed(k, phases)
-            num_drafted = len(draft)
-            num_accepted = accept_count(draft, verified)
-            trim -= num_accepted
-        else:
-            t0 = time.perf_counter()
-            draft = self.drafter.propose(self.draft_state, self.history, k) if k else []
-            num_drafted = len(draft)
-            pending = self.history[-1]
-            t1 = time.perf_counter()
-            logits = self.target(mx.array([[pending] + draft]), cache=self.cache)[0]
-            t2 = time.perf_counter()
-            verified = self._sample(logits)
-            phases["draft"] += t1 - t0
-            phases["verify"] += t2 - t1
-            phases["sync"] += time.perf_counter() - t2
-            num_accepted = accept_count(draft, verified)
-            trim = target_cache_trim(num_drafted, num_accepted)
+        draft, verified, trim = self._verify_bucketed(k, self.counters.phase_seconds)
+        return self._finish_round(draft, verified, trim - accept_count(draft, verified), tic)
+
+    def _finish_round(self, draft: list[int], verified: list[int], trim: int, tic: float) -> RoundResult:
+        """Roll back `trim` target positions and the drafter, emit, count."""
+        num_drafted, num_accepted = len(draft), accept_count(draft, verified)
         t3 = time.perf_counter()
         trim_prompt_cache(self.cache, trim)
         if num_drafted:
             self.drafter.rollback(self.draft_state, num_drafted, num_accepted)
-        phases["rollback"] += time.perf_counter() - t3
+        self.counters.phase_seconds["rollback"] += time.perf_counter() - t3
         tokens, reason = self._emit(verified[: num_accepted + 1])
         seconds = time.perf_counter() - tic
         self._count_round(False, num_drafted, num_accepted, seconds)

@@ -72,9 +72,11 @@ class SoloRow:
             mx.async_eval(row.pending)
         return row
 
-    def _forward(self, token: mx.array) -> mx.array:
-        """Feed one token (shape (1,)) and draw the next from the request's sampler."""
-        return self.sampler.from_logits(self.model(token[:, None], cache=self.cache)[:, -1, :])
+    def _forward(self, token: mx.array, model=None) -> mx.array:
+        """Feed one token (shape (1,)) and draw the next from the request's sampler;
+        `model` stands in for the row's own (a `models.ragged.Rider`)."""
+        logits = (model or self.model)(token[:, None], cache=self.cache)
+        return self.sampler.from_logits(logits[:, -1, :])
 
     def _finish_reason(self, token: int) -> str | None:
         # mlx-lm's rule: a stop token ends the row even when max_tokens is also reached.
@@ -82,15 +84,16 @@ class SoloRow:
             return "stop"
         return "length" if self.num_emitted >= self.max_tokens else None
 
-    def step(self, queue_next: bool = True) -> TokenBatch:
+    def step(self, queue_next: bool = True, model=None) -> TokenBatch:
         """Emit the pending token. Unless it ends the row (or `queue_next` is False:
         the row is about to leave, and its next forward will run elsewhere), the
-        forward that feeds it is queued before the host waits for it."""
+        forward that feeds it is queued before the host waits for it, through `model`
+        when given."""
         with mx.stream(generation_stream):
             token_array = self.pending
             self.pending = None
             if queue_next and self.num_emitted + 1 < self.max_tokens:
-                self.pending = self._forward(token_array)
+                self.pending = self._forward(token_array, model)
                 mx.async_eval(self.pending)
             token = token_array.item()
         self.num_emitted += 1

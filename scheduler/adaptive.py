@@ -156,7 +156,7 @@ class B1Policy:
         return not self.settled and probes_done < self.probe_rounds
 
     def record_round(self, outcome: RoundOutcome) -> None:
-        if self.settled:
+        if self.settled or outcome.fused:  # a fused round's time is the whole batch's
             return
         if outcome.probe:
             self._num_probes += 1

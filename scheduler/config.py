@@ -16,12 +16,16 @@ from scheduler.policy import DEFAULT_GRANT_ROUNDS, parse_grant_budget, parse_tic
 ENV_GRANT_ROUNDS = "SPECSLOT_SLICE_GRANT_ROUNDS"
 ENV_TICK_SLICE = "SPECSLOT_TICK_SLICE"
 B1_POLICY_MODES = ("auto", "on", "off")
-RECONFIGURABLE = frozenset({"grant_rounds", "skip_cap", "tick_slice", "backlog_cap"})
+TICK_MODES = ("fused", "alternate")
+RECONFIGURABLE = frozenset({"grant_rounds", "skip_cap", "tick_slice", "backlog_cap", "tick_mode"})
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     tick_slice: bool = True  # one speculative slice per tick (off = legacy burst)
+    # "fused": the slot holder's verify rides in the classic batch's decode forward (one
+    # forward per tick); "alternate": the seed's strict alternation of the two.
+    tick_mode: str = "fused"
     grant_rounds: int = DEFAULT_GRANT_ROUNDS  # slices per grant; 0 = no rotation
     skip_cap: int = 2  # grant decisions an entry may be skipped before it is overdue
     backlog_cap: int = 2  # grant ring entries (parked jobs + waiters)
@@ -58,6 +62,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        if self.tick_mode not in TICK_MODES:
+            raise ValueError(f"tick_mode must be one of {TICK_MODES}, got {self.tick_mode!r}")
         if self.b1_policy not in B1_POLICY_MODES:
             raise ValueError(f"b1_policy must be one of {B1_POLICY_MODES}, got {self.b1_policy!r}")
         if self.policy_cache_dir is not None and not isinstance(self.policy_cache_dir, str):

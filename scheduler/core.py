@@ -83,8 +83,14 @@ class Scheduler:
         self._drain()
         decision = self._decide(allow_spec=True)
         if decision.action is Action.SPECULATIVE:
-            if self.slot.step():
+            step = self.slot.step(fuse=self._fusing())
+            if step.ran:
                 self._yielded_last = True
+                if step.rows is not None:
+                    self.counters.actions["fused"] += 1
+                    self._apply_classic(step.rows)
+                elif step.rows_error is not None:
+                    self._fail_rows(list(self._rows.values()), step.rows_error)
             else:  # nothing runnable in the slot: the tick goes to classic work
                 decision = self._decide(allow_spec=False)
         if decision.action is Action.PREFILL:
@@ -98,6 +104,9 @@ class Scheduler:
         self.counters.observe_sessions(self.runner.num_live_sessions())
         return self.sink.drain()
 
+    def _fusing(self) -> bool:
+        return self.config.tick_mode == "fused" and self.runner.can_fuse()
+
     def _decide(self, allow_spec: bool) -> Decision:
         return decide(
             spec_step=self.slot.pending_step() if allow_spec else None,
@@ -106,6 +115,7 @@ class Scheduler:
             num_rows=len(self._rows),
             max_rows=self.config.max_batch_size,
             prefill_batch=self.config.prefill_batch_size,
+            fused=self._fusing(),
         )
 
     def _drain(self) -> None:

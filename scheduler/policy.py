@@ -181,16 +181,26 @@ def decide(
     num_rows: int,
     max_rows: int,
     prefill_batch: int,
+    fused: bool = False,
 ) -> Decision:
     """Tick arbitration: speculative work (if any) per `slice_takes_tick`; otherwise a
     classic prefill when queued requests fit, otherwise a decode step over the rows.
 
     `spec_step` is None when no speculative work is pending (no active job and an
     empty backlog). Prefill goes before decode so new rows join the batch promptly;
-    it is bounded by free rows, so decode cannot starve.
+    it is bounded by free rows, so decode cannot starve. With `fused`, a round's
+    forward also decodes every classic row, so rows do not count as waiting work
+    against a ROUND (they advance in it); prefill still alternates with it.
+    >>> decide(spec_step=SpecStep.ROUND, yielded_last=True, num_queued=0, num_rows=3,
+    ...        max_rows=8, prefill_batch=4, fused=True).action
+    <Action.SPECULATIVE: 'speculative'>
+    >>> decide(spec_step=SpecStep.ROUND, yielded_last=True, num_queued=0, num_rows=3,
+    ...        max_rows=8, prefill_batch=4).action
+    <Action.DECODE: 'decode'>
     """
     num_prefill = num_to_admit(num_queued, num_rows, max_rows, prefill_batch)
-    others_have_work = num_prefill > 0 or num_rows > 0
+    rows_ride_along = fused and spec_step is SpecStep.ROUND
+    others_have_work = num_prefill > 0 or (num_rows > 0 and not rows_ride_along)
     if spec_step is not None and slice_takes_tick(yielded_last, others_have_work):
         return Decision(Action.SPECULATIVE, spec_step=spec_step)
     if num_prefill > 0:

@@ -1,8 +1,8 @@
 """The `ModelRunner` protocol: what the scheduler asks of the model side.
 
 The scheduler decides one action per tick and calls exactly one of the action methods
-below (`classic_prefill`, `classic_decode`, `spec_begin`, `spec_round`); the others are
-bookkeeping that runs no model forward. `models.runner.MlxRunner` implements it over
+below (`classic_prefill`, `classic_decode`, `spec_begin`, `spec_round`,
+`spec_round_with_decode`); the others are bookkeeping that runs no model forward. `models.runner.MlxRunner` implements it over
 mlx-lm; tests use scripted fakes. Every method is called from the engine thread only.
 
 Token conventions: every token a method returns is final (already clipped to the
@@ -48,6 +48,7 @@ class RoundOutcome:
     probe: bool
     seconds: float  # wall time of the round's model work, for the adaptive policy
     seconds_per_token: float | None = None
+    fused: bool = False  # the verify rode in the classic batch's forward (its time is shared)
 
 
 class ModelRunner(Protocol):
@@ -78,6 +79,15 @@ class ModelRunner(Protocol):
 
     def spec_round(self, request_id: str, probe: bool = False) -> RoundOutcome:
         """Run exactly one round of the session that holds the drafter."""
+
+    def can_fuse(self) -> bool:
+        """Whether `spec_round_with_decode` runs one forward for both (the model passed
+        the packed-forward check and the slot verifies on the plain path)."""
+
+    def spec_round_with_decode(self, request_id: str) -> tuple[RoundOutcome, list[TokenBatch]]:
+        """One round of the drafter's holder and one decode step of every classic row,
+        in one model forward: the fused tick's single model action. Returns the round
+        (never a probe) and the rows' tokens, as `spec_round` and `classic_decode` would."""
 
     def spec_park(self, request_id: str) -> None:
         """Return the drafter handle; the session keeps all its own state."""

@@ -3,7 +3,10 @@ and demotions (a started session moved into the classic batch by the batch-size 
 
 Invariants: at most one job holds the slot (and the runner's drafter); each `step()`
 runs at most one speculative model action (a slice 0, a round, or a promotion plus its
-round), except in legacy burst mode where one step runs a whole generation. A grant's
+round), except in legacy burst mode where one step runs a whole generation. In the
+fused tick (`step(fuse=True)`) a round also decodes every classic row in its forward
+(`ModelRunner.spec_round_with_decode`); the rows' tokens are handed back in the
+`SlotStep` for the scheduler to apply. A grant's
 budget and mode are read from the config once, when the grant starts, and cached on
 the job, so the per-round cost is a counter increment and one comparison.
 
@@ -29,6 +32,17 @@ from scheduler.request import Request, RequestStatus
 from scheduler.runner import ModelRunner, TokenBatch
 
 GRANT_LOG_LIMIT = 4096
+
+
+@dataclass
+class SlotStep:
+    """What one `step()` did: whether a speculative action ran, and the classic rows'
+    tokens when a round carried their decode (`rows`), or why that forward failed
+    (`rows_error`: the scheduler fails those rows)."""
+
+    ran: bool
+    rows: list[TokenBatch] | None = None
+    rows_error: str | None = None
 
 
 @dataclass
@@ -65,6 +79,8 @@ class SpecSlot:
         self._adopt_row = adopt_row
         self.backlog = GrantBacklog(on_depth=counters.observe_backlog)
         self.active: ActiveJob | None = None
+        self._fuse = False  # this step's rounds carry the classic decode
+        self._ride: SlotStep | None = None
         self.grant_log: deque[tuple[str, int]] = deque(maxlen=GRANT_LOG_LIMIT)
 
     # -- state --------------------------------------------------------------------
@@ -104,9 +120,17 @@ class SpecSlot:
         return self.active
 
     # -- the tick's speculative action ----------------------------------------------
-    def step(self) -> bool:
-        """Run this tick's speculative action. False when nothing ran: a promotion
-        found only cancelled or declined entries (the tick may then go classic)."""
+    def step(self, fuse: bool = False) -> SlotStep:
+        """Run this tick's speculative action. `ran` is False when nothing ran: a
+        promotion found only cancelled or declined entries (the tick may then go
+        classic). With `fuse`, a round (not a slice 0 or a probe) carries the decode
+        step of the classic rows, if there are any."""
+        self._fuse, self._ride = fuse, None
+        ran = self._step()
+        ride, self._ride = self._ride, None
+        return SlotStep(ran, ride.rows, ride.rows_error) if ride else SlotStep(ran)
+
+    def _step(self) -> bool:
         job = self.active
         if job is None:
             return self._promote()
@@ -198,10 +222,18 @@ class SpecSlot:
     def _run_round(self, job: ActiveJob) -> bool:
         """One round; True if the job is still active after it."""
         request = job.request
-        probe = self.policy.wants_probe(request.spec.num_probe_rounds)
+        fuse = self._fuse and not job.burst and self._ride is None and self._num_rows() > 0
+        # A probe measures a lone stream's classic decode: it waits for a tick without rows.
+        probe = not fuse and self.policy.wants_probe(request.spec.num_probe_rounds)
         try:
-            outcome = self.runner.spec_round(request.request_id, probe=probe)
+            if fuse:
+                outcome, rows = self.runner.spec_round_with_decode(request.request_id)
+                self._ride = SlotStep(True, rows)
+            else:
+                outcome = self.runner.spec_round(request.request_id, probe=probe)
         except Exception as exc:  # noqa: BLE001
+            if fuse:
+                self._ride = SlotStep(True, rows_error=f"spec_round_with_decode failed: {exc}")
             self._end(job, "error", error=f"spec_round failed: {exc}")
             return False
         job.slices_run += 1

@@ -81,6 +81,12 @@ class ServeArgs(BaseModel):
         description="Run one speculative slice per tick (true) or the whole generation in one "
         f"tick (false). Unset: {ENV_TICK_SLICE}, else true.",
     )
+    tick_mode: Literal["fused", "alternate"] = Field(
+        "fused",
+        description="fused: the slot holder's verify rides in the classic batch's decode forward, "
+        "so classic rows never wait for a speculative round; alternate: the seed's strict "
+        "alternation (a tick runs either the round or the decode step).",
+    )
     grant_rounds: int | None = Field(
         None, ge=0, le=1_000_000,
         description="Slices a slot grant lasts before the job parks when others wait; 0 disables "
@@ -176,6 +182,7 @@ class ServeArgs(BaseModel):
         tick_slice = defaults["tick_slice"] if self.tick_slice is None else self.tick_slice
         return SchedulerConfig(
             tick_slice=tick_slice,
+            tick_mode=self.tick_mode,
             grant_rounds=grant_rounds,
             skip_cap=self.skip_cap,
             backlog_cap=self.backlog_cap,
@@ -210,6 +217,7 @@ class LiveConfig(BaseModel):
     skip_cap: int | None = Field(None, ge=1, le=1000, description="See ServeArgs.skip_cap.")
     tick_slice: bool | None = Field(None, description="See ServeArgs.tick_slice.")
     backlog_cap: int | None = Field(None, ge=0, le=64, description="See ServeArgs.backlog_cap.")
+    tick_mode: Literal["fused", "alternate"] | None = Field(None, description="See ServeArgs.tick_mode.")
 
     def changes(self) -> dict:
         return {k: v for k, v in self.model_dump().items() if v is not None}

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from scheduler.request import Request
 from scheduler.runner import RoundOutcome, TokenBatch
 
-MODEL_ACTIONS = ("classic_prefill", "classic_decode", "spec_begin", "spec_round")
+MODEL_ACTIONS = ("classic_prefill", "classic_decode", "spec_begin", "spec_round", "spec_round_with_decode")
 
 
 def token_at(request: Request, position: int) -> int:
@@ -32,7 +32,9 @@ class FakeSession:
 
 class FakeRunner:
     def __init__(self, *, round_tokens: int = 2, num_draft_tokens: int = 4, unsupported: tuple[str, ...] = (),
-                 round_seconds: float = 0.010, probe_seconds: float = 0.010, key: str = "fake|fake|cpu|4") -> None:
+                 round_seconds: float = 0.010, probe_seconds: float = 0.010, key: str = "fake|fake|cpu|4",
+                 fuse: bool = False) -> None:
+        """`fuse`: the runner can carry the classic decode in a round's forward."""
         self.round_tokens = round_tokens
         self.num_draft_tokens = num_draft_tokens
         self.unsupported = set(unsupported)
@@ -46,6 +48,7 @@ class FakeRunner:
         self.calls: list[tuple[str, str]] = []  # bookkeeping calls (park/resume/finish/remove)
         self.fail_on: set[tuple[str, str]] = set()  # (method, request_id) that raise
         self.adopt_moves_lone_row = False
+        self.fuse = fuse
 
     # -- helpers ------------------------------------------------------------------------
     def _emit(self, request: Request, count: int) -> tuple[list[int], str | None]:
@@ -121,6 +124,24 @@ class FakeRunner:
         accepted = max(0, len(tokens) - 1) if not probe else 0
         seconds = self.probe_seconds if probe else self.round_seconds
         return RoundOutcome(request_id, tokens, finish, drafted, accepted, probe, seconds)
+
+    def can_fuse(self):
+        return self.fuse
+
+    def spec_round_with_decode(self, request_id):
+        """A round and a decode step as ONE model action (one entry in `actions`)."""
+        if not self.fuse:
+            raise ProtocolError("spec_round_with_decode on a runner that cannot fuse")
+        if not self.rows:
+            raise ProtocolError("spec_round_with_decode without rows")
+        self.actions.append(("spec_round_with_decode", (request_id, *self.rows)))
+        self._maybe_fail("spec_round_with_decode", request_id)
+        before = len(self.actions)
+        outcome = self.spec_round(request_id)
+        rows = self.classic_decode()
+        del self.actions[before:]  # the two halves are the one action recorded above
+        outcome.fused = True
+        return outcome, rows
 
     def spec_park(self, request_id):
         self.calls.append(("spec_park", request_id))

@@ -33,6 +33,7 @@ no other row exists, else as a one-token prompt of `BatchGenerator`.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 import mlx.nn as nn
@@ -43,6 +44,15 @@ from models.sampling import RequestSampler, stop_token_ids
 from models.solo import SoloRow
 from scheduler.request import Request
 from scheduler.runner import TokenBatch
+
+
+@dataclass
+class LiveRow:
+    """A stream taken out of the batch mid-way: `cache` holds every token but the last
+    one emitted; `sampler` has its key where the row left it."""
+
+    cache: list
+    sampler: RequestSampler
 
 
 class ClassicBatch:
@@ -78,6 +88,9 @@ class ClassicBatch:
         self._stop_ids: dict[str, tuple[int, ...]] = {}  # every row, solo or batched
         self._solo: SoloRow | None = None  # the lone decoding row, if any
         self._finished_solo: set[str] = set()  # finished solo rows not yet removed
+        # Streams inserted mid-way whose one-token prompt has not run yet: their state
+        # is still exactly what was handed in (see `extract`).
+        self._queued_live: dict[str, LiveRow] = {}
 
     def num_rows(self) -> int:
         """Rows admitted and not yet removed (finished ones included)."""
@@ -121,6 +134,7 @@ class ClassicBatch:
             stop_sequences=[self._stop_sequences(request_id)],
         )
         self._register(uid, request_id)
+        self._queued_live[request_id] = LiveRow(cache, sampler)
 
     def _solo_into_batch(self) -> list[TokenBatch]:
         """Move the solo row into `BatchGenerator` (queued for prefill as a one-token
@@ -244,6 +258,7 @@ class ClassicBatch:
                     batch.finish_reason = resp.finish_reason
                     waiting.discard(resp.uid)
         finally:
+            self._forget_run_inserts()
             new_rows = self._gen._generation_batch
             if len(new_rows):
                 existing.extend(new_rows)
@@ -276,14 +291,57 @@ class ClassicBatch:
             _, responses = self._gen.next()
         finally:
             rows.model = self._model
+            self._forget_run_inserts()
         return [
             TokenBatch(self._request_by_uid[r.uid], [r.token], r.finish_reason)
             for r in responses
         ]
 
+    def extract(self, request_id: str) -> tuple[TokenBatch, LiveRow | None]:
+        """Take a decoding row out, for a speculative session to continue it.
+
+        The row's next token (already drawn by its last forward) is emitted on the way
+        and returned first; after it the cache holds every token of the stream but that
+        one, which is a session's state between rounds (`LiveRow`). When the emitted
+        token ends the row, the row is gone and the state is None. Nothing is
+        recomputed or redrawn, so the stream is the one the row would have produced.
+        """
+        if self._solo is not None and self._solo.request_id == request_id:
+            solo, self._solo = self._solo, None
+            emitted = solo.step(queue_next=False)
+            if emitted.finish_reason is not None:
+                self._finished_solo.add(request_id)
+                return emitted, None
+            self._stop_ids.pop(request_id, None)
+            return emitted, LiveRow(solo.cache, solo.sampler)
+        uid = self._uid_by_request.get(request_id)
+        rows = self._gen._generation_batch
+        if uid is not None and uid not in rows.uids and request_id in self._queued_live:
+            state = self._queued_live[request_id]  # not run yet: nothing to emit
+            self.remove(request_id)
+            return TokenBatch(request_id, []), state
+        if uid is None or uid not in rows.uids:
+            raise ValueError(f"request {request_id!r} is not a decoding classic row")
+        idx = rows.uids.index(uid)
+        token = rows._next_tokens[idx].item()
+        reason = None
+        if token in self._stop_ids[request_id]:
+            reason = "stop"
+        elif rows._num_tokens[idx] + 1 >= rows.max_tokens[idx]:
+            reason = "length"
+        state = None if reason else LiveRow(rows.extract_cache(idx), rows.samplers[idx])
+        self.remove(request_id)
+        return TokenBatch(request_id, [token], reason), state
+
+    def _forget_run_inserts(self) -> None:
+        rows = set(self._gen._generation_batch.uids)
+        for request_id in [r for r in self._queued_live if self._uid_by_request.get(r) in rows]:
+            del self._queued_live[request_id]
+
     def remove(self, request_id: str) -> None:
         """Drop a row (finished rows are already out of the batch). Idempotent."""
         self._stop_ids.pop(request_id, None)
+        self._queued_live.pop(request_id, None)
         self._finished_solo.discard(request_id)
         if self._solo is not None and self._solo.request_id == request_id:
             self._solo = None

@@ -80,6 +80,8 @@ class MlxRunner:
         trimmable = can_trim_prompt_cache(make_prompt_cache(target.model))
         self._slot = DrafterSlot(drafter) if drafter is not None and trimmable else None
         self._sessions: dict[str, SpeculativeSession] = {}
+        # Draft states of streams parked into the classic batch (fused tick), by request.
+        self._parked_drafts: dict[str, object] = {}
         if fast_verify is None:
             fast_verify = mx.default_device() != mx.cpu
         self._verifier = None
@@ -270,6 +272,38 @@ class MlxRunner:
                                result.num_accepted, False, time.perf_counter() - tic, fused=True)
         return outcome, rows
 
+    def spec_park_to_classic(self, request_id: str) -> list[TokenBatch]:
+        """Park the holder into the classic batch (the fused tick's park): its stream
+        goes on as a classic row (`spec_to_classic`), and its draft state is kept for
+        its next grant, which catches the drafter up on what the row decoded."""
+        session = self._sessions[request_id]
+        draft_state = session.draft_state if session._draft_ready else None
+        moved = self.spec_to_classic(request_id)
+        if draft_state is not None:
+            self._parked_drafts[request_id] = draft_state
+        return moved
+
+    def classic_to_spec(self, request: Request) -> tuple[list[TokenBatch], bool]:
+        """Promote a classic row into the slot: the row leaves the batch (its next token
+        is emitted on the way, `ClassicBatch.extract`) and a session continues it with
+        the drafter, from its parked draft state if it has one. Returns the tokens
+        emitted on the way and whether the session started (False: that token ended
+        the request, which is then no longer a row). Not a model action."""
+        request_id = request.request_id
+        if self._slot is None:
+            raise RuntimeError("no drafter: a classic row cannot take the slot")
+        emitted, live = self._classic.extract(request_id)
+        draft_state = self._parked_drafts.pop(request_id, None)
+        if live is None:
+            return [emitted], False
+        session = SpeculativeSession.from_live(
+            request_id, self.target.model, request.prompt_ids, [*request.output_ids, *emitted.token_ids],
+            request.sampling, live.cache, live.sampler, num_draft_tokens=self.num_draft_tokens,
+            eos_token_ids=self.eos_token_ids, draft_state=draft_state)
+        session.bind(self._slot.take(request_id))
+        self._sessions[request_id] = session
+        return [emitted], True
+
     def spec_park(self, request_id: str) -> None:
         self._sessions[request_id].unbind()
         self._slot.return_(request_id)
@@ -279,6 +313,7 @@ class MlxRunner:
         session.bind(self._slot.take(request_id))
 
     def spec_finish(self, request_id: str) -> None:
+        self._parked_drafts.pop(request_id, None)
         session = self._sessions.pop(request_id, None)
         if session is not None:
             session.finish()
@@ -303,7 +338,8 @@ class MlxRunner:
         return moved
 
     def num_live_sessions(self) -> int:
-        return len(self._sessions)
+        """Sessions plus the draft states of streams parked into the classic batch."""
+        return len(self._sessions) + len(self._parked_drafts)
 
     def session(self, request_id: str) -> SpeculativeSession:
         return self._sessions[request_id]

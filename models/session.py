@@ -95,6 +95,27 @@ class SpeculativeSession:
         self.drafter: Drafter | None = None  # bound handle; None while parked
         self._draft_ready = False  # draft_state built (lazily if begun unbound)
 
+    @classmethod
+    def from_live(cls, request_id: str, target: nn.Module, prompt_ids: Sequence[int], output_ids: Sequence[int],
+                  sampling: SamplingParams, cache: list, sampler: RequestSampler, *, num_draft_tokens: int,
+                  eos_token_ids: Sequence[int], draft_state: object = None) -> "SpeculativeSession":
+        """A session continuing a stream decoded elsewhere (a classic row): `cache` holds
+        every token of prompt + `output_ids` but the last output token (the pending
+        one), `sampler` has its key where that path left it. `draft_state` is the
+        drafter state this stream had when it last held the drafter (None: built from
+        the history at the first round); the drafter catches up on what it missed."""
+        if not output_ids:
+            raise ValueError("a live stream has emitted at least one token")
+        session = cls(request_id, target, prompt_ids, sampling, num_draft_tokens=num_draft_tokens,
+                      eos_token_ids=eos_token_ids)
+        session.cache = cache
+        session.sampler = sampler
+        session.history = list(prompt_ids) + list(output_ids)
+        session.num_emitted = len(output_ids)
+        session.draft_state = draft_state
+        session._draft_ready = draft_state is not None
+        return session
+
     # -- binding -------------------------------------------------------------------
     def bind(self, drafter: Drafter) -> None:
         self.drafter = drafter

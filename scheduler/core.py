@@ -22,7 +22,7 @@ from scheduler.events import EventSink, TokenEvent
 from scheduler.policy import Action, Decision, decide
 from scheduler.request import Lane, Request, RequestStatus
 from scheduler.runner import ModelRunner, TokenBatch
-from scheduler.slot import SpecSlot
+from scheduler.slot import ROW_IN_RING, SpecSlot
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,8 @@ class Scheduler:
         self.sink = EventSink(self.counters, clock, on_finish=self._forget)
         self.slot = SpecSlot(runner, lambda: self.config, self.policy, self.counters, self.sink,
                              self._to_classic, clock, live_requests=self.num_unfinished,
-                             num_rows=lambda: len(self._rows), adopt_row=self._adopt_row)
+                             num_rows=lambda: len(self._rows), adopt_row=self._adopt_row,
+                             release_row=self._release_row, unqueue=self._unqueue)
         self._inbox: list[Request] = []
         self._cancels: list[str] = []
         self._queues: dict[Lane, deque[Request]] = {lane: deque() for lane in Lane}
@@ -137,9 +138,9 @@ class Scheduler:
         elif not self.slot.batch_allows():
             self._to_classic(request, "batch_size")
         else:
-            reason = self.slot.try_admit(request)
+            reason = self.slot.try_admit(request, as_row=self._fusing())
             if reason is not None:
-                self._to_classic(request, reason)
+                self._to_classic(request, None if reason == ROW_IN_RING else reason)
 
     def _to_classic(self, request: Request, reason: str | None) -> None:
         """Queue for classic prefill; `reason` counts a speculative-eligible fallback."""
@@ -154,12 +155,27 @@ class Scheduler:
         self._rows[request.request_id] = request
         self._apply_classic(batches)
 
+    def _release_row(self, request: Request, batches: list[TokenBatch], started: bool, error: str | None) -> None:
+        """A row promoted into the slot (fused tick): its tokens emitted on the way are
+        applied; it leaves the rows when its session started."""
+        if error is not None:
+            self._fail_rows([request], error)
+            return
+        self._apply_classic(batches)
+        if started:
+            self._rows.pop(request.request_id, None)
+
+    def _unqueue(self, request: Request) -> None:
+        self._queues[request.lane].remove(request)
+
     def _cancel_now(self, request_id: str) -> None:
         request = self._requests.get(request_id)
         if request is None:  # unknown or already finished
             return
         request.cancel_requested = True
         phase = None
+        if request.status in (RequestStatus.QUEUED, RequestStatus.CLASSIC):
+            self.slot.forget_row(request)  # a fused-tick ring entry, if it has one
         if request.status is RequestStatus.QUEUED:
             self._queues[request.lane].remove(request)
         elif request.status is RequestStatus.CLASSIC:
@@ -210,12 +226,14 @@ class Scheduler:
             if batch.finish_reason:
                 self._rows.pop(batch.request_id)
                 self.runner.classic_remove(batch.request_id)
+                self.slot.forget_row(request)
                 self.sink.finish(request, batch.finish_reason)
 
     def _fail_rows(self, requests: list[Request], message: str) -> None:
         log.error("%s", message)
         for request in requests:
             self._rows.pop(request.request_id, None)
+            self.slot.forget_row(request)
             try:
                 self.runner.classic_remove(request.request_id)
             except Exception:  # noqa: BLE001 - best effort after a failure

@@ -190,7 +190,8 @@ def decide(
     empty backlog). Prefill goes before decode so new rows join the batch promptly;
     it is bounded by free rows, so decode cannot starve. With `fused`, a round's
     forward also decodes every classic row, so rows do not count as waiting work
-    against a ROUND (they advance in it); prefill still alternates with it.
+    against a ROUND or a PROMOTE (whose round they ride); prefill still alternates
+    with them.
     >>> decide(spec_step=SpecStep.ROUND, yielded_last=True, num_queued=0, num_rows=3,
     ...        max_rows=8, prefill_batch=4, fused=True).action
     <Action.SPECULATIVE: 'speculative'>
@@ -199,7 +200,7 @@ def decide(
     <Action.DECODE: 'decode'>
     """
     num_prefill = num_to_admit(num_queued, num_rows, max_rows, prefill_batch)
-    rows_ride_along = fused and spec_step is SpecStep.ROUND
+    rows_ride_along = fused and spec_step in (SpecStep.ROUND, SpecStep.PROMOTE)
     others_have_work = num_prefill > 0 or (num_rows > 0 and not rows_ride_along)
     if spec_step is not None and slice_takes_tick(yielded_last, others_have_work):
         return Decision(Action.SPECULATIVE, spec_step=spec_step)

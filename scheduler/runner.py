@@ -89,6 +89,18 @@ class ModelRunner(Protocol):
         in one model forward: the fused tick's single model action. Returns the round
         (never a probe) and the rows' tokens, as `spec_round` and `classic_decode` would."""
 
+    def spec_park_to_classic(self, request_id: str) -> list[TokenBatch]:
+        """The fused tick's park: the holder's stream goes on as a classic row, exactly
+        (as `spec_to_classic`), and its draft state is kept for its next grant. Returns
+        tokens other rows emitted on the way. Not a model action."""
+
+    def classic_to_spec(self, request: Request) -> tuple[list[TokenBatch], bool]:
+        """The fused tick's promotion of a classic row: it leaves the batch (emitting
+        the token it had already drawn) and continues as the drafter's session, from
+        its kept draft state if it was parked. Returns (tokens emitted on the way,
+        started); started is False when that token ended the request. Not a model
+        action."""
+
     def spec_park(self, request_id: str) -> None:
         """Return the drafter handle; the session keeps all its own state."""
 

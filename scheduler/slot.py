@@ -32,6 +32,9 @@ from scheduler.request import Request, RequestStatus
 from scheduler.runner import ModelRunner, TokenBatch
 
 GRANT_LOG_LIMIT = 4096
+# `try_admit`'s answer in the fused tick when the request joins the ring but decodes as
+# a classic row while it waits for the drafter: the caller queues it for prefill.
+ROW_IN_RING = "row_in_ring"
 
 
 @dataclass
@@ -64,9 +67,15 @@ class SpecSlot:
                  policy: B1Policy, counters: Counters, sink: EventSink,
                  to_classic: Callable[[Request, str], None], clock: Callable[[], float],
                  live_requests: Callable[[], int] = lambda: 0, num_rows: Callable[[], int] = lambda: 0,
-                 adopt_row: Callable[[Request, list[TokenBatch]], None] | None = None) -> None:
-        """`adopt_row(request, batches)`: the scheduler takes a demoted request as a
-        classic row and applies `batches` (other rows' tokens); None = never demote."""
+                 adopt_row: Callable[[Request, list[TokenBatch]], None] | None = None,
+                 release_row: Callable[[Request, list[TokenBatch], bool, str | None], None] | None = None,
+                 unqueue: Callable[[Request], None] | None = None) -> None:
+        """`adopt_row(request, batches)`: the scheduler takes a demoted (or, in the
+        fused tick, parked) request as a classic row and applies `batches` (other rows'
+        tokens); None = never demote. `release_row(request, batches, started, error)`:
+        a classic row was promoted into the slot (fused tick): apply `batches`, and the
+        request leaves the rows (started) or failed (`error`). `unqueue(request)`: take
+        a request out of the classic admission queue (it is granted before prefill)."""
         self.runner = runner
         self._config = config
         self.policy = policy
@@ -77,6 +86,8 @@ class SpecSlot:
         self._live_requests = live_requests  # unfinished requests, for the batch-size rule
         self._num_rows = num_rows  # classic rows
         self._adopt_row = adopt_row
+        self._release_row = release_row
+        self._unqueue = unqueue
         self.backlog = GrantBacklog(on_depth=counters.observe_backlog)
         self.active: ActiveJob | None = None
         self._fuse = False  # this step's rounds carry the classic decode
@@ -94,19 +105,23 @@ class SpecSlot:
         return SpecStep.PROMOTE if len(self.backlog) else None
 
     # -- admission ------------------------------------------------------------------
-    def try_admit(self, request: Request) -> str | None:
+    def try_admit(self, request: Request, as_row: bool = False) -> str | None:
         """Install `request` on a free slot or add it to the backlog as a waiter.
 
         Returns None when admitted, else the reason it must go to classic decode.
-        The caller has already checked `spec_supports` and the policy verdict.
+        With `as_row` (the fused tick) a waiter decodes as a classic row until it is
+        granted: the answer is then `ROW_IN_RING` and the caller queues it. The caller
+        has already checked `spec_supports` and the policy verdict.
         """
         config = self._config()
         if not self.busy:
             self._install(request, started=False)
             return None
         if config.tick_slice and can_join_backlog(len(self.backlog), config.backlog_cap, config.grant_rounds):
-            request.status = RequestStatus.WAITING
             self.backlog.push(request, EntryKind.WAITING)
+            if as_row:
+                return ROW_IN_RING
+            request.status = RequestStatus.WAITING
             return None
         return "slot_busy" if config.grant_rounds == 0 or not config.tick_slice else "backlog_full"
 
@@ -154,6 +169,10 @@ class SpecSlot:
             entry, escalated = self.backlog.grant(config.skip_cap)
             self.counters.skip_escalations += int(escalated)
             request = entry.request
+            if request.status in (RequestStatus.QUEUED, RequestStatus.CLASSIC):
+                if self._promote_row(entry):  # fused tick: the stream decodes as a row
+                    return True
+                continue
             if request.cancel_requested:  # aborted; the next entry is tried in this tick
                 self._abort(entry)
                 continue
@@ -182,6 +201,44 @@ class SpecSlot:
             self._round(job)
             return True
         return False
+
+    def _promote_row(self, entry: BacklogEntry) -> bool:
+        """Grant the slot to a ring entry that decodes as a classic row (fused tick).
+        False when it stays classic (declined, or ended on the way): the next entry is
+        tried in the same tick."""
+        request = entry.request
+        if entry.kind is EntryKind.WAITING:
+            reason = None if self.policy.should_run() else "declined_at_promotion"
+            reason = reason or (None if self.batch_allows() else "batch_size_at_promotion")
+            if reason is not None:
+                self.counters.classic_fallbacks[reason] += 1
+                return False
+        self.counters.promotions += 1
+        if request.status is RequestStatus.QUEUED:  # granted before its classic prefill
+            self._unqueue(request)
+            self._begin(self._install(request, started=False))
+            return True
+        try:
+            batches, started = self.runner.classic_to_spec(request)
+        except Exception as exc:  # noqa: BLE001 - fail this request, keep serving
+            try:
+                self.runner.spec_finish(request.request_id)  # whatever it kept for the request
+            except Exception:  # noqa: BLE001 - best effort after a failure
+                pass
+            self._release_row(request, [], False, f"classic_to_spec failed: {exc}")
+            return False
+        self._release_row(request, batches, started, None)
+        if not started:
+            return False
+        self._round(self._install(request, started=True))
+        return True
+
+    def forget_row(self, request: Request) -> None:
+        """A classic row ended (finished, cancelled, failed): drop its ring entry and
+        any draft state kept for it. Idempotent."""
+        entry = self.backlog.remove(request.request_id)
+        if entry is not None and entry.kind is EntryKind.PARKED:
+            self.runner.spec_finish(request.request_id)
 
     def _begin(self, job: ActiveJob) -> None:
         """Slice 0: prefill + first token, then the immediate expiry check."""
@@ -257,17 +314,24 @@ class SpecSlot:
         if not grant_expired(job.slices_run, job.budget, len(self.backlog) > 0):
             return
         request = job.request
+        into_batch = self._fuse and self._adopt_row is not None  # fused: it decodes on as a row
         try:
-            self.runner.spec_park(request.request_id)
+            if into_batch:
+                moved = self.runner.spec_park_to_classic(request.request_id)
+            else:
+                self.runner.spec_park(request.request_id)
         except Exception as exc:  # noqa: BLE001
             self._end(job, "error", error=f"spec_park failed: {exc}")
             return
         self.grant_log.append((request.request_id, job.slices_run))
-        request.status = RequestStatus.PARKED
         request.spec.num_parks += 1
         self.counters.parks += 1
-        self.backlog.push(request, EntryKind.PARKED)  # may reach cap+1 until the next promotion
         self.active = None
+        if into_batch:
+            self._adopt_row(request, moved)
+        else:
+            request.status = RequestStatus.PARKED
+        self.backlog.push(request, EntryKind.PARKED)  # may reach cap+1 until the next promotion
 
     def batch_allows(self) -> bool:
         """The batch-size rule for a request that has not started speculating, counted

@@ -44,7 +44,8 @@ class TimedRunner:
     (tick time minus this = the scheduler's own decision and bookkeeping time)."""
 
     _TIMED = frozenset({"classic_prefill", "classic_decode", "classic_remove", "spec_begin",
-                        "spec_round", "spec_park", "spec_resume", "spec_finish", "spec_to_classic"})
+                        "spec_round", "spec_round_with_decode", "spec_park", "spec_resume", "spec_finish",
+                        "spec_to_classic"})
 
     def __init__(self, runner) -> None:
         self._runner = runner

@@ -191,6 +191,30 @@ class FakeRunner:
         self.rows[request_id] = session.request
         return moved
 
+    def spec_park_to_classic(self, request_id):
+        self.calls.append(("spec_park_to_classic", request_id))
+        self._maybe_fail("spec_park_to_classic", request_id)
+        if self.drafter_holder != request_id:
+            raise ProtocolError(f"spec_park_to_classic({request_id}) but {self.drafter_holder} holds the drafter")
+        return self.spec_to_classic(request_id)
+
+    def classic_to_spec(self, request):
+        """Promote a row: it emits the token it had drawn, then holds the drafter."""
+        request_id = request.request_id
+        self.calls.append(("classic_to_spec", request_id))
+        self._maybe_fail("classic_to_spec", request_id)
+        if request_id not in self.rows:
+            raise ProtocolError(f"classic_to_spec({request_id}) of a request that is not a row")
+        if self.drafter_holder is not None:
+            raise ProtocolError(f"classic_to_spec({request_id}) while {self.drafter_holder} holds the drafter")
+        tokens, finish = self._emit(request, 1)
+        del self.rows[request_id]
+        if finish:
+            return [TokenBatch(request_id, tokens, finish)], False
+        self.sessions[request_id] = FakeSession(request)
+        self.drafter_holder = request_id
+        return [TokenBatch(request_id, tokens, None)], True
+
     def num_live_sessions(self):
         return len(self.sessions)
 

@@ -66,12 +66,16 @@ def test_runner_that_cannot_fuse_keeps_the_alternating_tick():
     assert scheduler.counters.actions["fused"] == 0
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("budget, expected", [
-    (2, [("A", 2), ("B", 2), ("A", 2), ("B", 1)]),
-    (1, [("A", 2), ("B", 1), ("A", 1), ("B", 1), ("A", 1), ("B", 1)]),
+@pytest.mark.parametrize("mode, budget, expected", [
+    # The seed's schedules: B waits in the ring without progress.
+    ("alternate", 2, [("A", 2), ("B", 2), ("A", 2), ("B", 1)]),
+    ("alternate", 1, [("A", 2), ("B", 1), ("A", 1), ("B", 1), ("A", 1), ("B", 1)]),
+    # Fused: B decodes as a classic row while it waits, and A after it parks, so each
+    # needs fewer speculative slices (B's first round ends it; A's second grant too).
+    ("fused", 2, [("A", 2), ("B", 1), ("A", 1)]),
+    ("fused", 1, [("A", 2), ("B", 1), ("A", 1)]),
 ])
-def test_seed_grant_schedules_hold_in_both_modes_with_classic_rows_live(mode, budget, expected):
+def test_seed_grant_schedules_with_classic_rows_live(mode, budget, expected):
     scheduler = fused_scheduler(mode, grant_rounds=budget)
     scheduler.runner.unsupported = {"c0"}
     a, b, row = make_request("A", rounds=3), make_request("B", rounds=2), make_request("c0", rounds=12, prompt_ids=[5])
@@ -87,13 +91,41 @@ def test_seed_grant_schedules_hold_in_both_modes_with_classic_rows_live(mode, bu
         assert streams[r.request_id] == isolated_stream(r)
     assert all(len(t.model_actions) <= 1 for t in trace.ticks)
     assert scheduler.counters.backlog_peak <= 3
+    if mode == "fused":  # every live stream advanced in every fused tick
+        for record in trace.ticks:
+            if record.model_actions and record.model_actions[0][0] == "spec_round_with_decode":
+                live = set(record.model_actions[0][1])
+                assert live <= {e.request_id for e in record.events if e.token_ids}
+
+
+def test_fused_ring_entries_decode_while_they_wait():
+    """Three speculative-eligible streams and a budget of 1: the two waiting in the ring
+    are classic rows meanwhile, every stream gets grants, and none is ever stalled."""
+    scheduler = fused_scheduler(grant_rounds=1)
+    requests = [make_request(f"s{i}", rounds=6, prompt_ids=[i + 2, 5]) for i in range(3)]
+    trace = Trace()
+    for r in requests:
+        scheduler.submit(r)
+    run_until_idle(scheduler, trace)
+    streams = trace.streams()
+    for r in requests:
+        assert streams[r.request_id] == isolated_stream(r)
+        assert r.spec.num_grants >= 1 and r.spec.num_rounds >= 1, (r.request_id, r.spec)
+    assert scheduler.runner.sessions == {} and scheduler.runner.rows == {}
+    assert scheduler.counters.backlog_peak <= 3
+    # Once all three are prefilled, a tick is never a speculative round alone: the
+    # rows ride in it or decode on their own.
+    first_prefill = next(i for i, t in enumerate(trace.ticks) if t.decision.action.value == "prefill")
+    kinds = [t.model_actions[0][0] for t in trace.ticks[first_prefill:] if t.model_actions]
+    assert "spec_round_with_decode" in kinds
+    assert kinds.count("spec_round") <= 1  # at most the last stream's rounds, once it is alone
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_skip_cap_bounds_a_low_lane_waiter_under_high_lane_pressure(mode):
     scheduler = fused_scheduler(mode, grant_rounds=1, skip_cap=2)
     scheduler.runner.unsupported = {"c0"}
-    low = make_request("low", rounds=2, lane=Lane.LOW)
+    low = make_request("low", rounds=40, lane=Lane.LOW)  # long enough to still be live when granted
     highs = [make_request(f"h{i}", rounds=2, lane=Lane.HIGH, prompt_ids=[i + 1, 7]) for i in range(6)]
     scheduler.submit(make_request("c0", rounds=30, prompt_ids=[4]))
     scheduler.submit(highs[0])

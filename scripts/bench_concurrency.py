@@ -1,0 +1,123 @@
+"""Scenario 6: speculation under concurrency, fused tick vs alternating tick vs classic.
+
+    python -m scripts.bench_concurrency [--quick] [--drafter draft_model|ngram] [--out results/concurrency]
+
+N greedy streams of held-out stdlib code arrive together (N = 1, 2, 4, 8, 16; quick:
+1, 2, 4) and run to completion in-process (engine level: the scheduler over
+`MlxRunner`, no HTTP). Per N, three configurations run back to back, interleaved over
+`--repeats` rounds on the same loaded runner:
+- `fused`: `tick_mode: fused` (the slot holder's verify rides in the batch's forward),
+  batch-size rule 0, B=1 policy on — the shipped default's scheduling;
+- `alternate`: the seed's strict alternation, otherwise the same;
+- `classic`: B=1 policy off, every stream a classic row.
+Reported per configuration: aggregate output tok/s (tokens / wall time from the first
+arrival to the last finish), median per-stream TPOT, speculative rounds per stream,
+Jain's index over those rounds, and the paired ratio fused / classic (median over
+repeats of the per-repeat ratio). Greedy outputs are checked identical across the
+three configurations.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import models  # noqa: F401  (fast BLAS before mlx)
+from scheduler.config import SchedulerConfig
+from scripts import bench_util, metrics
+from scripts.bench_engine import Arrival, drive, load_runner
+from scripts.prompts import token_prompts
+
+CONFIGS = {
+    "fused": dict(tick_mode="fused", b1_policy="on"),
+    "alternate": dict(tick_mode="alternate", b1_policy="on"),
+    "classic": dict(b1_policy="off"),
+}
+
+
+def one_run(runner, name: str, prompts: list[list[int]], max_tokens: int, grant_rounds: int) -> dict:
+    config = SchedulerConfig(num_draft_tokens=runner.num_draft_tokens, grant_rounds=grant_rounds,
+                             max_batch_size=max(16, len(prompts)), **CONFIGS[name])
+    arrivals = [Arrival(f"s{i}", p, max_tokens) for i, p in enumerate(prompts)]
+    result = drive(runner, config, arrivals)
+    records = list(result.records.values())
+    summary = metrics.summarize(records, result.duration_s)
+    rounds = [((r["speculative"] or {}).get("rounds") or 0) - ((r["speculative"] or {}).get("probe_rounds") or 0)
+              for r in records]
+    return {
+        "aggregate_tok_s": summary["output_throughput"],
+        "median_tpot_ms": summary["median_tpot_ms"],
+        "rounds": rounds,
+        "jain_rounds": metrics.jain_index(rounds),
+        "acceptance_length": summary["acceptance_length"],
+        "fused_ticks": result.counters.get("actions", {}).get("fused", 0),
+        "outputs": {r["request_id"]: r["output_tokens"] for r in
+                    ({"request_id": k, **v} for k, v in result.records.items())},
+    }
+
+
+def run(quick: bool, target: str, draft: str, drafter: str, repeats: int, seed: int = 0) -> dict:
+    streams = [1, 2, 4] if quick else [1, 2, 4, 8, 16]
+    max_tokens = 64 if quick else 128
+    runner = load_runner(target, drafter, draft, num_draft_tokens=4, max_batch_size=max(streams))
+    bench_util.warm_up(runner, runner.tokenizer)
+    rows = []
+    for n in streams:
+        prompts = token_prompts(runner.tokenizer, n, seed + n, num_tokens=64)
+        runs = {name: [] for name in CONFIGS}
+        for _ in range(repeats):
+            for name in CONFIGS:  # interleaved: machine drift hits every configuration alike
+                runs[name].append(one_run(runner, name, prompts, max_tokens, grant_rounds=8))
+        ratios = {name: [f["aggregate_tok_s"] / c["aggregate_tok_s"] for f, c in zip(runs[name], runs["classic"])]
+                  for name in ("fused", "alternate")}
+        for name, results in runs.items():
+            rows.append({
+                "streams": n, "config": name,
+                "aggregate_tok_s": statistics.median(r["aggregate_tok_s"] for r in results),
+                "median_tpot_ms": statistics.median(r["median_tpot_ms"] for r in results),
+                "rounds_per_stream": statistics.median(sum(r["rounds"]) / n for r in results),
+                "jain_rounds": results[-1]["jain_rounds"],
+                "acceptance_length": results[-1]["acceptance_length"],
+                "fused_ticks": results[-1]["fused_ticks"],
+                "ratio_vs_classic": statistics.median(ratios[name]) if name in ratios else 1.0,
+                "ratio_min": min(ratios[name]) if name in ratios else 1.0,
+                "same_lengths": all(r["outputs"] == runs["classic"][0]["outputs"] for r in results),
+                "runs": results,
+            })
+    return {"scenario": "concurrency", "quick": quick, "drafter": drafter, "max_tokens": max_tokens,
+            "repeats": repeats, "machine": bench_util.machine(), "rows": rows}
+
+
+COLUMNS = [("streams", "streams"), ("config", "config"), ("aggregate_tok_s", "aggregate tok/s"),
+           ("ratio_vs_classic", "/ classic (median)"), ("ratio_min", "/ classic (min)"),
+           ("median_tpot_ms", "TPOT p50 ms"), ("rounds_per_stream", "spec rounds / stream"),
+           ("jain_rounds", "Jain (rounds)"), ("acceptance_length", "accept len"), ("fused_ticks", "fused ticks")]
+
+
+def plot(result: dict, path: str) -> None:
+    plt = bench_util.pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name in CONFIGS:
+        rows = [r for r in result["rows"] if r["config"] == name]
+        ax.plot([r["streams"] for r in rows], [r["aggregate_tok_s"] for r in rows], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("aggregate output tok/s")
+    ax.set_title(f"engine, {result['drafter']} drafter, greedy")
+    ax.legend()
+    bench_util.save_figure(fig, path)
+
+
+def main(argv=None) -> int:
+    ap = bench_util.scenario_args(__doc__.split("\n\n")[0], "results/concurrency")
+    ap.add_argument("--drafter", choices=["draft_model", "ngram"], default="draft_model")
+    ap.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 2 quick, 3 full)")
+    args = ap.parse_args(argv)
+    repeats = args.repeats or (2 if args.quick else 3)
+    result = run(args.quick, args.target, args.draft, args.drafter, repeats, args.seed)
+    text = metrics.table([{k: v for k, v in r.items() if k != "runs"} for r in result["rows"]], COLUMNS, digits=2)
+    bench_util.publish(args, "concurrency", result, text, plot)
+    return 0 if all(r["same_lengths"] for r in result["rows"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

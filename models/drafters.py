@@ -17,8 +17,9 @@ from typing import Protocol, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
+from models import cache_rollback
 from models.bucketed import BucketedForward
 from models.rollback import draft_cache_trim
 
@@ -43,10 +44,20 @@ class Drafter(Protocol):
 class DraftModelState:
     cache: list
     num_cached: int  # history[:num_cached] is in `cache`
+    # A ring draft cache as it was before this round's one-token draft steps (which
+    # overwrite its oldest entries); None for a cache that trims exactly.
+    checkpoint: cache_rollback.Checkpoint | None = None
 
 
 class DraftModelDrafter:
-    """A small mlx-lm model sharing the target's vocabulary."""
+    """A small mlx-lm model sharing the target's vocabulary.
+
+    Rollback keeps the draft cache exactly what a fresh prefill of the accepted history
+    would give. A plain KV cache drops its rejected entries (`trim_exact`). A draft with
+    sliding-window rings cannot (its one-token steps overwrite the ring in place), so it
+    returns to the checkpoint taken before those steps, and the next round feeds the
+    accepted drafts together with the new pending token in one forward.
+    """
 
     kind = "draft_model"
 
@@ -56,8 +67,11 @@ class DraftModelDrafter:
         self.model = model
         self.name = name
         self.fast = fast
-        if not can_trim_prompt_cache(make_prompt_cache(model)):
-            raise ValueError(f"draft model {name!r} has a cache that cannot be trimmed")
+        cache = make_prompt_cache(model)
+        if not cache_rollback.can_roll_back(cache):
+            raise ValueError(f"draft model {name!r} has a cache that cannot be rolled back "
+                             "(state-space or recurrent layers); use another draft or ngram")
+        self._rings = cache_rollback.has_ring(cache)
 
     def new_state(self, prompt_ids: Sequence[int]) -> DraftModelState:
         cache = make_prompt_cache(self.model)
@@ -78,6 +92,7 @@ class DraftModelDrafter:
         feed = list(history[state.num_cached :])
         logits = self.model(mx.array([feed]), cache=state.cache)[0, -1]
         token = mx.argmax(logits, axis=-1)
+        self._before_steps(state)
         drafts = [token]
         for _ in range(k - 1):
             mx.async_eval(token)
@@ -99,6 +114,7 @@ class DraftModelDrafter:
                 logits = self.model(tokens, cache=cache)[:, -1]
                 return mx.argmax(logits, axis=-1).astype(mx.int32)
         token = step(state.cache, feed)
+        self._before_steps(state)
         drafts = [token]
         for _ in range(k - 1):
             mx.async_eval(token)
@@ -107,9 +123,19 @@ class DraftModelDrafter:
         state.num_cached = len(history) + k - 1
         return mx.concatenate(drafts)
 
+    def _before_steps(self, state: DraftModelState) -> None:
+        # The cache now holds the history up to the pending token, all of it kept.
+        state.checkpoint = cache_rollback.checkpoint(state.cache) if self._rings else None
+
     def rollback(self, state: DraftModelState, num_drafted: int, num_accepted: int) -> None:
+        if state.checkpoint is not None:
+            # Back to the pending token: all K - 1 draft steps go, accepted ones included.
+            cache_rollback.restore(state.checkpoint)
+            state.checkpoint = None
+            state.num_cached -= num_drafted - 1
+            return
         trim = draft_cache_trim(num_drafted, num_accepted)
-        trim_prompt_cache(state.cache, trim)
+        cache_rollback.trim_exact(state.cache, trim)
         state.num_cached -= trim
 
 

@@ -7,14 +7,15 @@ Classic rows go through `models.batch_adapter.ClassicBatch`; speculative request
 
 from __future__ import annotations
 
+import logging
 import platform
 import time
 from typing import Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
-from models import bucketed, ragged
+from models import bucketed, cache_rollback, ragged
 from models.batch_adapter import ClassicBatch
 from models.drafters import Drafter, DraftModelDrafter, DrafterSlot, NgramDrafter
 from models.loader import LoadedModel, load_pair
@@ -23,7 +24,10 @@ from models.session import PROBE_TOKENS, SpeculativeSession
 from scheduler.request import Request, SamplingParams
 from scheduler.runner import RoundOutcome, TokenBatch
 
+log = logging.getLogger(__name__)
+
 DRAFTER_KINDS = ("draft_model", "ngram")
+SPEC_OFF_NO_ROLLBACK = "the target's cache cannot be rolled back"
 # Per-tick time a lone classic row may keep decoding: on an H200 a bundled-model step is
 # ~1.4 ms and an engine tick's own work ~0.05-0.1 ms, so ~3 steps per tick make that
 # overhead a few percent; on CPU a step takes longer than this and a tick stays one step.
@@ -76,9 +80,15 @@ class MlxRunner:
             prefill_batch_size=prefill_batch_size,
             solo_burst_s=classic_burst_ms / 1000.0,
         )
-        # Rolling back a rejected draft needs a trimmable target cache.
-        trimmable = can_trim_prompt_cache(make_prompt_cache(target.model))
-        self._slot = DrafterSlot(drafter) if drafter is not None and trimmable else None
+        # Rejected drafts must leave the target cache exactly; state-space and
+        # recurrent layers (hybrid models) cannot give them back, so those decode classically.
+        self.spec_off_reason: str | None = None  # why the slot serves nobody, when it does not
+        if drafter is None:
+            self.spec_off_reason = "no drafter configured"
+        elif not cache_rollback.can_roll_back(make_prompt_cache(target.model)):
+            self.spec_off_reason = SPEC_OFF_NO_ROLLBACK
+            log.warning("speculation off: %s (target %s)", SPEC_OFF_NO_ROLLBACK, target.name)
+        self._slot = DrafterSlot(drafter) if self.spec_off_reason is None else None
         self._sessions: dict[str, SpeculativeSession] = {}
         # Draft states of streams parked into the classic batch (fused tick), by request.
         self._parked_drafts: dict[str, object] = {}
@@ -87,7 +97,7 @@ class MlxRunner:
         self._verifier = None
         self._warm_session = warm_session
         # Why the verify cannot ride in the classic batch's forward (None: it can).
-        self.fuse_blocker: str | None = "no drafter" if self._slot is None else None
+        self.fuse_blocker: str | None = self.spec_off_reason
         if fast_verify and self._slot is not None and bucketed.supports(target.model):
             self._verifier = bucketed.BucketedForward(target.model, prefill_chunk=prefill_chunk)
             if isinstance(drafter, DraftModelDrafter) and drafter.fast is None:

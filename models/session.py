@@ -23,9 +23,10 @@ from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from models.bucketed import BucketedForward
+from models.cache_rollback import trim_exact
 from models.drafters import Drafter
 from models.rollback import accept_count, clip_tokens, draft_budget, target_cache_trim
 from models.sampling import RequestSampler, stop_token_ids
@@ -235,7 +236,9 @@ class SpeculativeSession:
         """Roll back `trim` target positions and the drafter, emit, count."""
         num_drafted, num_accepted = len(draft), accept_count(draft, verified)
         t3 = time.perf_counter()
-        trim_prompt_cache(self.cache, trim)
+        # The verify appended its 1 + K positions in one multi-token update, which every
+        # cache the runner speculates on (sliding windows too) gives back exactly, or raises.
+        trim_exact(self.cache, trim)
         if num_drafted:
             self.drafter.rollback(self.draft_state, num_drafted, num_accepted)
         self.counters.phase_seconds["rollback"] += time.perf_counter() - t3

@@ -1,4 +1,4 @@
-"""Tiny random-weight Llama models for tests, built in about a second.
+"""Tiny random-weight models for tests, built in about a second.
 
 `build_tiny_pair(out_dir)` writes two Hugging Face–format directories (`target/`,
 `draft/`) that `mlx_lm.load` reads: config.json, model.safetensors (float32),
@@ -7,7 +7,8 @@ trained offline on a few standard-library source files (`models.corpus`).
 
 The draft is the target's first `draft_layers` layers with the same embeddings, final
 norm and head, so it agrees with the target often but not always, which exercises both
-accepted and rejected draft tokens.
+accepted and rejected draft tokens. `tiny_sliding_pair` builds such a pair in memory
+with sliding-window layers (gemma3_text, or llama with sliding layers).
 
 Why the weights are scaled: with default init every layer adds a residual of similar size,
 so the top-2 logit gap is often tiny and a K-token verify can flip an argmax against
@@ -25,7 +26,7 @@ import sysconfig
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models import llama
+from mlx_lm.models import gemma3_text, llama
 
 from models import corpus
 
@@ -58,15 +59,16 @@ def tiny_args(vocab_size: int, num_layers: int = 4, hidden: int = 64) -> llama.M
     )
 
 
-def random_model(args: llama.ModelArgs, seed: int, embed_scale: float, out_scale: float):
-    """A llama.Model with seeded random float32 weights.
+def random_model(args, seed: int, embed_scale: float, out_scale: float, module=llama):
+    """A `module.Model` (llama unless given: any mlx-lm module with llama's layer
+    naming, e.g. gemma3_text) with seeded random float32 weights.
 
     `embed_scale` grows the token embeddings (peaked, stable logits); `out_scale`
     shrinks every layer's output projections, which controls how much the later layers
     (the ones a truncated draft lacks) change the prediction.
     """
     mx.random.seed(seed)
-    model = llama.Model(args)
+    model = module.Model(args)
     emb = model.model.embed_tokens
     emb.weight = mx.random.normal(emb.weight.shape) * embed_scale
     for layer in model.model.layers:
@@ -114,14 +116,21 @@ def build_tiny_pair(
     save_model(target, args, tok_dir, target_path)
 
     draft_args = tiny_args(vocab_size, num_layers=draft_layers)
-    draft = llama.Model(draft_args)
-    draft.model.layers = target.model.layers[:draft_layers]
-    draft.model.embed_tokens = target.model.embed_tokens
-    draft.model.norm = target.model.norm
-    draft.lm_head = target.lm_head
+    draft = truncated_draft(target, draft_args)
     draft_path = os.path.join(out_dir, "draft")
     save_model(draft, draft_args, tok_dir, draft_path)
     return target_path, draft_path
+
+
+def truncated_draft(target: nn.Module, draft_args, module=llama) -> nn.Module:
+    """A draft of `draft_args.num_hidden_layers` layers sharing the target's first
+    layers, embeddings, final norm and head (no weight is copied)."""
+    draft = module.Model(draft_args)
+    draft.model.layers = target.model.layers[: draft_args.num_hidden_layers]
+    draft.model.embed_tokens = target.model.embed_tokens
+    draft.model.norm = target.model.norm
+    draft.lm_head = target.lm_head
+    return draft
 
 
 def greedy_margins(model: nn.Module, prompt_ids: list[int], num_tokens: int) -> list[float]:
@@ -142,3 +151,34 @@ def greedy_margins(model: nn.Module, prompt_ids: list[int], num_tokens: int) -> 
         token = mx.argmax(logits).item()
         logits = model(mx.array([[token]]), cache=cache)[0, -1]
     return margins
+
+
+
+def sliding_args(family: str, vocab_size: int, window: int, num_layers: int):
+    """Args of a tiny model whose even layers attend over a sliding window of `window`
+    tokens (mlx-lm gives those a `RotatingKVCache`) and odd layers over everything:
+    "gemma3_text", or "llama" with mistral-style `layer_types`."""
+    if family == "gemma3_text":
+        return gemma3_text.ModelArgs(
+            model_type="gemma3_text", hidden_size=64, num_hidden_layers=num_layers,
+            intermediate_size=128, num_attention_heads=4, head_dim=16, num_key_value_heads=2,
+            vocab_size=vocab_size, sliding_window=window, sliding_window_pattern=2,
+            query_pre_attn_scalar=16, max_position_embeddings=4096)
+    if family == "llama":
+        args = tiny_args(vocab_size, num_layers=num_layers)
+        args.layer_types = [("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)]
+        args.sliding_window = window
+        return args
+    raise ValueError(f"no tiny sliding-window {family!r}")
+
+
+def tiny_sliding_pair(family: str, vocab_size: int, window: int, *, seed: int = 0,
+                      num_layers: int = 4, draft_layers: int = 2, embed_scale: float = 1.0,
+                      out_scale: float = 0.5) -> tuple[nn.Module, nn.Module]:
+    """In-memory float32 (target, draft) of `sliding_args`, the draft truncated from
+    the target as in `build_tiny_pair`."""
+    module = gemma3_text if family == "gemma3_text" else llama
+    args = sliding_args(family, vocab_size, window, num_layers)
+    target = random_model(args, seed, embed_scale, out_scale, module)
+    draft_args = sliding_args(family, vocab_size, window, draft_layers)
+    return target, truncated_draft(target, draft_args, module)

@@ -59,3 +59,16 @@ def run_session(loaded, request, k, drafter):
         rounds.append((r.token_ids, r.num_drafted, r.num_accepted))
     session.finish()
     return tokens, reason, rounds
+
+
+def mlx_lm_greedy(model, prompt_ids, max_tokens, stop_ids=()):
+    """mlx-lm's own greedy decode (`generate_step`), cut after the first stop id."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    out = []
+    for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
+        out.append(int(token))
+        if token in stop_ids:
+            break
+    return out

@@ -40,7 +40,8 @@ class Scheduler:
         self.slot = SpecSlot(runner, lambda: self.config, self.policy, self.counters, self.sink,
                              self._to_classic, clock, live_requests=self.num_unfinished,
                              num_rows=lambda: len(self._rows), adopt_row=self._adopt_row,
-                             release_row=self._release_row, unqueue=self._unqueue)
+                             release_row=self._release_row, unqueue=self._unqueue,
+                             rows_done=self._rows_done)
         self._inbox: list[Request] = []
         self._cancels: list[str] = []
         self._queues: dict[Lane, deque[Request]] = {lane: deque() for lane in Lane}
@@ -87,11 +88,7 @@ class Scheduler:
             step = self.slot.step(fuse=self._fusing())
             if step.ran:
                 self._yielded_last = True
-                if step.rows is not None:
-                    self.counters.actions["fused"] += 1
-                    self._apply_classic(step.rows)
-                elif step.rows_error is not None:
-                    self._fail_rows(list(self._rows.values()), step.rows_error)
+                self.counters.actions["fused"] += int(step.fused)
             else:  # nothing runnable in the slot: the tick goes to classic work
                 decision = self._decide(allow_spec=False)
         if decision.action is Action.PREFILL:
@@ -164,6 +161,13 @@ class Scheduler:
         self._apply_classic(batches)
         if started:
             self._rows.pop(request.request_id, None)
+
+    def _rows_done(self, batches: list[TokenBatch], error: str | None) -> None:
+        """The classic rows' decode step ran inside a fused round."""
+        if error is not None:
+            self._fail_rows(list(self._rows.values()), error)
+        else:
+            self._apply_classic(batches)
 
     def _unqueue(self, request: Request) -> None:
         self._queues[request.lane].remove(request)

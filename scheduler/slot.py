@@ -39,13 +39,11 @@ ROW_IN_RING = "row_in_ring"
 
 @dataclass
 class SlotStep:
-    """What one `step()` did: whether a speculative action ran, and the classic rows'
-    tokens when a round carried their decode (`rows`), or why that forward failed
-    (`rows_error`: the scheduler fails those rows)."""
+    """What one `step()` did: whether a speculative action ran, and whether a round
+    carried the classic rows' decode step (`fused`)."""
 
     ran: bool
-    rows: list[TokenBatch] | None = None
-    rows_error: str | None = None
+    fused: bool = False
 
 
 @dataclass
@@ -69,13 +67,17 @@ class SpecSlot:
                  live_requests: Callable[[], int] = lambda: 0, num_rows: Callable[[], int] = lambda: 0,
                  adopt_row: Callable[[Request, list[TokenBatch]], None] | None = None,
                  release_row: Callable[[Request, list[TokenBatch], bool, str | None], None] | None = None,
-                 unqueue: Callable[[Request], None] | None = None) -> None:
+                 unqueue: Callable[[Request], None] | None = None,
+                 rows_done: Callable[[list[TokenBatch], str | None], None] | None = None) -> None:
         """`adopt_row(request, batches)`: the scheduler takes a demoted (or, in the
         fused tick, parked) request as a classic row and applies `batches` (other rows'
         tokens); None = never demote. `release_row(request, batches, started, error)`:
         a classic row was promoted into the slot (fused tick): apply `batches`, and the
         request leaves the rows (started) or failed (`error`). `unqueue(request)`: take
-        a request out of the classic admission queue (it is granted before prefill)."""
+        a request out of the classic admission queue (it is granted before prefill).
+        `rows_done(batches, error)`: a fused round decoded the classic rows; apply
+        their tokens now, before anything else of the step moves a row (or fail them
+        all with `error`)."""
         self.runner = runner
         self._config = config
         self.policy = policy
@@ -88,10 +90,11 @@ class SpecSlot:
         self._adopt_row = adopt_row
         self._release_row = release_row
         self._unqueue = unqueue
+        self._rows_done = rows_done
         self.backlog = GrantBacklog(on_depth=counters.observe_backlog)
         self.active: ActiveJob | None = None
         self._fuse = False  # this step's rounds carry the classic decode
-        self._ride: SlotStep | None = None
+        self._fused = False  # this step ran a fused round
         self.grant_log: deque[tuple[str, int]] = deque(maxlen=GRANT_LOG_LIMIT)
 
     # -- state --------------------------------------------------------------------
@@ -140,10 +143,10 @@ class SpecSlot:
         promotion found only cancelled or declined entries (the tick may then go
         classic). With `fuse`, a round (not a slice 0 or a probe) carries the decode
         step of the classic rows, if there are any."""
-        self._fuse, self._ride = fuse, None
+        self._fuse = fuse and self._rows_done is not None
+        self._fused = False
         ran = self._step()
-        ride, self._ride = self._ride, None
-        return SlotStep(ran, ride.rows, ride.rows_error) if ride else SlotStep(ran)
+        return SlotStep(ran, self._fused)
 
     def _step(self) -> bool:
         job = self.active
@@ -279,18 +282,20 @@ class SpecSlot:
     def _run_round(self, job: ActiveJob) -> bool:
         """One round; True if the job is still active after it."""
         request = job.request
-        fuse = self._fuse and not job.burst and self._ride is None and self._num_rows() > 0
+        fuse = self._fuse and not job.burst and not self._fused and self._num_rows() > 0
         # A probe measures a lone stream's classic decode: it waits for a tick without rows.
         probe = not fuse and self.policy.wants_probe(request.spec.num_probe_rounds)
         try:
             if fuse:
                 outcome, rows = self.runner.spec_round_with_decode(request.request_id)
-                self._ride = SlotStep(True, rows)
+                self._fused = True
+                self._rows_done(rows, None)
             else:
                 outcome = self.runner.spec_round(request.request_id, probe=probe)
         except Exception as exc:  # noqa: BLE001
             if fuse:
-                self._ride = SlotStep(True, rows_error=f"spec_round_with_decode failed: {exc}")
+                self._fused = True
+                self._rows_done([], f"spec_round_with_decode failed: {exc}")
             self._end(job, "error", error=f"spec_round failed: {exc}")
             return False
         job.slices_run += 1

@@ -161,3 +161,20 @@ def test_fused_round_failure_fails_the_rows_it_carried_and_keeps_serving():
     trace = run_until_idle(scheduler)
     assert trace.streams()["later"] == isolated_stream(later)
     assert scheduler.runner.sessions == {} and scheduler.runner.rows == {}
+
+
+def test_rows_decoded_in_a_fused_round_are_applied_before_a_park_moves_a_row():
+    """A park into the batch can make a lone row emit its next token on the way; the
+    round's own decode tokens for that row must already be in its stream by then."""
+    runner = FakeRunner(fuse=True)
+    runner.adopt_moves_lone_row = True
+    scheduler = make_scheduler(runner, tick_mode="fused", grant_rounds=1)
+    a, b = make_request("A", rounds=5), make_request("B", rounds=5, prompt_ids=[7, 2])
+    trace = Trace()
+    scheduler.submit(a)
+    tick(scheduler, trace)
+    scheduler.submit(b)
+    run_until_idle(scheduler, trace)
+    assert scheduler.counters.parks > 0
+    streams = trace.streams()
+    assert streams["A"] == isolated_stream(a) and streams["B"] == isolated_stream(b)

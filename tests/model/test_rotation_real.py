@@ -1,5 +1,9 @@
 """Slot rotation over real mlx models (CPU): the bundled pair when present, else the
-tiny random pair. Greedy streams must not depend on rotation, slicing or concurrency."""
+tiny random pair. Greedy streams must not depend on rotation, slicing or concurrency.
+
+These pin the seed's ring (`tick_mode: alternate`: a waiting or parked stream makes no
+progress until it is granted); the fused tick's ring, whose entries decode as classic
+rows meanwhile, is covered by test_fused_real.py."""
 
 import os
 
@@ -36,7 +40,7 @@ def prompts(runner):
 def run(runner, prompts, *, stagger=True, **overrides):
     """Submit the first request, tick once (its slice 0), then submit the others and
     run to completion. Returns (streams, requests, grant log, peak live sessions)."""
-    config = SchedulerConfig(b1_policy="on", **overrides)
+    config = SchedulerConfig(**{"b1_policy": "on", "tick_mode": "alternate", **overrides})
     scheduler = Scheduler(runner, config)
     requests = [make_request(f"r{i}", p, max_tokens=MAX_TOKENS) for i, p in enumerate(prompts)]
     streams = {r.request_id: [] for r in requests}

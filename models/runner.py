@@ -15,13 +15,14 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from models import bucketed, cache_rollback, ragged
+from models import bucketed, cache_rollback, ragged, tick_costs
 from models.batch_adapter import ClassicBatch
 from models.drafters import Drafter, DraftModelDrafter, DrafterSlot, NgramDrafter
 from models.loader import LoadedModel, load_pair
 from models.sampling import supports_sampling
 from models.session import PROBE_TOKENS, SpeculativeSession
 from scheduler.request import Request, SamplingParams
+from scheduler.costs import TickCosts
 from scheduler.runner import RoundOutcome, TokenBatch
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,8 @@ class MlxRunner:
         self._sessions: dict[str, SpeculativeSession] = {}
         # Draft states of streams parked into the classic batch (fused tick), by request.
         self._parked_drafts: dict[str, object] = {}
+        self._tick_costs: TickCosts | None = None
+        self._classic_rows_cap = max_batch_size
         if fast_verify is None:
             fast_verify = mx.default_device() != mx.cpu
         self._verifier = None
@@ -259,6 +262,17 @@ class MlxRunner:
 
     def can_fuse(self) -> bool:
         return self.fuse_blocker is None
+
+    def tick_costs(self) -> TickCosts | None:
+        """Decode and fused forward costs on this machine (`models.tick_costs`),
+        measured on the first call (about a second on a CPU with the bundled pair)."""
+        if not self.can_fuse():
+            return None
+        if self._tick_costs is None:
+            vocab = getattr(getattr(self.target.model, "args", None), "vocab_size", 256)
+            self._tick_costs = tick_costs.measure(self.target.model, self._slot.drafter, self.num_draft_tokens,
+                                                  self._classic_rows_cap, vocab)
+        return self._tick_costs
 
     def spec_round_with_decode(self, request_id: str) -> tuple[RoundOutcome, list[TokenBatch]]:
         """The holder's round and one decode step of every classic row in one forward:

@@ -61,15 +61,22 @@ class GrantBacklog:
                 return removed
         return None
 
-    def grant(self, skip_cap: int) -> tuple[BacklogEntry, bool]:
-        """One grant decision: remove and return the selected entry, and whether the
-        skip cap decided it. Every entry left behind counts one more skip, whatever
-        then happens to the selected one (cancelled, declined or run)."""
-        views = [e.view() for e in self._entries]
+    def grant(self, skip_cap: int, eligible: Callable[[BacklogEntry], bool] | None = None
+              ) -> tuple[BacklogEntry | None, bool]:
+        """One grant decision among the `eligible` entries (default: all): remove and
+        return the selected one, and whether the skip cap decided it. Every eligible
+        entry left behind counts one more skip, whatever then happens to the selected
+        one (cancelled, declined or run). (None, False) when no entry is eligible."""
+        candidates = [e for e in self._entries if eligible is None or eligible(e)]
+        if not candidates:
+            return None, False
+        views = [e.view() for e in candidates]
         escalated = bool(overdue_indices(views, skip_cap))
-        selected = self._entries.pop(next_grant_index(views, skip_cap))
-        for entry in self._entries:
-            entry.skipped_grants += 1
+        selected = candidates[next_grant_index(views, skip_cap)]
+        self._entries.remove(selected)
+        for entry in candidates:
+            if entry is not selected:
+                entry.skipped_grants += 1
         self._on_depth(len(self._entries))
         return selected, escalated
 

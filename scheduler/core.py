@@ -49,6 +49,7 @@ class Scheduler:
         self._cancelled_in_prefill: set[str] = set()  # rows whose cancel arrived mid-prefill
         self._next_seq = 0
         self._yielded_last = False  # the last model action was speculative
+        self._last_tick_kind: str | None = None  # for `_observe_tick`
         self.last_decision: Decision | None = None
 
     # -- inputs (applied at the next tick's drain) ------------------------------------
@@ -84,17 +85,22 @@ class Scheduler:
     def tick(self) -> list[TokenEvent]:
         self._drain()
         decision = self._decide(allow_spec=True)
+        num_rows, tic = len(self._rows), self.clock()
+        kind = None  # what the cost gate may learn from this tick
         if decision.action is Action.SPECULATIVE:
             step = self.slot.step(fuse=self._fusing())
             if step.ran:
                 self._yielded_last = True
                 self.counters.actions["fused"] += int(step.fused)
+                kind = "fused" if step.round else None
             else:  # nothing runnable in the slot: the tick goes to classic work
                 decision = self._decide(allow_spec=False)
         if decision.action is Action.PREFILL:
             self._prefill(decision.num_prefill)
         elif decision.action is Action.DECODE:
+            tic, kind = self.clock(), "decode"
             self._decode()
+        self._observe_tick(kind, num_rows, self.clock() - tic)
         if decision.action in (Action.PREFILL, Action.DECODE):
             self._yielded_last = False
         self.last_decision = decision
@@ -102,8 +108,21 @@ class Scheduler:
         self.counters.observe_sessions(self.runner.num_live_sessions())
         return self.sink.drain()
 
+    def _observe_tick(self, kind: str | None, num_rows: int, seconds: float) -> None:
+        """Feed the cost gate steady-state ticks only: a tick of the same kind as the
+        one before (the first decode after a row moved in also runs that row's first
+        forward, which is the move's cost, not a decode step's)."""
+        last, self._last_tick_kind = self._last_tick_kind, kind
+        if kind is None or kind != last or not self._gating() or self.slot.costs is None:
+            return
+        self.slot.costs.observe(kind, num_rows if kind == "decode" or self.slot.last_round_fused else 0, seconds)
+
     def _fusing(self) -> bool:
         return self.config.tick_mode == "fused" and self.runner.can_fuse()
+
+    def _gating(self) -> bool:
+        """The fused tick's cost gate is on (`SpecSlot.pays`): tick times are fed to it."""
+        return self._fusing() and self.config.b1_policy == "auto"
 
     def _decide(self, allow_spec: bool) -> Decision:
         return decide(
@@ -130,7 +149,7 @@ class Scheduler:
             return
         if not self.runner.spec_supports(request):
             self._to_classic(request, None)
-        elif not self.policy.should_run():
+        elif not (self.slot.policy_allows if self._fusing() else self.policy.should_run()):
             self._to_classic(request, "policy_declined")
         elif not self.slot.batch_allows():
             self._to_classic(request, "batch_size")

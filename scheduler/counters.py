@@ -84,6 +84,7 @@ class Counters:
     skip_escalations: int = 0  # grant decisions the skip cap decided
     backlog_aborts: int = 0  # cancelled entries dropped from the backlog
     demotions: int = 0  # started sessions moved into the classic batch (batch-size rule)
+    cost_parks: int = 0  # fused tick: holders parked because speculating no longer paid
     backlog_depth: int = 0
     backlog_peak: int = 0
     live_sessions: int = 0
@@ -117,7 +118,7 @@ class Counters:
             name: getattr(self, name)
             for name in (
                 "grants", "parks", "promotions", "skip_escalations", "backlog_aborts", "demotions",
-                "backlog_depth", "backlog_peak", "live_sessions", "live_sessions_peak",
+                "cost_parks", "backlog_depth", "backlog_peak", "live_sessions", "live_sessions_peak",
                 "spec_rounds", "probe_rounds", "drafted_tokens", "accepted_tokens",
             )
         }

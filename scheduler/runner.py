@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+from scheduler.costs import TickCosts
 from scheduler.request import Request
 
 
@@ -79,6 +80,10 @@ class ModelRunner(Protocol):
 
     def spec_round(self, request_id: str, probe: bool = False) -> RoundOutcome:
         """Run exactly one round of the session that holds the drafter."""
+
+    def tick_costs(self) -> "TickCosts | None":
+        """What a decode step and a fused step cost on this machine (measured once, on
+        first use), for the fused tick's cost gate; None when the runner cannot fuse."""
 
     def can_fuse(self) -> bool:
         """Whether `spec_round_with_decode` runs one forward for both (the model passed

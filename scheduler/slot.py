@@ -25,6 +25,7 @@ from typing import Callable
 from scheduler.adaptive import B1Policy
 from scheduler.backlog import BacklogEntry, EntryKind, GrantBacklog
 from scheduler.config import SchedulerConfig
+from scheduler.costs import AcceptanceTracker, LiveCosts
 from scheduler.counters import Counters
 from scheduler.events import EventSink
 from scheduler.policy import SpecStep, batch_allows_speculation, can_join_backlog, grant_expired, should_demote
@@ -39,11 +40,13 @@ ROW_IN_RING = "row_in_ring"
 
 @dataclass
 class SlotStep:
-    """What one `step()` did: whether a speculative action ran, and whether a round
-    carried the classic rows' decode step (`fused`)."""
+    """What one `step()` did: whether a speculative action ran, whether it was a
+    plain round (no slice 0, probe or promotion moves: a tick the cost model can learn
+    from), and whether that round carried the classic rows' decode step (`fused`)."""
 
     ran: bool
     fused: bool = False
+    round: bool = False
 
 
 @dataclass
@@ -93,6 +96,10 @@ class SpecSlot:
         self._rows_done = rows_done
         self.backlog = GrantBacklog(on_depth=counters.observe_backlog)
         self.active: ActiveJob | None = None
+        self.acceptance = AcceptanceTracker(optimistic=float(config().num_draft_tokens))
+        self._costs: LiveCosts | None = None
+        self._costs_read = False
+        self.last_round_fused = False
         self._fuse = False  # this step's rounds carry the classic decode
         self._fused = False  # this step ran a fused round
         self.grant_log: deque[tuple[str, int]] = deque(maxlen=GRANT_LOG_LIMIT)
@@ -108,6 +115,31 @@ class SpecSlot:
         return SpecStep.PROMOTE if len(self.backlog) else None
 
     # -- admission ------------------------------------------------------------------
+    # -- the fused tick's cost gate --------------------------------------------------
+    @property
+    def costs(self) -> LiveCosts | None:
+        """The runner's measured tick costs, read once (None: it cannot fuse)."""
+        if not self._costs_read:
+            self._costs_read = True
+            measured = self.runner.tick_costs()
+            self._costs = LiveCosts(measured) if measured is not None else None
+        return self._costs
+
+    @property
+    def policy_allows(self) -> bool:
+        """In the fused tick the B=1 policy's profile is not consulted: `off` keeps every
+        request classic, `on` lets every one speculate, `auto` asks `pays` per request
+        and tick. True unless the mode is `off`."""
+        return self._config().b1_policy != "off"
+
+    def pays(self, request: Request, num_rows: int) -> bool:
+        """Whether `request` speculating beside `num_rows` classic rows beats it
+        decoding as one more row (`scheduler.costs`); always True unless the B=1
+        policy is `auto` and the runner measured its costs."""
+        if self._config().b1_policy != "auto" or self.costs is None:
+            return True
+        return self.costs.pays(num_rows, self.acceptance.estimate(request.request_id))
+
     def try_admit(self, request: Request, as_row: bool = False) -> str | None:
         """Install `request` on a free slot or add it to the backlog as a waiter.
 
@@ -118,8 +150,10 @@ class SpecSlot:
         """
         config = self._config()
         if not self.busy:
-            self._install(request, started=False)
-            return None
+            if not as_row or self.pays(request, self._num_rows()):
+                self._install(request, started=False)
+                return None
+            self.acceptance.relax()
         if config.tick_slice and can_join_backlog(len(self.backlog), config.backlog_cap, config.grant_rounds):
             self.backlog.push(request, EntryKind.WAITING)
             if as_row:
@@ -145,8 +179,10 @@ class SpecSlot:
         step of the classic rows, if there are any."""
         self._fuse = fuse and self._rows_done is not None
         self._fused = False
+        self._plain_round = False
         ran = self._step()
-        return SlotStep(ran, self._fused)
+        self.last_round_fused = self._fused
+        return SlotStep(ran, self._fused, self._plain_round)
 
     def _step(self) -> bool:
         job = self.active
@@ -161,6 +197,7 @@ class SpecSlot:
             self._demote(job.request)
             return self._promote()  # the ring sees the same batch: parked jobs follow, waiters go classic
         if job.started:
+            self._plain_round = not self.policy.wants_probe(job.request.spec.num_probe_rounds) or self._fuse
             self._round(job)
         else:
             self._begin(job)
@@ -169,7 +206,9 @@ class SpecSlot:
     def _promote(self) -> bool:
         config = self._config()
         while len(self.backlog):
-            entry, escalated = self.backlog.grant(config.skip_cap)
+            entry, escalated = self.backlog.grant(config.skip_cap, self._eligible)
+            if entry is None:  # every entry decodes as a row that would not pay
+                return False
             self.counters.skip_escalations += int(escalated)
             request = entry.request
             if request.status in (RequestStatus.QUEUED, RequestStatus.CLASSIC):
@@ -205,13 +244,24 @@ class SpecSlot:
             return True
         return False
 
+    def _eligible(self, entry: BacklogEntry) -> bool:
+        """A row-form entry (fused tick) is granted only where speculating pays, beside
+        the rows that would remain; the seed's entries always compete."""
+        request = entry.request
+        if request.status not in (RequestStatus.QUEUED, RequestStatus.CLASSIC):
+            return True
+        if self.pays(request, self._num_rows() - (request.status is RequestStatus.CLASSIC)):
+            return True
+        self.acceptance.relax(request.request_id)
+        return False
+
     def _promote_row(self, entry: BacklogEntry) -> bool:
         """Grant the slot to a ring entry that decodes as a classic row (fused tick).
         False when it stays classic (declined, or ended on the way): the next entry is
         tried in the same tick."""
         request = entry.request
         if entry.kind is EntryKind.WAITING:
-            reason = None if self.policy.should_run() else "declined_at_promotion"
+            reason = None if self.policy_allows else "declined_at_promotion"
             reason = reason or (None if self.batch_allows() else "batch_size_at_promotion")
             if reason is not None:
                 self.counters.classic_fallbacks[reason] += 1
@@ -239,6 +289,7 @@ class SpecSlot:
     def forget_row(self, request: Request) -> None:
         """A classic row ended (finished, cancelled, failed): drop its ring entry and
         any draft state kept for it. Idempotent."""
+        self.acceptance.forget(request.request_id)
         entry = self.backlog.remove(request.request_id)
         if entry is not None and entry.kind is EntryKind.PARKED:
             self.runner.spec_finish(request.request_id)
@@ -283,8 +334,8 @@ class SpecSlot:
         """One round; True if the job is still active after it."""
         request = job.request
         fuse = self._fuse and not job.burst and not self._fused and self._num_rows() > 0
-        # A probe measures a lone stream's classic decode: it waits for a tick without rows.
-        probe = not fuse and self.policy.wants_probe(request.spec.num_probe_rounds)
+        # Probes profile the B=1 policy, which the fused tick does not consult.
+        probe = not self._fuse and self.policy.wants_probe(request.spec.num_probe_rounds)
         try:
             if fuse:
                 outcome, rows = self.runner.spec_round_with_decode(request.request_id)
@@ -308,6 +359,8 @@ class SpecSlot:
         self.counters.probe_rounds += int(outcome.probe)
         self.counters.drafted_tokens += outcome.num_drafted
         self.counters.accepted_tokens += outcome.num_accepted
+        if outcome.num_drafted:  # a round with nothing to draft says nothing of acceptance
+            self.acceptance.record(request.request_id, outcome.num_accepted)
         self.policy.record_round(outcome)
         self.sink.tokens(request, outcome.token_ids)
         if outcome.finish_reason:
@@ -316,10 +369,12 @@ class SpecSlot:
         return True
 
     def _park_if_expired(self, job: ActiveJob) -> None:
-        if not grant_expired(job.slices_run, job.budget, len(self.backlog) > 0):
-            return
         request = job.request
         into_batch = self._fuse and self._adopt_row is not None  # fused: it decodes on as a row
+        costs_more = into_batch and not self.pays(request, self._num_rows())
+        if not costs_more and not grant_expired(job.slices_run, job.budget, len(self.backlog) > 0):
+            return
+        self.counters.cost_parks += int(costs_more)
         try:
             if into_batch:
                 moved = self.runner.spec_park_to_classic(request.request_id)
@@ -332,6 +387,7 @@ class SpecSlot:
         request.spec.num_parks += 1
         self.counters.parks += 1
         self.active = None
+        self._plain_round = False  # the park's moves are in this tick's time
         if into_batch:
             self._adopt_row(request, moved)
         else:
@@ -378,6 +434,7 @@ class SpecSlot:
             reason, error = "error", error or f"spec_finish failed: {exc}"
         real_rounds = request.spec.num_rounds - request.spec.num_probe_rounds
         self.policy.session_done(real_rounds)
+        self.acceptance.forget(request.request_id)
         self.sink.finish(request, reason, error=error, phase=job.cancel_phase)
 
     # -- cancellation and shutdown ---------------------------------------------------
@@ -411,6 +468,8 @@ class SpecSlot:
                 "started": job.started,
             },
             "backlog": self.backlog.snapshot(),
+            "tick_costs": self._costs.snapshot() if self._costs is not None else None,
+            "acceptance_per_round": None if self.acceptance.replica is None else round(self.acceptance.replica, 3),
             "backlog_peak": self.counters.backlog_peak,
             "grant_log_tail": [list(item) for item in list(self.grant_log)[-32:]],
         }

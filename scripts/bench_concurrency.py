@@ -2,23 +2,27 @@
 
     python -m scripts.bench_concurrency [--quick] [--drafter draft_model|ngram] [--out results/concurrency]
 
-N greedy streams of held-out stdlib code arrive together (N = 1, 2, 4, 8, 16; quick:
-1, 2, 4) and run to completion in-process (engine level: the scheduler over
-`MlxRunner`, no HTTP). Per N, three configurations run back to back, interleaved over
+A closed loop of concurrency N (N = 1, 2, 4, 8, 16; quick: 1, 2, 4), as `vllm bench
+serve --max-concurrency N` runs one: N greedy requests of held-out stdlib code start
+together and each one that finishes is replaced by the next, `--waves` x N requests
+in all, each asking for 0.5-1.5 x `max_tokens` (seeded; as in real traffic, streams
+do not all end in the same tick), in-process (engine level: the scheduler over `MlxRunner`, no HTTP). Per N, three configurations run back to back, interleaved over
 `--repeats` rounds on the same loaded runner:
 - `fused`: `tick_mode: fused` (the slot holder's verify rides in the batch's forward),
-  batch-size rule 0, B=1 policy on — the shipped default's scheduling;
+  batch-size rule 0, B=1 policy auto (the measured tick-cost gate) — the shipped
+  default's scheduling;
 - `alternate`: the seed's strict alternation, otherwise the same;
 - `classic`: B=1 policy off, every stream a classic row.
 Reported per configuration: aggregate output tok/s (tokens / wall time from the first
-arrival to the last finish), median per-stream TPOT, speculative rounds per stream,
-Jain's index over those rounds, and the paired ratio fused / classic (median over
+arrival to the last finish), median per-request TPOT, speculative rounds per request,
+Jain's index over those rounds (last repeat), and the paired ratio fused / classic (median over
 repeats of the per-repeat ratio). Greedy outputs are checked identical across the
 three configurations.
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 
 import models  # noqa: F401  (fast BLAS before mlx)
@@ -28,16 +32,19 @@ from scripts.bench_engine import Arrival, drive, load_runner
 from scripts.prompts import token_prompts
 
 CONFIGS = {
-    "fused": dict(tick_mode="fused", b1_policy="on"),
+    "fused": dict(tick_mode="fused", b1_policy="auto"),
     "alternate": dict(tick_mode="alternate", b1_policy="on"),
     "classic": dict(b1_policy="off"),
 }
 
 
-def one_run(runner, name: str, prompts: list[list[int]], max_tokens: int, grant_rounds: int) -> dict:
+def one_run(runner, name: str, prompts: list[list[int]], concurrency: int, max_tokens: int,
+            grant_rounds: int) -> dict:
     config = SchedulerConfig(num_draft_tokens=runner.num_draft_tokens, grant_rounds=grant_rounds,
-                             max_batch_size=max(16, len(prompts)), **CONFIGS[name])
-    arrivals = [Arrival(f"s{i}", p, max_tokens) for i, p in enumerate(prompts)]
+                             max_batch_size=max(16, concurrency), **CONFIGS[name])
+    lengths = random.Random(len(prompts)).choices(range(max_tokens // 2, 3 * max_tokens // 2 + 1), k=len(prompts))
+    arrivals = [Arrival(f"s{i}", p, n, after_request=f"s{i - concurrency}" if i >= concurrency else None)
+                for i, (p, n) in enumerate(zip(prompts, lengths))]
     result = drive(runner, config, arrivals)
     records = list(result.records.values())
     summary = metrics.summarize(records, result.duration_s)
@@ -55,18 +62,19 @@ def one_run(runner, name: str, prompts: list[list[int]], max_tokens: int, grant_
     }
 
 
-def run(quick: bool, target: str, draft: str, drafter: str, repeats: int, seed: int = 0) -> dict:
+def run(quick: bool, target: str, draft: str, drafter: str, repeats: int, waves: int, seed: int = 0) -> dict:
     streams = [1, 2, 4] if quick else [1, 2, 4, 8, 16]
     max_tokens = 64 if quick else 128
     runner = load_runner(target, drafter, draft, num_draft_tokens=4, max_batch_size=max(streams))
     bench_util.warm_up(runner, runner.tokenizer)
+    runner.tick_costs()  # measured once per replica at load, not inside a timed run
     rows = []
     for n in streams:
-        prompts = token_prompts(runner.tokenizer, n, seed + n, num_tokens=64)
+        prompts = token_prompts(runner.tokenizer, n * waves, seed + n, num_tokens=64)
         runs = {name: [] for name in CONFIGS}
         for _ in range(repeats):
             for name in CONFIGS:  # interleaved: machine drift hits every configuration alike
-                runs[name].append(one_run(runner, name, prompts, max_tokens, grant_rounds=8))
+                runs[name].append(one_run(runner, name, prompts, n, max_tokens, grant_rounds=8))
         ratios = {name: [f["aggregate_tok_s"] / c["aggregate_tok_s"] for f, c in zip(runs[name], runs["classic"])]
                   for name in ("fused", "alternate")}
         for name, results in runs.items():
@@ -74,7 +82,7 @@ def run(quick: bool, target: str, draft: str, drafter: str, repeats: int, seed: 
                 "streams": n, "config": name,
                 "aggregate_tok_s": statistics.median(r["aggregate_tok_s"] for r in results),
                 "median_tpot_ms": statistics.median(r["median_tpot_ms"] for r in results),
-                "rounds_per_stream": statistics.median(sum(r["rounds"]) / n for r in results),
+                "rounds_per_stream": statistics.median(sum(r["rounds"]) / len(r["rounds"]) for r in results),
                 "jain_rounds": results[-1]["jain_rounds"],
                 "acceptance_length": results[-1]["acceptance_length"],
                 "fused_ticks": results[-1]["fused_ticks"],
@@ -84,7 +92,7 @@ def run(quick: bool, target: str, draft: str, drafter: str, repeats: int, seed: 
                 "runs": results,
             })
     return {"scenario": "concurrency", "quick": quick, "drafter": drafter, "max_tokens": max_tokens,
-            "repeats": repeats, "machine": bench_util.machine(), "rows": rows}
+            "repeats": repeats, "waves": waves, "machine": bench_util.machine(), "rows": rows}
 
 
 COLUMNS = [("streams", "streams"), ("config", "config"), ("aggregate_tok_s", "aggregate tok/s"),
@@ -111,9 +119,11 @@ def main(argv=None) -> int:
     ap = bench_util.scenario_args(__doc__.split("\n\n")[0], "results/concurrency")
     ap.add_argument("--drafter", choices=["draft_model", "ngram"], default="draft_model")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 2 quick, 3 full)")
+    ap.add_argument("--waves", type=int, default=None, help="requests per concurrency slot (default 3 quick, 4 full)")
     args = ap.parse_args(argv)
     repeats = args.repeats or (2 if args.quick else 3)
-    result = run(args.quick, args.target, args.draft, args.drafter, repeats, args.seed)
+    waves = args.waves or (3 if args.quick else 4)
+    result = run(args.quick, args.target, args.draft, args.drafter, repeats, waves, args.seed)
     text = metrics.table([{k: v for k, v in r.items() if k != "runs"} for r in result["rows"]], COLUMNS, digits=2)
     bench_util.publish(args, "concurrency", result, text, plot)
     return 0 if all(r["same_lengths"] for r in result["rows"]) else 1

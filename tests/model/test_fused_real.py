@@ -101,3 +101,13 @@ def test_demotion_and_cancellation_inside_fused_ticks(runner, prompts, isolated)
             assert streams["r1"] == isolated["r1"][: len(streams["r1"])]
         else:
             assert streams[r.request_id] == isolated[r.request_id], r.request_id
+
+
+def test_the_cost_gate_moves_streams_between_slot_and_batch_exactly(runner, prompts, isolated):
+    """b1_policy auto: the measured tick costs decide, per tick, who speculates."""
+    costs = runner.tick_costs()
+    assert costs is not None and costs.fused[0] > 0 and set(costs.decode) >= {1, 2}
+    streams, requests, scheduler, _ = drive(runner, prompts, grant_rounds=2, b1_policy="auto")
+    for r in requests:
+        assert streams[r.request_id] == isolated[r.request_id], r.request_id
+    assert scheduler.snapshot()["slot"]["tick_costs"] is not None

@@ -33,8 +33,9 @@ class FakeSession:
 class FakeRunner:
     def __init__(self, *, round_tokens: int = 2, num_draft_tokens: int = 4, unsupported: tuple[str, ...] = (),
                  round_seconds: float = 0.010, probe_seconds: float = 0.010, key: str = "fake|fake|cpu|4",
-                 fuse: bool = False) -> None:
-        """`fuse`: the runner can carry the classic decode in a round's forward."""
+                 fuse: bool = False, tick_costs=None) -> None:
+        """`fuse`: the runner can carry the classic decode in a round's forward;
+        `tick_costs`: what it reports as measured forward costs (None: not measured)."""
         self.round_tokens = round_tokens
         self.num_draft_tokens = num_draft_tokens
         self.unsupported = set(unsupported)
@@ -49,6 +50,7 @@ class FakeRunner:
         self.fail_on: set[tuple[str, str]] = set()  # (method, request_id) that raise
         self.adopt_moves_lone_row = False
         self.fuse = fuse
+        self.costs = tick_costs
 
     # -- helpers ------------------------------------------------------------------------
     def _emit(self, request: Request, count: int) -> tuple[list[int], str | None]:
@@ -127,6 +129,9 @@ class FakeRunner:
 
     def can_fuse(self):
         return self.fuse
+
+    def tick_costs(self):
+        return self.costs if self.fuse else None
 
     def spec_round_with_decode(self, request_id):
         """A round and a decode step as ONE model action (one entry in `actions`)."""

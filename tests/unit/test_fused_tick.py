@@ -4,6 +4,7 @@ bound and skip cap are the same in both tick modes."""
 
 import pytest
 
+from scheduler.costs import TickCosts
 from scheduler.request import Lane
 from tests.unit.factories import Trace, make_request, make_scheduler, run_until_idle, tick
 from tests.unit.fakes import MODEL_ACTIONS, FakeRunner, token_at
@@ -178,3 +179,49 @@ def test_rows_decoded_in_a_fused_round_are_applied_before_a_park_moves_a_row():
     assert scheduler.counters.parks > 0
     streams = trace.streams()
     assert streams["A"] == isolated_stream(a) and streams["B"] == isolated_stream(b)
+
+
+# Forward costs (seconds) where speculating pays beside 0-1 rows and loses beside 3+
+# (accepting about one draft a round, as the fake runner's rounds do).
+COSTS = TickCosts({1: 5.0, 2: 5.5, 4: 6.0, 8: 8.0}, {0: 6.0, 1: 7.5, 3: 11.0, 8: 16.0}, 0.0)
+
+
+@pytest.mark.parametrize("policy", ["auto", "on"])
+def test_cost_gate_parks_the_holder_where_speculating_loses_and_resumes_when_the_batch_shrinks(policy):
+    runner = FakeRunner(fuse=True, tick_costs=COSTS)
+    scheduler = make_scheduler(runner, tick_mode="fused", grant_rounds=8, b1_policy=policy)
+    spec = make_request("S", rounds=20)
+    rows = [make_request(f"c{i}", rounds=3, prompt_ids=[i + 3, 1]) for i in range(3)]
+    runner.unsupported = {r.request_id for r in rows}
+    trace = Trace()
+    for r in [spec, *rows]:
+        scheduler.submit(r)
+    run_until_idle(scheduler, trace)
+    streams = trace.streams()
+    for r in [spec, *rows]:
+        assert streams[r.request_id] == isolated_stream(r)
+    counters = scheduler.counters
+    if policy == "on":  # no gate: the holder verifies beside every batch size
+        assert counters.cost_parks == 0
+        return
+    assert counters.cost_parks >= 1
+    assert spec.spec.num_rounds > 0 and spec.spec.num_grants >= 2  # resumed once the rows finished
+    snapshot = scheduler.snapshot()["slot"]
+    assert snapshot["tick_costs"]["fused_ms"][3] == 11000.0
+
+
+def test_cost_gate_keeps_a_newcomer_classic_beside_a_large_batch():
+    runner = FakeRunner(fuse=True, tick_costs=COSTS)
+    scheduler = make_scheduler(runner, tick_mode="fused", grant_rounds=8, b1_policy="auto")
+    rows = [make_request(f"c{i}", rounds=10, prompt_ids=[i + 3, 1]) for i in range(4)]
+    runner.unsupported = {r.request_id for r in rows}
+    for r in rows:
+        scheduler.submit(r)
+    tick(scheduler)  # the four rows are prefilled
+    late = make_request("late", rounds=4, prompt_ids=[9, 9])
+    scheduler.submit(late)
+    trace = Trace()
+    tick(scheduler, trace)
+    assert scheduler.slot.active is None  # beside four rows it would not pay: it queues as a row
+    run_until_idle(scheduler, trace)
+    assert trace.streams()["late"] == isolated_stream(late)

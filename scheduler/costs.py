@@ -1,0 +1,161 @@
+"""What speculation costs the whole tick: the fused tick's verdict, per request and batch.
+
+In the fused tick the slot holder's verify rides in the classic batch's forward, so
+speculating costs the tick its extra verify tokens and the drafting, and pays the
+holder's accepted drafts. With b other rows in the batch:
+
+    with the slot:     (b + 1 + accepted) tokens in  fused[b] + draft  seconds
+    without it:        (b + 1) tokens            in  decode[b + 1]     seconds
+
+`speculation_pays` compares the two rates. The costs belong to the machine and model
+(`TickCosts`, measured by the runner at load); the acceptance belongs to the request
+(`AcceptanceTracker`: each request's own recent rounds; a request without rounds is
+taken optimistically so that it can show what it accepts), so one kind of traffic
+never switches speculation off for another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+EMA_WEIGHT = 0.3  # weight of the newest round in a request's acceptance estimate
+# Speculating beside a batch must beat decoding by this factor: what the tick times do
+# not show (rows moving in and out of the batch, and streams that finish apart, so
+# their successors' prefills no longer batch) costs about this much on the CPU runs of
+# scripts/bench_concurrency.py (docs/benchmarks.md, scenario 6).
+BATCH_MARGIN = 1.5
+RELAX_WEIGHT = 0.05  # how far each turn-away moves an estimate back toward all-accepted
+
+
+@dataclass(frozen=True)
+class TickCosts:
+    """Seconds of one model forward on this replica: `decode[b]` is a decode step of
+    b rows, `fused[b]` the same b rows plus one verify of 1 + K tokens (`fused[0]`: the
+    verify alone), `draft` proposing K tokens. Sizes in between interpolate linearly;
+    past the largest measured size, the last two extrapolate.
+    >>> TickCosts({1: 2.0, 3: 4.0}, {0: 3.0, 2: 5.0}, 0.5).decode_s(2)
+    3.0
+    """
+
+    decode: dict[int, float]
+    fused: dict[int, float]
+    draft: float
+
+    def decode_s(self, num_rows: int) -> float:
+        return _interpolate(self.decode, num_rows)
+
+    def fused_s(self, num_rows: int) -> float:
+        return _interpolate(self.fused, num_rows)
+
+    def to_dict(self) -> dict:
+        return {"decode_ms": {b: round(s * 1e3, 3) for b, s in sorted(self.decode.items())},
+                "fused_ms": {b: round(s * 1e3, 3) for b, s in sorted(self.fused.items())},
+                "draft_ms": round(self.draft * 1e3, 3)}
+
+
+def _interpolate(table: dict[int, float], x: int) -> float:
+    if not table:
+        raise ValueError("empty cost table")
+    if x in table:
+        return table[x]
+    sizes = sorted(table)
+    if len(sizes) == 1:
+        return table[sizes[0]]
+    if x < sizes[0]:
+        lo, hi = sizes[0], sizes[1]
+    elif x > sizes[-1]:
+        lo, hi = sizes[-2], sizes[-1]
+    else:
+        lo, hi = max(s for s in sizes if s < x), min(s for s in sizes if s > x)
+    return max(table[lo] + (table[hi] - table[lo]) / (hi - lo) * (x - lo), 0.0)
+
+
+def speculation_pays(num_rows: int, accepted_per_round: float, costs: TickCosts) -> bool:
+    """Whether the holder verifying in a tick with `num_rows` other rows yields more
+    tokens per second than the holder decoding as one more row.
+    >>> costs = TickCosts({1: 5.0, 2: 5.5, 4: 6.0}, {0: 6.0, 1: 8.0, 3: 11.0}, 0.0)
+    >>> speculation_pays(0, 2.0, costs), speculation_pays(3, 2.0, costs)
+    (True, False)
+    """
+    with_slot = (num_rows + 1 + accepted_per_round) / (costs.fused_s(num_rows) + costs.draft)
+    without = (num_rows + 1) / costs.decode_s(num_rows + 1)
+    return with_slot > without
+
+
+@dataclass
+class AcceptanceTracker:
+    """Accepted drafts per round, an EMA per request. A request with no rounds yet is
+    taken at `replica`, the EMA over every round of this replica (`optimistic`, all K
+    drafts, before the first round); its own rounds then decide, so a stream is judged
+    by what it accepts. Each newcomer the gate turns away moves `replica` a little
+    back toward `optimistic`, so a replica never stops trying speculation for good."""
+
+    optimistic: float
+    replica: float | None = None
+    _per_request: dict[str, float] = field(default_factory=dict)
+
+    def estimate(self, request_id: str) -> float:
+        prior = self.optimistic if self.replica is None else self.replica
+        return self._per_request.get(request_id, prior)
+
+    def record(self, request_id: str, num_accepted: int) -> None:
+        self._per_request[request_id] = (1 - EMA_WEIGHT) * self.estimate(request_id) + EMA_WEIGHT * num_accepted
+        old = num_accepted if self.replica is None else self.replica
+        self.replica = (1 - EMA_WEIGHT / 4) * old + (EMA_WEIGHT / 4) * num_accepted
+
+    def relax(self, request_id: str | None = None) -> None:
+        """A stream was turned away on its estimate (None: a newcomer, judged by the
+        replica's): forget a little of it, so that it is tried again before long."""
+        if request_id is None:
+            if self.replica is not None:
+                self.replica += RELAX_WEIGHT * (self.optimistic - self.replica)
+        elif request_id in self._per_request:
+            own = self._per_request[request_id]
+            self._per_request[request_id] = own + RELAX_WEIGHT * (self.optimistic - own)
+
+    def forget(self, request_id: str) -> None:
+        self._per_request.pop(request_id, None)
+
+
+class LiveCosts:
+    """`TickCosts` plus what a tick adds to its bare forward (sampling, the drafter's
+    host work, the scheduler's own bookkeeping): per kind of tick ("decode", "fused"),
+    an EMA of observed minus predicted time. Each residual is clipped to [0, the
+    predicted time], so one slow tick (a first use, a row moving in) cannot swing
+    the verdict for long."""
+
+    def __init__(self, costs: TickCosts, weight: float = 0.1) -> None:
+        self.costs = costs
+        self.weight = weight
+        self.extra: dict[str, float] = {"decode": 0.0, "fused": 0.0}
+        self.num_observed: dict[str, int] = {"decode": 0, "fused": 0}
+
+    def _predicted(self, kind: str, num_rows: int) -> float:
+        if kind == "decode":
+            return self.costs.decode_s(num_rows)
+        return self.costs.fused_s(num_rows) + self.costs.draft
+
+    def observe(self, kind: str, num_rows: int, seconds: float) -> None:
+        """A tick of `kind` ("decode": `num_rows` rows; "fused": a round beside
+        `num_rows` rows, 0 = alone) took `seconds`."""
+        if seconds <= 0.0 or (kind == "decode" and num_rows == 0):  # a clock that does not move (tests)
+            return
+        predicted = self._predicted(kind, num_rows)
+        residual = min(max(seconds - predicted, 0.0), predicted)
+        self.extra[kind] = (1 - self.weight) * self.extra[kind] + self.weight * residual
+        self.num_observed[kind] += 1
+
+    def tick_s(self, kind: str, num_rows: int) -> float:
+        return self._predicted(kind, num_rows) + self.extra[kind]
+
+    def pays(self, num_rows: int, accepted_per_round: float) -> bool:
+        """Rows + holder tokens per second with the holder verifying, against the same
+        rows and the holder decoding as one more row (by `BATCH_MARGIN` beside rows)."""
+        with_slot = (num_rows + 1 + accepted_per_round) / self.tick_s("fused", num_rows)
+        margin = BATCH_MARGIN if num_rows > 0 else 1.0
+        return with_slot > margin * (num_rows + 1) / self.tick_s("decode", num_rows + 1)
+
+    def snapshot(self) -> dict:
+        return {**self.costs.to_dict(),
+                "tick_extra_ms": {kind: round(s * 1e3, 3) for kind, s in self.extra.items()},
+                "ticks_observed": dict(self.num_observed)}

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import importlib.util
 import os
 import platform
 import sys
-import sysconfig
 import tempfile
 from dataclasses import dataclass
 
@@ -195,7 +195,7 @@ def _load_openblas(state: Loaded, flags: frozenset[str]) -> None:
     if conflict:
         print(f"specslot: warning: {conflict}; ignoring it", file=sys.stderr)
         os.environ.pop("OPENBLAS_CORETYPE")
-    source = _find("scipy_openblas32/lib/libscipy_openblas*.so")
+    source = openblas_library()
     if source is None:
         raise OSError(f"the {OPENBLAS} wheel is not installed")
     lib = ctypes.CDLL(_plain_named_copy(source), mode=ctypes.RTLD_GLOBAL)
@@ -233,15 +233,14 @@ def _plain_named_copy(source: str) -> str:
     raise OSError("no writable cache directory for the BLAS library")
 
 
-def _site_dirs() -> list[str]:
-    dirs = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
-    dirs += [p for p in sys.path if p.endswith("site-packages")]
-    return list(dict.fromkeys(d for d in dirs if os.path.isdir(d)))
-
-
-def _find(pattern: str) -> str | None:
-    for site in _site_dirs():
-        hits = sorted(glob.glob(os.path.join(site, pattern)))
+def openblas_library() -> str | None:
+    """Path of the wheel's shared library, wherever the wheel is installed (a venv,
+    `pip install --target`, a zipapp-free PYTHONPATH entry); None if it is not."""
+    spec = importlib.util.find_spec("scipy_openblas32")  # locates the package, runs none of it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        hits = sorted(glob.glob(os.path.join(folder, "lib", "libscipy_openblas*.so")))
         if hits:
             return hits[0]
     return None

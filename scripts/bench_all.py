@@ -26,6 +26,7 @@ SCENARIOS = [
     ("pressure", "scripts.bench_pressure", "3. sustained high-lane pressure: normal-lane grant gaps"),
     ("vs_mlx_lm", "scripts.bench_vs_mlx_lm", "4. side by side with mlx_lm.server (HTTP, alternating)"),
     ("overhead", "scripts.bench_overhead", "5. overheads: scheduler per tick, actor hop, engine vs raw"),
+    ("concurrency", "scripts.bench_concurrency", "6. speculation under concurrency: fused vs alternating tick vs classic"),
 ]
 
 

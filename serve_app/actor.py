@@ -52,6 +52,12 @@ def build_engine(args: ServeArgs):
         )
         info["max_context"] = runner.max_context
         info["eos_token_ids"] = sorted(runner.eos_token_ids)
+        # The fused tick's cost gate needs this machine's forward costs: measure them
+        # now (about a second on a CPU), not on the first request.
+        if args.tick_mode == "fused" and runner.tick_costs() is not None:
+            logger.info("fused tick on: %s", runner.tick_costs().to_dict())
+        elif args.tick_mode == "fused":
+            logger.info("fused tick off (the alternating tick runs): %s", runner.fuse_blocker)
         return runner
 
     return Engine(runner_factory, args.scheduler_config()), info

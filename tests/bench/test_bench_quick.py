@@ -67,3 +67,22 @@ def test_rotation_quick(tmp_path):
         row = rows[(2, config)]
         assert all(r > 0 for r in row["rounds"]) and all(p > 0 for p in row["parks"])
         assert row["jain_rounds"] > 0.9
+
+
+@pytest.mark.skipif(not BUNDLED, reason="bundled pair not present")
+def test_concurrency_quick(tmp_path):
+    from scripts import bench_concurrency
+
+    assert bench_concurrency.main(["--quick", "--repeats", "1", "--waves", "1", "--out", str(tmp_path),
+                                   "--no-plot"]) == 0  # non-zero: greedy outputs differ between configs
+    result = json.loads((tmp_path / "concurrency.json").read_text())
+    rows = {(r["streams"], r["config"]): r for r in result["rows"]}
+    assert set(rows) == {(n, c) for n in (1, 2, 4) for c in ("default", "fused_no_rule", "alternate", "classic")}
+    for (streams, config), row in rows.items():
+        assert row["aggregate_tok_s"] > 0 and row["same_lengths"]
+        assert len(row["runs"][0]["rounds"]) == streams
+        if config == "classic":
+            assert row["rounds_per_stream"] == 0 and row["ratio_vs_classic"] == 1.0
+        if config == "alternate" or streams == 1:
+            assert row["fused_ticks"] == 0  # nothing to ride with, or the seed's tick
+    assert (tmp_path / "concurrency.md").read_text().startswith("| streams |")

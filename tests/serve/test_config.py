@@ -51,8 +51,11 @@ def test_config_specifics():
     assert (scaling["min_replicas"], scaling["max_replicas"]) == (1, 4)
     local = args_of("local.yaml")
     assert local["args"]["model"] == "models/bundled/target"
-    # measured on the bundled pair on CPU: only a lone request speculates
-    assert ServeArgs.model_validate(local["args"]).scheduler_config(env={}).speculative_disable_by_batch_size == 1
+    # measured on the bundled target on CPU (docs/benchmarks.md, scenario 6): n-gram drafts in
+    # the fused tick, the slot kept to up to 3 concurrent requests
+    shipped = ServeArgs.model_validate(local["args"])
+    config = shipped.scheduler_config(env={})
+    assert (shipped.drafter.kind, config.tick_mode, config.speculative_disable_by_batch_size) == ("ngram", "fused", 3)
     assert build_app(local["args"])._bound_deployment.init_args[0]["model"] == os.path.join(
         REPO, "models", "bundled", "target")
 
@@ -64,6 +67,7 @@ def test_config_specifics():
     ({"model": "m", "tick_slice": "yes"}, "args.tick_slice"),
     ({"model": "m", "num_draft_tokens": 0}, "args.num_draft_tokens"),
     ({"model": "m", "b1_policy": "sometimes"}, "args.b1_policy"),
+    ({"model": "m", "tick_mode": "fast"}, "args.tick_mode"),
     ({"model": "m", "b1_probe_rounds": 0}, "args.b1_probe_rounds"),
     ({"model": "m", "speculative_disable_by_batch_size": -1}, "args.speculative_disable_by_batch_size"),
     ({"model": "m", "classic_burst_ms": -0.5}, "args.classic_burst_ms"),

@@ -114,7 +114,7 @@ def test_killed_scheduler_actor_ends_streams_cleanly_and_is_recreated(ray_cluste
 
 
 def test_serve_run_local_config_answers_and_shuts_down_on_sigterm(tmp_path):
-    """configs/local.yaml as shipped (bundled pair, relative paths), only the port and
+    """configs/local.yaml as shipped (bundled model, relative paths), only the port and
     the policy cache moved; `serve run` in the background ignores SIGINT, so SIGTERM."""
     with open(os.path.join(REPO_ROOT, "configs", "local.yaml")) as f:
         config = yaml.safe_load(f)
@@ -140,7 +140,7 @@ def test_serve_run_local_config_answers_and_shuts_down_on_sigterm(tmp_path):
         full = client.completions.create(model=name, prompt="def main():\n    ", max_tokens=24,
                                          temperature=0)
         assert text == full.choices[0].text and text
-        assert full.usage.model_extra["speculative"]["rounds"] >= 1  # the draft model is used
+        assert full.usage.model_extra["speculative"]["rounds"] >= 1  # the slot is used
         chat = client.chat.completions.create(
             model=name, messages=[{"role": "user", "content": "Write a loop."}], max_tokens=16)
         assert chat.choices[0].message.content is not None

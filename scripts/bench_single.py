@@ -42,7 +42,9 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, with_auto: bool = F
                 pair = {}
                 modes = [("classic", "off"), ("speculative", "on")] + ([("auto", "auto")] if with_auto else [])
                 for mode, policy in modes:
-                    config = SchedulerConfig(b1_policy=policy, num_draft_tokens=k)
+                    # The B=1 policy ("auto") judges the alternating tick; a lone stream
+                    # runs the same either way.
+                    config = SchedulerConfig(b1_policy=policy, num_draft_tokens=k, tick_mode="alternate")
                     result = drive(runner, config, [Arrival(f"{mode}{i}", prompt, max_tokens)],
                                    policy=auto_policy if mode == "auto" else None)
                     rec = result.records[f"{mode}{i}"]
@@ -87,7 +89,7 @@ def settled_policy(runner, k: int, max_tokens: int, seed: int) -> B1Policy:
     """An "auto" policy profiled the way a replica's is: its first requests run the slot
     (probe rounds, then real rounds) until it has a verdict. Prompts differ from the
     measured ones."""
-    config = SchedulerConfig(b1_policy="auto", num_draft_tokens=k)
+    config = SchedulerConfig(b1_policy="auto", num_draft_tokens=k, tick_mode="alternate")
     policy = B1Policy.from_config(config, runner.policy_key())
     for j, prompt in enumerate(token_prompts(runner.tokenizer, config.b1_profile_requests, seed + 1,
                                              num_tokens=64)):

@@ -219,8 +219,10 @@ def start_engine(target: str, draft: str, **config):
 
 
 def run_engine(target: str, draft: str, num_requests: int, concurrency: int,
-               cancel_fraction: float, seed: int) -> SoakReport:
-    engine, injector = start_engine(target, draft)
+               cancel_fraction: float, seed: int, tick_mode: str = "alternate") -> SoakReport:
+    """`tick_mode` alternate (the default here) exercises the seed's ring, whose waiting
+    and parked entries are phases of their own; fused, the ring of classic rows."""
+    engine, injector = start_engine(target, draft, tick_mode=tick_mode)
     try:
         tok = injector.tokenizer
         prompt_ids = [tok.encode(p) for p in PROMPTS]

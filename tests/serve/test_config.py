@@ -102,7 +102,10 @@ def test_runner_args_reach_the_mlx_runner(monkeypatch, raw, expected):
     seen = {}
 
     class Built:
-        max_context, eos_token_ids = 128, [0]
+        max_context, eos_token_ids, fuse_blocker = 128, [0], "a stand-in runner"
+
+        def tick_costs(self):
+            return None
 
     def from_paths(path, **kwargs):
         seen.update(kwargs, path=path)

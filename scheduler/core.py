@@ -287,4 +287,12 @@ class Scheduler:
             "counters": self.counters.to_dict(),
             "policy": self.policy.snapshot(),
             "config": self.config.to_dict(),
+            "speculation": {
+                # why the slot serves no request at all (None: it can), e.g. a target
+                # whose cache cannot roll back a rejected draft
+                "off_reason": getattr(self.runner, "spec_off_reason", None),
+                "tick": "fused" if self._fusing() else "alternate",
+                # why the verify cannot ride in the batch's forward, when it cannot
+                "fused_off_reason": None if self.runner.can_fuse() else getattr(self.runner, "fuse_blocker", None),
+            },
         }

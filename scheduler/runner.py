@@ -53,6 +53,11 @@ class RoundOutcome:
 
 
 class ModelRunner(Protocol):
+    # Why the slot serves nobody (None: it can), and why a verify cannot ride in the
+    # batch's forward (None: it can); both shown in the scheduler snapshot.
+    spec_off_reason: str | None
+    fuse_blocker: str | None
+
     # -- classic continuous batching ------------------------------------------------
     def classic_prefill(self, requests: Sequence[Request]) -> list[TokenBatch]:
         """Admit `requests` as classic rows and prefill them: one model action.

@@ -166,6 +166,11 @@ def test_a_target_whose_cache_cannot_roll_back_decodes_classically(loaded, caplo
     assert [r.getMessage() for r in caplog.records] == [
         "speculation off: the target's cache cannot be rolled back (target tiny-mamba)"]
     assert runner.spec_off_reason == "the target's cache cannot be rolled back"
+    from scheduler.config import SchedulerConfig
+    from scheduler.core import Scheduler
+
+    shown = Scheduler(runner, SchedulerConfig()).snapshot()["speculation"]  # GET /v1/internal/scheduler
+    assert shown["off_reason"] == runner.spec_off_reason and shown["tick"] == "alternate"
     request = make_request("a", [5, 6, 7, 8], 6)
     assert not runner.spec_supports(request)
     assert "|none:none|" in runner.policy_key()

@@ -51,6 +51,8 @@ class FakeRunner:
         self.adopt_moves_lone_row = False
         self.fuse = fuse
         self.costs = tick_costs
+        self.spec_off_reason = None
+        self.fuse_blocker = None if fuse else "a fake runner built without fuse"
 
     # -- helpers ------------------------------------------------------------------------
     def _emit(self, request: Request, count: int) -> tuple[list[int], str | None]:

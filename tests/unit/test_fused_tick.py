@@ -225,3 +225,13 @@ def test_cost_gate_keeps_a_newcomer_classic_beside_a_large_batch():
     assert scheduler.slot.active is None  # beside four rows it would not pay: it queues as a row
     run_until_idle(scheduler, trace)
     assert trace.streams()["late"] == isolated_stream(late)
+
+
+def test_snapshot_says_which_tick_runs_and_why():
+    fused = make_scheduler(FakeRunner(fuse=True), tick_mode="fused").snapshot()["speculation"]
+    assert fused == {"off_reason": None, "tick": "fused", "fused_off_reason": None}
+    runner = FakeRunner(fuse=False)
+    runner.spec_off_reason = "the target's cache cannot be rolled back"
+    plain = make_scheduler(runner, tick_mode="fused").snapshot()["speculation"]
+    assert plain["tick"] == "alternate" and plain["fused_off_reason"].startswith("a fake runner")
+    assert plain["off_reason"] == "the target's cache cannot be rolled back"

@@ -260,12 +260,15 @@ class SpecSlot:
         False when it stays classic (declined, or ended on the way): the next entry is
         tried in the same tick."""
         request = entry.request
-        if entry.kind is EntryKind.WAITING:
-            reason = None if self.policy_allows else "declined_at_promotion"
-            reason = reason or (None if self.batch_allows() else "batch_size_at_promotion")
-            if reason is not None:
-                self.counters.classic_fallbacks[reason] += 1
-                return False
+        reason = None if self.policy_allows or entry.kind is EntryKind.PARKED else "declined_at_promotion"
+        # The batch-size rule stops parked rows too: promoted, they would be demoted at
+        # their next boundary, and each move costs a row's cache copy.
+        reason = reason or (None if self.batch_allows() else "batch_size_at_promotion")
+        if reason is not None:
+            self.counters.classic_fallbacks[reason] += 1
+            if entry.kind is EntryKind.PARKED:
+                self.runner.spec_finish(request.request_id)  # it stays a row: drop its draft state
+            return False
         self.counters.promotions += 1
         if request.status is RequestStatus.QUEUED:  # granted before its classic prefill
             self._unqueue(request)

@@ -235,3 +235,26 @@ def test_snapshot_says_which_tick_runs_and_why():
     plain = make_scheduler(runner, tick_mode="fused").snapshot()["speculation"]
     assert plain["tick"] == "alternate" and plain["fused_off_reason"].startswith("a fake runner")
     assert plain["off_reason"] == "the target's cache cannot be rolled back"
+
+
+def test_batch_size_rule_keeps_parked_rows_in_the_batch_instead_of_churning():
+    """Fused ring entries are rows; once the rule says no, a parked one is not promoted
+    only to be demoted at its next boundary."""
+    scheduler = fused_scheduler(grant_rounds=1, speculative_disable_by_batch_size=2)
+    early = [make_request(f"e{i}", rounds=12, prompt_ids=[i + 4, 2]) for i in range(2)]
+    late = [make_request(f"l{i}", rounds=12, prompt_ids=[i + 8, 3]) for i in range(2)]
+    trace = Trace()
+    for r in early:
+        scheduler.submit(r)
+    for _ in range(6):
+        tick(scheduler, trace)
+    assert scheduler.counters.parks >= 1  # the two early ones rotated
+    for r in late:
+        scheduler.submit(r)
+    run_until_idle(scheduler, trace)
+    streams = trace.streams()
+    for r in early + late:
+        assert streams[r.request_id] == isolated_stream(r)
+    counters = scheduler.counters
+    assert counters.demotions <= 1 and counters.classic_fallbacks["batch_size_at_promotion"] >= 1
+    assert scheduler.runner.sessions == {}

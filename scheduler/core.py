@@ -113,9 +113,9 @@ class Scheduler:
         one before (the first decode after a row moved in also runs that row's first
         forward, which is the move's cost, not a decode step's)."""
         last, self._last_tick_kind = self._last_tick_kind, kind
-        if kind is None or kind != last or not self._gating() or self.slot.costs is None:
+        if kind is None or kind != last or not self._gating() or self.slot.gate.costs is None:
             return
-        self.slot.costs.observe(kind, num_rows if kind == "decode" or self.slot.last_round_fused else 0, seconds)
+        self.slot.gate.costs.observe(kind, num_rows if kind == "decode" or self.slot.last_round_fused else 0, seconds)
 
     def _fusing(self) -> bool:
         return self.config.tick_mode == "fused" and self.runner.can_fuse()
@@ -149,7 +149,7 @@ class Scheduler:
             return
         if not self.runner.spec_supports(request):
             self._to_classic(request, None)
-        elif not (self.slot.policy_allows if self._fusing() else self.policy.should_run()):
+        elif not (self.slot.gate.policy_allows if self._fusing() else self.policy.should_run()):
             self._to_classic(request, "policy_declined")
         elif not self.slot.batch_allows():
             self._to_classic(request, "batch_size")

@@ -25,7 +25,7 @@ from typing import Callable
 from scheduler.adaptive import B1Policy
 from scheduler.backlog import BacklogEntry, EntryKind, GrantBacklog
 from scheduler.config import SchedulerConfig
-from scheduler.costs import AcceptanceTracker, LiveCosts
+from scheduler.gate import CostGate
 from scheduler.counters import Counters
 from scheduler.events import EventSink
 from scheduler.policy import SpecStep, batch_allows_speculation, can_join_backlog, grant_expired, should_demote
@@ -96,9 +96,7 @@ class SpecSlot:
         self._rows_done = rows_done
         self.backlog = GrantBacklog(on_depth=counters.observe_backlog)
         self.active: ActiveJob | None = None
-        self.acceptance = AcceptanceTracker(optimistic=float(config().num_draft_tokens))
-        self._costs: LiveCosts | None = None
-        self._costs_read = False
+        self.gate = CostGate(runner, config)
         self.last_round_fused = False
         self._fuse = False  # this step's rounds carry the classic decode
         self._fused = False  # this step ran a fused round
@@ -115,31 +113,6 @@ class SpecSlot:
         return SpecStep.PROMOTE if len(self.backlog) else None
 
     # -- admission ------------------------------------------------------------------
-    # -- the fused tick's cost gate --------------------------------------------------
-    @property
-    def costs(self) -> LiveCosts | None:
-        """The runner's measured tick costs, read once (None: it cannot fuse)."""
-        if not self._costs_read:
-            self._costs_read = True
-            measured = self.runner.tick_costs()
-            self._costs = LiveCosts(measured) if measured is not None else None
-        return self._costs
-
-    @property
-    def policy_allows(self) -> bool:
-        """In the fused tick the B=1 policy's profile is not consulted: `off` keeps every
-        request classic, `on` lets every one speculate, `auto` asks `pays` per request
-        and tick. True unless the mode is `off`."""
-        return self._config().b1_policy != "off"
-
-    def pays(self, request: Request, num_rows: int) -> bool:
-        """Whether `request` speculating beside `num_rows` classic rows beats it
-        decoding as one more row (`scheduler.costs`); always True unless the B=1
-        policy is `auto` and the runner measured its costs."""
-        if self._config().b1_policy != "auto" or self.costs is None:
-            return True
-        return self.costs.pays(num_rows, self.acceptance.estimate(request.request_id))
-
     def try_admit(self, request: Request, as_row: bool = False) -> str | None:
         """Install `request` on a free slot or add it to the backlog as a waiter.
 
@@ -150,10 +123,9 @@ class SpecSlot:
         """
         config = self._config()
         if not self.busy:
-            if not as_row or self.pays(request, self._num_rows()):
+            if not as_row or self.gate.admits_newcomer(request.request_id, self._num_rows()):
                 self._install(request, started=False)
                 return None
-            self.acceptance.relax()
         if config.tick_slice and can_join_backlog(len(self.backlog), config.backlog_cap, config.grant_rounds):
             self.backlog.push(request, EntryKind.WAITING)
             if as_row:
@@ -250,17 +222,14 @@ class SpecSlot:
         request = entry.request
         if request.status not in (RequestStatus.QUEUED, RequestStatus.CLASSIC):
             return True
-        if self.pays(request, self._num_rows() - (request.status is RequestStatus.CLASSIC)):
-            return True
-        self.acceptance.relax(request.request_id)
-        return False
+        return self.gate.admits_row(request.request_id, self._num_rows() - (request.status is RequestStatus.CLASSIC))
 
     def _promote_row(self, entry: BacklogEntry) -> bool:
         """Grant the slot to a ring entry that decodes as a classic row (fused tick).
         False when it stays classic (declined, or ended on the way): the next entry is
         tried in the same tick."""
         request = entry.request
-        reason = None if self.policy_allows or entry.kind is EntryKind.PARKED else "declined_at_promotion"
+        reason = None if self.gate.policy_allows or entry.kind is EntryKind.PARKED else "declined_at_promotion"
         # The batch-size rule stops parked rows too: promoted, they would be demoted at
         # their next boundary, and each move costs a row's cache copy.
         reason = reason or (None if self.batch_allows() else "batch_size_at_promotion")
@@ -292,7 +261,7 @@ class SpecSlot:
     def forget_row(self, request: Request) -> None:
         """A classic row ended (finished, cancelled, failed): drop its ring entry and
         any draft state kept for it. Idempotent."""
-        self.acceptance.forget(request.request_id)
+        self.gate.forget(request.request_id)
         entry = self.backlog.remove(request.request_id)
         if entry is not None and entry.kind is EntryKind.PARKED:
             self.runner.spec_finish(request.request_id)
@@ -362,8 +331,7 @@ class SpecSlot:
         self.counters.probe_rounds += int(outcome.probe)
         self.counters.drafted_tokens += outcome.num_drafted
         self.counters.accepted_tokens += outcome.num_accepted
-        if outcome.num_drafted:  # a round with nothing to draft says nothing of acceptance
-            self.acceptance.record(request.request_id, outcome.num_accepted)
+        self.gate.record(outcome)
         self.policy.record_round(outcome)
         self.sink.tokens(request, outcome.token_ids)
         if outcome.finish_reason:
@@ -374,7 +342,7 @@ class SpecSlot:
     def _park_if_expired(self, job: ActiveJob) -> None:
         request = job.request
         into_batch = self._fuse and self._adopt_row is not None  # fused: it decodes on as a row
-        costs_more = into_batch and not self.pays(request, self._num_rows())
+        costs_more = into_batch and not self.gate.pays(request.request_id, self._num_rows())
         if not costs_more and not grant_expired(job.slices_run, job.budget, len(self.backlog) > 0):
             return
         self.counters.cost_parks += int(costs_more)
@@ -437,7 +405,7 @@ class SpecSlot:
             reason, error = "error", error or f"spec_finish failed: {exc}"
         real_rounds = request.spec.num_rounds - request.spec.num_probe_rounds
         self.policy.session_done(real_rounds)
-        self.acceptance.forget(request.request_id)
+        self.gate.forget(request.request_id)
         self.sink.finish(request, reason, error=error, phase=job.cancel_phase)
 
     # -- cancellation and shutdown ---------------------------------------------------
@@ -471,8 +439,7 @@ class SpecSlot:
                 "started": job.started,
             },
             "backlog": self.backlog.snapshot(),
-            "tick_costs": self._costs.snapshot() if self._costs is not None else None,
-            "acceptance_per_round": None if self.acceptance.replica is None else round(self.acceptance.replica, 3),
+            **self.gate.snapshot(),
             "backlog_peak": self.counters.backlog_peak,
             "grant_log_tail": [list(item) for item in list(self.grant_log)[-32:]],
         }

@@ -1,0 +1,75 @@
+"""The fused tick's cost gate as the slot uses it: who may speculate beside the batch.
+
+Holds the runner's measured tick costs (read once, `LiveCosts`) and the acceptance
+estimates (`AcceptanceTracker`), and answers `pays(request, num_rows)`. The arithmetic
+lives in `scheduler.costs`; this class only keeps the state and knows the policy mode:
+`b1_policy: auto` gates, `on` lets every request speculate, `off` none.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from scheduler.config import SchedulerConfig
+from scheduler.costs import AcceptanceTracker, LiveCosts
+from scheduler.runner import ModelRunner, RoundOutcome
+
+
+class CostGate:
+    def __init__(self, runner: ModelRunner, config: Callable[[], SchedulerConfig]) -> None:
+        self._runner = runner
+        self._config = config
+        self.acceptance = AcceptanceTracker(optimistic=float(config().num_draft_tokens))
+        self._costs: LiveCosts | None = None
+        self._costs_read = False
+
+    @property
+    def costs(self) -> LiveCosts | None:
+        """The runner's measured tick costs, read once (None: it cannot fuse)."""
+        if not self._costs_read:
+            self._costs_read = True
+            measured = self._runner.tick_costs()
+            self._costs = LiveCosts(measured) if measured is not None else None
+        return self._costs
+
+    @property
+    def policy_allows(self) -> bool:
+        """In the fused tick the B=1 policy's profile is not consulted: `off` keeps every
+        request classic, `on` lets every one speculate, `auto` asks `pays` per request
+        and tick. True unless the mode is `off`."""
+        return self._config().b1_policy != "off"
+
+    def pays(self, request_id: str, num_rows: int) -> bool:
+        """Whether this request speculating beside `num_rows` classic rows beats it
+        decoding as one more row (`scheduler.costs`); always True unless the B=1 policy
+        is `auto` and the runner measured its costs."""
+        if self._config().b1_policy != "auto" or self.costs is None:
+            return True
+        return self.costs.pays(num_rows, self.acceptance.estimate(request_id))
+
+    def admits_newcomer(self, request_id: str, num_rows: int) -> bool:
+        """`pays` for a request that has not speculated yet; a turn-away relaxes the
+        replica's estimate a little (so newcomers are tried again before long)."""
+        if self.pays(request_id, num_rows):
+            return True
+        self.acceptance.relax()
+        return False
+
+    def admits_row(self, request_id: str, num_rows: int) -> bool:
+        """`pays` for a ring row at a promotion; a turn-away relaxes its own estimate."""
+        if self.pays(request_id, num_rows):
+            return True
+        self.acceptance.relax(request_id)
+        return False
+
+    def record(self, outcome: RoundOutcome) -> None:
+        if outcome.num_drafted:  # a round with nothing to draft says nothing of acceptance
+            self.acceptance.record(outcome.request_id, outcome.num_accepted)
+
+    def forget(self, request_id: str) -> None:
+        self.acceptance.forget(request_id)
+
+    def snapshot(self) -> dict:
+        replica = self.acceptance.replica
+        return {"tick_costs": self._costs.snapshot() if self._costs is not None else None,
+                "acceptance_per_round": None if replica is None else round(replica, 3)}

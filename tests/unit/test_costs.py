@@ -1,0 +1,66 @@
+"""The fused tick's cost arithmetic (scheduler.costs), by tables."""
+
+import pytest
+
+from scheduler.costs import BATCH_MARGIN, AcceptanceTracker, LiveCosts, TickCosts, speculation_pays
+
+COSTS = TickCosts(decode={1: 4.0, 2: 5.0, 4: 6.0, 8: 8.0}, fused={0: 6.0, 1: 7.0, 4: 9.0, 8: 12.0}, draft=1.0)
+
+
+@pytest.mark.parametrize("table, x, expected", [
+    ({1: 4.0, 2: 5.0, 4: 6.0}, 2, 5.0),    # measured
+    ({1: 4.0, 2: 5.0, 4: 6.0}, 3, 5.5),    # between two sizes
+    ({1: 4.0, 2: 5.0, 4: 6.0}, 8, 8.0),    # past the largest: the last two extrapolate
+    ({1: 4.0, 2: 5.0}, 0, 3.0),            # below the smallest
+    ({2: 7.0}, 5, 7.0),                    # one size only
+    ({1: 4.0, 2: 1.0}, 9, 0.0),            # never negative
+])
+def test_interpolation(table, x, expected):
+    assert TickCosts(table, {0: 1.0}, 0.0).decode_s(x) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("rows, accepted, pays", [
+    (0, 2.0, True),   # (1 + 2) / 7 = 0.43 vs 1 / 4 = 0.25
+    (0, 0.5, False),  # 1.5 / 7 = 0.21 vs 0.25
+    (1, 3.0, True),   # 5 / 8 = 0.63 vs 2 / 5 = 0.40
+    (4, 1.0, False),  # 6 / 10 = 0.6 vs 5 / 6.5 = 0.77
+    (4, 4.0, True),   # 9 / 10 = 0.9 vs 0.77
+])
+def test_speculation_pays_compares_the_two_rates(rows, accepted, pays):
+    assert speculation_pays(rows, accepted, COSTS) is pays
+
+
+def test_live_costs_learn_each_kinds_extra_time_and_keep_the_margin_beside_rows():
+    live = LiveCosts(COSTS, weight=0.5)
+    assert live.tick_s("decode", 2) == 5.0 and live.tick_s("fused", 1) == 8.0  # forward (+ draft)
+    live.observe("decode", 2, 7.0)   # 2 s more than the forward: half of it, at weight 0.5
+    assert live.tick_s("decode", 4) == pytest.approx(7.0)
+    live.observe("decode", 2, 100.0)  # an outlier counts at most its predicted time
+    assert live.extra["decode"] == pytest.approx(0.5 * 1.0 + 0.5 * 5.0)
+    live.observe("fused", 0, 0.0)     # a clock that does not move teaches nothing
+    live.observe("decode", 0, 3.0)    # nor does a decode of no rows
+    assert live.num_observed == {"decode": 2, "fused": 0}
+    # Alone, the plain comparison; beside rows, speculation must win by BATCH_MARGIN.
+    fresh = LiveCosts(COSTS)
+    with_slot, without = (1 + 1 + 3.0) / 8.0, (1 + 1) / 5.0
+    assert with_slot > without and (with_slot > BATCH_MARGIN * without) is fresh.pays(1, 3.0)
+    assert fresh.pays(0, 2.0) is speculation_pays(0, 2.0, TickCosts(COSTS.decode, COSTS.fused, 1.0))
+
+
+def test_acceptance_is_the_requests_own_and_newcomers_start_from_the_replica():
+    tracker = AcceptanceTracker(optimistic=4.0)
+    assert tracker.estimate("a") == 4.0  # before any round: all K
+    tracker.record("a", 0)
+    assert tracker.estimate("a") == pytest.approx(0.7 * 4.0)
+    assert tracker.estimate("new") == tracker.replica == 0.0  # the replica's first round
+    for _ in range(30):
+        tracker.record("b", 3)
+    assert tracker.estimate("b") == pytest.approx(3.0, abs=0.01)
+    assert tracker.estimate("a") == pytest.approx(2.8)  # b's rounds do not move a's estimate
+    before = tracker.replica
+    tracker.relax()  # a newcomer turned away: the replica's estimate moves back toward K
+    assert before < tracker.replica < 4.0
+    tracker.relax("a")
+    assert 2.8 < tracker.estimate("a") < 4.0
+    tracker.forget("a")
+    assert tracker.estimate("a") == tracker.replica

@@ -1,6 +1,6 @@
 """Load a target and an optional draft model from local paths through `mlx_lm.load`.
 
-Paths are checked before mlx-lm sees them: given a string that is not a local
+Paths are checked (`models.checks`) before mlx-lm sees them: given a string that is not a local
 directory, `mlx_lm.load` would try the Hugging Face hub, which is not what a user who
 mistyped a path wants. Every failure is a `ModelLoadError` naming the path and what is
 wrong with it.
@@ -8,7 +8,6 @@ wrong with it.
 
 from __future__ import annotations
 
-import glob
 import os
 from dataclasses import dataclass
 
@@ -16,41 +15,17 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-
-class ModelLoadError(Exception):
-    """A model directory could not be loaded; the message names the path and the fault."""
+from models.checks import ModelLoadError, check_model_dir, model_fingerprint  # noqa: F401 (re-exported)
 
 
 @dataclass
 class LoadedModel:
     path: str
-    name: str  # directory name, used in the policy key
+    name: str  # directory name, for logs
     model: nn.Module
     tokenizer: object  # mlx_lm TokenizerWrapper
     max_context: int
-
-
-def check_model_dir(path: str, role: str) -> None:
-    """Raise ModelLoadError unless `path` looks like an mlx-lm loadable directory."""
-    if not path:
-        raise ModelLoadError(f"{role} model path is empty")
-    if not os.path.exists(path):
-        raise ModelLoadError(f"{role} model path {path!r} does not exist")
-    if not os.path.isdir(path):
-        raise ModelLoadError(f"{role} model path {path!r} is not a directory")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ModelLoadError(
-            f"{role} model path {path!r} is not a model directory: no config.json"
-        )
-    if not glob.glob(os.path.join(path, "*.safetensors")):
-        raise ModelLoadError(
-            f"{role} model path {path!r} is not a model directory: no *.safetensors weights"
-        )
-    if not any(
-        os.path.isfile(os.path.join(path, name))
-        for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
-    ):
-        raise ModelLoadError(f"{role} model path {path!r} has no tokenizer files")
+    fingerprint: str = ""  # content hash (models.checks.model_fingerprint): the policy key
 
 
 def _to_float32_on_cpu(model: nn.Module) -> None:
@@ -77,7 +52,8 @@ def load_model(path: str, role: str = "target") -> LoadedModel:
     _to_float32_on_cpu(model)
     max_context = int(config.get("max_position_embeddings") or 0) or 4096
     name = os.path.basename(os.path.normpath(path))
-    return LoadedModel(os.path.abspath(path), name, model, tokenizer, max_context)
+    return LoadedModel(os.path.abspath(path), name, model, tokenizer, max_context,
+                       model_fingerprint(path))
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:

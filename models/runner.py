@@ -56,6 +56,7 @@ class MlxRunner:
         prefill_chunk: int = bucketed.DEFAULT_PREFILL_CHUNK,
         warm_session: bool = True,
         classic_burst_ms: float = DEFAULT_CLASSIC_BURST_MS,
+        draft_fingerprint: str = "",
     ):
         """`fast_verify`: speculative rounds through `models.bucketed` (shape-stable,
         compiled forwards; one host sync per round). None = on when MLX's default device
@@ -66,7 +67,8 @@ class MlxRunner:
         `warm_session`: `warm` also runs throwaway requests end to end (see there).
         `classic_burst_ms`: a classic row decoding alone keeps stepping within one
         `classic_decode` call until this much time has passed (several tokens per tick
-        when steps are fast; 0 = one token per call)."""
+        when steps are fast; 0 = one token per call). `draft_fingerprint`: the draft
+        model's content hash (`LoadedModel.fingerprint`), naming it in `policy_key`."""
         if num_draft_tokens < 1:
             raise ValueError("num_draft_tokens must be >= 1")
         self.target = target
@@ -74,6 +76,7 @@ class MlxRunner:
         self.eos_token_ids: list[int] = sorted(self.tokenizer.eos_token_ids)
         self.max_context = target.max_context
         self.num_draft_tokens = num_draft_tokens
+        self._draft_fingerprint = draft_fingerprint
         self._classic = ClassicBatch(
             target.model,
             eos_token_ids=self.eos_token_ids,
@@ -196,6 +199,7 @@ class MlxRunner:
             fast_verify=fast_verify,
             warm_positions=warm_positions,
             classic_burst_ms=classic_burst_ms,
+            draft_fingerprint=draft.fingerprint if draft is not None else "",
         )
 
     # -- classic --------------------------------------------------------------------
@@ -369,11 +373,15 @@ class MlxRunner:
         return self._sessions[request_id]
 
     def policy_key(self) -> str:
+        """Names models by content, so a verdict survives moving or renaming a model
+        directory and is not reused for a different model under the same name."""
         if self._slot is None:
             drafter = "none:none"
         else:
-            drafter = f"{self._slot.drafter.kind}:{self._slot.drafter.name}"
-        return f"{self.target.name}|{drafter}|{hardware_name()}|K={self.num_draft_tokens}"
+            kind, name = self._slot.drafter.kind, self._slot.drafter.name
+            drafter = f"{kind}:{self._draft_fingerprint or name}"
+        target = self.target.fingerprint or self.target.name
+        return f"{target}|{drafter}|{hardware_name()}|K={self.num_draft_tokens}"
 
     def close(self) -> None:
         for request_id in list(self._sessions):

@@ -52,6 +52,9 @@ def build_engine(args: ServeArgs):
         )
         info["max_context"] = runner.max_context
         info["eos_token_ids"] = sorted(runner.eos_token_ids)
+        # For the ready line and /health: why the slot is off, and why the fused tick is.
+        info["spec_off_reason"] = getattr(runner, "spec_off_reason", None)
+        info["fuse_blocker"] = runner.fuse_blocker
         # The fused tick's cost gate needs this machine's forward costs: measure them
         # now (about a second on a CPU), not on the first request.
         if args.tick_mode == "fused" and runner.tick_costs() is not None:
@@ -67,9 +70,16 @@ class SchedulerActor:
     """Ray actor body; created through `ActorSource`, never directly by users."""
 
     def __init__(self, args: dict) -> None:
+        from models.checks import ModelLoadError
+
         logging.basicConfig(level=logging.INFO)
         self._engine, self._info = build_engine(ServeArgs.model_validate(args))
-        self._engine.start()
+        try:
+            self._engine.start()
+        except ModelLoadError as exc:
+            # Reported through info() instead of dying: a dead actor's creation error
+            # reaches the replica as a traceback wall, this as one line.
+            self._info = {"load_error": str(exc)}
 
     def info(self) -> dict:
         import ray
@@ -126,8 +136,15 @@ class ActorSource:
         ).remote(self._args.model_dump(mode="json"))
 
     async def start(self) -> dict:
+        """The runner info; raises ModelLoadError (the actor killed) when loading failed."""
+        from models.checks import ModelLoadError
+
         self._actor = self._create()
-        return {**await self._call(self._actor.info), "actor_name": self.actor_name}
+        info = await self._call(self._actor.info)
+        if info.get("load_error"):
+            self._kill()
+            raise ModelLoadError(info["load_error"])
+        return {**info, "actor_name": self.actor_name}
 
     async def _call(self, method, *args):
         import ray

@@ -1,13 +1,17 @@
 """Ray Serve application: the `SpecslotServer` deployment and `build_app(args)`.
 
 YAML configs point `import_path` at `serve_app.app:build_app`; `args` is validated by
-`ServeArgs` before anything starts. Each replica owns exactly one scheduler actor
-(`serve_app.actor`), tokenizes on its own side, and serves the Starlette app from
-`serve_app.http`. `user_config` may carry the live knobs of `LiveConfig`.
+`ServeArgs` and the model directories are checked before anything starts. Each replica
+owns exactly one scheduler actor (`serve_app.actor`), tokenizes on its own side, and
+serves the Starlette app from `serve_app.http`. The replica loads in the background, so
+`/health` answers 503 (model loading) at once and 200 when ready, while /v1 requests
+wait for the load; a failed load is reported by `/health` and the health check. `user_config` may carry the live knobs of
+`LiveConfig`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from pathlib import Path
@@ -17,12 +21,14 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
 
+from models.checks import check_model_dir
 from serve_app.actor import ActorSource
 from serve_app.client import EngineClient
 from serve_app.codec import TextCodec
 from serve_app.config import LiveConfig, ServeArgs, format_validation_error
 from serve_app.http import OpenAIService
 from serve_app.metrics import ReplicaMetrics
+from serve_app.ready import last_error_line
 
 logger = logging.getLogger("ray.serve")
 
@@ -37,14 +43,14 @@ def validate_args(args: dict | None) -> ServeArgs:
     try:
         return ServeArgs.model_validate(dict(args or {}))
     except ValidationError as err:
-        raise ConfigError(format_validation_error(err)) from None
+        raise ConfigError(format_validation_error(err, schema=ServeArgs)) from None
 
 
 def validate_user_config(user_config: dict | None) -> LiveConfig:
     try:
         return LiveConfig.model_validate(dict(user_config or {}))
     except ValidationError as err:
-        raise ConfigError(format_validation_error(err, prefix="user_config")) from None
+        raise ConfigError(format_validation_error(err, prefix="user_config", schema=LiveConfig)) from None
 
 
 @serve.deployment(
@@ -59,14 +65,14 @@ def validate_user_config(user_config: dict | None) -> LiveConfig:
 class SpecslotServer:
     async def __init__(self, args: dict) -> None:
         self.args = validate_args(args)
-        self.codec = TextCodec.from_path(self.args.model)
         identity = _identity()
         source = ActorSource(self.args, num_gpus=self.args.actor_num_gpus,
                              name_prefix=f"scheduler-{identity['replica_id']}")
         self.client = EngineClient(source)
-        await self.client.start()
-        self.service = OpenAIService(self.client, self.codec, self.args, ReplicaMetrics(),
+        self.service = OpenAIService(self.client, None, self.args, ReplicaMetrics(),
                                      identity=identity)
+        # Not awaited: the replica must answer /health (503, loading) while this runs.
+        self._loading = asyncio.get_running_loop().create_task(load_replica(self.service))
 
     def __serve_build_asgi_app__(self):
         return self.service.app()
@@ -78,11 +84,34 @@ class SpecslotServer:
         logger.info("specslot reconfigured: %s", changes)
 
     async def check_health(self) -> None:
-        if not self.client.healthy:
+        """Healthy while loading; a failed load or a stopped pump asks Serve for a new replica."""
+        if self.service.load_error is not None:
+            raise RuntimeError(self.service.load_error)
+        if self.service.ready and not self.client.healthy:
             raise RuntimeError("scheduler event pump stopped")
 
     async def __del__(self) -> None:
-        await self.client.close()
+        # __init__ may have failed before the client existed; nothing to close then.
+        if getattr(self, "client", None) is not None:
+            self._loading.cancel()
+            await self.client.close()
+
+
+async def load_replica(service: OpenAIService) -> None:
+    """Check the model paths, load the tokenizer, start the scheduler; then mark the
+    service ready, or record the error (one log line) for /health and check_health."""
+    args = service.args
+    try:
+        check_model_dir(args.model, "target")  # before transformers could try the hub
+        if args.drafter.kind == "draft_model":
+            check_model_dir(args.drafter.path, "draft")
+        codec = await asyncio.to_thread(TextCodec.from_path, args.model)
+        await service.client.start()
+    except Exception as exc:  # ModelLoadError, or the scheduler actor could not start
+        service.fail_load(last_error_line(str(exc)))
+        logger.error("specslot failed to load: %s", service.load_error)
+        return
+    service.mark_ready(codec)
 
 
 def _identity() -> dict:
@@ -93,6 +122,11 @@ def _identity() -> dict:
 
 
 def build_app(args: dict) -> Application:
-    """The application a YAML config's `import_path` names; validates `args` first."""
+    """The application a YAML config's `import_path` names. Validates `args` and checks
+    the model directories first (raises ConfigError / ModelLoadError), so a bad path
+    fails here, once, and not in every replica."""
     serve_args = validate_args(args).with_resolved_paths(Path.cwd())
+    check_model_dir(serve_args.model, "target")
+    if serve_args.drafter.kind == "draft_model":
+        check_model_dir(serve_args.drafter.path, "draft")
     return SpecslotServer.bind(serve_args.model_dump(mode="json"))

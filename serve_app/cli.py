@@ -1,29 +1,45 @@
-"""`python -m serve_app.cli [config.yaml]`: `serve run` with clean shutdown on signals.
+"""`python -m serve_app.cli [config.yaml]`: `serve run` that fails fast and says when it is ready.
 
-Starts a local Ray instance (no dashboard, loopback only) unless RAY_ADDRESS is set, then hands the
-config to `serve run`. SIGTERM and SIGINT both lead to `serve.shutdown()` (replicas
-stop their scheduler actors) followed by Ray's own shutdown, even when the process was
-started in the background with SIGINT ignored.
+Before Ray starts, every specslot application of the config is built in-process
+(`serve_app.launch.precheck`): a bad arg or model path exits 1 with one message. Then
+a local Ray instance (no dashboard, loopback only) starts unless RAY_ADDRESS is set,
+`serve run --non-blocking` deploys the config, and the CLI waits for each app's /health:
+it logs `specslot ready at http://HOST:PORT/v1 — model …` once loaded, or exits 1 with
+the load error. SIGTERM and SIGINT both lead to `serve.shutdown()` (replicas stop their
+scheduler actors; waited for at most SERVE_SHUTDOWN_S) followed by Ray's own shutdown,
+even when the process was started in the background with SIGINT ignored, or the signal
+went to the whole process group (Ray's daemons included).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
+import threading
+import time
 
 DEFAULT_CONFIG = "configs/local.yaml"
+# Replicas stop their scheduler actors within this (graceful_shutdown_timeout_s is 5).
+SERVE_SHUTDOWN_S = 7.0
+RAY_SHUTDOWN_S = 2.0
 
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def _fail(message: str) -> int:
+    print(f"specslot: {message}", file=sys.stderr, flush=True)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    config = argv[0] if argv else DEFAULT_CONFIG
-    if not os.path.isfile(config):
-        print(f"no such config file: {config}", file=sys.stderr)
+    config_path = argv[0] if argv else DEFAULT_CONFIG
+    if not os.path.isfile(config_path):
+        print(f"no such config file: {config_path}", file=sys.stderr)
         return 2
 
     if not os.environ.get("RAY_ADDRESS"):
@@ -31,7 +47,17 @@ def main(argv: list[str] | None = None) -> int:
         # host's routable IP); the HTTP address comes from the config's http_options.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import models  # noqa: F401  (fast BLAS before anything imports mlx)
+    from serve_app.launch import LaunchError, app_targets, precheck, read_config, wait_until_ready
+
+    try:
+        config = read_config(config_path)
+        precheck(config)
+    except LaunchError as exc:
+        return _fail(str(exc))
+    _log_to_stderr()
+
     import ray
+    from ray import serve
     from ray.serve.scripts import cli
 
     if not ray.is_initialized():
@@ -42,14 +68,72 @@ def main(argv: list[str] | None = None) -> int:
     # After ray.init, which installs its own SIGTERM handler (a bare sys.exit).
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
+    rc = 1  # what an unexpected exception exits with, after the shutdown below
     try:
-        cli.main(["run", config], prog_name="serve", standalone_mode=False)
+        cli.main(["run", "--non-blocking", config_path], prog_name="serve", standalone_mode=False)
+        wait_until_ready(app_targets(config))
+        while True:  # serve until a signal; Ray streams the replicas' logs meanwhile
+            time.sleep(3600)
+    except LaunchError as exc:
+        rc = _fail(str(exc))
+    except KeyboardInterrupt:
+        rc = 0
     except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else 0
+        rc = exc.code if isinstance(exc.code, int) else 0
     finally:
-        ray.shutdown()
-    return 0
+        _shutdown(rc)
+    return rc
 
+
+def _shutdown(rc: int) -> None:
+    import ray
+    from ray import serve
+
+    if _bounded(serve.shutdown, SERVE_SHUTDOWN_S, give_up=lambda: not _local_ray_intact()):
+        ray.shutdown()
+    elif not _bounded(ray.shutdown, RAY_SHUTDOWN_S):
+        # Ray's daemons are gone (the signal went to the whole process group) and its
+        # atexit hook would wait for them again: leave now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+
+
+def _local_ray_intact() -> bool:
+    """False when a Ray daemon this process started (raylet, GCS, ...) has died, as when
+    the signal went to the whole process group: Serve cannot shut down gracefully then.
+    Reads `ray._private.worker._global_node` (Ray is pinned); True for a joined cluster."""
+    import ray._private.worker
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    try:
+        return node is None or not node.dead_processes()
+    except Exception:  # a Ray without this internal: assume intact, the timeout still bounds it
+        return True
+
+
+def _bounded(fn, timeout_s: float, give_up=lambda: False) -> bool:
+    """Run `fn`; False if it is still running after `timeout_s` or once `give_up()`. When
+    the whole process group got the signal, Ray's daemons are dying: serve.shutdown would
+    wait 30 s for a controller that cannot answer, and ray.shutdown for a raylet."""
+    worker = threading.Thread(target=fn, name=f"{fn.__name__}-bounded", daemon=True)
+    worker.start()
+    deadline = time.monotonic() + timeout_s
+    while worker.is_alive() and time.monotonic() < deadline and not give_up():
+        worker.join(0.2)
+    if worker.is_alive():
+        print(f"specslot: {fn.__module__}.{fn.__name__} did not return; Ray is going away",
+              file=sys.stderr, flush=True)
+    return not worker.is_alive()
+
+
+def _log_to_stderr() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("specslot")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # Ray may configure the root logger too; print once
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -52,16 +52,21 @@ class EngineClient:
         self._cancel_sender: asyncio.Task | None = None
         self._cancel_queue: asyncio.Queue = asyncio.Queue()
         self._live_changes: dict = {}
+        self._started = False
         self.info: dict = {}
         self.num_restarts = 0
 
     async def start(self) -> None:
         self.info = await self._source.start()
+        self._started = True
+        if self._live_changes:  # user_config that arrived while the scheduler was starting
+            await self._source.reconfigure(self._live_changes)
         loop = asyncio.get_running_loop()
         self._pump = loop.create_task(self._pump_events())
         self._cancel_sender = loop.create_task(self._send_cancels())
 
     async def close(self) -> None:
+        """Safe before or during `start` (a replica deleted while loading)."""
         for task in (self._pump, self._cancel_sender):
             if task is not None:
                 task.cancel()
@@ -140,7 +145,7 @@ class EngineClient:
     async def reconfigure(self, changes: dict) -> None:
         """Apply live changes now and again whenever the scheduler is re-created."""
         self._live_changes.update(changes)
-        if changes:
+        if changes and self._started:  # else start() applies them
             await self._source.reconfigure(changes)
 
     async def _pump_events(self) -> None:

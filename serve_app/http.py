@@ -1,6 +1,10 @@
 """The OpenAI-compatible HTTP layer: a Starlette app over an `EngineClient`.
 
-Testable without Ray: give it any `EngineClient` (e.g. over a `LocalSource`). Every
+Testable without Ray: give it any `EngineClient` (e.g. over a `LocalSource`). Until
+`mark_ready` (the model loaded) /health answers 503 (`model_loading`) at once, and /v1
+requests wait for the load: Serve routes to a replica as soon as it is constructed, so
+a replica it adds or replaces must not fail its share of traffic. A failed load
+(`fail_load`) is 503 `model_load_failed` naming the fault. Every
 client-caused problem is a 4xx with an OpenAI error body; a full scheduler queue is a
 503 with `Retry-After`; a client that goes away has its request cancelled in the
 scheduler, whatever phase it is in.
@@ -22,8 +26,10 @@ from scheduler.request import Lane, Request, SamplingParams, parse_priority
 from serve_app.client import SCHEDULER_LOST, EngineClient, QueueFull
 from serve_app.codec import TextCodec
 from serve_app.config import ServeArgs
+from serve_app.errors import EXCEPTION_HANDLERS
 from serve_app.metrics import ReplicaMetrics
 from serve_app.protocol import APIError, GenerationSpec, decode_json, parse_generation
+from serve_app.ready import health_body
 from serve_app.responses import ResponseFormat, StopMatcher, Usage, sse
 
 logger = logging.getLogger(__name__)
@@ -32,14 +38,43 @@ DRAIN_AFTER_STOP_S = 2.0  # wait for the cancelled request's final stats after a
 
 
 class OpenAIService:
-    def __init__(self, client: EngineClient, codec: TextCodec, args: ServeArgs,
+    def __init__(self, client: EngineClient, codec: TextCodec | None, args: ServeArgs,
                  metrics: ReplicaMetrics | None = None, identity: dict | None = None) -> None:
+        """`codec` None: still loading; call `mark_ready(codec)` once `client` is started."""
         self.client = client
         self.identity = dict(identity or {})  # e.g. replica and node ids, for operators
         self.codec = codec
         self.args = args
         self.metrics = metrics or ReplicaMetrics()
+        self.load_error: str | None = None  # why loading failed, once it has
+        self._load_ended = asyncio.Event()
+        if codec is not None:
+            self._load_ended.set()
         self._background: set[asyncio.Task] = set()
+
+    @property
+    def ready(self) -> bool:
+        return self.codec is not None and self.load_error is None
+
+    def mark_ready(self, codec: TextCodec) -> None:
+        self.codec = codec
+        self._load_ended.set()
+        logger.info("specslot replica ready: %s", health_body(self.args, self.client.info))
+
+    def fail_load(self, message: str) -> None:
+        self.load_error = message
+        self._load_ended.set()
+
+    def _check_loaded(self) -> None:
+        if self.load_error is not None:
+            raise APIError(503, self.load_error, "server_error", code="model_load_failed")
+        if self.codec is None:
+            raise APIError(503, "the model is loading; retry later", "server_error",
+                           code="model_loading", headers=self._retry())
+
+    async def _wait_loaded(self) -> None:
+        await self._load_ended.wait()
+        self._check_loaded()
 
     def app(self) -> Starlette:
         routes = [
@@ -50,14 +85,15 @@ class OpenAIService:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
         ]
-        return Starlette(routes=routes, exception_handlers={
-            APIError: _api_error, 404: _not_found, 405: _method_not_allowed, Exception: _internal})
+        return Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
 
     # -- small endpoints ------------------------------------------------------------------
     async def health(self, request: HTTPRequest) -> Response:
+        self._check_loaded()
         if not self.client.healthy:
-            return JSONResponse({"status": "unavailable"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+            raise APIError(503, "the scheduler is restarting; retry later", "server_error",
+                           code="scheduler_unavailable", headers=self._retry())
+        return JSONResponse(health_body(self.args, self.client.info))
 
     async def prometheus(self, request: HTTPRequest) -> Response:
         snapshot = await self._snapshot_or_none()
@@ -65,11 +101,13 @@ class OpenAIService:
 
     async def models(self, request: HTTPRequest) -> Response:
         self._lane_cap(request)
+        await self._wait_loaded()
         card = {"id": self.args.model_name, "object": "model", "created": 0, "owned_by": "specslot"}
         return JSONResponse({"object": "list", "data": [card]})
 
     async def scheduler_state(self, request: HTTPRequest) -> Response:
         self._lane_cap(request)
+        await self._wait_loaded()
         snapshot = await self._snapshot_or_none()
         if snapshot is None:
             raise APIError(503, "scheduler unavailable", "server_error", headers=self._retry())
@@ -82,6 +120,8 @@ class OpenAIService:
         return JSONResponse(snapshot)
 
     async def _snapshot_or_none(self) -> dict | None:
+        if not self.ready:  # no scheduler yet: /metrics still renders the replica's own counters
+            return None
         try:
             return await self.client.snapshot()
         except Exception:
@@ -97,6 +137,7 @@ class OpenAIService:
 
     async def _generate(self, http: HTTPRequest, chat: bool) -> Response:
         lane_cap = self._lane_cap(http)
+        await self._wait_loaded()
         spec = parse_generation(decode_json(await self._read_body(http)), chat)
         if spec.model is not None and spec.model != self.args.model_name:
             raise APIError(400, f"model '{spec.model[:64]}' is not served here; "
@@ -286,21 +327,3 @@ class OpenAIService:
     def _retry(self) -> dict[str, str]:
         return {"Retry-After": str(self.args.retry_after_seconds)}
 
-
-async def _api_error(request: HTTPRequest, exc: APIError) -> Response:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-
-async def _not_found(request: HTTPRequest, exc) -> Response:
-    return JSONResponse(APIError(404, "no such route", code="not_found").body(), status_code=404)
-
-
-async def _method_not_allowed(request: HTTPRequest, exc) -> Response:
-    err = APIError(405, "method not allowed on this route", code="method_not_allowed")
-    return JSONResponse(err.body(), status_code=405)
-
-
-async def _internal(request: HTTPRequest, exc: Exception) -> Response:
-    logger.exception("unhandled error serving %s", request.url.path)
-    err = APIError(500, "internal server error", "server_error", code="internal_error")
-    return JSONResponse(err.body(), status_code=500)

@@ -41,7 +41,8 @@ def test_attributes_and_policy_key(runner):
     assert runner.max_context == 512
     assert runner.eos_token_ids == [0]
     assert runner.tokenizer.encode("def")
-    assert re.fullmatch(r"target\|draft_model:draft\|cpu-[\w]+\|K=3", runner.policy_key())
+    # models are named by content (models.checks.model_fingerprint), not by directory
+    assert re.fullmatch(r"[0-9a-f]{16}\|draft_model:[0-9a-f]{16}\|cpu-[\w]+\|K=3", runner.policy_key())
 
 
 def test_spec_supports(runner, prompt_ids):

@@ -37,7 +37,7 @@ def test_openai_routes_need_a_valid_key(rel_app, method, path, auth):
 
 
 def test_health_and_metrics_stay_public_and_a_key_opens_v1(rel_app):
-    assert httpx.get(f"{rel_app}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{rel_app}/health").json()["status"] == "ok"
     assert "specslot_requests_total" in httpx.get(f"{rel_app}/metrics").text
     for key in (KEY_HIGH, KEY_NORMAL):
         r = httpx.get(f"{rel_app}/v1/models", headers={"Authorization": f"bearer {key}"})

@@ -8,6 +8,7 @@ import os
 import pytest
 import yaml
 
+from models.checks import ModelLoadError
 from scheduler.config import SchedulerConfig
 from serve_app.app import ConfigError, build_app, validate_args, validate_user_config
 from serve_app.config import LiveConfig, ServeArgs
@@ -30,8 +31,13 @@ def test_every_config_builds_its_app(path):
     ServeDeploySchema.model_validate(config)  # what `serve run` checks first
     for app_cfg in config["applications"]:
         assert app_cfg["import_path"] == "serve_app.app:build_app"
-        app = build_app(app_cfg["args"])
-        (bound_args,) = app._bound_deployment.init_args
+        resolved = validate_args(app_cfg["args"]).with_resolved_paths()
+        if os.path.isdir(resolved.model):
+            (bound_args,) = build_app(app_cfg["args"])._bound_deployment.init_args
+        else:  # gpu.yaml: models downloaded on the GPU host; build_app names the missing path
+            with pytest.raises(ModelLoadError, match=f"'{resolved.model}' does not exist"):
+                build_app(app_cfg["args"])
+            bound_args = resolved.model_dump(mode="json")
         assert os.path.isabs(bound_args["model"])
         args = ServeArgs.model_validate(bound_args)
         assert isinstance(args.scheduler_config(env={}), SchedulerConfig)
@@ -115,7 +121,8 @@ def test_runner_args_reach_the_mlx_runner(monkeypatch, raw, expected):
     engine, info = build_engine(ServeArgs.model_validate({"model": "m", "max_batch_size": 7, **raw}))
     engine._runner_factory()
     assert seen["classic_burst_ms"] == expected and seen["max_batch_size"] == 7 and seen["path"] == "m"
-    assert info == {"max_context": 128, "eos_token_ids": [0]}
+    assert info == {"max_context": 128, "eos_token_ids": [0], "spec_off_reason": None,
+                    "fuse_blocker": "a stand-in runner"}
 
 
 @pytest.mark.parametrize("raw, expected", [({}, 0), ({"speculative_disable_by_batch_size": 3}, 3)])

@@ -1,0 +1,128 @@
+"""What `python -m serve_app.cli` does around `serve run`: check first, then watch.
+
+`precheck` builds every specslot application of a config in-process, before Ray starts,
+so a bad arg or model path fails in about a second with one message. `wait_until_ready`
+then polls each application's /health on loopback until it answers 200 (logging the
+ready line) or reports a failed load, or Serve marks the application failed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Callable
+
+import yaml
+
+from serve_app.ready import last_error_line, ready_line
+
+logger = logging.getLogger("specslot")
+
+IMPORT_PATH = "serve_app.app:build_app"
+FAILED_STATUSES = ("DEPLOY_FAILED", "UNHEALTHY")
+
+
+class LaunchError(Exception):
+    """The config is unusable or an application failed; the message is for operators."""
+
+
+@dataclass(frozen=True)
+class AppTarget:
+    name: str
+    base_url: str  # as operators reach it, from http_options
+    probe_url: str  # /health on 127.0.0.1, whatever host the proxy binds
+
+
+def read_config(path: str) -> dict:
+    """The YAML as Serve validates it; raises LaunchError with pydantic's message."""
+    from pydantic import ValidationError
+    from ray.serve.schema import ServeDeploySchema
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = yaml.safe_load(f)
+        ServeDeploySchema.model_validate(config)
+    except (OSError, yaml.YAMLError, ValidationError) as exc:
+        raise LaunchError(f"invalid Serve config {path}: {exc}") from None
+    return config
+
+
+def precheck(config: dict) -> None:
+    """Build each specslot app and validate its user_config, as Serve would, but here."""
+    from models.checks import ModelLoadError
+    from serve_app.app import ConfigError, build_app, validate_user_config
+
+    for app in config.get("applications", []):
+        if app.get("import_path") != IMPORT_PATH:
+            continue
+        try:
+            build_app(app.get("args") or {})
+            for deployment in app.get("deployments", []):
+                validate_user_config(deployment.get("user_config"))
+        except (ConfigError, ModelLoadError) as exc:  # anything else is a bug: let it show
+            raise LaunchError(f"application {app.get('name')!r}: {exc}") from None
+
+
+def app_targets(config: dict) -> list[AppTarget]:
+    http = config.get("http_options") or {}
+    host, port = http.get("host", "127.0.0.1"), http.get("port", 8000)
+    targets = []
+    for app in config.get("applications", []):
+        prefix = (app.get("route_prefix") or "/").rstrip("/")
+        targets.append(AppTarget(app.get("name", "default"), f"http://{host}:{port}{prefix}",
+                                 f"http://127.0.0.1:{port}{prefix}/health"))
+    return targets
+
+
+def probe_health(url: str) -> tuple[int, dict] | None:
+    """(status, JSON body) of one GET; None while nothing answers or the body is not JSON."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        try:
+            return err.code, json.loads(err.read())
+        except ValueError:
+            return err.code, {}
+    except (OSError, ValueError):
+        return None
+
+
+def serve_app_statuses() -> dict[str, tuple[str, str]]:
+    from ray import serve
+
+    return {name: (str(app.status), app.message or "")
+            for name, app in serve.status().applications.items()}
+
+
+def wait_until_ready(targets: list[AppTarget],
+                     probe: Callable[[str], tuple[int, dict] | None] = probe_health,
+                     statuses: Callable[[], dict[str, tuple[str, str]]] = serve_app_statuses,
+                     interval_s: float = 0.5) -> list[str]:
+    """Block until every app's /health is 200; log and return one ready line per app.
+    Raises LaunchError on a failed model load or a failed Serve application."""
+    pending = {t.name: t for t in targets}
+    lines = []
+    while pending:
+        for name, (status, message) in statuses().items():
+            if name in pending and status.rsplit(".", 1)[-1] in FAILED_STATUSES:
+                raise LaunchError(f"application {name!r} failed: {last_error_line(message)}")
+        for name, target in list(pending.items()):
+            answer = probe(target.probe_url)
+            if answer is None:
+                continue
+            code, body = answer
+            error = body.get("error") if isinstance(body, dict) else None
+            if code == 503 and isinstance(error, dict) and error.get("code") == "model_load_failed":
+                raise LaunchError(f"application {name!r} failed to load: {error.get('message')}")
+            if code == 200:
+                lines.append(ready_line(target.base_url, body))
+                logger.info(lines[-1])
+                del pending[name]
+        if pending:
+            time.sleep(interval_s)
+    return lines

@@ -1,0 +1,60 @@
+"""What a ready replica reports: the /health body and the operator's one ready line.
+
+Pure functions over the deployment args and the scheduler's runner info, so the line
+`python -m serve_app.cli` prints is tested without a model or a cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from serve_app.config import ServeArgs
+
+_EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception): (.+)$")
+
+
+def drafter_label(args: ServeArgs) -> str:
+    """e.g. "ngram", "none", "draft_model draft" (the draft directory's name)."""
+    if args.drafter.kind == "draft_model":
+        return f"draft_model {os.path.basename(os.path.normpath(args.drafter.path or ''))}"
+    return args.drafter.kind
+
+
+def speculation_status(args: ServeArgs, info: dict) -> tuple[bool, str]:
+    """(on, why). Off when the runner turned the slot off (`spec_off_reason`) or the B=1
+    policy is pinned off; when on, why names the tick that runs (`fuse_blocker` None:
+    the fused tick)."""
+    if info.get("spec_off_reason"):
+        return False, info["spec_off_reason"]
+    if args.b1_policy == "off":
+        return False, "b1_policy is off"
+    if args.tick_mode == "alternate":
+        return True, "alternating tick, as configured"
+    blocker = info.get("fuse_blocker")
+    return True, "fused tick" if blocker is None else f"alternating tick: {blocker}"
+
+
+def health_body(args: ServeArgs, info: dict) -> dict:
+    """The 200 body of /health once the model is loaded."""
+    on, why = speculation_status(args, info)
+    return {"status": "ok", "model": args.model_name, "drafter": drafter_label(args),
+            "speculation": "on" if on else "off", "speculation_reason": why}
+
+
+def ready_line(base_url: str, body: dict) -> str:
+    """`specslot ready at http://127.0.0.1:8000/v1 — model m, drafter ngram, speculation on (fused tick)`"""
+    return (f"specslot ready at {base_url.rstrip('/')}/v1 — model {body.get('model')}, "
+            f"drafter {body.get('drafter')}, speculation {body.get('speculation')} "
+            f"({body.get('speculation_reason')})")
+
+
+def last_error_line(message: str) -> str:
+    """The text of the last `SomeError: text` line of `message` (often a traceback Ray or
+    Serve wrapped), else its last line: what an operator needs from a failure."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    for line in reversed(lines):
+        match = _EXCEPTION_LINE.match(line)
+        if match:
+            return match.group(2)
+    return lines[-1] if lines else "no message"

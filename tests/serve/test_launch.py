@@ -1,0 +1,185 @@
+"""Failing fast on bad config and paths, and the ready line: build_app, the CLI, the launch watcher."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import yaml
+
+from models.checks import ModelLoadError
+from serve_app import cli, launch
+from serve_app.app import ConfigError, build_app, validate_args, validate_user_config
+from serve_app.config import ServeArgs
+from serve_app.ready import last_error_line, ready_line, speculation_status
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TARGET = os.path.join(REPO, "models", "bundled", "target")
+DRAFT = os.path.join(REPO, "models", "bundled", "draft")
+
+
+def no_config_copy(tmp_path):
+    path = tmp_path / "no-config"
+    shutil.copytree(TARGET, path)
+    os.unlink(path / "config.json")
+    return str(path)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    ({"model": "/nonexistent/target"}, "target model path '/nonexistent/target' does not exist"),
+    ({"model": TARGET, "drafter": {"kind": "draft_model", "path": "/nonexistent/draft"}},
+     "draft model path '/nonexistent/draft' does not exist"),
+    ({"model": "no-config"}, "is not a model directory: no config.json"),
+])
+def test_build_app_checks_model_paths_before_any_replica(tmp_path, args, fragment):
+    if args["model"] == "no-config":
+        args = {"model": no_config_copy(tmp_path)}
+    with pytest.raises(ModelLoadError, match=fragment):
+        build_app(args)
+
+
+def test_build_app_accepts_the_bundled_pair():
+    app = build_app({"model": TARGET, "drafter": {"kind": "draft_model", "path": DRAFT}})
+    assert app._bound_deployment.init_args[0]["drafter"]["path"] == DRAFT
+
+
+@pytest.mark.parametrize("bad, line", [
+    ({"model": "m", "grant_round": 3}, "args.grant_round: unknown key (did you mean 'grant_rounds'?)"),
+    ({"model": "m", "drafter": {"kind": "ngram", "paht": "x"}},
+     "args.drafter.paht: unknown key (did you mean 'path'?)"),
+    ({"model": "m", "api_keys": [{"key": "abcdefghij", "max_lan": "low"}]},
+     "args.api_keys.0.max_lan: unknown key (did you mean 'max_lane'?)"),
+    ({"model": "m", "tick_mod": "fused"}, "args.tick_mod: unknown key (did you mean 'tick_mode'?)"),
+    ({"model": "m", "zzz": 1}, "args.zzz: unknown key"),
+])
+def test_unknown_keys_name_the_closest_known_key(bad, line):
+    with pytest.raises(ConfigError) as info:
+        validate_args(bad)
+    assert line in str(info.value).splitlines()[1].strip()
+    if "did you mean" not in line:
+        assert "did you mean" not in str(info.value)
+
+
+def test_unknown_live_knob_names_the_closest():
+    with pytest.raises(ConfigError, match=r"user_config.skipcap: unknown key \(did you mean 'skip_cap'\?\)"):
+        validate_user_config({"skipcap": 1})
+
+
+def write_config(tmp_path, **args):
+    with open(os.path.join(REPO, "configs", "local.yaml")) as f:
+        config = yaml.safe_load(f)
+    config["applications"][0]["args"].update(args)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"model": "/nonexistent/target"},
+     "specslot: application 'specslot': target model path '/nonexistent/target' does not exist"),
+    ({"grant_round": 2}, "specslot: application 'specslot': invalid specslot config:"),
+])
+def test_cli_exits_1_with_one_message_before_ray_starts(tmp_path, monkeypatch, capsys, args, message):
+    import ray
+
+    def no_ray(*a, **kw):
+        raise AssertionError("the CLI started Ray for a config that cannot build")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    assert cli.main([write_config(tmp_path, **args)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(message) and "Traceback" not in err
+    if "grant_round" in args:
+        assert "did you mean 'grant_rounds'" in err
+
+
+def test_cli_rejects_a_config_serve_would_reject(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("applications: 3\n")
+    assert cli.main([str(path)]) == 1
+    assert capsys.readouterr().err.startswith(f"specslot: invalid Serve config {path}")
+
+
+def args_of(**overrides):
+    return ServeArgs.model_validate({"model": "m", **overrides})
+
+
+@pytest.mark.parametrize("overrides, info, expected", [
+    ({}, {"fuse_blocker": None}, (True, "fused tick")),
+    ({}, {"fuse_blocker": "no ragged support"}, (True, "alternating tick: no ragged support")),
+    ({"tick_mode": "alternate"}, {"fuse_blocker": None}, (True, "alternating tick, as configured")),
+    ({"drafter": {"kind": "none"}}, {"spec_off_reason": "no drafter configured"},
+     (False, "no drafter configured")),
+    ({"b1_policy": "off"}, {"fuse_blocker": None}, (False, "b1_policy is off")),
+])
+def test_speculation_status_table(overrides, info, expected):
+    assert speculation_status(args_of(**overrides), info) == expected
+
+
+HEALTHY = {"status": "ok", "model": "specslot-bundled", "drafter": "ngram", "speculation": "on",
+           "speculation_reason": "fused tick"}
+TARGETS = [launch.AppTarget("specslot", "http://0.0.0.0:8000", "http://127.0.0.1:8000/health")]
+
+
+def test_wait_until_ready_logs_one_ready_line_once_health_is_200(caplog):
+    answers = iter([None, (404, {}), (503, {"error": {"code": "model_loading"}}), (200, HEALTHY)])
+    probed = []
+
+    def probe(url):
+        probed.append(url)
+        return next(answers)
+
+    with caplog.at_level("INFO", logger="specslot"):
+        lines = launch.wait_until_ready(TARGETS, probe, lambda: {}, interval_s=0)
+    expected = ("specslot ready at http://0.0.0.0:8000/v1 — model specslot-bundled, drafter ngram, "
+                "speculation on (fused tick)")
+    assert lines == [expected] == [r.getMessage() for r in caplog.records]
+    assert set(probed) == {"http://127.0.0.1:8000/health"}  # loopback whatever the bind host
+
+
+def test_wait_until_ready_raises_the_load_error():
+    failed = (503, {"error": {"code": "model_load_failed", "message": "target model at '/m' failed"}})
+    with pytest.raises(launch.LaunchError, match="'specslot' failed to load: target model at '/m' failed"):
+        launch.wait_until_ready(TARGETS, lambda url: failed, lambda: {}, interval_s=0)
+
+
+def test_wait_until_ready_raises_on_a_failed_serve_application():
+    message = ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+               "models.checks.ModelLoadError: draft model path '/d' does not exist\n")
+    statuses = lambda: {"specslot": ("ApplicationStatus.DEPLOY_FAILED", message)}  # noqa: E731
+    with pytest.raises(launch.LaunchError) as info:
+        launch.wait_until_ready(TARGETS, lambda url: None, statuses, interval_s=0)
+    assert str(info.value) == "application 'specslot' failed: draft model path '/d' does not exist"
+
+
+def test_app_targets_follow_http_options_and_route_prefix():
+    config = {"http_options": {"host": "0.0.0.0", "port": 9001},
+              "applications": [{"name": "a", "route_prefix": "/"}, {"name": "b", "route_prefix": "/b/"}]}
+    assert launch.app_targets(config) == [
+        launch.AppTarget("a", "http://0.0.0.0:9001", "http://127.0.0.1:9001/health"),
+        launch.AppTarget("b", "http://0.0.0.0:9001/b", "http://127.0.0.1:9001/b/health")]
+
+
+def test_ready_line_and_last_error_line():
+    assert ready_line("http://h:1/", HEALTHY).startswith("specslot ready at http://h:1/v1 — model")
+    assert last_error_line("a\nValueError: bad thing\n  tail\n") == "bad thing"
+    assert last_error_line("just one line") == "just one line"
+
+
+def test_bounded_shutdown_step_gives_up_on_a_dead_ray():
+    """The CLI's shutdown steps: a hung one is abandoned once Ray is going away or at the timeout."""
+    import threading
+    import time
+
+    hang = threading.Event()
+
+    def hung():
+        hang.wait(30)
+
+    started = time.monotonic()
+    assert cli._bounded(hung, 5.0, give_up=lambda: True) is False
+    assert cli._bounded(hung, 0.3) is False
+    assert time.monotonic() - started < 2.0
+    hang.set()
+    assert cli._bounded(lambda: None, 5.0) is True

@@ -73,7 +73,7 @@ def test_overload_rejects_cleanly_completes_admitted_and_memory_returns(rel_app)
         # first reached in a later burst) grows once and then stays.
         growth = [b[name] - a[name] for a, b in zip(after, after[1:])]
         assert min(growth) <= LATER_CYCLE_MIB, (name, baseline, after)
-        assert after[-1][name] - after[0][name] <= 2 * LATER_CYCLE_MIB, (name, baseline, after)
+        assert after[-1][name] - after[0][name] <= FIRST_CYCLE_MIB, (name, baseline, after)
     assert state(rel_app)["replica"]["scheduler_restarts"] == replica["scheduler_restarts"]
     r = httpx.post(f"{rel_app}/v1/completions", headers=AUTH, timeout=30,
                    json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0})

@@ -1,0 +1,214 @@
+"""Architecture matrix: for each mlx-lm model family a tiny random float32 model (built
+with mlx-lm's own class, on the tiny tokenizer's vocabulary) decodes greedily exactly
+like mlx-lm's `generate_step`: classic decode, speculative sessions with the n-gram and
+the draft-model drafter (K=3), and one scheduler run of three concurrent requests
+(fused tick, B=1 policy on, one-round grants) where every stream equals its isolated
+classic decode. Each family also pins whether the fused tick supports it
+(`ragged.check_support`). A state-space target runs classically, with speculation off.
+
+Covered families and why some are refused are listed in docs/models.md."""
+
+import random
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+
+from models import ragged
+from models.drafters import NgramDrafter
+from models.loader import LoadedModel
+from models.runner import SPEC_OFF_NO_ROLLBACK, MlxRunner
+from models.tiny import greedy_margins
+from scheduler.config import SchedulerConfig
+from scheduler.core import Scheduler
+
+from .conftest import make_request
+from .helpers import make_drafter, mlx_lm_greedy, run_classic, run_session
+
+pytestmark = pytest.mark.model
+
+K = 3
+MAX_TOKENS = 16
+MIN_MARGIN = 1e-4  # as in test_parity: every greedy choice wins far above float noise
+HIDDEN, LAYERS, DRAFT_LAYERS = 64, 2, 1
+
+_BASE = dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, intermediate_size=2 * HIDDEN,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+             max_position_embeddings=512, rope_theta=10000.0)
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+# name: (mlx-lm module, config overrides, 4-bit quantized, fused tick expected to pass)
+FAMILIES = {
+    "llama": ("llama", {"tie_word_embeddings": False}, False, True),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}, False, True),
+    "llama3-rope": ("llama", {"tie_word_embeddings": False, "rope_scaling": _LLAMA3_ROPE}, False, True),
+    "qwen2-bias": ("qwen2", {"tie_word_embeddings": False}, False, True),
+    "qwen3": ("qwen3", {"tie_word_embeddings": False}, False, True),
+    # Without GQA: see test_gemma2_with_gqa_cannot_prefill_a_ragged_batch.
+    "gemma2": ("gemma2", {"query_pre_attn_scalar": 16.0, "num_key_value_heads": 4,
+                          "embed_scale": 0.5}, False, False),
+    "gemma3_text-sliding": ("gemma3_text", {"sliding_window": 8, "sliding_window_pattern": 2,
+                                            "query_pre_attn_scalar": 16, "layers": (4, 2)}, False, False),
+    "phi3": ("phi3", {"tie_word_embeddings": False}, False, True),
+    "llama-4bit": ("llama", {"tie_word_embeddings": False}, True, True),
+    "qwen3-4bit": ("qwen3", {"tie_word_embeddings": False}, True, True),
+}
+# mistral: mlx-lm 0.32.2 has no `mistral` module (its configs load through `llama`), so
+# "llama" with the same config covers it; see docs/models.md.
+
+
+def build(module_name, overrides, num_layers, vocab_size, seed, quantized, source=None,
+          embed_scale=4.0):
+    """A float32 (or 4-bit) tiny model; with `source`, the first layers and every
+    non-layer weight are the source's (a truncated draft)."""
+    import importlib
+
+    module = importlib.import_module(f"mlx_lm.models.{module_name}")
+    config = {"model_type": module_name, **_BASE, **overrides, "num_hidden_layers": num_layers,
+              "vocab_size": vocab_size}
+    args = module.ModelArgs.from_dict(config)
+    mx.random.seed(seed)
+    model = module.Model(args)
+    if source is None:
+        # Peaked embeddings and damped layer outputs: clear greedy margins (models.tiny).
+        emb = model.model.embed_tokens
+        emb.weight = mx.random.normal(emb.weight.shape) * embed_scale
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight = layer.self_attn.o_proj.weight * 0.5
+            layer.mlp.down_proj.weight = layer.mlp.down_proj.weight * 0.5
+    if quantized:
+        nn.quantize(model, group_size=32, bits=4)
+    if source is not None:
+        def kept(key):
+            parts = key.split(".")
+            return parts[:2] != ["model", "layers"] or int(parts[2]) < num_layers
+        model.load_weights([(k, v) for k, v in tree_flatten(source.parameters()) if kept(k)])
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, loaded):
+    """(name, (target, draft) LoadedModels, expected fused support)."""
+    module_name, overrides, quantized, fuses = FAMILIES[request.param]
+    # gemma3_text needs a full-attention layer after each sliding one, in the draft too;
+    # gemma2 scales its embeddings by sqrt(hidden) and softcaps its logits at 30, so its
+    # own embeddings stay small (else the capped logits tie).
+    num_layers, num_draft_layers = overrides.get("layers", (LAYERS, DRAFT_LAYERS))
+    embed_scale = overrides.get("embed_scale", 4.0)
+    overrides = {k: v for k, v in overrides.items() if k not in ("layers", "embed_scale")}
+    vocab = loaded[0].model.args.vocab_size
+    target = build(module_name, overrides, num_layers, vocab, 0, quantized, embed_scale=embed_scale)
+    draft = build(module_name, overrides, num_draft_layers, vocab, 0, quantized, source=target)
+    tok = loaded[0].tokenizer
+    pair = (LoadedModel("", f"tiny-{request.param}", target, tok, 512),
+            LoadedModel("", f"tiny-{request.param}-draft", draft, tok, 512))
+    return request.param, pair, fuses
+
+
+@pytest.fixture(scope="module")
+def prompts(family):
+    """A short prompt, a repeating one, and a long one holding most of the vocabulary
+    (so n-gram lookups find the generated tokens earlier and draft) and many times
+    gemma3's window."""
+    rng = random.Random(3)
+    vocab = family[1][0].model.args.vocab_size
+    tokens = lambda n: [rng.randrange(1, vocab) for _ in range(n)]  # noqa: E731 (0 is EOS)
+    return {"short": tokens(5), "repeating": tokens(6) * 3, "long": rng.sample(range(1, vocab), 300)}
+
+
+@pytest.fixture(scope="module")
+def expected(family, prompts):
+    target = family[1][0]
+    eos = tuple(target.tokenizer.eos_token_ids)
+    return {name: mlx_lm_greedy(target.model, ids, MAX_TOKENS, eos) for name, ids in prompts.items()}
+
+
+def test_greedy_margins_are_far_above_float_noise(family, prompts):
+    model = family[1][0].model
+    worst = min(min(greedy_margins(model, ids, MAX_TOKENS)) for ids in prompts.values())
+    assert worst > MIN_MARGIN, f"{family[0]}: near-tie (margin {worst:.2e})"
+
+
+def test_fused_tick_support_is_as_expected(family):
+    name, pair, fuses = family
+    assert (ragged.check_support(pair[0].model) is None) is fuses, ragged.check_support(pair[0].model)
+
+
+def test_classic_decode_equals_mlx_lm(family, prompts, expected):
+    target = family[1][0]
+    eos = sorted(target.tokenizer.eos_token_ids)
+    requests = [make_request(name, ids, MAX_TOKENS) for name, ids in prompts.items()]
+    out = run_classic(target.model, requests, eos)
+    assert {rid: tokens for rid, (tokens, _) in out.items()} == expected
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft_model"])
+def test_speculative_equals_mlx_lm(family, prompts, expected, kind):
+    drafter = make_drafter(kind, family[1])
+    num_drafted = 0
+    for name, ids in prompts.items():
+        tokens, _, rounds = run_session(family[1], make_request(name, ids, MAX_TOKENS), K, drafter)
+        assert tokens == expected[name], name
+        num_drafted += sum(r[1] for r in rounds)
+    assert num_drafted > 0  # the session really speculated
+
+
+def test_three_concurrent_streams_in_the_scheduler_equal_mlx_lm(family, prompts, expected):
+    """Fused tick (where supported), B=1 on, one-round grants: the slot rotates, parks
+    and resumes, and rows move in and out of the classic batch."""
+    name, pair, fuses = family
+    runner = MlxRunner(pair[0], make_drafter("draft_model", pair), num_draft_tokens=K,
+                       fast_verify=False, warm_positions=0)
+    assert runner.spec_off_reason is None and runner.can_fuse() is fuses, runner.fuse_blocker
+    scheduler = Scheduler(runner, SchedulerConfig(b1_policy="on", grant_rounds=1, num_draft_tokens=K))
+    requests = [make_request(rid, ids, MAX_TOKENS) for rid, ids in prompts.items()]
+    for r in requests:
+        scheduler.submit(r)
+    streams = {r.request_id: [] for r in requests}
+    for _ in range(2000):
+        for event in scheduler.tick():
+            streams[event.request_id] += event.token_ids
+        if not scheduler.has_work():
+            break
+    assert not scheduler.has_work()
+    assert runner.num_live_sessions() == 0 and runner.num_classic_rows() == 0
+    runner.close()
+    assert streams == expected
+    assert sum(r.spec.num_rounds > 0 for r in requests) >= 2, [r.spec for r in requests]
+    assert (scheduler.counters.actions["fused"] > 0) is fuses
+
+
+def test_a_state_space_target_decodes_classically_with_speculation_off(loaded):
+    """mamba: no KV cache to roll back, so the slot serves nobody and says why."""
+    from mlx_lm.models import mamba
+
+    args = mamba.ModelArgs(model_type="mamba", vocab_size=loaded[0].model.args.vocab_size,
+                           hidden_size=32, intermediate_size=64, state_size=8,
+                           num_hidden_layers=2, conv_kernel=4, use_bias=False,
+                           use_conv_bias=True, time_step_rank=4)
+    mx.random.seed(0)
+    model = mamba.Model(args)
+    target = LoadedModel("", "tiny-mamba", model, loaded[0].tokenizer, 512)
+    runner = MlxRunner(target, NgramDrafter(), fast_verify=False, warm_positions=0)
+    assert runner.spec_off_reason == SPEC_OFF_NO_ROLLBACK
+    assert not runner.can_fuse() and ragged.check_support(model) is not None
+    request = make_request("a", [5, 6, 7, 8, 5, 6, 7, 8], MAX_TOKENS)
+    assert not runner.spec_supports(request)
+    tokens, _ = run_classic(model, [request], runner.eos_token_ids)["a"]
+    assert tokens == mlx_lm_greedy(model, request.prompt_ids, MAX_TOKENS, runner.eos_token_ids)
+    runner.close()
+
+
+def test_gemma2_with_gqa_cannot_prefill_a_ragged_batch(loaded):
+    """mlx-lm 0.32.2's gemma2 attention reshapes grouped queries to 5-D but broadcasts a
+    4-D array mask against them, so a classic prefill group of three or more prompts
+    fails (one or two passed here; every real gemma2 checkpoint uses GQA). Not worked around here: this test
+    says so and will flip when mlx-lm fixes it."""
+    target = build("gemma2", {"query_pre_attn_scalar": 16.0}, LAYERS,
+                   loaded[0].model.args.vocab_size, 0, False, embed_scale=0.5)
+    requests = [make_request(str(n), list(range(1, n + 1)), 4) for n in (5, 6, 7)]
+    with pytest.raises(ValueError, match="broadcast"):
+        run_classic(target, requests, [0])

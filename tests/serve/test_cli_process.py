@@ -18,20 +18,21 @@ from serve_helpers import REPO_ROOT, free_port, wait_until
 pytestmark = pytest.mark.serve
 
 
-def group_alive(pgid: int) -> bool:
+def alive(kill, target: int) -> bool:
+    """Whether signal 0 reaches `target` (`kill` = os.kill for a pid, os.killpg for a group)."""
     try:
-        os.killpg(pgid, 0)
+        kill(target, 0)
     except ProcessLookupError:
         return False
     return True
+
+
+def group_alive(pgid: int) -> bool:
+    return alive(os.killpg, pgid)
 
 
 def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    return alive(os.kill, pid)
 
 
 def test_cli_prints_one_ready_line_and_a_group_sigterm_ends_everything(tmp_path):

@@ -203,10 +203,7 @@ class SpeculativeSession:
         if self.drafter is None:
             raise RuntimeError(f"session {self.request_id!r} does not hold the drafter")
         t0 = time.perf_counter()
-        k = draft_budget(self.num_draft_tokens, self.max_tokens - self.num_emitted)
-        if k and not self._draft_ready:
-            self.draft_state = self.drafter.new_state(self.history[:-1])
-            self._draft_ready = True
+        k = self._draft_budget()
         draft = self.drafter.propose(self.draft_state, self.history, k) if k else []
         self.counters.phase_seconds["draft"] += time.perf_counter() - t0
         return [self.history[-1]] + draft
@@ -219,22 +216,28 @@ class SpeculativeSession:
         t2 = time.perf_counter()
         verified = self._sample(logits)
         phases["sync"] += time.perf_counter() - t2
-        draft = tokens[1:]
-        num_accepted = accept_count(draft, verified)
-        return self._finish_round(draft, verified, target_cache_trim(len(draft), num_accepted), tic)
+        return self._finish_round(tokens[1:], verified, len(tokens) - 1, tic)
 
     def _step_bucketed(self) -> RoundResult:
         tic = time.perf_counter()
+        draft, verified, width = self._verify_bucketed(self._draft_budget(), self.counters.phase_seconds)
+        return self._finish_round(draft, verified, width, tic)
+
+    def _draft_budget(self) -> int:
+        """Drafts this round may propose; builds the draft state on the first round
+        that drafts (a session begun or resumed without it)."""
         k = draft_budget(self.num_draft_tokens, self.max_tokens - self.num_emitted)
         if k and not self._draft_ready:
             self.draft_state = self.drafter.new_state(self.history[:-1])
             self._draft_ready = True
-        draft, verified, trim = self._verify_bucketed(k, self.counters.phase_seconds)
-        return self._finish_round(draft, verified, trim - accept_count(draft, verified), tic)
+        return k
 
-    def _finish_round(self, draft: list[int], verified: list[int], trim: int, tic: float) -> RoundResult:
-        """Roll back `trim` target positions and the drafter, emit, count."""
+    def _finish_round(self, draft: list[int], verified: list[int], width: int, tic: float) -> RoundResult:
+        """The verify added `width` positions after the pending token (the drafts, and
+        on the bucketed path their padding): roll back all but the accepted ones and the
+        drafter, emit, count."""
         num_drafted, num_accepted = len(draft), accept_count(draft, verified)
+        trim = target_cache_trim(width, num_accepted)  # padding is rejected like a draft
         t3 = time.perf_counter()
         # The verify appended its 1 + K positions in one multi-token update, which every
         # cache the runner speculates on (sliding windows too) gives back exactly, or raises.

@@ -93,6 +93,7 @@ class Scheduler:
                 self._yielded_last = True
                 self.counters.actions["fused"] += int(step.fused)
                 kind = "fused" if step.round else None
+                num_rows = num_rows if step.fused else 0  # a round alone rode with no rows
             else:  # nothing runnable in the slot: the tick goes to classic work
                 decision = self._decide(allow_spec=False)
         if decision.action is Action.PREFILL:
@@ -115,7 +116,7 @@ class Scheduler:
         last, self._last_tick_kind = self._last_tick_kind, kind
         if kind is None or kind != last or not self._gating() or self.slot.gate.costs is None:
             return
-        self.slot.gate.costs.observe(kind, num_rows if kind == "decode" or self.slot.last_round_fused else 0, seconds)
+        self.slot.gate.costs.observe(kind, num_rows, seconds)
 
     def _fusing(self) -> bool:
         return self.config.tick_mode == "fused" and self.runner.can_fuse()
@@ -290,9 +291,9 @@ class Scheduler:
             "speculation": {
                 # why the slot serves no request at all (None: it can), e.g. a target
                 # whose cache cannot roll back a rejected draft
-                "off_reason": getattr(self.runner, "spec_off_reason", None),
+                "off_reason": self.runner.spec_off_reason,
                 "tick": "fused" if self._fusing() else "alternate",
                 # why the verify cannot ride in the batch's forward, when it cannot
-                "fused_off_reason": None if self.runner.can_fuse() else getattr(self.runner, "fuse_blocker", None),
+                "fused_off_reason": self.runner.fuse_blocker,
             },
         }

@@ -77,9 +77,15 @@ def speculation_pays(num_rows: int, accepted_per_round: float, costs: TickCosts)
     >>> speculation_pays(0, 2.0, costs), speculation_pays(3, 2.0, costs)
     (True, False)
     """
-    with_slot = (num_rows + 1 + accepted_per_round) / (costs.fused_s(num_rows) + costs.draft)
-    without = (num_rows + 1) / costs.decode_s(num_rows + 1)
-    return with_slot > without
+    return _faster_with_slot(num_rows, accepted_per_round, costs.fused_s(num_rows) + costs.draft,
+                             costs.decode_s(num_rows + 1))
+
+
+def _faster_with_slot(num_rows: int, accepted: float, fused_tick_s: float, decode_tick_s: float,
+                      margin: float = 1.0) -> bool:
+    """(rows + holder's tokens) per second of a fused tick beat `margin` times those of
+    a decode step in which the holder is one more row."""
+    return (num_rows + 1 + accepted) / fused_tick_s > margin * (num_rows + 1) / decode_tick_s
 
 
 @dataclass
@@ -106,12 +112,14 @@ class AcceptanceTracker:
     def relax(self, request_id: str | None = None) -> None:
         """A stream was turned away on its estimate (None: a newcomer, judged by the
         replica's): forget a little of it, so that it is tried again before long."""
+        def relaxed(value: float) -> float:
+            return value + RELAX_WEIGHT * (self.optimistic - value)
+
         if request_id is None:
             if self.replica is not None:
-                self.replica += RELAX_WEIGHT * (self.optimistic - self.replica)
+                self.replica = relaxed(self.replica)
         elif request_id in self._per_request:
-            own = self._per_request[request_id]
-            self._per_request[request_id] = own + RELAX_WEIGHT * (self.optimistic - own)
+            self._per_request[request_id] = relaxed(self._per_request[request_id])
 
     def forget(self, request_id: str) -> None:
         self._per_request.pop(request_id, None)
@@ -151,9 +159,8 @@ class LiveCosts:
     def pays(self, num_rows: int, accepted_per_round: float) -> bool:
         """Rows + holder tokens per second with the holder verifying, against the same
         rows and the holder decoding as one more row (by `BATCH_MARGIN` beside rows)."""
-        with_slot = (num_rows + 1 + accepted_per_round) / self.tick_s("fused", num_rows)
-        margin = BATCH_MARGIN if num_rows > 0 else 1.0
-        return with_slot > margin * (num_rows + 1) / self.tick_s("decode", num_rows + 1)
+        return _faster_with_slot(num_rows, accepted_per_round, self.tick_s("fused", num_rows),
+                                 self.tick_s("decode", num_rows + 1), BATCH_MARGIN if num_rows > 0 else 1.0)
 
     def snapshot(self) -> dict:
         return {**self.costs.to_dict(),

@@ -97,7 +97,6 @@ class SpecSlot:
         self.backlog = GrantBacklog(on_depth=counters.observe_backlog)
         self.active: ActiveJob | None = None
         self.gate = CostGate(runner, config)
-        self.last_round_fused = False
         self._fuse = False  # this step's rounds carry the classic decode
         self._fused = False  # this step ran a fused round
         self.grant_log: deque[tuple[str, int]] = deque(maxlen=GRANT_LOG_LIMIT)
@@ -153,7 +152,6 @@ class SpecSlot:
         self._fused = False
         self._plain_round = False
         ran = self._step()
-        self.last_round_fused = self._fused
         return SlotStep(ran, self._fused, self._plain_round)
 
     def _step(self) -> bool:
@@ -169,7 +167,7 @@ class SpecSlot:
             self._demote(job.request)
             return self._promote()  # the ring sees the same batch: parked jobs follow, waiters go classic
         if job.started:
-            self._plain_round = not self.policy.wants_probe(job.request.spec.num_probe_rounds) or self._fuse
+            self._plain_round = True  # unless it turns out a probe or ends in a park
             self._round(job)
         else:
             self._begin(job)
@@ -308,6 +306,7 @@ class SpecSlot:
         fuse = self._fuse and not job.burst and not self._fused and self._num_rows() > 0
         # Probes profile the B=1 policy, which the fused tick does not consult.
         probe = not self._fuse and self.policy.wants_probe(request.spec.num_probe_rounds)
+        self._plain_round = self._plain_round and not probe
         try:
             if fuse:
                 outcome, rows = self.runner.spec_round_with_decode(request.request_id)

@@ -53,14 +53,16 @@ def build_engine(args: ServeArgs):
         info["max_context"] = runner.max_context
         info["eos_token_ids"] = sorted(runner.eos_token_ids)
         # For the ready line and /health: why the slot is off, and why the fused tick is.
-        info["spec_off_reason"] = getattr(runner, "spec_off_reason", None)
+        info["spec_off_reason"] = runner.spec_off_reason
         info["fuse_blocker"] = runner.fuse_blocker
-        # The fused tick's cost gate needs this machine's forward costs: measure them
-        # now (about a second on a CPU), not on the first request.
-        if args.tick_mode == "fused" and runner.tick_costs() is not None:
+        if args.tick_mode == "fused" and runner.fuse_blocker is not None:
+            logger.info("fused tick off (the alternating tick runs): %s", runner.fuse_blocker)
+        elif args.tick_mode == "fused" and args.b1_policy == "auto":
+            # The cost gate needs this machine's forward costs: measure them now (about
+            # a second on a CPU), not on the first request.
             logger.info("fused tick on: %s", runner.tick_costs().to_dict())
         elif args.tick_mode == "fused":
-            logger.info("fused tick off (the alternating tick runs): %s", runner.fuse_blocker)
+            logger.info("fused tick on (b1_policy %s: no cost gate)", args.b1_policy)
         return runner
 
     return Engine(runner_factory, args.scheduler_config()), info

@@ -102,9 +102,7 @@ async def load_replica(service: OpenAIService) -> None:
     service ready, or record the error (one log line) for /health and check_health."""
     args = service.args
     try:
-        check_model_dir(args.model, "target")  # before transformers could try the hub
-        if args.drafter.kind == "draft_model":
-            check_model_dir(args.drafter.path, "draft")
+        check_model_paths(args)  # before transformers could try the hub
         codec = await asyncio.to_thread(TextCodec.from_path, args.model)
         await service.client.start()
     except Exception as exc:  # ModelLoadError, or the scheduler actor could not start
@@ -112,6 +110,14 @@ async def load_replica(service: OpenAIService) -> None:
         logger.error("specslot failed to load: %s", service.load_error)
         return
     service.mark_ready(codec)
+
+
+def check_model_paths(args: ServeArgs) -> None:
+    """The target's directory, and the draft model's when it drafts: ModelLoadError if
+    mlx-lm could not load them."""
+    check_model_dir(args.model, "target")
+    if args.drafter.kind == "draft_model":
+        check_model_dir(args.drafter.path, "draft")
 
 
 def _identity() -> dict:
@@ -126,7 +132,5 @@ def build_app(args: dict) -> Application:
     the model directories first (raises ConfigError / ModelLoadError), so a bad path
     fails here, once, and not in every replica."""
     serve_args = validate_args(args).with_resolved_paths(Path.cwd())
-    check_model_dir(serve_args.model, "target")
-    if serve_args.drafter.kind == "draft_model":
-        check_model_dir(serve_args.drafter.path, "draft")
+    check_model_paths(serve_args)
     return SpecslotServer.bind(serve_args.model_dump(mode="json"))

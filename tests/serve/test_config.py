@@ -108,7 +108,7 @@ def test_runner_args_reach_the_mlx_runner(monkeypatch, raw, expected):
     seen = {}
 
     class Built:
-        max_context, eos_token_ids, fuse_blocker = 128, [0], "a stand-in runner"
+        max_context, eos_token_ids, spec_off_reason, fuse_blocker = 128, [0], None, "a stand-in runner"
 
         def tick_costs(self):
             return None

@@ -7,7 +7,8 @@ has filled), returns how much it trimmed without anyone checking, and leaves the
 trimmed tail of a ring in its buffer, where the next update takes it for valid keys.
 
 Per layer type (`trim_exact`):
-- `KVCache`, `QuantizedKVCache`, `ChunkedKVCache`: entries live at [.., :offset]; moving
+- `KVCache`, `QuantizedKVCache`, `ChunkedKVCache`, and a slab row (`models.slab.RowView`):
+  entries live at [.., :offset]; moving
   the offset back is exact while there are that many entries to drop.
 - `RotatingKVCache` (sliding-window layers): a multi-token update (`_update_concat`)
   leaves the buffer in temporal order with `_idx == keys.shape[2]`, holding the new
@@ -37,8 +38,10 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
+from models.slab import RowView
+
 # Exact types, not isinstance: a model's own subclass may keep its entries differently.
-_OFFSET_TYPES = (KVCache, QuantizedKVCache, ChunkedKVCache)
+_OFFSET_TYPES = (KVCache, QuantizedKVCache, ChunkedKVCache, RowView)
 
 
 class RollbackError(RuntimeError):
@@ -66,7 +69,7 @@ def has_ring(cache: list) -> bool:
 
 def _droppable(c: object) -> int:
     """How many of the newest entries of one layer cache can be dropped exactly."""
-    if type(c) in (KVCache, QuantizedKVCache):
+    if type(c) in (KVCache, QuantizedKVCache, RowView):
         return c.offset
     if type(c) is ChunkedKVCache:
         return c.offset - c.start_position

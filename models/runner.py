@@ -15,8 +15,9 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from models import bucketed, cache_rollback, ragged, tick_costs
+from models import bucketed, cache_rollback, ragged, slab, tick_costs
 from models.batch_adapter import ClassicBatch
+from models.ragged_batch import RaggedBatch
 from models.drafters import Drafter, DraftModelDrafter, DrafterSlot, NgramDrafter
 from models.loader import LoadedModel, load_pair
 from models.sampling import supports_sampling
@@ -57,6 +58,7 @@ class MlxRunner:
         warm_session: bool = True,
         classic_burst_ms: float = DEFAULT_CLASSIC_BURST_MS,
         draft_fingerprint: str = "",
+        ragged: bool | None = None,
     ):
         """`fast_verify`: speculative rounds through `models.bucketed` (shape-stable,
         compiled forwards; one host sync per round). None = on when MLX's default device
@@ -68,7 +70,10 @@ class MlxRunner:
         `classic_burst_ms`: a classic row decoding alone keeps stepping within one
         `classic_decode` call until this much time has passed (several tokens per tick
         when steps are fast; 0 = one token per call). `draft_fingerprint`: the draft
-        model's content hash (`LoadedModel.fingerprint`), naming it in `policy_key`."""
+        model's content hash (`LoadedModel.fingerprint`), naming it in `policy_key`.
+        `ragged`: classic rows and sessions in one slab (`models.ragged_batch`); None =
+        whenever the verify can ride in the batch's forward (`fuse_blocker` is None),
+        False = mlx-lm's `BatchGenerator` (`models.batch_adapter`) in every case."""
         if num_draft_tokens < 1:
             raise ValueError("num_draft_tokens must be >= 1")
         self.target = target
@@ -77,13 +82,6 @@ class MlxRunner:
         self.max_context = target.max_context
         self.num_draft_tokens = num_draft_tokens
         self._draft_fingerprint = draft_fingerprint
-        self._classic = ClassicBatch(
-            target.model,
-            eos_token_ids=self.eos_token_ids,
-            max_batch_size=max_batch_size,
-            prefill_batch_size=prefill_batch_size,
-            solo_burst_s=classic_burst_ms / 1000.0,
-        )
         # Rejected drafts must leave the target cache exactly; state-space and
         # recurrent layers (hybrid models) cannot give them back, so those decode classically.
         self.spec_off_reason: str | None = None  # why the slot serves nobody, when it does not
@@ -109,14 +107,31 @@ class MlxRunner:
             if isinstance(drafter, DraftModelDrafter) and drafter.fast is None:
                 if bucketed.supports(drafter.model):
                     drafter.fast = bucketed.BucketedForward(drafter.model, prefill_chunk=prefill_chunk)
+        if self._verifier is not None:
+            self.fuse_blocker = "the slot verifies through the compiled GPU path (fast_verify)"
+        elif self.fuse_blocker is None:
+            self.fuse_blocker = slab.check_support(target.model)
+        # Where the verify can ride in the batch's forward, classic rows and sessions
+        # share one slab (`models.ragged_batch`): moving a stream between them moves no keys.
+        if ragged and self.fuse_blocker is not None:
+            raise ValueError(f"a ragged batch needs a verify that rides in it: {self.fuse_blocker}")
+        batch_kind = RaggedBatch if self.fuse_blocker is None and ragged is not False else ClassicBatch
+        self._classic = batch_kind(
+            target.model,
+            eos_token_ids=self.eos_token_ids,
+            max_batch_size=max_batch_size,
+            prefill_batch_size=prefill_batch_size,
+            solo_burst_s=classic_burst_ms / 1000.0,
+        )
+        if self._verifier is not None:
             if warm_positions is None:
                 warm_positions = min(self.max_context, 2048)
             if warm_positions > 0:
                 self.warm(warm_positions)
-        if self._verifier is not None:
-            self.fuse_blocker = "the slot verifies through the compiled GPU path (fast_verify)"
-        elif self.fuse_blocker is None:
-            self.fuse_blocker = ragged.check_support(target.model)
+
+    @property
+    def _ragged(self) -> bool:
+        return isinstance(self._classic, RaggedBatch)
 
     @property
     def fast_verify(self) -> bool:
@@ -178,6 +193,7 @@ class MlxRunner:
         fast_verify: bool | None = None,
         warm_positions: int | None = None,
         classic_burst_ms: float = DEFAULT_CLASSIC_BURST_MS,
+        ragged: bool | None = None,
     ) -> "MlxRunner":
         """Load models and build the runner; raises `ModelLoadError` / `ValueError`."""
         if drafter_kind not in (None, *DRAFTER_KINDS):
@@ -200,6 +216,7 @@ class MlxRunner:
             warm_positions=warm_positions,
             classic_burst_ms=classic_burst_ms,
             draft_fingerprint=draft.fingerprint if draft is not None else "",
+            ragged=ragged,
         )
 
     # -- classic --------------------------------------------------------------------
@@ -240,6 +257,7 @@ class MlxRunner:
             num_draft_tokens=self.num_draft_tokens,
             eos_token_ids=self.eos_token_ids,
             verifier=self._verifier,
+            new_cache=self._classic.new_session_cache if self._ragged else None,
         )
         session.bind(self._slot.take(request.request_id))
         self._sessions[request.request_id] = session
@@ -344,6 +362,8 @@ class MlxRunner:
         self._parked_drafts.pop(request_id, None)
         session = self._sessions.pop(request_id, None)
         if session is not None:
+            if self._ragged and session.cache is not None:
+                self._classic.release(session.cache)
             session.finish()
         if self._slot is not None:
             self._slot.return_(request_id)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -74,9 +74,12 @@ class SpeculativeSession:
         num_draft_tokens: int,
         eos_token_ids: Sequence[int],
         verifier: BucketedForward | None = None,
+        new_cache: Callable[[], list] | None = None,
     ):
         """`verifier`: the shape-stable compiled target forward (GPU path); None runs
-        the plain mlx-lm forward, whose CPU results the tests pin exactly."""
+        the plain mlx-lm forward, whose CPU results the tests pin exactly. `new_cache`
+        makes the target cache `begin` fills (default: mlx-lm's prompt cache; the
+        fused tick passes a row of its slab, `models.ragged_batch`)."""
         if not prompt_ids:
             raise ValueError("a speculative session needs a non-empty prompt")
         self.request_id = request_id
@@ -86,6 +89,7 @@ class SpeculativeSession:
         self.stop_ids = stop_token_ids(eos_token_ids, sampling)
         self.num_draft_tokens = num_draft_tokens
         self.verifier = verifier
+        self._new_cache = new_cache or (lambda: make_prompt_cache(target))
         self.sampler = RequestSampler(sampling)
         self.counters = SessionCounters()
         self.history: list[int] = []
@@ -146,7 +150,7 @@ class SpeculativeSession:
         token alone, whose logits give the first token.
         """
         tic = time.perf_counter()
-        self.cache = make_prompt_cache(self.target)
+        self.cache = self._new_cache()
         head = self.prompt_ids[:-1]
         last = mx.array([self.prompt_ids[-1:]], dtype=mx.int32)
         if self.verifier is not None and self.verifier.prefill_chunk:

@@ -1,8 +1,9 @@
 """Measure what a tick's forward costs on this machine, for `scheduler.costs`.
 
-At load, on throwaway caches of `CONTEXT` tokens per row: a decode step of b rows
-(the classic batch alone) and the same step carrying one verify of 1 + K tokens (the
-fused tick), for b in `batch_sizes`, plus the drafter proposing K tokens. Medians of a
+At load, on a throwaway slab (`models.slab`) of rows holding `CONTEXT` tokens each: a
+decode step of b rows (the classic batch alone) and the same step carrying one verify
+of 1 + K tokens (the fused tick), for b in `batch_sizes`, plus the drafter proposing K
+tokens. Medians of a
 few synchronised runs after one warm-up each; a CPU replica spends well under a
 second here with the bundled pair.
 """
@@ -14,10 +15,9 @@ import time
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from models.drafters import Drafter
-from models.ragged import Group, packed_forward
+from models.slab import Slab
 from scheduler.costs import TickCosts
 
 CONTEXT = 128
@@ -46,43 +46,25 @@ def _timed(fn) -> float:
 def measure(model: nn.Module, drafter: Drafter | None, num_draft_tokens: int, max_rows: int,
             vocab_size: int) -> TickCosts:
     prompt = [(7 * i + 3) % vocab_size for i in range(CONTEXT)]
-
-    def prefilled() -> list:
-        cache = make_prompt_cache(model)
-        model(mx.array([prompt]), cache=cache)
-        mx.eval([c.state for c in cache])
-        return cache
-
-    def trim(cache: list, n: int) -> None:
-        for c in cache:
-            c.trim(n)
-
     sizes = batch_sizes(max_rows)
-    rows = [prefilled() for _ in range(max(sizes))]
-    verify_cache = prefilled()
-    verify = mx.array(prompt[: num_draft_tokens + 1], dtype=mx.int32)
-    decode, fused = {}, {}
+    slab = Slab(model, rows=max(sizes) + 1)
+    rows = [slab.add() for _ in range(max(sizes) + 1)]
+    slab.forward(model, [(r, prompt) for r in rows])
+    mx.eval(slab.arrays())
+    *decoders, verifier = rows
+    verify = prompt[: num_draft_tokens + 1]
 
-    def verify_alone():
-        mx.eval(model(verify[None], cache=verify_cache))
-        trim(verify_cache, verify.size)
+    def timed_forward(entries):
+        def run():
+            mx.eval(slab.forward(model, entries), slab.arrays())
+            for row, tokens in entries:
+                for view in row.cache:
+                    view.trim(len(tokens))
+        return _timed(run)
 
-    fused[0] = _timed(verify_alone)
-    for b in sizes:
-        batch = rows[0] if b == 1 else [BatchKVCache.merge([r[i] for r in rows[:b]]) for i in range(len(rows[0]))]
-        step = mx.array(prompt[:b], dtype=mx.int32)
-
-        def decode_step():
-            mx.eval(model(step[:, None], cache=batch))
-            trim(batch, 1)
-
-        def fused_step():
-            mx.eval(packed_forward(model, [Group(batch, step), Group(verify_cache, verify)]))
-            trim(batch, 1)
-            trim(verify_cache, verify.size)
-
-        decode[b] = _timed(decode_step)
-        fused[b] = _timed(fused_step)
+    decode = {b: timed_forward([(r, [prompt[i]]) for i, r in enumerate(decoders[:b])]) for b in sizes}
+    fused = {b: timed_forward([(r, [prompt[i]]) for i, r in enumerate(decoders[:b])] + [(verifier, verify)])
+             for b in [0, *sizes]}
     return TickCosts(decode, fused, _draft_seconds(drafter, prompt, num_draft_tokens))
 
 

@@ -1,5 +1,6 @@
 """Demotion over real tiny models: `MlxRunner.spec_to_classic` moves a live session
-into the classic batch (`ClassicBatch.adopt`) without recomputing or redrawing.
+into the classic batch (`ClassicBatch.adopt`, or `RaggedBatch.adopt` where the session
+is already a row of the batch's slab) without recomputing or redrawing.
 
 Greedy: a demoted stream equals its isolated classic run. Sampled (seeded): the
 tokens after the demotion equal a plain classic decode from a copy of the session's
@@ -26,12 +27,19 @@ pytestmark = pytest.mark.model
 SAMPLED = dict(temperature=0.8, top_p=0.9, seed=5)
 
 
-@pytest.fixture(scope="module")
-def runner(tiny_pair):
+@pytest.fixture(scope="module", params=[True, False], ids=["ragged", "batch_generator"])
+def runner(tiny_pair, request):
     r = MlxRunner.from_paths(tiny_pair[0], drafter_kind="draft_model", drafter_path=tiny_pair[1],
-                             num_draft_tokens=3, classic_burst_ms=0)
+                             num_draft_tokens=3, classic_burst_ms=0, ragged=request.param)
     yield r
     r.close()
+
+
+def lone_row(runner):
+    """The request id of `ClassicBatch`'s lone `SoloRow` (None: none, or a ragged batch,
+    whose rows are all alike)."""
+    solo = getattr(runner._classic, "_solo", None)
+    return solo.request_id if isinstance(solo, SoloRow) else None
 
 
 def isolated(runner, request):
@@ -97,10 +105,11 @@ def test_greedy_demoted_stream_equals_isolated_classic(runner, prompt_ids, other
         drain(runner, out, reasons, runner.classic_prefill([r]))
     out["a"] = speculate(runner, a, rounds=3, park=park)
     moved = runner.spec_to_classic("a")
-    assert [b.request_id for b in moved] == (["r0"] if others == 1 else [])  # the lone row moved
+    # BatchGenerator: the lone row moved into the batch and emitted its pending token
+    # on the way; the ragged batch moves nothing.
+    assert [b.request_id for b in moved] == (["r0"] if others == 1 and not runner._ragged else [])
     drain(runner, out, reasons, moved)
-    solo = runner._classic._solo
-    assert (solo is not None and solo.request_id == "a") is (others == 0)
+    assert (lone_row(runner) == "a") is (others == 0 and not runner._ragged)
     assert runner.num_live_sessions() == 0 and runner._slot.holder is None
     decode_all(runner, out, reasons, ["a", *out])
     assert (out["a"], reasons["a"]) == isolated(runner, a)
@@ -120,7 +129,7 @@ def test_sampled_tokens_after_demotion_are_not_redrawn(runner, prompt_ids, other
     session = runner.session("a")
     expected = reference_after(runner, session, a.sampling.max_tokens - session.num_emitted)
     drain(runner, out, reasons, runner.spec_to_classic("a"))
-    assert isinstance(runner._classic._solo, SoloRow) is (others == 0)
+    assert (lone_row(runner) == "a") is (others == 0 and not runner._ragged)
     decode_all(runner, out, reasons, ["a", *[r.request_id for r in rows]])
     assert out["a"] == expected and len(before) + len(expected) == 36
     for r in rows:  # the rows beside it are untouched

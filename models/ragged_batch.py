@@ -1,0 +1,255 @@
+"""Classic continuous batching over a `models.slab.Slab`: the fused tick's batch.
+
+The same contract as `models.batch_adapter.ClassicBatch` (prefill, decode with an
+optional rider, extract, adopt, remove), over rows that each keep their own length:
+- a classic row is a slab row plus its sampler, its stop ids, its budget and its
+  pending token (emitted to the client, not yet fed to the model);
+- `decode` feeds every row's pending token, and the rider's verify tokens, in one
+  `Slab.forward`, and draws every row's next token;
+- the slot holder's KV lives in the same slab (`new_session_cache`), so a promotion
+  (`extract`) and a park (`adopt`) move no keys: the row changes hands. Classic rows
+  fill the slab's first slots, sessions the slots after them, so a decode step's rows
+  are the buffer's first m rows and attend in one call.
+Steps are not pipelined: a CPU computes the next step on the cores the host would
+overlap it with (the GPU default, the compiled verify, keeps `ClassicBatch`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from models.batch_adapter import LiveRow
+from models.ragged import Rider
+from models.sampling import RequestSampler, log_probs, stop_token_ids
+from models.slab import Row, RowView, Slab
+from scheduler.request import Request
+from scheduler.runner import TokenBatch
+
+PREFILL_CHUNK = 512  # prompt positions per row per prefill forward
+CLEAR_CACHE_EVERY = 256  # decode steps between releases of MLX's buffer cache
+
+
+@dataclass
+class _Stream:
+    request_id: str
+    row: Row
+    sampler: RequestSampler
+    stop_ids: frozenset
+    max_tokens: int
+    num_emitted: int
+    pending: int
+
+
+class RaggedBatch:
+    """Rows of classic decode, keyed by request id, in one slab with the sessions."""
+
+    def __init__(self, model: nn.Module, *, eos_token_ids: Sequence[int], max_batch_size: int = 16,
+                 prefill_batch_size: int = 8, solo_burst_s: float = 0.0):
+        if solo_burst_s < 0:
+            raise ValueError("solo_burst_s must be >= 0")
+        self._model = model
+        self._eos_token_ids = tuple(eos_token_ids)
+        self._prefill_batch_size = max(1, prefill_batch_size)
+        self._solo_burst_s = solo_burst_s
+        self.slab = Slab(model, rows=max_batch_size + 2)
+        self._streams: dict[str, _Stream] = {}  # classic rows, in slots 0..len-1
+        self._sessions: set[int] = set()  # ids of rows handed out as session caches
+        self._finished: set[str] = set()  # finished rows not yet removed
+        self._steps = 0
+
+    # -- bookkeeping ------------------------------------------------------------------
+    def num_rows(self) -> int:
+        return len(self.request_ids())
+
+    def request_ids(self) -> list[str]:
+        return list(self._streams) + sorted(self._finished)
+
+    def _to_classic_region(self, row: Row) -> None:
+        """Move `row` to slot len(streams) (the first slot after the classic rows)."""
+        self.slab.swap(row, self.slab.rows[len(self._streams)])
+
+    def _free_classic(self, stream: _Stream) -> None:
+        """Free a classic row's slot; the last classic row takes it, the last row of
+        the slab takes that one (classic rows stay in slots 0..len-1)."""
+        row = stream.row
+        last_classic = self.slab.rows[len(self._streams) - 1]
+        self.slab.swap(row, last_classic)
+        self.slab.free(row)
+
+    def new_session_cache(self) -> list[RowView]:
+        """An empty row for a speculative session (after the classic rows)."""
+        row = self.slab.add()
+        self._sessions.add(id(row))
+        return row.cache
+
+    def release(self, cache: list) -> None:
+        """Free a session's row (idempotent; a cache that is not a session row is ignored)."""
+        row = _row_of(cache)
+        if row is not None and id(row) in self._sessions and not row.freed:
+            self._sessions.discard(id(row))
+            self.slab.free(row)
+
+    def owns(self, cache: list) -> bool:
+        row = _row_of(cache)
+        return row is not None and row.slab is self.slab and not row.freed
+
+    # -- admission ----------------------------------------------------------------------
+    def _add_stream(self, request_id: str, row: Row, sampler: RequestSampler, stop_ids, max_tokens: int,
+                    num_emitted: int, pending: int) -> _Stream:
+        self._to_classic_region(row)
+        stream = _Stream(request_id, row, sampler, frozenset(stop_ids), max_tokens, num_emitted, pending)
+        self._streams[request_id] = stream
+        self._finished.discard(request_id)
+        return stream
+
+    def prefill(self, requests: Sequence[Request]) -> list[TokenBatch]:
+        """Admit `requests` and emit each one's first token; existing rows do not
+        advance. All prompt tokens but the last run in chunked forwards whose logits
+        are never computed; the last tokens run together and give the first tokens."""
+        if not requests:
+            return []
+        for r in requests:
+            if r.request_id in self.request_ids():
+                raise ValueError(f"request {r.request_id!r} is already a classic row")
+            if not r.prompt_ids:
+                raise ValueError(f"request {r.request_id!r} has an empty prompt")
+        out: list[TokenBatch] = []
+        for start in range(0, len(requests), self._prefill_batch_size):
+            out += self._prefill_group(requests[start:start + self._prefill_batch_size])
+        return out
+
+    def _prefill_group(self, requests: Sequence[Request]) -> list[TokenBatch]:
+        rows = [self.slab.add() for _ in requests]
+        heads = [list(r.prompt_ids[:-1]) for r in requests]
+        done = 0
+        while any(len(h) > done for h in heads):
+            entries = [(row, h[done:done + PREFILL_CHUNK]) for row, h in zip(rows, heads) if len(h) > done]
+            self.slab.forward(self._model, entries)
+            mx.eval(self.slab.arrays())
+            done += PREFILL_CHUNK
+        streams = []
+        for r, row in zip(requests, rows):
+            stream = self._add_stream(r.request_id, row, RequestSampler(r.sampling),
+                                      stop_token_ids(self._eos_token_ids, r.sampling), r.sampling.max_tokens,
+                                      0, r.prompt_ids[-1])
+            streams.append(stream)
+        return self._step(streams, None)
+
+    def adopt(self, request_id: str, cache: list, sampler: RequestSampler, pending_token: int, *,
+              max_tokens: int, num_emitted: int, stop_ids: Sequence[int]) -> list[TokenBatch]:
+        """Take over a live stream (a speculative session) as a row: `cache` holds every
+        token but `pending_token`, the last one emitted. A session row of this slab
+        changes hands; another cache is copied into a new row. Emits nothing."""
+        if request_id in self.request_ids():
+            raise ValueError(f"request {request_id!r} is already a classic row")
+        if num_emitted >= max_tokens:
+            raise ValueError(f"request {request_id!r} has no tokens left to decode")
+        row = _row_of(cache)
+        if row is not None and id(row) in self._sessions and not row.freed:
+            self._sessions.discard(id(row))
+        else:
+            row = self.slab.add_from(cache)
+        self._add_stream(request_id, row, sampler, stop_ids, max_tokens, num_emitted, pending_token)
+        return []
+
+    # -- decode -------------------------------------------------------------------------
+    def decode(self, rider: Rider | None = None) -> list[TokenBatch]:
+        """One step: one token for every row, the rider's verify in the same forward
+        (its logits in `rider.extra_logits`). A lone row without a rider keeps
+        stepping within `solo_burst_s`."""
+        streams = list(self._streams.values())
+        if rider is not None:
+            return self._step(streams, rider)
+        if not streams:
+            return []
+        tic = time.perf_counter()
+        batches = self._step(streams, None)
+        while (len(streams) == 1 and batches[0].finish_reason is None
+               and time.perf_counter() - tic < self._solo_burst_s):
+            more = self._step(streams, None)[0]
+            batches[0].token_ids += more.token_ids
+            batches[0].finish_reason = more.finish_reason
+        return batches
+
+    def _step(self, streams: list[_Stream], rider: Rider | None) -> list[TokenBatch]:
+        entries = [(s.row, [s.pending]) for s in streams]
+        if rider is not None:
+            row = _row_of(rider.extra.cache)
+            if row is None or row.slab is not self.slab:
+                raise ValueError("the rider's cache is not a row of this batch")
+            entries.append((row, rider.extra.tokens.tolist()))
+        logits = self.slab.forward(self._model, entries)
+        if rider is not None:
+            rider.extra_logits = logits[-1]
+        tokens = self._sample(streams, logits[: len(streams)])
+        out = []
+        for stream, token in zip(streams, tokens):
+            stream.num_emitted += 1
+            stream.pending = token
+            reason = "stop" if token in stream.stop_ids else (
+                "length" if stream.num_emitted >= stream.max_tokens else None)
+            out.append(TokenBatch(stream.request_id, [token], reason))
+            if reason is not None:
+                self._finished.add(stream.request_id)
+                self._drop(stream)
+        self._steps += 1
+        if self._steps % CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
+        return out
+
+    def _sample(self, streams: list[_Stream], logits: list[mx.array]) -> list[int]:
+        if not streams:
+            mx.eval(self.slab.arrays())
+            return []
+        greedy = [i for i, s in enumerate(streams) if s.sampler.is_greedy]
+        drawn: list[mx.array | None] = [None] * len(streams)
+        if greedy:
+            stacked = mx.concatenate([logits[i] for i in greedy]) if len(greedy) > 1 else logits[greedy[0]]
+            picks = mx.argmax(log_probs(stacked), axis=-1)
+            for j, i in enumerate(greedy):
+                drawn[i] = picks[j:j + 1]
+        for i, s in enumerate(streams):
+            if drawn[i] is None:
+                drawn[i] = s.sampler.from_logits(logits[i])
+        tokens = mx.concatenate(drawn)
+        mx.eval(tokens, self.slab.arrays())
+        return tokens.tolist()
+
+    # -- leaving ------------------------------------------------------------------------
+    def extract(self, request_id: str) -> tuple[TokenBatch, LiveRow | None]:
+        """Take a row out for a speculative session: its cache (every token but the
+        pending one, already emitted) becomes a session row; nothing is emitted."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            raise ValueError(f"request {request_id!r} is not a decoding classic row")
+        row = stream.row
+        last_classic = self.slab.rows[len(self._streams) - 1]
+        self.slab.swap(row, last_classic)  # now the first slot after the classic rows
+        del self._streams[request_id]
+        self._sessions.add(id(row))
+        return TokenBatch(request_id, []), LiveRow(row.cache, stream.sampler)
+
+    def _drop(self, stream: _Stream) -> None:
+        self._free_classic(stream)
+        del self._streams[stream.request_id]
+
+    def remove(self, request_id: str) -> None:
+        """Drop a row (finished rows are already out of the slab). Idempotent."""
+        self._finished.discard(request_id)
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            self._drop(stream)
+
+    def close(self) -> None:
+        self._streams.clear()
+        self._finished.clear()
+
+
+def _row_of(cache: list) -> Row | None:
+    first = cache[0] if cache else None
+    return first.row if isinstance(first, RowView) else None

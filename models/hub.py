@@ -13,8 +13,8 @@ into a directory mlx-lm can load:
 - anything else is one ModelLoadError line naming the id, where we looked, and how to
   download it.
 
-Only the standard library is imported at module level (build_app runs this before any
-replica starts); huggingface_hub is imported when a hub id is looked up.
+Nothing here imports mlx (build_app runs this before any replica starts);
+huggingface_hub is imported when a hub id is looked up.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ logger = logging.getLogger("specslot")
 
 # The hub's rule for `org/name`: letters, digits, '-', '_', '.'; no '--' or '..'.
 _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
-# What mlx-lm itself fetches for a model: weights, configs, tokenizer, chat template.
+# What mlx-lm itself fetches for a model (weights, configs, tokenizer, chat template):
+# `mlx_lm.utils.DEFAULT_ALLOW_PATTERNS`, copied because importing mlx_lm imports mlx.
 DOWNLOAD_PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken",
                      "tiktoken.model", "*.txt", "*.jsonl", "*.jinja"]
 

@@ -99,6 +99,12 @@ def test_cache_dir_follows_huggingface_hub_rules(env, expected):
     assert hub_cache_dir(env) == expected
 
 
+def test_download_patterns_are_mlx_lms_own():
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    assert DOWNLOAD_PATTERNS == DEFAULT_ALLOW_PATTERNS
+
+
 def test_cached_name_is_the_hub_id_for_a_snapshot_else_the_directory_name():
     assert cached_name(f"/c/hub/models--mlx-community--Qwen2.5-0.5B/snapshots/{REVISION}") == \
         "mlx-community/Qwen2.5-0.5B"

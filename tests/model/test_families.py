@@ -174,8 +174,9 @@ def test_speculative_equals_mlx_lm(family, prompts, expected, kind):
 
 
 def run_to_completion(scheduler, runner, requests, arrivals=()):
-    """{request_id: tokens} of `requests` submitted at once, then each of `arrivals`
-    (request, when(requests) -> bool) once `when` holds after a tick; closes the runner."""
+    """{request_id: tokens} of `requests` submitted at once, then of each of `arrivals`
+    (request, when(streams so far) -> bool), submitted after the first tick at which
+    `when` holds; closes the runner."""
     pending = list(arrivals)
     for r in requests:
         scheduler.submit(r)

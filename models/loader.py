@@ -1,9 +1,11 @@
-"""Load a target and an optional draft model from local paths through `mlx_lm.load`.
+"""Load a target and an optional draft model through `mlx_lm.load`, from local paths or
+hub ids already in the local Hugging Face cache.
 
-Paths are checked (`models.checks`) before mlx-lm sees them: given a string that is not a local
-directory, `mlx_lm.load` would try the Hugging Face hub, which is not what a user who
-mistyped a path wants. Every failure is a `ModelLoadError` naming the path and what is
-wrong with it.
+Paths are checked (`models.checks`) and hub ids found (`models.hub`, never the network)
+before mlx-lm sees them: given a string that is not a local directory, `mlx_lm.load` would
+try the Hugging Face hub, which is not what a user who mistyped a path wants; downloads
+happen only where the deployment allows them (`ServeArgs.model_dirs`). Every failure is a
+`ModelLoadError` naming the path and what is wrong with it.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
 from models.checks import ModelLoadError, check_model_dir, model_fingerprint  # noqa: F401 (re-exported)
+from models.hub import cached_name, resolve_model_dir
 
 
 @dataclass
 class LoadedModel:
     path: str
-    name: str  # directory name, for logs
+    name: str  # directory name (`org/name` for a hub cache snapshot), for logs
     model: nn.Module
     tokenizer: object  # mlx_lm TokenizerWrapper
     max_context: int
@@ -41,18 +44,17 @@ def _to_float32_on_cpu(model: nn.Module) -> None:
 
 
 def load_model(path: str, role: str = "target") -> LoadedModel:
-    """Load one model directory (weights cast to float32 on CPU)."""
+    """Load one model directory, or a hub id's cached snapshot (weights cast to float32 on CPU)."""
     from mlx_lm import load
 
-    check_model_dir(path, role)
+    path = resolve_model_dir(path, role)
     try:
         model, tokenizer, config = load(path, return_config=True)
     except Exception as exc:  # mlx-lm raises several kinds; the user needs the path
         raise ModelLoadError(f"{role} model at {path!r} failed to load: {exc}") from exc
     _to_float32_on_cpu(model)
     max_context = int(config.get("max_position_embeddings") or 0) or 4096
-    name = os.path.basename(os.path.normpath(path))
-    return LoadedModel(os.path.abspath(path), name, model, tokenizer, max_context,
+    return LoadedModel(os.path.abspath(path), cached_name(path), model, tokenizer, max_context,
                        model_fingerprint(path))
 
 

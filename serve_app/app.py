@@ -1,9 +1,10 @@
 """Ray Serve application: the `SpecslotServer` deployment and `build_app(args)`.
 
 YAML configs point `import_path` at `serve_app.app:build_app`; `args` is validated by
-`ServeArgs` and the model directories are checked before anything starts. Each replica
-owns exactly one scheduler actor (`serve_app.actor`), tokenizes on its own side, and
-serves the Starlette app from `serve_app.http`. The replica loads in the background, so
+`ServeArgs` and the models are found (directories checked, hub ids looked up in the local
+Hugging Face cache) before anything starts. Each replica owns exactly one scheduler actor
+(`serve_app.actor`), tokenizes on its own side, and serves the Starlette app from
+`serve_app.http`. The replica loads in the background, so
 `/health` answers 503 (model loading) at once and 200 when ready, while /v1 requests
 wait for the load; a failed load is reported by `/health` and the health check. `user_config` may carry the live knobs of
 `LiveConfig`.
@@ -21,7 +22,6 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
 
-from models.checks import check_model_dir
 from serve_app.actor import ActorSource
 from serve_app.client import EngineClient
 from serve_app.codec import TextCodec
@@ -98,26 +98,20 @@ class SpecslotServer:
 
 
 async def load_replica(service: OpenAIService) -> None:
-    """Check the model paths, load the tokenizer, start the scheduler; then mark the
-    service ready, or record the error (one log line) for /health and check_health."""
+    """Find the models, load the tokenizer, start the scheduler; then mark the service
+    ready, or record the error (one log line) for /health and check_health."""
     args = service.args
     try:
-        check_model_paths(args)  # before transformers could try the hub
-        codec = await asyncio.to_thread(TextCodec.from_path, args.model)
+        # Before transformers could try the hub, off the event loop (a download may take
+        # minutes); the draft too, so the actor finds both in this node's cache.
+        target_dir, _ = await asyncio.to_thread(args.model_dirs)
+        codec = await asyncio.to_thread(TextCodec.from_path, target_dir)
         await service.client.start()
     except Exception as exc:  # ModelLoadError, or the scheduler actor could not start
         service.fail_load(last_error_line(str(exc)))
         logger.error("specslot failed to load: %s", service.load_error)
         return
     service.mark_ready(codec)
-
-
-def check_model_paths(args: ServeArgs) -> None:
-    """The target's directory, and the draft model's when it drafts: ModelLoadError if
-    mlx-lm could not load them."""
-    check_model_dir(args.model, "target")
-    if args.drafter.kind == "draft_model":
-        check_model_dir(args.drafter.path, "draft")
 
 
 def _identity() -> dict:
@@ -128,9 +122,10 @@ def _identity() -> dict:
 
 
 def build_app(args: dict) -> Application:
-    """The application a YAML config's `import_path` names. Validates `args` and checks
-    the model directories first (raises ConfigError / ModelLoadError), so a bad path
-    fails here, once, and not in every replica."""
+    """The application a YAML config's `import_path` names. Validates `args` and finds
+    the models first (raises ConfigError / ModelLoadError), so a bad path or a hub id
+    missing from the cache fails here, once, and not in every replica; with
+    `allow_download` a missing hub id is downloaded here."""
     serve_args = validate_args(args).with_resolved_paths(Path.cwd())
-    check_model_paths(serve_args)
+    serve_args.model_dirs()
     return SpecslotServer.bind(serve_args.model_dump(mode="json"))

@@ -17,6 +17,7 @@ from typing import Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from models.hub import is_repo_id
 from scheduler.request import Lane
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -38,7 +39,8 @@ class DrafterArgs(BaseModel):
         "target's vocabulary, `ngram` prompt lookup (no weights), or `none` (classic only).",
     )
     path: str | None = Field(
-        None, description="Directory of the draft model (mlx-lm format); required for draft_model."
+        None, description="Draft model: a directory (mlx-lm format) or a Hugging Face hub id, "
+        "as for `model`; required for draft_model."
     )
 
     @model_validator(mode="after")
@@ -66,12 +68,18 @@ class ServeArgs(BaseModel):
 
     model: str = Field(
         ..., min_length=1,
-        description="Target model directory (mlx-lm / HF format). Relative paths resolve "
-        "against the working directory, then the specslot checkout.",
+        description="Target model: a directory (mlx-lm / HF format; relative paths resolve "
+        "against the working directory, then the specslot checkout), or a Hugging Face hub id "
+        "(`org/name`) found in the local Hugging Face cache.",
     )
     served_model_name: str | None = Field(
         None, min_length=1,
-        description="Model id clients send and /v1/models lists; default: the model directory name.",
+        description="Model id clients send and /v1/models lists; default: the model directory "
+        "name, or the hub id.",
+    )
+    allow_download: bool = Field(
+        False, description="Download a hub id (`model`, `drafter.path`) missing from the local "
+        "Hugging Face cache into it; false: fail with the command that downloads it.",
     )
     drafter: DrafterArgs = Field(
         default_factory=lambda: DrafterArgs(kind="ngram"),
@@ -162,18 +170,33 @@ class ServeArgs(BaseModel):
     # -- derived ------------------------------------------------------------------------
     @property
     def model_name(self) -> str:
-        return self.served_model_name or Path(self.model).name
+        if self.served_model_name:
+            return self.served_model_name
+        # After `with_resolved_paths` a local model path is absolute: never hub-id shaped.
+        return self.model if is_repo_id(self.model) else Path(self.model).name
 
     @property
     def speculative(self) -> bool:
         return self.drafter.kind != "none"
 
     def with_resolved_paths(self, cwd: Path | None = None) -> "ServeArgs":
-        """A copy whose model paths are absolute (the replica may run elsewhere)."""
+        """A copy whose local model paths are absolute (the replica may run elsewhere);
+        hub ids stay ids (each process looks them up in its own Hugging Face cache)."""
         drafter = self.drafter
         if drafter.path:
             drafter = drafter.model_copy(update={"path": resolve_path(drafter.path, cwd)})
         return self.model_copy(update={"model": resolve_path(self.model, cwd), "drafter": drafter})
+
+    def model_dirs(self) -> tuple[str, str | None]:
+        """(target directory, draft directory or None): local paths as given, hub ids from
+        the local Hugging Face cache (downloaded there first when `allow_download`).
+        Raises ModelLoadError, naming the path or id, when mlx-lm could not load one."""
+        from models.hub import resolve_model_dir
+
+        target = resolve_model_dir(self.model, "target", self.allow_download)
+        if self.drafter.kind != "draft_model":
+            return target, None
+        return target, resolve_model_dir(self.drafter.path, "draft", self.allow_download)
 
     def scheduler_config(self, env: Mapping[str, str] | None = None):
         """The scheduler's frozen config, env overrides applied where the YAML is silent."""
@@ -226,14 +249,19 @@ class LiveConfig(BaseModel):
 
 
 def resolve_path(path: str, cwd: Path | None = None) -> str:
-    """Absolute path: as given if absolute, else under `cwd` if it exists there, else the repo."""
+    """Absolute path: as given if absolute, else under `cwd` if it exists there, else
+    under the repo if it exists there. Otherwise a hub id (`org/name`) stays as it is, and
+    any other path resolves under the repo (so the error names a full path)."""
     p = Path(path).expanduser()
     if p.is_absolute():
         return str(p)
     here = (cwd or Path.cwd()) / p
     if here.exists():
         return str(here.resolve())
-    return str((REPO_ROOT / p).resolve())
+    in_repo = REPO_ROOT / p
+    if not in_repo.exists() and is_repo_id(path):
+        return path
+    return str(in_repo.resolve())
 
 
 def format_validation_error(err: ValidationError, prefix: str = "args",

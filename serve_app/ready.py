@@ -9,15 +9,17 @@ from __future__ import annotations
 import os
 import re
 
+from models.hub import is_repo_id
 from serve_app.config import ServeArgs
 
 _EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception): (.+)$")
 
 
 def drafter_label(args: ServeArgs) -> str:
-    """e.g. "ngram", "none", "draft_model draft" (the draft directory's name)."""
+    """e.g. "ngram", "none", "draft_model draft" (the draft directory's name, or its hub id)."""
     if args.drafter.kind == "draft_model":
-        return f"draft_model {os.path.basename(os.path.normpath(args.drafter.path or ''))}"
+        path = args.drafter.path or ""
+        return f"draft_model {path if is_repo_id(path) else os.path.basename(os.path.normpath(path))}"
     return args.drafter.kind
 
 

@@ -152,7 +152,8 @@ class ClassicBatch:
         return [emitted]
 
     def adopt(self, request_id: str, cache: list, sampler: RequestSampler, pending_token: int, *,
-              max_tokens: int, num_emitted: int, stop_ids: Sequence[int]) -> list[TokenBatch]:
+              max_tokens: int, num_emitted: int, stop_ids: Sequence[int],
+              history: Sequence[int] | None = None) -> list[TokenBatch]:
         """Take over a live decode from elsewhere (a speculative session) as a row.
 
         State handed over: `cache` holds every token of the stream but `pending_token`,
@@ -166,6 +167,8 @@ class ClassicBatch:
         forward is queued now; otherwise it joins `BatchGenerator` as a one-token
         prompt and emits from a later `decode()` / `prefill()`. A lone row moved into
         the batch on the way emits its pending token: those batches are returned.
+        `history` (the stream's earlier tokens) is for batches whose rows draft; this
+        one's rows do not.
         """
         if request_id in self.request_ids():
             raise ValueError(f"request {request_id!r} is already a classic row")

@@ -198,3 +198,41 @@ class DrafterSlot:
         """Unbind (idempotent). Touches no session's draft state."""
         if self.holder == session_id:
             self.holder = None
+
+
+class NgramIndex:
+    """`ngram_lookup` over a growing history in O(max_ngram) per call: for every n, the
+    most recent start of each n-gram that something followed. One per classic row
+    (`models.ragged_batch`), extended with the tokens the row emits.
+    >>> index = NgramIndex([1, 2, 3, 9, 1, 2], max_ngram=2)
+    >>> index.propose(2), ngram_lookup([1, 2, 3, 9, 1, 2], 2, 2)
+    ([3, 9], [3, 9])
+    """
+
+    def __init__(self, history: Sequence[int], max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.history: list[int] = []
+        self._starts: list[dict[tuple, int]] = [{} for _ in range(max_ngram + 1)]
+        self.extend(history)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        seq = self.history
+        for token in tokens:
+            seq.append(token)
+            end = len(seq) - 1  # the n-grams ending just before the new token now have a follower
+            for n in range(self.min_ngram, self.max_ngram + 1):
+                if end - n >= 0:
+                    self._starts[n][tuple(seq[end - n:end])] = end - n
+
+    def propose(self, k: int) -> list[int]:
+        """Up to `k` tokens that followed the most recent earlier occurrence of the
+        longest suffix (n from max_ngram down), as `ngram_lookup` proposes."""
+        seq = self.history
+        if k <= 0:
+            return []
+        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
+            start = self._starts[n].get(tuple(seq[-n:]))
+            if start is not None:
+                return seq[start + n:start + n + k]
+        return []

@@ -9,7 +9,14 @@ optional rider, extract, adopt, remove), over rows that each keep their own leng
 - the slot holder's KV lives in the same slab (`new_session_cache`), so a promotion
   (`extract`) and a park (`adopt`) move no keys: the row changes hands. Classic rows
   fill the slab's first slots, sessions the slots after them, so a decode step's rows
-  are the buffer's first m rows and attend in one call.
+  are the buffer's first m rows and attend in one call;
+- with `row_drafts`, every greedy row may also verify its own n-gram drafts (prompt lookup
+  over its prompt and output, `models.drafters.NgramIndex`) in the same forward: it
+  accepts the matching prefix and emits it plus the target's next token, its rejected
+  drafts leave its row by lowering the row's length. How many drafts a row verifies
+  is decided per step by expected value (`scheduler.costs.row_draft_budget`: the row's
+  acceptance estimate against what a verify position costs at this batch size, from
+  the runner's measured `TickCosts`); a row whose drafts do not land drafts nothing.
 Steps are not pipelined: a CPU computes the next step on the cores the host would
 overlap it with (the GPU default, the compiled verify, keeps `ClassicBatch`).
 """
@@ -24,9 +31,12 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from models.batch_adapter import LiveRow
+from models.drafters import NgramIndex
 from models.ragged import Rider
+from models.rollback import accept_count, clip_tokens, draft_budget
 from models.sampling import RequestSampler, log_probs, stop_token_ids
 from models.slab import Row, RowView, Slab
+from scheduler.costs import RowAcceptance, TickCosts, row_draft_budget
 from scheduler.request import Request
 from scheduler.runner import TokenBatch
 
@@ -43,15 +53,24 @@ class _Stream:
     max_tokens: int
     num_emitted: int
     pending: int
+    index: NgramIndex | None = None  # prompt + emitted tokens (the last is `pending`)
+    acceptance: RowAcceptance | None = None
 
 
 class RaggedBatch:
     """Rows of classic decode, keyed by request id, in one slab with the sessions."""
 
     def __init__(self, model: nn.Module, *, eos_token_ids: Sequence[int], max_batch_size: int = 16,
-                 prefill_batch_size: int = 8, solo_burst_s: float = 0.0):
+                 prefill_batch_size: int = 8, solo_burst_s: float = 0.0, row_drafts: bool = False,
+                 num_draft_tokens: int = 4):
+        """`row_drafts`: rows verify their own n-gram drafts, up to `num_draft_tokens`
+        each, as `costs` (set by the runner once measured) says they pay; without
+        costs a row drafts whatever its estimate allows at zero cost."""
         if solo_burst_s < 0:
             raise ValueError("solo_burst_s must be >= 0")
+        self.row_drafts = row_drafts
+        self.num_draft_tokens = num_draft_tokens
+        self.costs: TickCosts | None = None
         self._model = model
         self._eos_token_ids = tuple(eos_token_ids)
         self._prefill_batch_size = max(1, prefill_batch_size)
@@ -100,9 +119,16 @@ class RaggedBatch:
 
     # -- admission ----------------------------------------------------------------------
     def _add_stream(self, request_id: str, row: Row, sampler: RequestSampler, stop_ids, max_tokens: int,
-                    num_emitted: int, pending: int) -> _Stream:
+                    num_emitted: int, pending: int, history: Sequence[int] | None) -> _Stream:
+        """`history`: the stream's tokens before `pending` (None: unknown, no drafts)."""
         self._to_classic_region(row)
         stream = _Stream(request_id, row, sampler, frozenset(stop_ids), max_tokens, num_emitted, pending)
+        # Greedy rows only: a sampled row's draws would depend on how many positions
+        # each step verified (one key split per verify), so a seeded stream would
+        # change with the machine's measured costs.
+        if self.row_drafts and history is not None and sampler.is_greedy:
+            stream.index = NgramIndex([*history, pending])
+            stream.acceptance = RowAcceptance()
         self._streams[request_id] = stream
         self._finished.discard(request_id)
         return stream
@@ -136,15 +162,17 @@ class RaggedBatch:
         for r, row in zip(requests, rows):
             stream = self._add_stream(r.request_id, row, RequestSampler(r.sampling),
                                       stop_token_ids(self._eos_token_ids, r.sampling), r.sampling.max_tokens,
-                                      0, r.prompt_ids[-1])
+                                      0, r.prompt_ids[-1], r.prompt_ids[:-1])
             streams.append(stream)
-        return self._step(streams, None)
+        return self._step(streams, None, False)
 
     def adopt(self, request_id: str, cache: list, sampler: RequestSampler, pending_token: int, *,
-              max_tokens: int, num_emitted: int, stop_ids: Sequence[int]) -> list[TokenBatch]:
+              max_tokens: int, num_emitted: int, stop_ids: Sequence[int],
+              history: Sequence[int] | None = None) -> list[TokenBatch]:
         """Take over a live stream (a speculative session) as a row: `cache` holds every
-        token but `pending_token`, the last one emitted. A session row of this slab
-        changes hands; another cache is copied into a new row. Emits nothing."""
+        token but `pending_token`, the last one emitted (`history`: the tokens before
+        it, for the row's drafts). A session row of this slab changes hands; another
+        cache is copied into a new row. Emits nothing."""
         if request_id in self.request_ids():
             raise ValueError(f"request {request_id!r} is already a classic row")
         if num_emitted >= max_tokens:
@@ -154,30 +182,35 @@ class RaggedBatch:
             self._sessions.discard(id(row))
         else:
             row = self.slab.add_from(cache)
-        self._add_stream(request_id, row, sampler, stop_ids, max_tokens, num_emitted, pending_token)
+        self._add_stream(request_id, row, sampler, stop_ids, max_tokens, num_emitted, pending_token, history)
         return []
 
     # -- decode -------------------------------------------------------------------------
-    def decode(self, rider: Rider | None = None) -> list[TokenBatch]:
-        """One step: one token for every row, the rider's verify in the same forward
-        (its logits in `rider.extra_logits`). A lone row without a rider keeps
-        stepping within `solo_burst_s`."""
+    def decode(self, rider: Rider | None = None, drafts: bool = False) -> list[TokenBatch]:
+        """One step: one token for every row (more for a row whose drafts land, with
+        `drafts` and `row_drafts`), the rider's verify in the same forward (its logits
+        in `rider.extra_logits`). A lone row without a rider keeps stepping within
+        `solo_burst_s`."""
         streams = list(self._streams.values())
+        drafts = drafts and self.row_drafts
         if rider is not None:
-            return self._step(streams, rider)
+            return self._step(streams, rider, drafts)
         if not streams:
             return []
         tic = time.perf_counter()
-        batches = self._step(streams, None)
+        batches = self._step(streams, None, drafts)
         while (len(streams) == 1 and batches[0].finish_reason is None
                and time.perf_counter() - tic < self._solo_burst_s):
-            more = self._step(streams, None)[0]
+            more = self._step(streams, None, drafts)[0]
             batches[0].token_ids += more.token_ids
             batches[0].finish_reason = more.finish_reason
+            batches[0].num_drafted += more.num_drafted
+            batches[0].num_accepted += more.num_accepted
         return batches
 
-    def _step(self, streams: list[_Stream], rider: Rider | None) -> list[TokenBatch]:
-        entries = [(s.row, [s.pending]) for s in streams]
+    def _step(self, streams: list[_Stream], rider: Rider | None, drafts: bool = False) -> list[TokenBatch]:
+        drafts = self._drafts(streams) if drafts else [[] for _ in streams]
+        entries = [(s.row, [s.pending, *d]) for s, d in zip(streams, drafts)]
         if rider is not None:
             row = _row_of(rider.extra.cache)
             if row is None or row.slab is not self.slab:
@@ -186,14 +219,24 @@ class RaggedBatch:
         logits = self.slab.forward(self._model, entries)
         if rider is not None:
             rider.extra_logits = logits[-1]
-        tokens = self._sample(streams, logits[: len(streams)])
+        verified = self._sample(streams, logits[: len(streams)])
         out = []
-        for stream, token in zip(streams, tokens):
-            stream.num_emitted += 1
-            stream.pending = token
-            reason = "stop" if token in stream.stop_ids else (
-                "length" if stream.num_emitted >= stream.max_tokens else None)
-            out.append(TokenBatch(stream.request_id, [token], reason))
+        for stream, draft, target in zip(streams, drafts, verified):
+            num_accepted = accept_count(draft, target)
+            if len(draft) > num_accepted:  # rejected drafts leave the row
+                for view in stream.row.cache:
+                    view.trim(len(draft) - num_accepted)
+            tokens, reason = clip_tokens(target[: num_accepted + 1], stream.max_tokens - stream.num_emitted,
+                                         stream.stop_ids)
+            stream.num_emitted += len(tokens)
+            stream.pending = tokens[-1]
+            if stream.index is not None:
+                stream.index.extend(tokens)
+                if draft:
+                    stream.acceptance.record(len(draft), num_accepted)
+                elif drafts:
+                    stream.acceptance.relax()
+            out.append(TokenBatch(stream.request_id, tokens, reason, len(draft), num_accepted if draft else 0))
             if reason is not None:
                 self._finished.add(stream.request_id)
                 self._drop(stream)
@@ -202,7 +245,21 @@ class RaggedBatch:
             mx.clear_cache()
         return out
 
-    def _sample(self, streams: list[_Stream], logits: list[mx.array]) -> list[int]:
+    def _drafts(self, streams: list[_Stream]) -> list[list[int]]:
+        """Each row's drafts for this step (empty where it drafts nothing)."""
+        out = []
+        for s in streams:
+            k = 0
+            if s.index is not None:
+                k = draft_budget(self.num_draft_tokens, s.max_tokens - s.num_emitted)
+                if self.costs is not None:
+                    k = min(k, row_draft_budget(s.acceptance.alpha, len(streams), self.costs, self.num_draft_tokens))
+            out.append(s.index.propose(k) if k else [])
+        return out
+
+    def _sample(self, streams: list[_Stream], logits: list[mx.array]) -> list[list[int]]:
+        """Every verify position of every row, drawn from the row's sampler (greedy
+        rows: one argmax over all of them)."""
         if not streams:
             mx.eval(self.slab.arrays())
             return []
@@ -210,15 +267,22 @@ class RaggedBatch:
         drawn: list[mx.array | None] = [None] * len(streams)
         if greedy:
             stacked = mx.concatenate([logits[i] for i in greedy]) if len(greedy) > 1 else logits[greedy[0]]
-            picks = mx.argmax(log_probs(stacked), axis=-1)
-            for j, i in enumerate(greedy):
-                drawn[i] = picks[j:j + 1]
+            picks, start = mx.argmax(log_probs(stacked), axis=-1), 0
+            for i in greedy:
+                n = logits[i].shape[0]
+                drawn[i] = picks[start:start + n]
+                start += n
         for i, s in enumerate(streams):
             if drawn[i] is None:
                 drawn[i] = s.sampler.from_logits(logits[i])
-        tokens = mx.concatenate(drawn)
-        mx.eval(tokens, self.slab.arrays())
-        return tokens.tolist()
+        flat = mx.concatenate(drawn)
+        mx.eval(flat, self.slab.arrays())
+        values, out, start = flat.tolist(), [], 0
+        for d in drawn:
+            n = d.shape[0]
+            out.append(values[start:start + n])
+            start += n
+        return out
 
     # -- leaving ------------------------------------------------------------------------
     def extract(self, request_id: str) -> tuple[TokenBatch, LiveRow | None]:

@@ -59,6 +59,7 @@ class MlxRunner:
         classic_burst_ms: float = DEFAULT_CLASSIC_BURST_MS,
         draft_fingerprint: str = "",
         ragged: bool | None = None,
+        row_drafts: bool = True,
     ):
         """`fast_verify`: speculative rounds through `models.bucketed` (shape-stable,
         compiled forwards; one host sync per round). None = on when MLX's default device
@@ -73,7 +74,9 @@ class MlxRunner:
         model's content hash (`LoadedModel.fingerprint`), naming it in `policy_key`.
         `ragged`: classic rows and sessions in one slab (`models.ragged_batch`); None =
         whenever the verify can ride in the batch's forward (`fuse_blocker` is None),
-        False = mlx-lm's `BatchGenerator` (`models.batch_adapter`) in every case."""
+        False = mlx-lm's `BatchGenerator` (`models.batch_adapter`) in every case.
+        `row_drafts`: in a ragged batch, classic rows verify their own n-gram drafts
+        where the measured costs say they pay (on only with a drafter configured)."""
         if num_draft_tokens < 1:
             raise ValueError("num_draft_tokens must be >= 1")
         self.target = target
@@ -116,13 +119,19 @@ class MlxRunner:
         if ragged and self.fuse_blocker is not None:
             raise ValueError(f"a ragged batch needs a verify that rides in it: {self.fuse_blocker}")
         batch_kind = RaggedBatch if self.fuse_blocker is None and ragged is not False else ClassicBatch
+        extra = {}
+        if batch_kind is RaggedBatch:
+            extra = dict(row_drafts=row_drafts and self._slot is not None, num_draft_tokens=num_draft_tokens)
         self._classic = batch_kind(
             target.model,
             eos_token_ids=self.eos_token_ids,
             max_batch_size=max_batch_size,
             prefill_batch_size=prefill_batch_size,
             solo_burst_s=classic_burst_ms / 1000.0,
+            **extra,
         )
+        if batch_kind is RaggedBatch and self._classic.row_drafts:
+            self._classic.costs = self.tick_costs()  # what a verify position costs, at load
         if self._verifier is not None:
             if warm_positions is None:
                 warm_positions = min(self.max_context, 2048)
@@ -194,6 +203,7 @@ class MlxRunner:
         warm_positions: int | None = None,
         classic_burst_ms: float = DEFAULT_CLASSIC_BURST_MS,
         ragged: bool | None = None,
+        row_drafts: bool = True,
     ) -> "MlxRunner":
         """Load models and build the runner; raises `ModelLoadError` / `ValueError`."""
         if drafter_kind not in (None, *DRAFTER_KINDS):
@@ -217,13 +227,16 @@ class MlxRunner:
             classic_burst_ms=classic_burst_ms,
             draft_fingerprint=draft.fingerprint if draft is not None else "",
             ragged=ragged,
+            row_drafts=row_drafts,
         )
 
     # -- classic --------------------------------------------------------------------
     def classic_prefill(self, requests: Sequence[Request]) -> list[TokenBatch]:
         return self._classic.prefill(requests)
 
-    def classic_decode(self) -> list[TokenBatch]:
+    def classic_decode(self, drafts: bool = False) -> list[TokenBatch]:
+        if self._ragged:
+            return self._classic.decode(drafts=drafts)
         return self._classic.decode()
 
     def classic_remove(self, request_id: str) -> None:
@@ -285,6 +298,10 @@ class MlxRunner:
     def can_fuse(self) -> bool:
         return self.fuse_blocker is None
 
+    def rows_draft_like_slot(self) -> bool:
+        return (self._ragged and self._classic.row_drafts
+                and isinstance(self._slot.drafter, NgramDrafter))
+
     def tick_costs(self) -> TickCosts | None:
         """Decode and fused forward costs on this machine (`models.tick_costs`),
         measured on the first call (about a second on a CPU with the bundled pair)."""
@@ -296,7 +313,7 @@ class MlxRunner:
                                                   self._classic_rows_cap, vocab)
         return self._tick_costs
 
-    def spec_round_with_decode(self, request_id: str) -> tuple[RoundOutcome, list[TokenBatch]]:
+    def spec_round_with_decode(self, request_id: str, drafts: bool = False) -> tuple[RoundOutcome, list[TokenBatch]]:
         """The holder's round and one decode step of every classic row in one forward:
         the verify tokens ride in the batch's step (`models.ragged.Rider`). When the
         batch runs no forward (a lone row emitting its last token), the verify runs
@@ -309,7 +326,7 @@ class MlxRunner:
         tic = time.perf_counter()
         tokens = session.prepare_round()
         rider = ragged.Rider(self.target.model, ragged.Group(session.cache, mx.array(tokens, dtype=mx.int32)))
-        rows = self._classic.decode(rider)
+        rows = self._classic.decode(rider, drafts=drafts) if self._ragged else self._classic.decode(rider)
         logits = rider.extra_logits
         if logits is None:
             logits = self.target.model(mx.array([tokens]), cache=session.cache)[0]
@@ -378,7 +395,8 @@ class MlxRunner:
             raise RuntimeError(f"session {request_id!r} is not running")
         moved = self._classic.adopt(
             request_id, session.cache, session.sampler, session.history[-1],
-            max_tokens=session.max_tokens, num_emitted=session.num_emitted, stop_ids=session.stop_ids)
+            max_tokens=session.max_tokens, num_emitted=session.num_emitted, stop_ids=session.stop_ids,
+            history=session.history[:-1])
         del self._sessions[request_id]
         session.cache = None  # the classic row owns it now
         session.finish()

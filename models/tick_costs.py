@@ -21,7 +21,7 @@ from models.slab import Slab
 from scheduler.costs import TickCosts
 
 CONTEXT = 128
-REPEATS = 3
+REPEATS = 5
 
 
 def batch_sizes(max_rows: int) -> list[int]:

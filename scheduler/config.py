@@ -17,7 +17,7 @@ ENV_GRANT_ROUNDS = "SPECSLOT_SLICE_GRANT_ROUNDS"
 ENV_TICK_SLICE = "SPECSLOT_TICK_SLICE"
 B1_POLICY_MODES = ("auto", "on", "off")
 TICK_MODES = ("fused", "alternate")
-RECONFIGURABLE = frozenset({"grant_rounds", "skip_cap", "tick_slice", "backlog_cap", "tick_mode"})
+RECONFIGURABLE = frozenset({"grant_rounds", "skip_cap", "tick_slice", "backlog_cap", "tick_mode", "row_drafts"})
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,9 @@ class SchedulerConfig:
     # "fused": the slot holder's verify rides in the classic batch's decode forward (one
     # forward per tick); "alternate": the seed's strict alternation of the two.
     tick_mode: str = "fused"
+    # Classic rows verify their own n-gram drafts in their decode steps where the runner
+    # can (`ModelRunner.classic_decode(drafts=...)`); off with b1_policy "off" too.
+    row_drafts: bool = True
     grant_rounds: int = DEFAULT_GRANT_ROUNDS  # slices per grant; 0 = no rotation
     skip_cap: int = 2  # grant decisions an entry may be skipped before it is overdue
     backlog_cap: int = 2  # grant ring entries (parked jobs + waiters)
@@ -42,8 +45,14 @@ class SchedulerConfig:
     max_queue_depth: int = 256  # unfinished requests per engine
     policy_cache_dir: str | None = None  # None = verdicts are not persisted
 
+    @property
+    def rows_draft(self) -> bool:
+        """Whether classic rows verify their own drafts: `row_drafts`, unless every
+        speculation is off (`b1_policy` "off")."""
+        return self.row_drafts and self.b1_policy != "off"
+
     def __post_init__(self) -> None:
-        for name in ("tick_slice", "b1_default_enabled"):
+        for name in ("tick_slice", "b1_default_enabled", "row_drafts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         minimums = {

@@ -235,7 +235,7 @@ class Scheduler:
 
     def _decode(self) -> None:
         try:
-            batches = self.runner.classic_decode()
+            batches = self.runner.classic_decode(drafts=self.config.rows_draft)
         except Exception as exc:  # noqa: BLE001
             self._fail_rows(list(self._rows.values()), f"classic_decode failed: {exc}")
             return
@@ -246,6 +246,14 @@ class Scheduler:
             request = self._rows.get(batch.request_id)
             if request is None:  # a row dropped this tick (cancelled)
                 continue
+            if batch.num_drafted:  # the row verified its own drafts in this step
+                stats = request.spec
+                stats.num_rounds += 1
+                stats.num_drafted += batch.num_drafted
+                stats.num_accepted += batch.num_accepted
+                self.counters.row_rounds += 1
+                self.counters.drafted_tokens += batch.num_drafted
+                self.counters.accepted_tokens += batch.num_accepted
             self.sink.tokens(request, batch.token_ids)
             if batch.finish_reason:
                 self._rows.pop(batch.request_id)

@@ -16,6 +16,7 @@ never switches speculation off for another.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 EMA_WEIGHT = 0.3  # weight of the newest round in a request's acceptance estimate
@@ -23,7 +24,7 @@ EMA_WEIGHT = 0.3  # weight of the newest round in a request's acceptance estimat
 # not show (rows moving in and out of the batch, and streams that finish apart, so
 # their successors' prefills no longer batch) costs about this much on the CPU runs of
 # scripts/bench_concurrency.py (docs/benchmarks.md, scenario 6).
-BATCH_MARGIN = 1.5
+BATCH_MARGIN = 1.1
 RELAX_WEIGHT = 0.05  # how far each turn-away moves an estimate back toward all-accepted
 
 
@@ -166,3 +167,73 @@ class LiveCosts:
         return {**self.costs.to_dict(),
                 "tick_extra_ms": {kind: round(s * 1e3, 3) for kind, s in self.extra.items()},
                 "ticks_observed": dict(self.num_observed)}
+
+
+# Row drafts (`models.ragged_batch`): every classic row may verify its own n-gram drafts
+# in the batch's forward. A draft token is worth its verify position when the chance
+# it is accepted beats what that position costs at the tick's current yield.
+ROW_PRIOR_ALPHA = 0.8  # a row's per-draft acceptance before its first verify
+ROW_RELAX = 0.02  # each step a row drafts nothing, its estimate moves this far back to the prior
+
+
+@dataclass
+class RowAcceptance:
+    """A row's per-draft acceptance probability `alpha`, from an EMA of accepted drafts
+    (successes) and first rejections (failures): verifying d drafts and accepting a
+    counts a successes and, when a < d, one failure (the geometric model's estimate)."""
+
+    successes: float = ROW_PRIOR_ALPHA
+    failures: float = 1.0 - ROW_PRIOR_ALPHA
+
+    @property
+    def alpha(self) -> float:
+        return self.successes / max(self.successes + self.failures, 1e-9)
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted == 0:
+            return
+        w = EMA_WEIGHT
+        self.successes = (1 - w) * self.successes + w * num_accepted
+        self.failures = (1 - w) * self.failures + w * float(num_accepted < num_drafted)
+
+    def relax(self) -> None:
+        self.successes += ROW_RELAX * (ROW_PRIOR_ALPHA - self.alpha)
+        self.failures = max(self.failures - ROW_RELAX * (ROW_PRIOR_ALPHA - self.alpha), 1e-3)
+
+
+def verify_costs(costs: TickCosts, num_draft_tokens: int) -> tuple[float, float, float]:
+    """(per forward, per token, per multi-token row) seconds, fitted to the measured
+    tables: a decode step of b rows carries b tokens, a fused one b + 1 + K tokens in
+    one more attention group. Slopes and offsets are medians over the points, so one
+    noisy measurement does not swing them.
+    >>> verify_costs(TickCosts({1: 4.0, 2: 4.5, 4: 5.5}, {0: 6.5, 1: 7.0, 4: 8.5}, 0.0), 4)
+    (3.5, 0.5, 0.5)
+    """
+    sizes = sorted(costs.decode)
+    slopes = [(costs.decode[b] - costs.decode[a]) / (b - a) for i, a in enumerate(sizes) for b in sizes[i + 1:]]
+    per_token = max(statistics.median(slopes), 0.0) if slopes else 0.0
+    per_forward = statistics.median(costs.decode[b] - per_token * b for b in sizes)
+    per_group = statistics.median(costs.fused[b] - per_forward - per_token * (b + 1 + num_draft_tokens)
+                                  for b in costs.fused)
+    return per_forward, per_token, max(per_group, 0.0)
+
+
+def row_draft_budget(alpha: float, num_rows: int, costs: TickCosts, num_draft_tokens: int) -> int:
+    """Drafts (0..K) a row with per-draft acceptance `alpha` should verify this step:
+    the one whose expected accepted drafts (alpha + ... + alpha^k) most exceed what
+    its verify positions and its own attention group cost, at the tokens per second
+    a step of `num_rows` rows yields.
+    >>> costs = TickCosts({1: 4.0, 2: 4.5, 4: 5.5}, {0: 6.5, 1: 7.0, 4: 8.5}, 0.0)
+    >>> [row_draft_budget(a, 4, costs, 4) for a in (0.4, 0.75, 0.9)]
+    [0, 3, 4]
+    """
+    per_forward, per_token, per_group = verify_costs(costs, num_draft_tokens)
+    rate = num_rows / max(per_forward + per_token * num_rows, 1e-9)
+    best, best_k, expected, p = 0.0, 0, 0.0, 1.0
+    for k in range(1, num_draft_tokens + 1):
+        p *= alpha
+        expected += p
+        net = expected - rate * (per_group + per_token * k)
+        if net > best:
+            best, best_k = net, k
+    return best_k

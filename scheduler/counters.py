@@ -89,7 +89,8 @@ class Counters:
     backlog_peak: int = 0
     live_sessions: int = 0
     live_sessions_peak: int = 0
-    spec_rounds: int = 0
+    spec_rounds: int = 0  # the slot holder's rounds
+    row_rounds: int = 0  # classic rows verifying their own drafts (`models.ragged_batch`)
     probe_rounds: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
@@ -119,7 +120,7 @@ class Counters:
             for name in (
                 "grants", "parks", "promotions", "skip_escalations", "backlog_aborts", "demotions",
                 "cost_parks", "backlog_depth", "backlog_peak", "live_sessions", "live_sessions_peak",
-                "spec_rounds", "probe_rounds", "drafted_tokens", "accepted_tokens",
+                "spec_rounds", "row_rounds", "probe_rounds", "drafted_tokens", "accepted_tokens",
             )
         }
         plain["classic_fallbacks"] = dict(self.classic_fallbacks)

@@ -126,6 +126,11 @@ class Engine:
             state["config"] = self._config.to_dict()
         return state
 
+    def snapshot_in_tick(self) -> dict:
+        """The scheduler's state for code that runs on the engine thread inside a tick
+        (a runner wrapper, such as the soak's cancel injector): no lock is taken."""
+        return self._scheduler.snapshot() if self._scheduler is not None else {}
+
     # -- the engine thread ------------------------------------------------------------
     def _run(self) -> None:
         """The engine thread's body. It never returns: once the loop has ended it parks.

@@ -42,9 +42,13 @@ class CostGate:
     def pays(self, request_id: str, num_rows: int) -> bool:
         """Whether this request speculating beside `num_rows` classic rows beats it
         decoding as one more row (`scheduler.costs`); always True unless the B=1 policy
-        is `auto` and the runner measured its costs."""
+        is `auto` and the runner measured its costs. Where classic rows verify drafts
+        of the slot's own kind (n-gram rows beside an n-gram slot), the slot buys
+        nothing beside rows: the holder speculates on as a row."""
         if self._config().b1_policy != "auto" or self.costs is None:
             return True
+        if num_rows > 0 and self._config().rows_draft and self._runner.rows_draft_like_slot():
+            return False  # as a row it drafts and verifies the same way, without the slot
         return self.costs.pays(num_rows, self.acceptance.estimate(request_id))
 
     def admits_newcomer(self, request_id: str, num_rows: int) -> bool:

@@ -22,11 +22,14 @@ from scheduler.request import Request
 
 @dataclass
 class TokenBatch:
-    """Tokens one action produced for one request."""
+    """Tokens one action produced for one request; a classic row that verified its own
+    drafts in the step (`models.ragged_batch`) reports how many it drafted and accepted."""
 
     request_id: str
     token_ids: list[int]
     finish_reason: str | None = None
+    num_drafted: int = 0
+    num_accepted: int = 0
 
 
 @dataclass
@@ -66,10 +69,12 @@ class ModelRunner(Protocol):
         if the backend's prefill step decodes them too.
         """
 
-    def classic_decode(self) -> list[TokenBatch]:
+    def classic_decode(self, drafts: bool = False) -> list[TokenBatch]:
         """One batched decode step over all active classic rows: one model action.
         A runner may return several tokens for a row decoding alone (a short burst of
-        steps that amortizes the per-tick overhead); each row's tokens are in order."""
+        steps that amortizes the per-tick overhead); each row's tokens are in order.
+        With `drafts`, rows that can may verify their own drafts in the step and emit
+        the accepted ones too (`TokenBatch.num_drafted` / `num_accepted`)."""
 
     def classic_remove(self, request_id: str) -> None:
         """Drop a row (finished or cancelled). Idempotent."""
@@ -94,10 +99,15 @@ class ModelRunner(Protocol):
         """Whether `spec_round_with_decode` runs one forward for both (the model passed
         the packed-forward check and the slot verifies on the plain path)."""
 
-    def spec_round_with_decode(self, request_id: str) -> tuple[RoundOutcome, list[TokenBatch]]:
+    def rows_draft_like_slot(self) -> bool:
+        """Whether classic rows verify drafts of the slot drafter's own kind in their
+        decode steps (n-gram rows beside an n-gram slot): then the slot adds nothing
+        beside rows, and the fused tick's gate keeps the holder a row."""
+
+    def spec_round_with_decode(self, request_id: str, drafts: bool = False) -> tuple[RoundOutcome, list[TokenBatch]]:
         """One round of the drafter's holder and one decode step of every classic row,
         in one model forward: the fused tick's single model action. Returns the round
-        (never a probe) and the rows' tokens, as `spec_round` and `classic_decode` would."""
+        (never a probe) and the rows' tokens, as `spec_round` and `classic_decode(drafts)` would."""
 
     def spec_park_to_classic(self, request_id: str) -> list[TokenBatch]:
         """The fused tick's park: the holder's stream goes on as a classic row, exactly

@@ -309,7 +309,7 @@ class SpecSlot:
         self._plain_round = self._plain_round and not probe
         try:
             if fuse:
-                outcome, rows = self.runner.spec_round_with_decode(request.request_id)
+                outcome, rows = self.runner.spec_round_with_decode(request.request_id, drafts=self._config().rows_draft)
                 self._fused = True
                 self._rows_done(rows, None)
             else:

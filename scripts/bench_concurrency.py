@@ -10,10 +10,13 @@ do not all end in the same tick), in-process (engine level: the scheduler over `
 `--repeats` rounds on the same loaded runner:
 - `default`: the scheduling `configs/local.yaml` ships: `tick_mode: fused` (the slot
   holder's verify rides in the batch's forward), B=1 policy auto (the measured
-  tick-cost gate), batch-size rule 3;
-- `fused_no_rule`: the same without the batch-size rule (the gate alone decides);
-- `alternate`: the seed's strict alternation, B=1 policy on, no batch-size rule;
-- `classic`: B=1 policy off, every stream a classic row.
+  tick-cost gate), classic rows verifying their own n-gram drafts (`row_drafts`);
+- `slot_only`: the same without row drafts: only the slot holder speculates;
+- `alternate`: the seed's strict alternation, B=1 policy on, no row drafts;
+- `classic`: B=1 policy off, every stream a classic row (the ratios' baseline);
+- `classic_batchgen`: the same on a second runner whose classic rows run in mlx-lm's
+  `BatchGenerator` (`MlxRunner(ragged=False)`), the batch the runner used before the
+  slab (`models.ragged_batch`): what the slab costs or gains plain batching.
 Reported per configuration: aggregate output tok/s (tokens / wall time from the first
 arrival to the last finish), median per-request TPOT, speculative rounds per request,
 Jain's index over those rounds (last repeat), and the paired ratio to classic (median over
@@ -33,11 +36,13 @@ from scripts.bench_engine import Arrival, drive, load_runner
 from scripts.prompts import token_prompts
 
 CONFIGS = {
-    "default": dict(tick_mode="fused", b1_policy="auto", speculative_disable_by_batch_size=3),
-    "fused_no_rule": dict(tick_mode="fused", b1_policy="auto"),
-    "alternate": dict(tick_mode="alternate", b1_policy="on"),
+    "default": dict(tick_mode="fused", b1_policy="auto"),
+    "slot_only": dict(tick_mode="fused", b1_policy="auto", row_drafts=False),
+    "alternate": dict(tick_mode="alternate", b1_policy="on", row_drafts=False),
     "classic": dict(b1_policy="off"),
+    "classic_batchgen": dict(b1_policy="off"),
 }
+ON_BATCHGEN = {"classic_batchgen"}  # configurations run on the BatchGenerator runner
 
 
 def one_run(runner, name: str, prompts: list[list[int]], concurrency: int, max_tokens: int,
@@ -68,7 +73,9 @@ def run(quick: bool, target: str, draft: str, drafter: str, repeats: int, waves:
     streams = [1, 2, 4] if quick else [1, 2, 4, 8, 16]
     max_tokens = 64 if quick else 128
     runner = load_runner(target, drafter, draft, num_draft_tokens=4, max_batch_size=max(streams))
+    batchgen = load_runner(target, drafter, draft, num_draft_tokens=4, max_batch_size=max(streams), ragged=False)
     bench_util.warm_up(runner, runner.tokenizer)
+    bench_util.warm_up(batchgen, batchgen.tokenizer)
     runner.tick_costs()  # measured once per replica at load, not inside a timed run
     rows = []
     for n in streams:
@@ -76,7 +83,8 @@ def run(quick: bool, target: str, draft: str, drafter: str, repeats: int, waves:
         runs = {name: [] for name in CONFIGS}
         for _ in range(repeats):
             for name in CONFIGS:  # interleaved: machine drift hits every configuration alike
-                runs[name].append(one_run(runner, name, prompts, n, max_tokens, grant_rounds=8))
+                on = batchgen if name in ON_BATCHGEN else runner
+                runs[name].append(one_run(on, name, prompts, n, max_tokens, grant_rounds=8))
         ratios = {name: [f["aggregate_tok_s"] / c["aggregate_tok_s"] for f, c in zip(runs[name], runs["classic"])]
                   for name in CONFIGS if name != "classic"}
         for name, results in runs.items():

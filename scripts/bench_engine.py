@@ -32,11 +32,11 @@ DRAFT = "models/bundled/draft"
 
 
 def load_runner(target: str = TARGET, drafter: str | None = "draft_model", draft_path: str = DRAFT,
-                num_draft_tokens: int = 4, max_batch_size: int = 16) -> MlxRunner:
+                num_draft_tokens: int = 4, max_batch_size: int = 16, ragged: bool | None = None) -> MlxRunner:
     return MlxRunner.from_paths(
         target, drafter_kind=drafter, drafter_path=draft_path if drafter == "draft_model" else None,
         num_draft_tokens=num_draft_tokens, max_batch_size=max_batch_size,
-        prefill_batch_size=min(8, max_batch_size))
+        prefill_batch_size=min(8, max_batch_size), ragged=ragged)
 
 
 class TimedRunner:

@@ -63,7 +63,8 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, grant_rounds: tuple
     arrivals = pressure_arrivals(runner.tokenizer, normal_tokens, high_tokens, seed)
     rows = []
     for budget in grant_rounds:
-        config = SchedulerConfig(grant_rounds=budget, skip_cap=SKIP_CAP, b1_policy="on", num_draft_tokens=4)
+        config = SchedulerConfig(grant_rounds=budget, skip_cap=SKIP_CAP, b1_policy="on", num_draft_tokens=4,
+                                 row_drafts=False)  # the slot's lanes and skip cap alone
         result = drive(runner, config, arrivals)
         normal = result.records["n0"]
         gaps = grant_gaps(result.grants, "n0", normal["finish_s"])

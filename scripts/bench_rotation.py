@@ -39,7 +39,9 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, repeats: int | None
         runs: dict[str, list] = {name: [] for name, _, _ in CONFIGS}
         for _ in range(repeats):  # configs interleaved, so a burst of machine noise hits all of them
             for name, grant_rounds, policy in CONFIGS:
-                config = SchedulerConfig(grant_rounds=grant_rounds, b1_policy=policy, num_draft_tokens=4)
+                # The slot's rotation alone: rows verifying their own drafts would blur it.
+                config = SchedulerConfig(grant_rounds=grant_rounds, b1_policy=policy, num_draft_tokens=4,
+                                         row_drafts=False)
                 runs[name].append(drive(runner, config, arrivals))
         for name, grant_rounds, policy in CONFIGS:
             rows.append(_row(num_streams, name, grant_rounds, policy, arrivals, runs[name]))

@@ -221,8 +221,9 @@ def start_engine(target: str, draft: str, **config):
 def run_engine(target: str, draft: str, num_requests: int, concurrency: int,
                cancel_fraction: float, seed: int, tick_mode: str = "alternate") -> SoakReport:
     """`tick_mode` alternate (the default here) exercises the seed's ring, whose waiting
-    and parked entries are phases of their own; fused, the ring of classic rows."""
-    engine, injector = start_engine(target, draft, tick_mode=tick_mode)
+    and parked entries are phases of their own (as the seed ran it: rows decode one
+    token per step); fused, the ring of classic rows, which verify their own drafts."""
+    engine, injector = start_engine(target, draft, tick_mode=tick_mode, row_drafts=tick_mode == "fused")
     try:
         tok = injector.tokenizer
         prompt_ids = [tok.encode(p) for p in PROMPTS]

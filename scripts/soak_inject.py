@@ -10,9 +10,11 @@ class CancelInjector:
     input lock, not the tick's state lock), so calling it on the engine thread mid-tick
     is the same as a client's cancel arriving at that instant; it takes effect at the
     next tick's drain. Prefill targets are cancelled while their prefill runs. Classic
-    row, active and parked targets are cancelled during a classic action, which leaves
-    the slot untouched, so they are still in that phase at the drain. Also tracks the
-    peak number of live speculative sessions after every slot call.
+    row, active, parked, waiting and queued targets are cancelled during a classic
+    action, which leaves the slot and the queues untouched, so they are still in that
+    phase at the drain (waiters and queued requests are read from the scheduler's
+    state, on the engine thread). Also tracks the peak number of live speculative
+    sessions after every slot call.
     """
 
     def __init__(self, runner) -> None:
@@ -39,6 +41,13 @@ class CancelInjector:
             self.try_cancel(rid, "parked")
         if self._active is not None:
             self.try_cancel(self._active, "active")
+        if self.engine is not None and {"waiting", "queued"} & set(self.targets.values()):
+            state = self.engine.snapshot_in_tick()
+            for entry in state.get("slot", {}).get("backlog", []):
+                if entry["kind"] == "waiting":
+                    self.try_cancel(entry["request_id"], "waiting")
+            for rid in state.get("queued_ids", []):
+                self.try_cancel(rid, "queued")
 
     def _observe(self) -> None:
         self.peak_live_sessions = max(self.peak_live_sessions, self._runner.num_live_sessions())
@@ -50,9 +59,9 @@ class CancelInjector:
         self._rows.update(r.request_id for r in requests)
         return self._runner.classic_prefill(requests)
 
-    def classic_decode(self):
+    def classic_decode(self, drafts=False):
         self._classic_tick()
-        return self._runner.classic_decode()
+        return self._runner.classic_decode(drafts)
 
     def classic_remove(self, request_id):
         self._rows.discard(request_id)

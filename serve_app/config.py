@@ -97,6 +97,12 @@ class ServeArgs(BaseModel):
         "so classic rows never wait for a speculative round; alternate: the seed's strict "
         "alternation (a tick runs either the round or the decode step).",
     )
+    row_drafts: bool = Field(
+        True,
+        description="Classic rows verify their own n-gram (prompt lookup) drafts in their decode "
+        "steps, each as many as its acceptance pays for at the current batch size (greedy rows, "
+        "fused tick); b1_policy off turns them off too.",
+    )
     grant_rounds: int | None = Field(
         None, ge=0, le=1_000_000,
         description="Slices a slot grant lasts before the job parks when others wait; 0 disables "
@@ -208,6 +214,7 @@ class ServeArgs(BaseModel):
         return SchedulerConfig(
             tick_slice=tick_slice,
             tick_mode=self.tick_mode,
+            row_drafts=self.row_drafts,
             grant_rounds=grant_rounds,
             skip_cap=self.skip_cap,
             backlog_cap=self.backlog_cap,
@@ -243,6 +250,7 @@ class LiveConfig(BaseModel):
     tick_slice: bool | None = Field(None, description="See ServeArgs.tick_slice.")
     backlog_cap: int | None = Field(None, ge=0, le=64, description="See ServeArgs.backlog_cap.")
     tick_mode: Literal["fused", "alternate"] | None = Field(None, description="See ServeArgs.tick_mode.")
+    row_drafts: bool | None = Field(None, description="See ServeArgs.row_drafts.")
 
     def changes(self) -> dict:
         return {k: v for k, v in self.model_dump().items() if v is not None}

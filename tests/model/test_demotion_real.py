@@ -30,7 +30,8 @@ SAMPLED = dict(temperature=0.8, top_p=0.9, seed=5)
 @pytest.fixture(scope="module", params=[True, False], ids=["ragged", "batch_generator"])
 def runner(tiny_pair, request):
     r = MlxRunner.from_paths(tiny_pair[0], drafter_kind="draft_model", drafter_path=tiny_pair[1],
-                             num_draft_tokens=3, classic_burst_ms=0, ragged=request.param)
+                             num_draft_tokens=3, classic_burst_ms=0, ragged=request.param,
+                             row_drafts=False)  # rows verifying drafts: tests/model/test_row_drafts.py
     yield r
     r.close()
 

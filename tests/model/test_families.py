@@ -5,7 +5,7 @@ the draft-model drafter (K=3), one scheduler run of three concurrent requests (f
 tick, B=1 policy on, one-round grants), and two runs in which the batch-size rule stops
 speculating streams mid-stream (a lone slot holder demoted into the classic batch; two
 requests sharing the slot). Each family also pins whether the fused tick supports it
-(`ragged.check_support`). Targets whose cache cannot roll back (state-space mamba,
+(`slab.check_support`). Targets whose cache cannot roll back (state-space mamba,
 hybrid qwen3_5) decode classically, with speculation off and the reason given.
 
 Covered families and why some are refused are listed in docs/models.md."""
@@ -17,7 +17,7 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from models import ragged
+from models import slab
 from models.drafters import NgramDrafter
 from models.loader import LoadedModel
 from models.runner import SPEC_OFF_NO_ROLLBACK, MlxRunner
@@ -151,7 +151,7 @@ def test_greedy_margins_are_far_above_float_noise(family, prompts):
 
 def test_fused_tick_support_is_as_expected(family):
     name, pair, fuses = family
-    assert (ragged.check_support(pair[0].model) is None) is fuses, ragged.check_support(pair[0].model)
+    assert (slab.check_support(pair[0].model) is None) is fuses, slab.check_support(pair[0].model)
 
 
 def test_classic_decode_equals_mlx_lm(family, prompts, expected):
@@ -284,7 +284,7 @@ def test_a_target_that_cannot_roll_back_decodes_classically_with_speculation_off
     target = LoadedModel("", f"tiny-{kind}", model, loaded[0].tokenizer, 512)
     runner = MlxRunner(target, NgramDrafter(), fast_verify=False, warm_positions=0)
     assert runner.spec_off_reason == SPEC_OFF_NO_ROLLBACK
-    assert not runner.can_fuse() and ragged.check_support(model) is not None
+    assert not runner.can_fuse() and slab.check_support(model) is not None
     requests = [make_request(rid, ids, MAX_TOKENS) for rid, ids in prompts.items()]
     assert not any(runner.spec_supports(r) for r in requests)
     eos = tuple(runner.eos_token_ids)

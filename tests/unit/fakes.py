@@ -84,7 +84,7 @@ class FakeRunner:
             out.append(TokenBatch(request.request_id, tokens, finish))
         return out
 
-    def classic_decode(self):
+    def classic_decode(self, drafts=False):
         self.actions.append(("classic_decode", tuple(self.rows)))
         if not self.rows:
             raise ProtocolError("decode without rows")
@@ -132,10 +132,13 @@ class FakeRunner:
     def can_fuse(self):
         return self.fuse
 
+    def rows_draft_like_slot(self):
+        return False  # the fake's rows decode one token per step
+
     def tick_costs(self):
         return self.costs if self.fuse else None
 
-    def spec_round_with_decode(self, request_id):
+    def spec_round_with_decode(self, request_id, drafts=False):
         """A round and a decode step as ONE model action (one entry in `actions`)."""
         if not self.fuse:
             raise ProtocolError("spec_round_with_decode on a runner that cannot fuse")

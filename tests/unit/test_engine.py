@@ -31,9 +31,9 @@ class SlowRunner(FakeRunner):
         self._note()
         return super().spec_round(request_id, probe)
 
-    def classic_decode(self):
+    def classic_decode(self, drafts=False):
         self._note()
-        return super().classic_decode()
+        return super().classic_decode(drafts)
 
 
 def collect(engine, ids, timeout=10.0):

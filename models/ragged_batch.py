@@ -36,7 +36,7 @@ from models.ragged import Rider
 from models.rollback import accept_count, clip_tokens, draft_budget
 from models.sampling import RequestSampler, log_probs, stop_token_ids
 from models.slab import Row, RowView, Slab
-from scheduler.costs import RowAcceptance, TickCosts, row_draft_budget
+from scheduler.costs import RowAcceptance, TickCosts, row_draft_budget, verify_costs
 from scheduler.request import Request
 from scheduler.runner import TokenBatch
 
@@ -70,7 +70,8 @@ class RaggedBatch:
             raise ValueError("solo_burst_s must be >= 0")
         self.row_drafts = row_drafts
         self.num_draft_tokens = num_draft_tokens
-        self.costs: TickCosts | None = None
+        self._costs: TickCosts | None = None
+        self._fit: tuple[float, float, float] | None = None
         self._model = model
         self._eos_token_ids = tuple(eos_token_ids)
         self._prefill_batch_size = max(1, prefill_batch_size)
@@ -80,6 +81,16 @@ class RaggedBatch:
         self._sessions: set[int] = set()  # ids of rows handed out as session caches
         self._finished: set[str] = set()  # finished rows not yet removed
         self._steps = 0
+
+    @property
+    def costs(self) -> TickCosts | None:
+        return self._costs
+
+    @costs.setter
+    def costs(self, costs: TickCosts | None) -> None:
+        """The measured forward costs the rows' draft budgets are judged by (fitted once)."""
+        self._costs = costs
+        self._fit = None if costs is None else verify_costs(costs, self.num_draft_tokens)
 
     # -- bookkeeping ------------------------------------------------------------------
     def num_rows(self) -> int:
@@ -112,6 +123,7 @@ class RaggedBatch:
         if row is not None and id(row) in self._sessions and not row.freed:
             self._sessions.discard(id(row))
             self.slab.free(row)
+            self.slab.shrink()
 
     def owns(self, cache: list) -> bool:
         row = _row_of(cache)
@@ -246,14 +258,18 @@ class RaggedBatch:
         return out
 
     def _drafts(self, streams: list[_Stream]) -> list[list[int]]:
-        """Each row's drafts for this step (empty where it drafts nothing)."""
+        """Each row's drafts for this step (empty where it drafts nothing; nobody
+        drafts where even a row accepting everything would not pay)."""
+        n, fit, cap = len(streams), self._fit, self.num_draft_tokens
+        if fit is not None and row_draft_budget(1.0, n, fit, cap) == 0:
+            return [[] for _ in streams]
         out = []
         for s in streams:
             k = 0
             if s.index is not None:
-                k = draft_budget(self.num_draft_tokens, s.max_tokens - s.num_emitted)
-                if self.costs is not None:
-                    k = min(k, row_draft_budget(s.acceptance.alpha, len(streams), self.costs, self.num_draft_tokens))
+                k = draft_budget(cap, s.max_tokens - s.num_emitted)
+                if fit is not None and k:
+                    k = min(k, row_draft_budget(s.acceptance.alpha, n, fit, cap))
             out.append(s.index.propose(k) if k else [])
         return out
 
@@ -301,6 +317,7 @@ class RaggedBatch:
     def _drop(self, stream: _Stream) -> None:
         self._free_classic(stream)
         del self._streams[stream.request_id]
+        self.slab.shrink()
 
     def remove(self, request_id: str) -> None:
         """Drop a row (finished rows are already out of the slab). Idempotent."""

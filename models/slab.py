@@ -134,6 +134,20 @@ class Slab:
             self.values = [_grow(v, 2, extra) for v in self.values]
             self.capacity += extra
 
+    def shrink(self) -> None:
+        """Give back capacity no row needs: when the longest row fits in half of it,
+        keep that length rounded up to `STEP` (one long request does not keep every
+        row's buffer at its length after it ends)."""
+        longest = max((r.length for r in self.rows), default=0)
+        keep = max(-(-(longest + 1) // STEP) * STEP, STEP)
+        if keep * 2 > self.capacity:
+            return
+        # contiguous copies, so the larger buffers are released
+        self.keys = [mx.contiguous(k[:, :, :keep]) for k in self.keys]
+        self.values = [mx.contiguous(v[:, :, :keep]) for v in self.values]
+        self.capacity = keep
+        mx.eval(self.arrays())
+
     def add(self) -> Row:
         """A new, empty row (the buffer doubles its rows when full)."""
         if len(self.rows) >= self.keys[0].shape[0]:

@@ -218,16 +218,19 @@ def verify_costs(costs: TickCosts, num_draft_tokens: int) -> tuple[float, float,
     return per_forward, per_token, max(per_group, 0.0)
 
 
-def row_draft_budget(alpha: float, num_rows: int, costs: TickCosts, num_draft_tokens: int) -> int:
+def row_draft_budget(alpha: float, num_rows: int, costs: TickCosts | tuple[float, float, float],
+                     num_draft_tokens: int) -> int:
     """Drafts (0..K) a row with per-draft acceptance `alpha` should verify this step:
     the one whose expected accepted drafts (alpha + ... + alpha^k) most exceed what
     its verify positions and its own attention group cost, at the tokens per second
-    a step of `num_rows` rows yields.
+    a step of `num_rows` rows yields. `costs`: the measured tables, or their
+    `verify_costs` fit (what a caller asking every step passes, fitted once).
     >>> costs = TickCosts({1: 4.0, 2: 4.5, 4: 5.5}, {0: 6.5, 1: 7.0, 4: 8.5}, 0.0)
     >>> [row_draft_budget(a, 4, costs, 4) for a in (0.4, 0.75, 0.9)]
     [0, 3, 4]
     """
-    per_forward, per_token, per_group = verify_costs(costs, num_draft_tokens)
+    fit = verify_costs(costs, num_draft_tokens) if isinstance(costs, TickCosts) else costs
+    per_forward, per_token, per_group = fit
     rate = num_rows / max(per_forward + per_token * num_rows, 1e-9)
     best, best_k, expected, p = 0.0, 0, 0.0, 1.0
     for k in range(1, num_draft_tokens + 1):

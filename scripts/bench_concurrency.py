@@ -101,14 +101,35 @@ def run(quick: bool, target: str, draft: str, drafter: str, repeats: int, waves:
                 "same_lengths": all(r["outputs"] == runs["classic"][0]["outputs"] for r in results),
                 "runs": results,
             })
+    long_rows = [long_streams(runner, n, 2 * max_tokens, seed) for n in (2, 3, 4)]
     return {"scenario": "concurrency", "quick": quick, "drafter": drafter, "max_tokens": max_tokens,
-            "repeats": repeats, "waves": waves, "machine": bench_util.machine(), "rows": rows}
+            "repeats": repeats, "waves": waves, "machine": bench_util.machine(), "rows": rows,
+            "long_streams": long_rows}
+
+
+def long_streams(runner, n: int, max_tokens: int, seed: int) -> dict:
+    """n long greedy requests of equal length, arriving together, in the default
+    configuration: does every stream speculate, and evenly (Jain over rounds)?"""
+    prompts = token_prompts(runner.tokenizer, n, seed + 100 + n, num_tokens=64)
+    config = SchedulerConfig(num_draft_tokens=runner.num_draft_tokens, grant_rounds=8,
+                             max_batch_size=16, **CONFIGS["default"])
+    result = drive(runner, config, [Arrival(f"l{i}", p, max_tokens) for i, p in enumerate(prompts)])
+    specs = [r["speculative"] or {} for r in result.records.values()]
+    rounds = [(s.get("rounds") or 0) - (s.get("probe_rounds") or 0) for s in specs]
+    return {"streams": n, "max_tokens": max_tokens, "rounds": rounds, "jain_rounds": metrics.jain_index(rounds),
+            "slot_rounds": result.counters.get("spec_rounds", 0), "row_rounds": result.counters.get("row_rounds", 0),
+            "aggregate_tok_s": metrics.summarize(list(result.records.values()), result.duration_s)["output_throughput"]}
 
 
 COLUMNS = [("streams", "streams"), ("config", "config"), ("aggregate_tok_s", "aggregate tok/s"),
            ("ratio_vs_classic", "/ classic (median)"), ("ratio_min", "/ classic (min)"),
            ("median_tpot_ms", "TPOT p50 ms"), ("rounds_per_stream", "spec rounds / stream"),
            ("jain_rounds", "Jain (rounds)"), ("acceptance_length", "accept len"), ("fused_ticks", "fused ticks")]
+
+
+LONG_COLUMNS = [("streams", "streams"), ("max_tokens", "tokens each"), ("rounds", "spec rounds per stream"),
+                ("jain_rounds", "Jain (rounds)"), ("slot_rounds", "slot rounds"), ("row_rounds", "row rounds"),
+                ("aggregate_tok_s", "aggregate tok/s")]
 
 
 def plot(result: dict, path: str) -> None:
@@ -136,6 +157,8 @@ def main(argv=None) -> int:
     waves = args.waves or (3 if args.quick else 4)
     result = run(args.quick, args.target, args.draft, args.drafter, repeats, waves, args.seed)
     text = metrics.table([{k: v for k, v in r.items() if k != "runs"} for r in result["rows"]], COLUMNS, digits=2)
+    text += "\n\nLong streams, default configuration (equal lengths, arriving together):\n\n"
+    text += metrics.table(result["long_streams"], LONG_COLUMNS, digits=2)
     bench_util.publish(args, "concurrency", result, text, plot)
     return 0 if all(r["same_lengths"] for r in result["rows"]) else 1
 

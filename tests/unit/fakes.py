@@ -53,6 +53,11 @@ class FakeRunner:
         self.costs = tick_costs
         self.spec_off_reason = None
         self.fuse_blocker = None if fuse else "a fake runner built without fuse"
+        # Rows that draft: with `row_draft_tokens` > 0 and a step asked for drafts, every
+        # row emits that many tokens more, reported as accepted drafts.
+        self.row_draft_tokens = 0
+        self.row_drafts_like_slot = False
+        self.draft_flags: list[bool] = []  # the `drafts` argument of every decode step
 
     # -- helpers ------------------------------------------------------------------------
     def _emit(self, request: Request, count: int) -> tuple[list[int], str | None]:
@@ -88,10 +93,16 @@ class FakeRunner:
         self.actions.append(("classic_decode", tuple(self.rows)))
         if not self.rows:
             raise ProtocolError("decode without rows")
+        return self._rows_step(drafts)
+
+    def _rows_step(self, drafts):
+        self.draft_flags.append(drafts)
+        extra = self.row_draft_tokens if drafts else 0
         out = []
         for request in self.rows.values():
-            tokens, finish = self._emit(request, 1)
-            out.append(TokenBatch(request.request_id, tokens, finish))
+            tokens, finish = self._emit(request, 1 + extra)
+            accepted = len(tokens) - 1
+            out.append(TokenBatch(request.request_id, tokens, finish, extra, accepted))
         return out
 
     def classic_remove(self, request_id):
@@ -133,7 +144,7 @@ class FakeRunner:
         return self.fuse
 
     def rows_draft_like_slot(self):
-        return False  # the fake's rows decode one token per step
+        return self.row_drafts_like_slot
 
     def tick_costs(self):
         return self.costs if self.fuse else None
@@ -148,7 +159,7 @@ class FakeRunner:
         self._maybe_fail("spec_round_with_decode", request_id)
         before = len(self.actions)
         outcome = self.spec_round(request_id)
-        rows = self.classic_decode()
+        rows = self.classic_decode(drafts)
         del self.actions[before:]  # the two halves are the one action recorded above
         outcome.fused = True
         return outcome, rows

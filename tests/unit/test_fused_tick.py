@@ -258,3 +258,45 @@ def test_batch_size_rule_keeps_parked_rows_in_the_batch_instead_of_churning():
     counters = scheduler.counters
     assert counters.demotions <= 1 and counters.classic_fallbacks["batch_size_at_promotion"] >= 1
     assert scheduler.runner.sessions == {}
+
+
+def test_rows_draft_in_every_decode_step_unless_speculation_is_off():
+    """`row_drafts` reaches every decode step (plain or fused); `b1_policy: off` and
+    `row_drafts: false` keep rows to one token a step; row verifies are counted."""
+    for config, expect in ((dict(), True), (dict(row_drafts=False), False), (dict(b1_policy="off"), False)):
+        runner = FakeRunner(fuse=True, tick_costs=COSTS)
+        runner.row_draft_tokens = 2
+        scheduler = make_scheduler(runner, tick_mode="fused", grant_rounds=2, **config)
+        rows = [make_request(f"c{i}", rounds=6, prompt_ids=[i + 3, 1]) for i in range(2)]
+        runner.unsupported = {r.request_id for r in rows}  # rows only: no slot
+        trace = Trace()
+        for r in rows:
+            scheduler.submit(r)
+        run_until_idle(scheduler, trace)
+        assert set(runner.draft_flags) == {expect}, config
+        for r in rows:  # the fake's extra tokens are the stream's next ones: nothing lost
+            assert trace.streams()[r.request_id] == isolated_stream(r)
+            assert (r.spec.num_rounds > 0 and 0 < r.spec.num_accepted <= 2 * r.spec.num_rounds) is expect
+        assert (scheduler.counters.row_rounds > 0) is expect
+        assert scheduler.counters.accepted_tokens == sum(r.spec.num_accepted for r in rows)
+
+
+def test_an_ngram_slot_holder_beside_drafting_rows_speculates_on_as_a_row():
+    """Rows that draft like the slot's drafter make the slot worth nothing beside them:
+    the gate parks the holder into the batch (it drafts there), and takes it back when
+    it is alone again; with `row_drafts: false` the measured costs decide as before."""
+    for row_drafts in (True, False):
+        runner = FakeRunner(fuse=True, tick_costs=TickCosts({1: 5.0, 2: 5.2}, {0: 5.5, 1: 5.6}, 0.0))
+        runner.row_drafts_like_slot = True
+        scheduler = make_scheduler(runner, tick_mode="fused", grant_rounds=8, b1_policy="auto",
+                                   row_drafts=row_drafts)
+        spec = make_request("S", rounds=12)
+        row = make_request("c0", rounds=4, prompt_ids=[5, 1])
+        runner.unsupported = {row.request_id}
+        trace = Trace()
+        scheduler.submit(spec)
+        tick(scheduler, trace)  # S holds the slot alone
+        scheduler.submit(row)
+        run_until_idle(scheduler, trace)
+        assert trace.streams()["S"] == isolated_stream(spec)
+        assert (scheduler.counters.cost_parks >= 1) is row_drafts

@@ -1,0 +1,183 @@
+"""The slab (models.slab) and the batch over it (models.ragged_batch): one forward over
+rows that bring different numbers of tokens gives each row what its own forward gives;
+rows move, free and shrink without disturbing the others; rows that verify their own
+n-gram drafts emit exactly what classic decode emits."""
+
+import random
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import gemma2, gemma3_text
+from mlx_lm.models.cache import make_prompt_cache
+
+from models import slab
+from models.drafters import NgramIndex, ngram_lookup
+from models.ragged_batch import RaggedBatch
+from scheduler.costs import TickCosts
+
+from .conftest import make_request
+from .helpers import run_classic
+from .test_ragged import _llama, _qwen2
+
+pytestmark = pytest.mark.model
+
+ATOL = 1e-4
+PROMPTS = [list(range(3, 40)), list(range(50, 61)), list(range(70, 143)), list(range(5, 9))]
+
+
+def _alone(model, prompt, new):
+    cache = make_prompt_cache(model)
+    model(mx.array([prompt]), cache=cache)
+    return model(mx.array([new]), cache=cache)[0]
+
+
+@pytest.mark.parametrize("make_model", [lambda: _llama(False), lambda: _llama(True), _qwen2],
+                         ids=["llama-untied", "llama-tied", "qwen2-bias"])
+@pytest.mark.parametrize("widths", [(1, 1, 1, 1), (1, 1, 1, 5), (2, 1, 7, 1), (4, 3, 2, 6)])
+def test_slab_forward_matches_separate_forwards(make_model, widths):
+    """Rows at different lengths, each bringing its own number of tokens (one-token
+    rows in slots 0..m-1 share one attention call, the others attend alone)."""
+    model = make_model()
+    store = slab.Slab(model, rows=2)  # grows to 4 rows
+    rows = [store.add() for _ in PROMPTS]
+    store.forward(model, [(r, p) for r, p in zip(rows, PROMPTS)])
+    news = [[(11 * i + j) % 200 + 1 for j in range(w)] for i, w in enumerate(widths)]
+    out = store.forward(model, [(r, n) for r, n in zip(rows, news)])
+    for got, prompt, new in zip(out, PROMPTS, news):
+        assert mx.abs(got - _alone(model, prompt, new)).max().item() < ATOL
+    assert [r.length for r in rows] == [len(p) + len(n) for p, n in zip(PROMPTS, news)]
+    # A following step reads what this one wrote: every row's cache is its own forward's.
+    out = store.forward(model, [(r, [7]) for r in rows])
+    for got, prompt, new in zip(out, PROMPTS, news):
+        assert mx.abs(got - _alone(model, prompt + new, [7])).max().item() < ATOL
+
+
+def test_freeing_a_row_moves_another_without_changing_it():
+    model = _llama(False)
+    store = slab.Slab(model, rows=4)
+    rows = [store.add() for _ in PROMPTS]
+    store.forward(model, [(r, p) for r, p in zip(rows, PROMPTS)])
+    store.free(rows[1])  # the last row takes slot 1
+    assert rows[3].slot == 1 and store.num_rows == 3 and rows[1].freed
+    store.swap(rows[0], rows[2])
+    live = [rows[0], rows[2], rows[3]]
+    out = store.forward(model, [(r, [9]) for r in live])
+    for got, prompt in zip(out, [PROMPTS[0], PROMPTS[2], PROMPTS[3]]):
+        assert mx.abs(got - _alone(model, prompt, [9])).max().item() < ATOL
+    with pytest.raises(ValueError, match="not in this slab"):
+        store.forward(model, [(rows[1], [1])])
+
+
+def test_shrink_returns_capacity_once_the_long_row_is_gone():
+    model = _llama(False)
+    store = slab.Slab(model, rows=2)
+    short, long = store.add(), store.add()
+    store.forward(model, [(short, PROMPTS[1]), (long, list(range(1, 200)) * 3)])
+    assert store.capacity == 768
+    store.free(long)
+    store.shrink()
+    assert store.capacity == slab.STEP
+    out = store.forward(model, [(short, [4])])
+    assert mx.abs(out[0] - _alone(model, PROMPTS[1], [4])).max().item() < ATOL
+
+
+def test_row_view_is_a_kv_cache_for_ordinary_forwards():
+    """A session's own forwards (prefill, a verify alone, a trim) run on a slab row."""
+    model = _llama(True)
+    store = slab.Slab(model)
+    row = store.add()
+    model(mx.array([PROMPTS[0]]), cache=row.cache)
+    verify = model(mx.array([[5, 6, 7]]), cache=row.cache)[0]
+    assert mx.abs(verify - _alone(model, PROMPTS[0], [5, 6, 7])).max().item() < ATOL
+    assert all(view.trim(2) == 2 for view in row.cache) and row.length == len(PROMPTS[0]) + 1
+    out = store.forward(model, [(row, [8])])[0]  # the trimmed entries are gone
+    assert mx.abs(out - _alone(model, PROMPTS[0] + [5], [8])).max().item() < ATOL
+
+
+def test_check_support_accepts_plain_families_and_refuses_the_others():
+    assert slab.check_support(_llama(True)) is None and slab.check_support(_qwen2()) is None
+    mx.random.seed(0)
+    common = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+                  head_dim=16, rms_norm_eps=1e-6, vocab_size=256, num_key_value_heads=2,
+                  query_pre_attn_scalar=16.0)
+    sliding = gemma3_text.Model(gemma3_text.ModelArgs(model_type="gemma3_text", sliding_window=8,
+                                                      sliding_window_pattern=2, **common))
+    assert "not a plain KVCache" in slab.check_support(sliding)
+    # gemma2 keeps plain caches but computes attention itself (logit soft-capping).
+    softcapped = gemma2.Model(gemma2.ModelArgs(model_type="gemma2", **common))
+    mx.eval(softcapped.parameters())
+    assert "a slab forward failed" in slab.check_support(softcapped)
+
+
+def test_ngram_index_proposes_what_ngram_lookup_proposes():
+    rng = random.Random(0)
+    for _ in range(200):
+        history = [rng.randrange(5) for _ in range(rng.randrange(1, 80))]
+        cut = rng.randrange(len(history) + 1)
+        index = NgramIndex(history[:cut])
+        index.extend(history[cut:])
+        for k in (1, 4):
+            assert index.propose(k) == ngram_lookup(history, k, 3)
+
+
+# -- the batch ------------------------------------------------------------------------
+
+REPEATING = "    def add(self, x):\n        return x + 1\n" * 6  # n-gram drafts land here
+
+
+def _run(batch, requests, drafts):
+    out, reasons, stats = {r.request_id: [] for r in requests}, {}, {"drafted": 0, "accepted": 0}
+
+    def take(batches):
+        for b in batches:
+            out[b.request_id] += b.token_ids
+            stats["drafted"] += b.num_drafted
+            stats["accepted"] += b.num_accepted
+            if b.finish_reason:
+                reasons[b.request_id] = b.finish_reason
+                batch.remove(b.request_id)
+
+    take(batch.prefill(requests))
+    for _ in range(500):
+        if len(reasons) == len(requests):
+            break
+        take(batch.decode(drafts=drafts))
+    assert batch.num_rows() == 0 and batch.slab.num_rows == 0
+    return {rid: (out[rid], reasons[rid]) for rid in out}, stats
+
+
+@pytest.mark.parametrize("costs", [None, TickCosts({1: 4.0, 4: 4.4}, {0: 4.2, 3: 4.6}, 0.0)],
+                         ids=["no_costs", "cheap_verify"])
+def test_rows_that_draft_emit_exactly_what_classic_decode_emits(loaded, prompt_ids, costs):
+    target = loaded[0]
+    repeating = list(target.tokenizer.encode(REPEATING))
+    requests = [make_request("rep", repeating, 40), make_request("a", prompt_ids[0], 33),
+                make_request("b", prompt_ids[7], 21), make_request("c", repeating[5:], 1)]
+    eos = sorted(target.tokenizer.eos_token_ids)
+    expected = run_classic(target.model, requests, eos)
+    batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True, num_draft_tokens=4)
+    batch.costs = costs
+    got, stats = _run(batch, requests, drafts=True)
+    assert got == expected
+    assert stats["accepted"] > 0 and stats["drafted"] >= stats["accepted"]
+    plain, none = _run(RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True), requests, drafts=False)
+    assert plain == expected and none == {"drafted": 0, "accepted": 0}
+
+
+def test_rows_do_not_draft_where_a_verify_position_costs_too_much(loaded):
+    target = loaded[0]
+    repeating = list(target.tokenizer.encode(REPEATING))
+    eos = sorted(target.tokenizer.eos_token_ids)
+    batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True)
+    batch.costs = TickCosts({1: 1.0, 2: 1.1}, {0: 9.0, 1: 9.5}, 0.0)  # a verify costs 8 steps
+    _, stats = _run(batch, [make_request("rep", repeating, 24), make_request("x", repeating[3:], 24)], drafts=True)
+    assert stats["drafted"] == 0
+
+
+def test_sampled_rows_do_not_draft(loaded):
+    target = loaded[0]
+    repeating = list(target.tokenizer.encode(REPEATING))
+    eos = sorted(target.tokenizer.eos_token_ids)
+    batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True)
+    _, stats = _run(batch, [make_request("s", repeating, 24, temperature=0.7, seed=1)], drafts=True)
+    assert stats["drafted"] == 0

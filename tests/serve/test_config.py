@@ -58,10 +58,11 @@ def test_config_specifics():
     local = args_of("local.yaml")
     assert local["args"]["model"] == "models/bundled/target"
     # measured on the bundled target on CPU (docs/benchmarks.md, scenario 6): n-gram drafts in
-    # the fused tick, the slot kept to up to 3 concurrent requests
+    # the fused tick, rows that draft, the cost gate and no batch-size rule
     shipped = ServeArgs.model_validate(local["args"])
     config = shipped.scheduler_config(env={})
-    assert (shipped.drafter.kind, config.tick_mode, config.speculative_disable_by_batch_size) == ("ngram", "fused", 3)
+    assert (shipped.drafter.kind, config.tick_mode, config.row_drafts, config.b1_policy,
+            config.speculative_disable_by_batch_size) == ("ngram", "fused", True, "auto", 0)
     assert build_app(local["args"])._bound_deployment.init_args[0]["model"] == os.path.join(
         REPO, "models", "bundled", "target")
 

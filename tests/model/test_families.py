@@ -45,33 +45,40 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 _MINISTRAL3_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.1,
                     "original_max_position_embeddings": 64}
 
-# name: (mlx-lm module, config overrides, 4-bit quantized, fused tick expected to pass)
+# name: (mlx-lm module, config overrides, precision, fused tick expected to pass); precision is
+# None (float32), 4 or 8 (bits, `mlx.nn.quantize`) or "bf16" (weights in bfloat16)
 FAMILIES = {
-    "llama": ("llama", {"tie_word_embeddings": False}, False, True),
-    "llama-tied": ("llama", {"tie_word_embeddings": True}, False, True),
-    "llama3-rope": ("llama", {"tie_word_embeddings": False, "rope_scaling": _LLAMA3_ROPE}, False, True),
-    "qwen2-bias": ("qwen2", {"tie_word_embeddings": False}, False, True),
-    "qwen3": ("qwen3", {"tie_word_embeddings": False}, False, True),
+    "llama": ("llama", {"tie_word_embeddings": False}, None, True),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}, None, True),
+    "llama3-rope": ("llama", {"tie_word_embeddings": False, "rope_scaling": _LLAMA3_ROPE}, None, True),
+    "qwen2-bias": ("qwen2", {"tie_word_embeddings": False}, None, True),
+    "qwen3": ("qwen3", {"tie_word_embeddings": False}, None, True),
     # Without GQA: see test_gemma2_with_gqa_cannot_prefill_a_ragged_batch.
     "gemma2": ("gemma2", {"query_pre_attn_scalar": 16.0, "num_key_value_heads": 4,
-                          "embed_scale": 0.5}, False, False),
+                          "embed_scale": 0.5}, None, False),
     "gemma3_text-sliding": ("gemma3_text", {"sliding_window": 8, "sliding_window_pattern": 2,
-                                            "query_pre_attn_scalar": 16, "layers": (4, 2)}, False, False),
-    "phi3": ("phi3", {"tie_word_embeddings": False}, False, True),
+                                            "query_pre_attn_scalar": 16, "layers": (4, 2)}, None, False),
+    "phi3": ("phi3", {"tie_word_embeddings": False}, None, True),
     "ministral3-sliding": ("ministral3", {"tie_word_embeddings": False, "sliding_window": 8,
                                           "alternate_sliding": True, "rope_parameters": _MINISTRAL3_ROPE,
-                                          "layers": (4, 2)}, False, False),
-    "llama-4bit": ("llama", {"tie_word_embeddings": False}, True, True),
-    "qwen3-4bit": ("qwen3", {"tie_word_embeddings": False}, True, True),
+                                          "layers": (4, 2)}, None, False),
+    "llama-4bit": ("llama", {"tie_word_embeddings": False}, 4, True),
+    "qwen3-4bit": ("qwen3", {"tie_word_embeddings": False}, 4, True),
+    "llama-8bit": ("llama", {"tie_word_embeddings": False}, 8, True),
+    # seed 4: seed 0's 8-bit weights leave a greedy margin of 5e-5 (a near-tie)
+    "qwen3-8bit": ("qwen3", {"tie_word_embeddings": False, "seed": 4}, 8, True),
+    "llama-bf16": ("llama", {"tie_word_embeddings": True}, "bf16", True),
+    # Tied heads in bf16: with an untied random head qwen3's bf16 logits tie exactly.
+    "qwen3-bf16": ("qwen3", {"tie_word_embeddings": True}, "bf16", True),
 }
 # mistral: mlx-lm 0.32.2 has no `mistral` module (its configs load through `llama`, which
 # slides only on layers `layer_types` marks), so "llama" covers it; see docs/models.md.
 
 
-def build(module_name, overrides, num_layers, vocab_size, seed, quantized, source=None,
+def build(module_name, overrides, num_layers, vocab_size, seed, precision, source=None,
           embed_scale=4.0):
-    """A float32 (or 4-bit) tiny model; with `source`, the first layers and every
-    non-layer weight are the source's (a truncated draft)."""
+    """A float32 (4- or 8-bit, or bfloat16) tiny model; with `source`, the first layers
+    and every non-layer weight are the source's (a truncated draft)."""
     import importlib
 
     module = importlib.import_module(f"mlx_lm.models.{module_name}")
@@ -92,8 +99,10 @@ def build(module_name, overrides, num_layers, vocab_size, seed, quantized, sourc
             out = layer.self_attn.o_proj if hasattr(layer, "self_attn") else layer.linear_attn.out_proj
             out.weight = out.weight * 0.5
             layer.mlp.down_proj.weight = layer.mlp.down_proj.weight * 0.5
-    if quantized:
-        nn.quantize(model, group_size=32, bits=4)
+    if precision in (4, 8):
+        nn.quantize(model, group_size=32, bits=precision)
+    elif precision == "bf16":
+        model.set_dtype(mx.bfloat16)
     if source is not None:
         def kept(key):
             parts = key.split(".")
@@ -106,16 +115,17 @@ def build(module_name, overrides, num_layers, vocab_size, seed, quantized, sourc
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, loaded):
     """(name, (target, draft) LoadedModels, expected fused support)."""
-    module_name, overrides, quantized, fuses = FAMILIES[request.param]
+    module_name, overrides, precision, fuses = FAMILIES[request.param]
     # gemma3_text and ministral3 need a full-attention layer after each sliding one, in
     # the draft too; gemma2 scales its embeddings by sqrt(hidden) and softcaps its logits
     # at 30, so its own embeddings stay small (else the capped logits tie).
     num_layers, num_draft_layers = overrides.get("layers", (LAYERS, DRAFT_LAYERS))
     embed_scale = overrides.get("embed_scale", 4.0)
-    overrides = {k: v for k, v in overrides.items() if k not in ("layers", "embed_scale")}
+    seed = overrides.get("seed", 0)
+    overrides = {k: v for k, v in overrides.items() if k not in ("layers", "embed_scale", "seed")}
     vocab = loaded[0].model.args.vocab_size
-    target = build(module_name, overrides, num_layers, vocab, 0, quantized, embed_scale=embed_scale)
-    draft = build(module_name, overrides, num_draft_layers, vocab, 0, quantized, source=target)
+    target = build(module_name, overrides, num_layers, vocab, seed, precision, embed_scale=embed_scale)
+    draft = build(module_name, overrides, num_draft_layers, vocab, seed, precision, source=target)
     tok = loaded[0].tokenizer
     pair = (LoadedModel("", f"tiny-{request.param}", target, tok, 512),
             LoadedModel("", f"tiny-{request.param}-draft", draft, tok, 512))

@@ -155,6 +155,9 @@ class MlxRunner:
         use, the sampler) is paid here and not by the first real request."""
         if self._verifier is None:
             return 0
+        tic = time.perf_counter()
+        log.info("warming the compiled verify for contexts up to %d positions (MLX compiles each shape once)",
+                 max_positions)
         verify_widths = (1, self.num_draft_tokens + 1)  # 1: a request's last-token round
         count = self._verifier.warm(verify_widths, max_positions)  # sampled requests
         count += self._verifier.warm(verify_widths, max_positions, head="every")  # greedy ones
@@ -167,8 +170,11 @@ class MlxRunner:
             lengths = (1, 2, PROBE_TOKENS + 1, PROBE_TOKENS + 2)
             lengths += (drafter.fast.prefill_chunk,) if drafter.fast.prefill_chunk else ()
             count += drafter.fast.warm(lengths, max_positions, head="last")
+        log.info("compiled %d shapes in %.1f s", count, time.perf_counter() - tic)
         if self._warm_session:
+            tic = time.perf_counter()
             self._run_warm_requests()
+            log.info("warm requests ran in %.1f s", time.perf_counter() - tic)
         return count
 
     def _run_warm_requests(self) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 
 from scheduler.request import Request
 from serve_app.client import SchedulerLost, submit_or_full
@@ -38,9 +39,12 @@ def build_engine(args: ServeArgs):
     info: dict = {}
 
     def runner_factory():
-        from models.runner import MlxRunner
+        from models.runner import MlxRunner, hardware_name
 
         drafter = args.drafter
+        draft_note = f", draft {drafter.path}" if drafter.kind == "draft_model" else f", drafter {drafter.kind}"
+        logger.info("loading target %s%s", args.model, draft_note)
+        tic = time.perf_counter()
         runner = MlxRunner.from_paths(
             args.model,
             drafter_kind=None if drafter.kind == "none" else drafter.kind,
@@ -50,6 +54,8 @@ def build_engine(args: ServeArgs):
             prefill_batch_size=args.prefill_batch_size,
             classic_burst_ms=args.classic_burst_ms,
         )
+        logger.info("loaded in %.1f s (device %s, %s batch)", time.perf_counter() - tic, hardware_name(),
+                    "slab" if runner.can_fuse() else "BatchGenerator")
         info["max_context"] = runner.max_context
         info["eos_token_ids"] = sorted(runner.eos_token_ids)
         # For the ready line and /health: why the slot is off, and why the fused tick is.

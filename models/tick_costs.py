@@ -1,9 +1,9 @@
 """Measure what a tick's forward costs on this machine, for `scheduler.costs`.
 
 At load, on a throwaway slab (`models.slab`) of rows holding `CONTEXT` tokens each: a
-decode step of b rows (the classic batch alone) and the same step carrying one verify
-of 1 + K tokens (the fused tick), for b in `batch_sizes`, plus the drafter proposing K
-tokens. Medians of a
+decode step of b rows (the classic batch alone), the same step carrying one verify
+of 1 + K tokens (the fused tick), and b rows each verifying 1 + K tokens (rows that
+draft), for b in `batch_sizes`, plus the drafter proposing K tokens. Medians of a
 few synchronised runs after one warm-up each; a CPU replica spends well under a
 second here with the bundled pair.
 """
@@ -65,7 +65,8 @@ def measure(model: nn.Module, drafter: Drafter | None, num_draft_tokens: int, ma
     decode = {b: timed_forward([(r, [prompt[i]]) for i, r in enumerate(decoders[:b])]) for b in sizes}
     fused = {b: timed_forward([(r, [prompt[i]]) for i, r in enumerate(decoders[:b])] + [(verifier, verify)])
              for b in [0, *sizes]}
-    return TickCosts(decode, fused, _draft_seconds(drafter, prompt, num_draft_tokens))
+    all_verify = {b: timed_forward([(r, verify) for r in decoders[:b]]) for b in sizes if b > 1}
+    return TickCosts(decode, fused, _draft_seconds(drafter, prompt, num_draft_tokens), all_verify)
 
 
 def _draft_seconds(drafter: Drafter | None, prompt: list[int], k: int) -> float:

@@ -32,8 +32,9 @@ RELAX_WEIGHT = 0.05  # how far each turn-away moves an estimate back toward all-
 class TickCosts:
     """Seconds of one model forward on this replica: `decode[b]` is a decode step of
     b rows, `fused[b]` the same b rows plus one verify of 1 + K tokens (`fused[0]`: the
-    verify alone), `draft` proposing K tokens. Sizes in between interpolate linearly;
-    past the largest measured size, the last two extrapolate.
+    verify alone), `draft` proposing K tokens, `all_verify[b]` (optional) b rows each
+    verifying 1 + K tokens (every row drafting). Sizes in between interpolate
+    linearly; past the largest measured size, the last two extrapolate.
     >>> TickCosts({1: 2.0, 3: 4.0}, {0: 3.0, 2: 5.0}, 0.5).decode_s(2)
     3.0
     """
@@ -41,6 +42,7 @@ class TickCosts:
     decode: dict[int, float]
     fused: dict[int, float]
     draft: float
+    all_verify: dict[int, float] = field(default_factory=dict)
 
     def decode_s(self, num_rows: int) -> float:
         return _interpolate(self.decode, num_rows)
@@ -51,6 +53,7 @@ class TickCosts:
     def to_dict(self) -> dict:
         return {"decode_ms": {b: round(s * 1e3, 3) for b, s in sorted(self.decode.items())},
                 "fused_ms": {b: round(s * 1e3, 3) for b, s in sorted(self.fused.items())},
+                "all_verify_ms": {b: round(s * 1e3, 3) for b, s in sorted(self.all_verify.items())},
                 "draft_ms": round(self.draft * 1e3, 3)}
 
 
@@ -202,41 +205,48 @@ class RowAcceptance:
 
 
 def verify_costs(costs: TickCosts, num_draft_tokens: int) -> tuple[float, float, float]:
-    """(per forward, per token, per multi-token row) seconds, fitted to the measured
-    tables: a decode step of b rows carries b tokens, a fused one b + 1 + K tokens in
-    one more attention group. Slopes and offsets are medians over the points, so one
-    noisy measurement does not swing them.
-    >>> verify_costs(TickCosts({1: 4.0, 2: 4.5, 4: 5.5}, {0: 6.5, 1: 7.0, 4: 8.5}, 0.0), 4)
-    (3.5, 0.5, 0.5)
+    """(per forward, per decode token, per draft token) seconds, fitted to the measured
+    tables by medians (one noisy measurement does not swing them): a decode step of b
+    rows carries b tokens; a draft token's cost is what b rows each verifying 1 + K
+    tokens add over their decode step, per draft (`all_verify`), or without that
+    table what one verify row adds beside b rows (`fused`), attention call included.
+    >>> costs = TickCosts({1: 4.0, 2: 4.5, 4: 5.5}, {0: 6.5, 1: 7.0, 4: 8.5}, 0.0)
+    >>> verify_costs(costs, 4)
+    (3.5, 0.5, 0.625)
+    >>> [round(x, 3) for x in verify_costs(TickCosts(costs.decode, costs.fused, 0.0, {2: 6.1, 4: 8.7}), 4)]
+    [3.5, 0.5, 0.2]
     """
     sizes = sorted(costs.decode)
     slopes = [(costs.decode[b] - costs.decode[a]) / (b - a) for i, a in enumerate(sizes) for b in sizes[i + 1:]]
     per_token = max(statistics.median(slopes), 0.0) if slopes else 0.0
     per_forward = statistics.median(costs.decode[b] - per_token * b for b in sizes)
-    per_group = statistics.median(costs.fused[b] - per_forward - per_token * (b + 1 + num_draft_tokens)
-                                  for b in costs.fused)
-    return per_forward, per_token, max(per_group, 0.0)
+    if costs.all_verify:
+        per_draft = statistics.median((costs.all_verify[b] - costs.decode_s(b)) / (b * num_draft_tokens)
+                                      for b in costs.all_verify)
+    else:
+        per_draft = statistics.median((costs.fused[b] - costs.decode_s(b + 1)) / num_draft_tokens for b in costs.fused)
+    return per_forward, per_token, max(per_draft, 0.0)
 
 
 def row_draft_budget(alpha: float, num_rows: int, costs: TickCosts | tuple[float, float, float],
                      num_draft_tokens: int) -> int:
     """Drafts (0..K) a row with per-draft acceptance `alpha` should verify this step:
     the one whose expected accepted drafts (alpha + ... + alpha^k) most exceed what
-    its verify positions and its own attention group cost, at the tokens per second
-    a step of `num_rows` rows yields. `costs`: the measured tables, or their
+    its verify positions cost, at the tokens per second a step of `num_rows` rows
+    yields. `costs`: the measured tables, or their
     `verify_costs` fit (what a caller asking every step passes, fitted once).
     >>> costs = TickCosts({1: 4.0, 2: 4.5, 4: 5.5}, {0: 6.5, 1: 7.0, 4: 8.5}, 0.0)
     >>> [row_draft_budget(a, 4, costs, 4) for a in (0.4, 0.75, 0.9)]
-    [0, 3, 4]
+    [0, 2, 4]
     """
     fit = verify_costs(costs, num_draft_tokens) if isinstance(costs, TickCosts) else costs
-    per_forward, per_token, per_group = fit
+    per_forward, per_token, per_draft = fit
     rate = num_rows / max(per_forward + per_token * num_rows, 1e-9)
     best, best_k, expected, p = 0.0, 0, 0.0, 1.0
     for k in range(1, num_draft_tokens + 1):
         p *= alpha
         expected += p
-        net = expected - rate * (per_group + per_token * k)
+        net = expected - rate * per_draft * k
         if net > best:
             best, best_k = net, k
     return best_k

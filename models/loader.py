@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
+from models import upstream_fixes  # noqa: F401 (installs the fixes for every model loaded here)
 from models.checks import ModelLoadError, check_model_dir, model_fingerprint  # noqa: F401 (re-exported)
 from models.hub import cached_name, resolve_model_dir
 

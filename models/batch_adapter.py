@@ -46,6 +46,15 @@ from scheduler.request import Request
 from scheduler.runner import TokenBatch
 
 
+def check_admissible(requests: Sequence[Request], rows: Sequence[str]) -> None:
+    """Raise ValueError for a request already among `rows` or with an empty prompt."""
+    for r in requests:
+        if r.request_id in rows:
+            raise ValueError(f"request {r.request_id!r} is already a classic row")
+        if not r.prompt_ids:
+            raise ValueError(f"request {r.request_id!r} has an empty prompt")
+
+
 @dataclass
 class LiveRow:
     """A stream taken out of the batch mid-way: `cache` holds every token but the last
@@ -222,11 +231,7 @@ class ClassicBatch:
         """
         if not requests:
             return []
-        for r in requests:
-            if r.request_id in self.request_ids():
-                raise ValueError(f"request {r.request_id!r} is already a classic row")
-            if not r.prompt_ids:
-                raise ValueError(f"request {r.request_id!r} has an empty prompt")
+        check_admissible(requests, self.request_ids())
         for r in requests:
             self._stop_ids[r.request_id] = stop_token_ids(self._eos_token_ids, r.sampling)
         if len(requests) == 1 and self._solo_path_free():

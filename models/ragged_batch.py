@@ -30,7 +30,7 @@ from typing import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from models.batch_adapter import LiveRow
+from models.batch_adapter import LiveRow, check_admissible
 from models.drafters import NgramIndex
 from models.ragged import Rider
 from models.rollback import accept_count, clip_tokens, draft_budget
@@ -151,11 +151,7 @@ class RaggedBatch:
         are never computed; the last tokens run together and give the first tokens."""
         if not requests:
             return []
-        for r in requests:
-            if r.request_id in self.request_ids():
-                raise ValueError(f"request {r.request_id!r} is already a classic row")
-            if not r.prompt_ids:
-                raise ValueError(f"request {r.request_id!r} has an empty prompt")
+        check_admissible(requests, self.request_ids())
         out: list[TokenBatch] = []
         for start in range(0, len(requests), self._prefill_batch_size):
             out += self._prefill_group(requests[start:start + self._prefill_batch_size])

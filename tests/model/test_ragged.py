@@ -89,20 +89,26 @@ def test_rider_carries_a_verify_through_a_models_own_call():
         rider(mx.array([[4], [5]]), cache=batch_cache)
 
 
-def test_the_load_check_accepts_plain_families_and_refuses_the_others():
-    assert ragged.check_support(_llama(True)) is None
-    assert ragged.check_support(_qwen2()) is None
+def refused_models():
+    """(sliding-window gemma3_text, gemma2): tiny models the packed forwards refuse. gemma2
+    keeps plain caches but computes attention itself (logit soft-capping)."""
     mx.random.seed(0)
     common = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
                   head_dim=16, rms_norm_eps=1e-6, vocab_size=256, num_key_value_heads=2,
                   query_pre_attn_scalar=16.0)
     sliding = gemma3_text.Model(gemma3_text.ModelArgs(model_type="gemma3_text", sliding_window=8,
                                                       sliding_window_pattern=2, **common))
-    reason = ragged.check_support(sliding)
-    assert reason is not None and "KVCache" in reason
-    # gemma2 keeps plain caches but computes attention itself (logit soft-capping).
     softcapped = gemma2.Model(gemma2.ModelArgs(model_type="gemma2", **common))
     mx.eval(softcapped.parameters())
+    return sliding, softcapped
+
+
+def test_the_load_check_accepts_plain_families_and_refuses_the_others():
+    assert ragged.check_support(_llama(True)) is None
+    assert ragged.check_support(_qwen2()) is None
+    sliding, softcapped = refused_models()
+    reason = ragged.check_support(sliding)
+    assert reason is not None and "KVCache" in reason
     reason = ragged.check_support(softcapped)
     assert reason is not None and "packed forward" in reason
 

@@ -7,7 +7,6 @@ import random
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models import gemma2, gemma3_text
 from mlx_lm.models.cache import make_prompt_cache
 
 from models import slab
@@ -17,7 +16,7 @@ from scheduler.costs import TickCosts
 
 from .conftest import make_request
 from .helpers import run_classic
-from .test_ragged import _llama, _qwen2
+from .test_ragged import _llama, _qwen2, refused_models
 
 pytestmark = pytest.mark.model
 
@@ -96,16 +95,8 @@ def test_row_view_is_a_kv_cache_for_ordinary_forwards():
 
 def test_check_support_accepts_plain_families_and_refuses_the_others():
     assert slab.check_support(_llama(True)) is None and slab.check_support(_qwen2()) is None
-    mx.random.seed(0)
-    common = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
-                  head_dim=16, rms_norm_eps=1e-6, vocab_size=256, num_key_value_heads=2,
-                  query_pre_attn_scalar=16.0)
-    sliding = gemma3_text.Model(gemma3_text.ModelArgs(model_type="gemma3_text", sliding_window=8,
-                                                      sliding_window_pattern=2, **common))
+    sliding, softcapped = refused_models()
     assert "not a plain KVCache" in slab.check_support(sliding)
-    # gemma2 keeps plain caches but computes attention itself (logit soft-capping).
-    softcapped = gemma2.Model(gemma2.ModelArgs(model_type="gemma2", **common))
-    mx.eval(softcapped.parameters())
     assert "a slab forward failed" in slab.check_support(softcapped)
 
 

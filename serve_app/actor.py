@@ -55,7 +55,7 @@ def build_engine(args: ServeArgs):
             classic_burst_ms=args.classic_burst_ms,
         )
         logger.info("loaded in %.1f s (device %s, %s batch)", time.perf_counter() - tic, hardware_name(),
-                    "slab" if runner.can_fuse() else "BatchGenerator")
+                    "slab" if runner.fuse_blocker is None else "BatchGenerator")
         info["max_context"] = runner.max_context
         info["eos_token_ids"] = sorted(runner.eos_token_ids)
         # For the ready line and /health: why the slot is off, and why the fused tick is.

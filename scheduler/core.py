@@ -251,6 +251,7 @@ class Scheduler:
                 stats.num_rounds += 1
                 stats.num_drafted += batch.num_drafted
                 stats.num_accepted += batch.num_accepted
+                stats.record_drafts(batch.num_drafted, batch.num_accepted)
                 self.counters.row_rounds += 1
                 self.counters.drafted_tokens += batch.num_drafted
                 self.counters.accepted_tokens += batch.num_accepted

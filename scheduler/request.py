@@ -79,6 +79,19 @@ class SpecStats:
     num_accepted: int = 0
     num_grants: int = 0
     num_parks: int = 0
+    num_drafts: int = 0  # verifies that checked at least one draft (slot rounds and row verifies)
+    # accepted_by_position[i]: verifies whose draft at position i (0-based) was accepted
+    accepted_by_position: list[int] = field(default_factory=list)
+
+    def record_drafts(self, num_drafted: int, num_accepted: int) -> None:
+        """One verify of `num_drafted` drafts that accepted the first `num_accepted`."""
+        if num_drafted == 0:
+            return
+        self.num_drafts += 1
+        if len(self.accepted_by_position) < num_accepted:
+            self.accepted_by_position += [0] * (num_accepted - len(self.accepted_by_position))
+        for i in range(num_accepted):
+            self.accepted_by_position[i] += 1
 
 
 @dataclass

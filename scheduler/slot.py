@@ -326,6 +326,7 @@ class SpecSlot:
         stats.num_probe_rounds += int(outcome.probe)
         stats.num_drafted += outcome.num_drafted
         stats.num_accepted += outcome.num_accepted
+        stats.record_drafts(outcome.num_drafted, outcome.num_accepted)
         self.counters.spec_rounds += 1
         self.counters.probe_rounds += int(outcome.probe)
         self.counters.drafted_tokens += outcome.num_drafted

@@ -39,6 +39,17 @@ class ReplicaMetrics:
         self.grants = Counter("specslot_request_grants", "Slot grants received by requests.", registry=r)
         self.parks = Counter("specslot_request_parks", "Times requests were parked.", registry=r)
         self.generated = Counter("specslot_generated_tokens", "Completion tokens.", registry=r)
+        # vLLM's speculative-decoding counters under our prefix (vllm:spec_decode_* there),
+        # so a vLLM dashboard needs only the prefix changed; slot rounds and row verifies alike.
+        self.spec_drafts = Counter("specslot:spec_decode_num_drafts", "Verifies that checked drafts.",
+                                   registry=r)
+        self.spec_draft_tokens = Counter("specslot:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("specslot:spec_decode_num_accepted_tokens",
+                                            "Draft tokens accepted.", registry=r)
+        self.spec_accepted_per_pos = Counter(
+            "specslot:spec_decode_num_accepted_tokens_per_pos",
+            "Verifies whose draft at this position (0-based) was accepted.", ["position"], registry=r)
 
     def record_finish(self, lane: str, finish_reason: str, stats, num_tokens: int,
                       ttft_s: float | None, decode_s: float | None) -> None:
@@ -55,6 +66,11 @@ class ReplicaMetrics:
             self.parks.inc(stats.num_parks)
             if stats.num_rounds:
                 self.acceptance.observe(stats.num_accepted / stats.num_rounds + 1)
+            self.spec_drafts.inc(stats.num_drafts)
+            self.spec_draft_tokens.inc(stats.num_drafted)
+            self.spec_accepted_tokens.inc(stats.num_accepted)
+            for position, count in enumerate(stats.accepted_by_position):
+                self.spec_accepted_per_pos.labels(str(position)).inc(count)
 
     def render(self, snapshot: dict | None) -> bytes:
         text = generate_latest(self.registry)

@@ -175,7 +175,8 @@ def test_service_healthy_after_the_matrix_and_openai_client_sees_errors(app):
     metrics = httpx.get(f"{app}/metrics").text
     for series in ("specslot_ttft_seconds_count", "specslot_itl_seconds_count",
                    "specslot_acceptance_length_count", "specslot_drafted_tokens_total",
-                   "specslot_accepted_tokens_total", "specslot_scheduler_grants",
+                   "specslot_accepted_tokens_total", "specslot:spec_decode_num_drafts_total",
+                   "specslot:spec_decode_num_accepted_tokens_total", "specslot_scheduler_grants",
                    "specslot_scheduler_parks", "specslot_scheduler_skip_escalations",
                    "specslot_scheduler_backlog_depth", "specslot_scheduler_live_sessions",
                    'specslot_scheduler_queue_wait_seconds_count{lane="high"}',

@@ -1,0 +1,33 @@
+"""Speculative counters per request (SpecStats.record_drafts) and their Prometheus series
+under vLLM's names (serve_app.metrics), from slot rounds and row verifies alike."""
+
+from scheduler.request import SpecStats
+from serve_app.metrics import ReplicaMetrics
+
+
+def test_record_drafts_counts_verifies_and_accepted_positions():
+    stats = SpecStats()
+    for drafted, accepted in ((4, 2), (0, 0), (3, 3), (4, 0), (2, 1)):
+        stats.record_drafts(drafted, accepted)
+    assert stats.num_drafts == 4  # the verify with nothing drafted does not count
+    assert stats.accepted_by_position == [3, 2, 1]  # position 0 accepted 3 times, 1 twice, 2 once
+
+
+def test_vllm_named_series_sum_over_requests():
+    metrics = ReplicaMetrics()
+    for rounds in (((4, 2), (4, 4)), ((3, 1),)):
+        stats = SpecStats()
+        for drafted, accepted in rounds:
+            stats.num_rounds += 1
+            stats.num_drafted += drafted
+            stats.num_accepted += accepted
+            stats.record_drafts(drafted, accepted)
+        metrics.record_finish("normal", "length", stats, 10, 0.1, 0.5)
+    text = metrics.render(None).decode()
+    for line in ("specslot:spec_decode_num_drafts_total 3.0",
+                 "specslot:spec_decode_num_draft_tokens_total 11.0",
+                 "specslot:spec_decode_num_accepted_tokens_total 7.0",
+                 'specslot:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 3.0',
+                 'specslot:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 2.0',
+                 'specslot:spec_decode_num_accepted_tokens_per_pos_total{position="3"} 1.0'):
+        assert line in text, line

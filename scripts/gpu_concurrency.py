@@ -1,7 +1,8 @@
 """Scenario 6 on a GPU: a Qwen2.5-1.5B-shaped 4-bit model (random weights, the bundled
-tokenizer), n-gram drafter, the four `scripts.bench_concurrency` configurations with the
-slot on the plain verify path (the only one the fused tick uses today), then the GPU
-default (compiled verify, `fast_verify`, which keeps the alternating tick) for reference.
+tokenizer), n-gram drafter, the `scripts.bench_concurrency` configurations on the plain
+verify path (the slab, the only batch the fused tick uses; `classic_batchgen` on a
+`BatchGenerator` runner), then the GPU default (compiled verify, `fast_verify`, which
+keeps `BatchGenerator` and the alternating tick) for reference.
 
     OUT=results/gpu python3 scripts/gpu_concurrency.py      # SHAPE=tiny: a CPU dry run
 
@@ -30,11 +31,13 @@ print(f"built q15 in {time.time()-t:.1f}s", flush=True)
 from models.runner import MlxRunner
 from scripts import bench_concurrency as bc, bench_util
 from scripts.prompts import token_prompts
-def runner_for(fast):
+def runner_for(fast, ragged=None):
     return MlxRunner.from_paths(Q15, drafter_kind="ngram", num_draft_tokens=4, max_batch_size=16, prefill_batch_size=8,
-                                fast_verify=fast, warm_positions=512 if fast else None)
+                                fast_verify=fast, warm_positions=512 if fast else None, ragged=ragged)
 results = {}
 t = time.time(); plain = runner_for(False); bench_util.warm_up(plain, plain.tokenizer)
+batchgen = runner_for(False, ragged=False); bench_util.warm_up(batchgen, batchgen.tokenizer)
+on = lambda name: batchgen if name in bc.ON_BATCHGEN else plain  # noqa: E731
 print("plain runner", round(time.time() - t, 1), "s; can_fuse", plain.can_fuse(), plain.fuse_blocker, flush=True)
 t = time.time(); costs = plain.tick_costs(); print("tick costs", round(time.time() - t, 1), "s", costs.to_dict(), flush=True)
 results["tick_costs"] = costs.to_dict()
@@ -42,11 +45,11 @@ waves, max_tokens = 2, 128
 for n in (1, 2, 4, 8):
     prompts = token_prompts(plain.tokenizer, n * waves, n, num_tokens=64)
     for name in bc.CONFIGS:  # warm the shapes of this concurrency once, unmeasured
-        bc.one_run(plain, name, prompts[:n], n, 16, 8)
+        bc.one_run(on(name), name, prompts[:n], n, 16, 8)
     runs = {k: [] for k in bc.CONFIGS}
     for rep in range(2):
         for name in bc.CONFIGS:
-            runs[name].append(bc.one_run(plain, name, prompts, n, max_tokens, 8))
+            runs[name].append(bc.one_run(on(name), name, prompts, n, max_tokens, 8))
     row = {name: {"tok_s": statistics.median(r["aggregate_tok_s"] for r in rs),
                   "ratio": statistics.median(r["aggregate_tok_s"] / c["aggregate_tok_s"] for r, c in zip(rs, runs["classic"])),
                   "rounds_per_req": statistics.median(sum(r["rounds"]) / len(r["rounds"]) for r in rs),
@@ -54,7 +57,7 @@ for n in (1, 2, 4, 8):
     results[f"c{n}"] = row
     print(n, json.dumps({k: (round(v["tok_s"]), round(v["ratio"], 2), v["rounds_per_req"], v["fused_ticks"]) for k, v in row.items()}), flush=True)
     json.dump(results, open(os.path.join(OUT, "q15_concurrency.json"), "w"), indent=1)
-plain.close()
+plain.close(); batchgen.close()
 t = time.time(); fast = runner_for(True); bench_util.warm_up(fast, fast.tokenizer)
 print("compiled-verify runner", round(time.time() - t, 1), "s; can_fuse", fast.can_fuse(), flush=True)
 for n in (1, 2, 4, 8):

@@ -55,6 +55,14 @@ def check_admissible(requests: Sequence[Request], rows: Sequence[str]) -> None:
             raise ValueError(f"request {r.request_id!r} has an empty prompt")
 
 
+def check_adoptable(request_id: str, rows: Sequence[str], num_emitted: int, max_tokens: int) -> None:
+    """Raise ValueError for a stream already among `rows` or with no tokens left."""
+    if request_id in rows:
+        raise ValueError(f"request {request_id!r} is already a classic row")
+    if num_emitted >= max_tokens:
+        raise ValueError(f"request {request_id!r} has no tokens left to decode")
+
+
 @dataclass
 class LiveRow:
     """A stream taken out of the batch mid-way: `cache` holds every token but the last
@@ -179,10 +187,7 @@ class ClassicBatch:
         `history` (the stream's earlier tokens) is for batches whose rows draft; this
         one's rows do not.
         """
-        if request_id in self.request_ids():
-            raise ValueError(f"request {request_id!r} is already a classic row")
-        if num_emitted >= max_tokens:
-            raise ValueError(f"request {request_id!r} has no tokens left to decode")
+        check_adoptable(request_id, self.request_ids(), num_emitted, max_tokens)
         self._stop_ids[request_id] = tuple(stop_ids)
         if self._solo_path_free():
             self._solo = SoloRow.resume(request_id, self._model, cache, sampler, self._stop_ids[request_id],
@@ -275,13 +280,14 @@ class ClassicBatch:
         others = [b for uid, b in outputs.items() if uid not in new_uids]
         return moved + others + [outputs[uid] for uid in uids]
 
-    def decode(self, rider: Rider | None = None) -> list[TokenBatch]:
+    def decode(self, rider: Rider | None = None, drafts: bool = False) -> list[TokenBatch]:
         """One batched decode step: one token for every active row.
 
         With `rider` (a verify carried along, `models.ragged.Rider`) the step's forward
         goes through it, so the verify runs in the same forward as the rows; a lone row
         then steps exactly once. The rider stays unused when no forward runs (no rows,
-        or a lone row emitting its last token)."""
+        or a lone row emitting its last token). `drafts` is for batches whose rows
+        draft (`models.ragged_batch`); this one's rows do not."""
         if self._single_row_fast_path:
             self._batch_into_solo()
         if self._solo is not None:

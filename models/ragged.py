@@ -30,7 +30,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm.models.base as mlx_base
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+from models.slab import plain_caches
 
 _MLX_QUANTIZED_SDPA = mlx_base.quantized_scaled_dot_product_attention
 
@@ -157,12 +159,6 @@ class Rider:
             raise RuntimeError("a Rider carries its verify in one forward only")
         batch, self.extra_logits = packed_forward(self.model, [Group(cache, inputs[:, 0]), self.extra])
         return batch[:, None, :]
-
-
-def plain_caches(model: nn.Module) -> bool:
-    """Whether every layer of `model` keeps a plain `KVCache` (no sliding window, no
-    quantized or state-space cache): the only kind a packed forward extends."""
-    return all(type(c) is KVCache for c in make_prompt_cache(model))
 
 
 def check_support(model: nn.Module, atol: float = 1e-3) -> str | None:

@@ -30,7 +30,7 @@ from typing import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from models.batch_adapter import LiveRow, check_admissible
+from models.batch_adapter import LiveRow, check_adoptable, check_admissible
 from models.drafters import NgramIndex
 from models.ragged import Rider
 from models.rollback import accept_count, clip_tokens, draft_budget
@@ -103,13 +103,10 @@ class RaggedBatch:
         """Move `row` to slot len(streams) (the first slot after the classic rows)."""
         self.slab.swap(row, self.slab.rows[len(self._streams)])
 
-    def _free_classic(self, stream: _Stream) -> None:
-        """Free a classic row's slot; the last classic row takes it, the last row of
-        the slab takes that one (classic rows stay in slots 0..len-1)."""
-        row = stream.row
-        last_classic = self.slab.rows[len(self._streams) - 1]
-        self.slab.swap(row, last_classic)
-        self.slab.free(row)
+    def _to_session_region(self, row: Row) -> None:
+        """Move a classic row to slot len(streams) - 1, which leaves the classic region
+        once its stream is deleted (classic rows stay in slots 0..len-1)."""
+        self.slab.swap(row, self.slab.rows[len(self._streams) - 1])
 
     def new_session_cache(self) -> list[RowView]:
         """An empty row for a speculative session (after the classic rows)."""
@@ -124,10 +121,6 @@ class RaggedBatch:
             self._sessions.discard(id(row))
             self.slab.free(row)
             self.slab.shrink()
-
-    def owns(self, cache: list) -> bool:
-        row = _row_of(cache)
-        return row is not None and row.slab is self.slab and not row.freed
 
     # -- admission ----------------------------------------------------------------------
     def _add_stream(self, request_id: str, row: Row, sampler: RequestSampler, stop_ids, max_tokens: int,
@@ -181,10 +174,7 @@ class RaggedBatch:
         token but `pending_token`, the last one emitted (`history`: the tokens before
         it, for the row's drafts). A session row of this slab changes hands; another
         cache is copied into a new row. Emits nothing."""
-        if request_id in self.request_ids():
-            raise ValueError(f"request {request_id!r} is already a classic row")
-        if num_emitted >= max_tokens:
-            raise ValueError(f"request {request_id!r} has no tokens left to decode")
+        check_adoptable(request_id, self.request_ids(), num_emitted, max_tokens)
         row = _row_of(cache)
         if row is not None and id(row) in self._sessions and not row.freed:
             self._sessions.discard(id(row))
@@ -221,8 +211,8 @@ class RaggedBatch:
         entries = [(s.row, [s.pending, *d]) for s, d in zip(streams, drafts)]
         if rider is not None:
             row = _row_of(rider.extra.cache)
-            if row is None or row.slab is not self.slab:
-                raise ValueError("the rider's cache is not a row of this batch")
+            if row is None:  # a row of another slab: `Slab.forward` refuses it
+                raise ValueError("the rider's cache is not a slab row")
             entries.append((row, rider.extra.tokens.tolist()))
         logits = self.slab.forward(self._model, entries)
         if rider is not None:
@@ -304,14 +294,14 @@ class RaggedBatch:
         if stream is None:
             raise ValueError(f"request {request_id!r} is not a decoding classic row")
         row = stream.row
-        last_classic = self.slab.rows[len(self._streams) - 1]
-        self.slab.swap(row, last_classic)  # now the first slot after the classic rows
+        self._to_session_region(row)
         del self._streams[request_id]
         self._sessions.add(id(row))
         return TokenBatch(request_id, []), LiveRow(row.cache, stream.sampler)
 
     def _drop(self, stream: _Stream) -> None:
-        self._free_classic(stream)
+        self._to_session_region(stream.row)  # the last row of the slab takes its slot
+        self.slab.free(stream.row)
         del self._streams[stream.request_id]
         self.slab.shrink()
 

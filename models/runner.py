@@ -241,9 +241,7 @@ class MlxRunner:
         return self._classic.prefill(requests)
 
     def classic_decode(self, drafts: bool = False) -> list[TokenBatch]:
-        if self._ragged:
-            return self._classic.decode(drafts=drafts)
-        return self._classic.decode()
+        return self._classic.decode(drafts=drafts)
 
     def classic_remove(self, request_id: str) -> None:
         self._classic.remove(request_id)
@@ -332,7 +330,7 @@ class MlxRunner:
         tic = time.perf_counter()
         tokens = session.prepare_round()
         rider = ragged.Rider(self.target.model, ragged.Group(session.cache, mx.array(tokens, dtype=mx.int32)))
-        rows = self._classic.decode(rider, drafts=drafts) if self._ragged else self._classic.decode(rider)
+        rows = self._classic.decode(rider, drafts=drafts)
         logits = rider.extra_logits
         if logits is None:
             logits = self.target.model(mx.array([tokens]), cache=session.cache)[0]

@@ -44,6 +44,12 @@ HALF_RTOL = 0.03
 STEP = 256  # capacity grows in these many positions, as mlx-lm's KVCache does
 
 
+def plain_caches(model: nn.Module) -> bool:
+    """Whether every layer of `model` keeps a plain `KVCache` (no sliding window, no
+    quantized or state-space cache): the only kind a slab (or a packed forward) holds."""
+    return all(type(c) is KVCache for c in make_prompt_cache(model))
+
+
 class Row:
     """One stream's place in the slab: `slot` (moves when rows are compacted) and one
     `RowView` per layer (`cache`), whose offsets are the row's length."""
@@ -110,9 +116,9 @@ class Slab:
     the last one into its place); `reserve` grows the capacity in `STEP` positions."""
 
     def __init__(self, model: nn.Module, rows: int = 8) -> None:
-        probe = make_prompt_cache(model)
-        if not all(type(c) is KVCache for c in probe):
+        if not plain_caches(model):
             raise ValueError("the slab holds plain KVCache layers only")
+        probe = make_prompt_cache(model)
         model(mx.array([[0]]), cache=probe)
         self.num_layers = len(probe)
         self._shapes = [(c.keys.shape[1], c.keys.shape[3], c.values.shape[3]) for c in probe]
@@ -185,7 +191,7 @@ class Slab:
         if a is b:
             return
         for store in (self.keys, self.values):
-            for i, x in enumerate(store):
+            for x in store:
                 xa, xb = x[a.slot:a.slot + 1], x[b.slot:b.slot + 1]
                 x[a.slot:a.slot + 1] = xb
                 x[b.slot:b.slot + 1] = xa
@@ -338,7 +344,7 @@ def check_support(model: nn.Module, atol: float = 1e-3) -> str | None:
     Within `atol` in float32; in half precision within `HALF_RTOL` of the largest
     logit (a batched kernel rounds differently from a one-row one). Throwaway rows: two one-token rows at different lengths (the batch group) and one
     row verifying three tokens, against the same forwards run on private caches."""
-    if not all(type(c) is KVCache for c in make_prompt_cache(model)):
+    if not plain_caches(model):
         return "its cache is not a plain KVCache in every layer"
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12]]
     news = [[16], [17], [13, 14, 15]]

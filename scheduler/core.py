@@ -247,11 +247,7 @@ class Scheduler:
             if request is None:  # a row dropped this tick (cancelled)
                 continue
             if batch.num_drafted:  # the row verified its own drafts in this step
-                stats = request.spec
-                stats.num_rounds += 1
-                stats.num_drafted += batch.num_drafted
-                stats.num_accepted += batch.num_accepted
-                stats.record_drafts(batch.num_drafted, batch.num_accepted)
+                request.spec.record_round(batch.num_drafted, batch.num_accepted)
                 self.counters.row_rounds += 1
                 self.counters.drafted_tokens += batch.num_drafted
                 self.counters.accepted_tokens += batch.num_accepted

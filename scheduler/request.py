@@ -83,8 +83,13 @@ class SpecStats:
     # accepted_by_position[i]: verifies whose draft at position i (0-based) was accepted
     accepted_by_position: list[int] = field(default_factory=list)
 
-    def record_drafts(self, num_drafted: int, num_accepted: int) -> None:
-        """One verify of `num_drafted` drafts that accepted the first `num_accepted`."""
+    def record_round(self, num_drafted: int, num_accepted: int, probe: bool = False) -> None:
+        """One round (the slot holder's, or a classic row's own verify) that checked
+        `num_drafted` drafts and accepted the first `num_accepted`."""
+        self.num_rounds += 1
+        self.num_probe_rounds += int(probe)
+        self.num_drafted += num_drafted
+        self.num_accepted += num_accepted
         if num_drafted == 0:
             return
         self.num_drafts += 1

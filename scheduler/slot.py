@@ -321,12 +321,7 @@ class SpecSlot:
             self._end(job, "error", error=f"spec_round failed: {exc}")
             return False
         job.slices_run += 1
-        stats = request.spec
-        stats.num_rounds += 1
-        stats.num_probe_rounds += int(outcome.probe)
-        stats.num_drafted += outcome.num_drafted
-        stats.num_accepted += outcome.num_accepted
-        stats.record_drafts(outcome.num_drafted, outcome.num_accepted)
+        request.spec.record_round(outcome.num_drafted, outcome.num_accepted, outcome.probe)
         self.counters.spec_rounds += 1
         self.counters.probe_rounds += int(outcome.probe)
         self.counters.drafted_tokens += outcome.num_drafted

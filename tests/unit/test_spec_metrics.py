@@ -1,14 +1,15 @@
-"""Speculative counters per request (SpecStats.record_drafts) and their Prometheus series
+"""Speculative counters per request (SpecStats.record_round) and their Prometheus series
 under vLLM's names (serve_app.metrics), from slot rounds and row verifies alike."""
 
 from scheduler.request import SpecStats
 from serve_app.metrics import ReplicaMetrics
 
 
-def test_record_drafts_counts_verifies_and_accepted_positions():
+def test_record_round_counts_verifies_and_accepted_positions():
     stats = SpecStats()
     for drafted, accepted in ((4, 2), (0, 0), (3, 3), (4, 0), (2, 1)):
-        stats.record_drafts(drafted, accepted)
+        stats.record_round(drafted, accepted)
+    assert (stats.num_rounds, stats.num_drafted, stats.num_accepted) == (5, 13, 6)
     assert stats.num_drafts == 4  # the verify with nothing drafted does not count
     assert stats.accepted_by_position == [3, 2, 1]  # position 0 accepted 3 times, 1 twice, 2 once
 
@@ -18,10 +19,7 @@ def test_vllm_named_series_sum_over_requests():
     for rounds in (((4, 2), (4, 4)), ((3, 1),)):
         stats = SpecStats()
         for drafted, accepted in rounds:
-            stats.num_rounds += 1
-            stats.num_drafted += drafted
-            stats.num_accepted += accepted
-            stats.record_drafts(drafted, accepted)
+            stats.record_round(drafted, accepted)
         metrics.record_finish("normal", "length", stats, 10, 0.1, 0.5)
     text = metrics.render(None).decode()
     for line in ("specslot:spec_decode_num_drafts_total 3.0",

@@ -234,7 +234,8 @@ class RaggedBatch:
                     stream.acceptance.record(len(draft), num_accepted)
                 elif drafts:
                     stream.acceptance.relax()
-            out.append(TokenBatch(stream.request_id, tokens, reason, len(draft), num_accepted if draft else 0))
+            out.append(TokenBatch(stream.request_id, tokens, reason, len(draft), num_accepted if draft else 0,
+                                  "ngram" if draft else ""))
             if reason is not None:
                 self._finished.add(stream.request_id)
                 self._drop(stream)

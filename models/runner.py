@@ -297,6 +297,7 @@ class MlxRunner:
             probe,
             seconds,
             result.seconds_per_token,
+            drafter=self._slot.drafter.kind,
         )
 
     def can_fuse(self) -> bool:
@@ -336,7 +337,8 @@ class MlxRunner:
             logits = self.target.model(mx.array([tokens]), cache=session.cache)[0]
         result = session.complete_round(tokens, logits, tic)
         outcome = RoundOutcome(request_id, result.token_ids, result.finish_reason, result.num_drafted,
-                               result.num_accepted, False, time.perf_counter() - tic, fused=True)
+                               result.num_accepted, False, time.perf_counter() - tic, fused=True,
+                               drafter=self._slot.drafter.kind)
         return outcome, rows
 
     def spec_park_to_classic(self, request_id: str) -> list[TokenBatch]:

@@ -247,7 +247,7 @@ class Scheduler:
             if request is None:  # a row dropped this tick (cancelled)
                 continue
             if batch.num_drafted:  # the row verified its own drafts in this step
-                request.spec.record_round(batch.num_drafted, batch.num_accepted)
+                request.spec.record_round(batch.num_drafted, batch.num_accepted, row=True, drafter=batch.drafter)
                 self.counters.row_rounds += 1
                 self.counters.drafted_tokens += batch.num_drafted
                 self.counters.accepted_tokens += batch.num_accepted

@@ -71,10 +71,15 @@ class SamplingParams:
 
 @dataclass
 class SpecStats:
-    """Per-request speculative counters, reported in the response's `usage`."""
+    """Per-request speculative counters, reported in the response's `usage`.
+
+    `num_rounds` counts every verify: the slot holder's rounds and the classic row's
+    own verifies of its n-gram drafts (`num_row_rounds` of them). `drafters` splits
+    rounds, drafted and accepted tokens by drafter kind."""
 
     num_rounds: int = 0
     num_probe_rounds: int = 0
+    num_row_rounds: int = 0
     num_drafted: int = 0
     num_accepted: int = 0
     num_grants: int = 0
@@ -82,16 +87,41 @@ class SpecStats:
     num_drafts: int = 0  # verifies that checked at least one draft (slot rounds and row verifies)
     # accepted_by_position[i]: verifies whose draft at position i (0-based) was accepted
     accepted_by_position: list[int] = field(default_factory=list)
+    # drafter kind -> [rounds, drafted, accepted]
+    drafters: dict[str, list[int]] = field(default_factory=dict)
 
-    def record_round(self, num_drafted: int, num_accepted: int, probe: bool = False) -> None:
-        """One round (the slot holder's, or a classic row's own verify) that checked
-        `num_drafted` drafts and accepted the first `num_accepted`."""
+    def as_usage(self) -> dict:
+        """The `usage.speculative` object of a response (docs/configuration.md)."""
+        return {
+            "rounds": self.num_rounds, "probe_rounds": self.num_probe_rounds, "row_rounds": self.num_row_rounds,
+            "drafted": self.num_drafted, "accepted": self.num_accepted,
+            "grants": self.num_grants, "parks": self.num_parks,
+            "acceptance_length": round(self.num_accepted / self.num_rounds + 1, 4) if self.num_rounds else None,
+            "drafters": {kind: {"rounds": r, "drafted": d, "accepted": a}
+                         for kind, (r, d, a) in sorted(self.drafters.items())},
+        }
+
+    @property
+    def num_slot_rounds(self) -> int:
+        """Full rounds the slot ran for this request (neither probes nor row verifies)."""
+        return self.num_rounds - self.num_probe_rounds - self.num_row_rounds
+
+    def record_round(self, num_drafted: int, num_accepted: int, probe: bool = False, *,
+                     row: bool = False, drafter: str = "") -> None:
+        """One round that checked `num_drafted` drafts and accepted the first
+        `num_accepted`: the slot holder's (a probe drafts nothing), or with `row` a
+        classic row's own verify. `drafter` names the drafts' kind."""
         self.num_rounds += 1
         self.num_probe_rounds += int(probe)
+        self.num_row_rounds += int(row)
         self.num_drafted += num_drafted
         self.num_accepted += num_accepted
         if num_drafted == 0:
             return
+        per = self.drafters.setdefault(drafter or "unknown", [0, 0, 0])
+        per[0] += 1
+        per[1] += num_drafted
+        per[2] += num_accepted
         self.num_drafts += 1
         if len(self.accepted_by_position) < num_accepted:
             self.accepted_by_position += [0] * (num_accepted - len(self.accepted_by_position))

@@ -30,6 +30,7 @@ class TokenBatch:
     finish_reason: str | None = None
     num_drafted: int = 0
     num_accepted: int = 0
+    drafter: str = ""  # the kind of drafter the row's drafts came from ("ngram")
 
 
 @dataclass
@@ -53,6 +54,7 @@ class RoundOutcome:
     seconds: float  # wall time of the round's model work, for the adaptive policy
     seconds_per_token: float | None = None
     fused: bool = False  # the verify rode in the classic batch's forward (its time is shared)
+    drafter: str = ""  # the slot drafter's kind ("draft_model", "ngram")
 
 
 class ModelRunner(Protocol):

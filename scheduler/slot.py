@@ -321,7 +321,7 @@ class SpecSlot:
             self._end(job, "error", error=f"spec_round failed: {exc}")
             return False
         job.slices_run += 1
-        request.spec.record_round(outcome.num_drafted, outcome.num_accepted, outcome.probe)
+        request.spec.record_round(outcome.num_drafted, outcome.num_accepted, outcome.probe, drafter=outcome.drafter)
         self.counters.spec_rounds += 1
         self.counters.probe_rounds += int(outcome.probe)
         self.counters.drafted_tokens += outcome.num_drafted
@@ -385,7 +385,7 @@ class SpecSlot:
             self.sink.finish(request, "error", error=f"spec_to_classic failed: {exc}")
             return
         self.counters.demotions += 1
-        self.policy.session_done(request.spec.num_rounds - request.spec.num_probe_rounds)
+        self.policy.session_done(request.spec.num_slot_rounds)
         self._adopt_row(request, batches)
 
     def _end(self, job: ActiveJob, reason: str, error: str | None = None) -> None:
@@ -398,8 +398,7 @@ class SpecSlot:
             self.runner.spec_finish(request.request_id)
         except Exception as exc:  # noqa: BLE001
             reason, error = "error", error or f"spec_finish failed: {exc}"
-        real_rounds = request.spec.num_rounds - request.spec.num_probe_rounds
-        self.policy.session_done(real_rounds)
+        self.policy.session_done(request.spec.num_slot_rounds)
         self.gate.forget(request.request_id)
         self.sink.finish(request, reason, error=error, phase=job.cancel_phase)
 

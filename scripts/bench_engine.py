@@ -141,10 +141,7 @@ def drive(runner, config: SchedulerConfig, arrivals: list[Arrival], max_ticks: i
                 rec["error"] = ev.error
                 finished.add(ev.request_id)
                 if ev.stats is not None:
-                    s = ev.stats
-                    rec["speculative"] = {"rounds": s.num_rounds, "probe_rounds": s.num_probe_rounds,
-                                          "drafted": s.num_drafted, "accepted": s.num_accepted,
-                                          "grants": s.num_grants, "parks": s.num_parks}
+                    rec["speculative"] = ev.stats.as_usage()
     else:
         raise RuntimeError(f"workload did not finish within {max_ticks} ticks")
     result.duration_s = time.perf_counter() - t0

@@ -56,7 +56,7 @@ def _row(num_streams, name, grant_rounds, policy, arrivals, runs) -> dict:
     result = sorted(runs, key=lambda r: r.duration_s)[(len(runs) - 1) // 2]
     recs = [result.records[a.request_id] for a in arrivals]
     spec = [r["speculative"] or {} for r in recs]
-    rounds = [s.get("rounds", 0) - s.get("probe_rounds", 0) for s in spec]
+    rounds = [s.get("rounds", 0) - s.get("probe_rounds", 0) - s.get("row_rounds", 0) for s in spec]  # the slot's
     rates = [r["output_tokens"] / metrics.per_request(r)["e2el_s"] for r in recs]
     total_rounds = sum(rounds)
     late_ttft = [metrics.per_request(r)["ttft_s"] * 1000 for r in recs[1:]]

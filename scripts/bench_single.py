@@ -81,8 +81,9 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, with_auto: bool = F
 
 
 def full_rounds(stats: list[dict]) -> int:
-    """Speculative rounds other than probes, over requests' `speculative` usage."""
-    return sum(s["rounds"] - s["probe_rounds"] for s in stats)
+    """The slot's rounds other than probes (not rows' own verifies), over requests'
+    `speculative` usage."""
+    return sum(s["rounds"] - s["probe_rounds"] - s.get("row_rounds", 0) for s in stats)
 
 
 def settled_policy(runner, k: int, max_tokens: int, seed: int) -> B1Policy:

@@ -91,7 +91,7 @@ def speculative_totals(records: list[dict]) -> dict:
     """Sums of the per-request speculative usage extension, and acceptance length."""
     stats = [r["speculative"] for r in records if r.get("speculative")]
     totals = {k: sum(s.get(k) or 0 for s in stats)
-              for k in ("rounds", "probe_rounds", "drafted", "accepted", "grants", "parks")}
+              for k in ("rounds", "probe_rounds", "row_rounds", "drafted", "accepted", "grants", "parks")}
     real_rounds = totals["rounds"] - totals["probe_rounds"]
     return {
         "speculative": totals,

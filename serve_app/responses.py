@@ -54,13 +54,7 @@ class Usage:
         }
         s = self.stats
         if s is not None:
-            out["speculative"] = {
-                "rounds": s.num_rounds, "probe_rounds": s.num_probe_rounds,
-                "drafted": s.num_drafted, "accepted": s.num_accepted,
-                "grants": s.num_grants, "parks": s.num_parks,
-                "acceptance_length": round(s.num_accepted / s.num_rounds + 1, 4)
-                if s.num_rounds else None,
-            }
+            out["speculative"] = s.as_usage()
         return out
 
 

@@ -141,9 +141,9 @@ def test_usage_carries_speculative_stats_and_queue_full_is_503(codec):
         return body, full
     body, full = run(go())
     assert body["usage"]["completion_tokens"] == 3
-    assert body["usage"]["speculative"] == {"rounds": 2, "probe_rounds": 0, "drafted": 6,
+    assert body["usage"]["speculative"] == {"rounds": 2, "probe_rounds": 0, "row_rounds": 0, "drafted": 6,
                                             "accepted": 4, "grants": 0, "parks": 0,
-                                            "acceptance_length": 3.0}
+                                            "acceptance_length": 3.0, "drafters": {}}
     assert full.status_code == 503 and full.headers["retry-after"] == "1"
     assert full.json()["error"]["code"] == "queue_full"
 

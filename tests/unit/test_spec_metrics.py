@@ -14,6 +14,21 @@ def test_record_round_counts_verifies_and_accepted_positions():
     assert stats.accepted_by_position == [3, 2, 1]  # position 0 accepted 3 times, 1 twice, 2 once
 
 
+def test_slot_rounds_and_row_verifies_are_told_apart_by_drafter():
+    stats = SpecStats()
+    stats.record_round(0, 0, probe=True, drafter="draft_model")  # a probe drafts nothing
+    stats.record_round(4, 3, drafter="draft_model")
+    stats.record_round(4, 1, drafter="draft_model")
+    stats.record_round(2, 2, row=True, drafter="ngram")
+    stats.record_round(0, 0, row=True)  # a row step that drafted nothing is not a verify
+    assert (stats.num_rounds, stats.num_probe_rounds, stats.num_row_rounds) == (5, 1, 2)
+    assert stats.num_slot_rounds == 2  # the adaptive policy's measure of a slot session
+    usage = stats.as_usage()
+    assert usage["drafters"] == {"draft_model": {"rounds": 2, "drafted": 8, "accepted": 4},
+                                 "ngram": {"rounds": 1, "drafted": 2, "accepted": 2}}
+    assert (usage["rounds"], usage["row_rounds"], usage["drafted"], usage["accepted"]) == (5, 2, 10, 6)
+
+
 def test_vllm_named_series_sum_over_requests():
     metrics = ReplicaMetrics()
     for rounds in (((4, 2), (4, 4)), ((3, 1),)):

@@ -213,6 +213,8 @@ class RaggedBatch:
             row = _row_of(rider.extra.cache)
             if row is None:  # a row of another slab: `Slab.forward` refuses it
                 raise ValueError("the rider's cache is not a slab row")
+            if self.slab.grid and row.slot != len(self._streams):
+                self._to_classic_region(row)  # next to the rows: one grid, no gap rows
             entries.append((row, rider.extra.tokens.tolist()))
         logits = self.slab.forward(self._model, entries)
         if rider is not None:

@@ -52,7 +52,7 @@ class MlxRunner:
         num_draft_tokens: int = 4,
         max_batch_size: int = 16,
         prefill_batch_size: int = 8,
-        fast_verify: bool | None = None,
+        fast_verify: bool = False,
         warm_positions: int | None = None,
         prefill_chunk: int = bucketed.DEFAULT_PREFILL_CHUNK,
         warm_session: bool = True,
@@ -62,9 +62,12 @@ class MlxRunner:
         row_drafts: bool = True,
     ):
         """`fast_verify`: speculative rounds through `models.bucketed` (shape-stable,
-        compiled forwards; one host sync per round). None = on when MLX's default device
-        is a GPU. `warm_positions`: with fast_verify, compile the shapes of contexts up to
-        this many positions at load (None = min(max_context, 2048); 0 = lazily).
+        compiled forwards; one host sync per round): the fastest lone stream on a GPU,
+        but its verify cannot ride in the batch's forward, so classic rows stall behind
+        it (mlx-lm's `BatchGenerator` and the alternating tick). Off by default: the
+        slab's grid forwards keep shapes stable on a GPU too (docs/gpu.md).
+        `warm_positions`: with fast_verify, compile the shapes of contexts up to this
+        many positions at load (None = min(max_context, 2048); 0 = lazily).
         `prefill_chunk`: with fast_verify, a session's prefill (target and draft model)
         runs in compiled chunks of this many positions (0 = plain mlx-lm prefill).
         `warm_session`: `warm` also runs throwaway requests end to end (see there).
@@ -99,8 +102,6 @@ class MlxRunner:
         self._parked_drafts: dict[str, object] = {}
         self._tick_costs: TickCosts | None = None
         self._classic_rows_cap = max_batch_size
-        if fast_verify is None:
-            fast_verify = mx.default_device() != mx.cpu
         self._verifier = None
         self._warm_session = warm_session
         # Why the verify cannot ride in the classic batch's forward (None: it can).
@@ -205,7 +206,7 @@ class MlxRunner:
         num_draft_tokens: int = 4,
         max_batch_size: int = 16,
         prefill_batch_size: int = 8,
-        fast_verify: bool | None = None,
+        fast_verify: bool = False,
         warm_positions: int | None = None,
         classic_burst_ms: float = DEFAULT_CLASSIC_BURST_MS,
         ragged: bool | None = None,
@@ -334,7 +335,7 @@ class MlxRunner:
         rows = self._classic.decode(rider, drafts=drafts)
         logits = rider.extra_logits
         if logits is None:
-            logits = self.target.model(mx.array([tokens]), cache=session.cache)[0]
+            logits = session.forward(tokens)
         result = session.complete_round(tokens, logits, tic)
         outcome = RoundOutcome(request_id, result.token_ids, result.finish_reason, result.num_drafted,
                                result.num_accepted, False, time.perf_counter() - tic, fused=True,

@@ -159,9 +159,9 @@ class SpeculativeSession:
             logits = self.verifier.logits(self.cache, last)[0]
         else:
             for start in range(0, len(head), PREFILL_STEP):
-                self.target(mx.array([head[start : start + PREFILL_STEP]]), cache=self.cache)
+                self.forward(head[start : start + PREFILL_STEP])
                 mx.eval([c.state for c in self.cache])
-            logits = self.target(last, cache=self.cache)[0]
+            logits = self.forward(self.prompt_ids[-1:])
         first = self._sample(logits)
         if self.drafter is not None:
             self.draft_state = self.drafter.new_state(self.prompt_ids)
@@ -193,9 +193,19 @@ class SpeculativeSession:
         tic = time.perf_counter()
         tokens = self.prepare_round()
         t1 = time.perf_counter()
-        logits = self.target(mx.array([tokens]), cache=self.cache)[0]
+        logits = self.forward(tokens)
         self.counters.phase_seconds["verify"] += time.perf_counter() - t1
         return self.complete_round(tokens, logits, tic)
+
+    def forward(self, tokens: list[int]) -> mx.array:
+        """The target's (lazy) logits, (n, V), for `tokens` appended to the session's
+        cache: through the slab when the cache is a row of a grid slab (bucketed
+        shapes: the GPU reuses its kernels and attention plans round after round),
+        else the plain mlx-lm forward."""
+        row = getattr(self.cache[0], "row", None) if self.cache else None
+        if row is not None and row.slab.grid:
+            return row.slab.forward(self.target, [(row, list(tokens))])[0]
+        return self.target(mx.array([tokens], dtype=mx.int32), cache=self.cache)[0]
 
     def prepare_round(self) -> list[int]:
         """The first half of a round on the plain path: draft, and return the tokens

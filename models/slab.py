@@ -115,7 +115,10 @@ class Slab:
     """Rows of KV for one model. Slots 0..num_rows-1 are in use (freeing a row moves
     the last one into its place); `reserve` grows the capacity in `STEP` positions."""
 
-    def __init__(self, model: nn.Module, rows: int = 8) -> None:
+    def __init__(self, model: nn.Module, rows: int = 8, grid: bool | None = None) -> None:
+        """`grid`: run forwards as a grid where the rows allow it (see `forward`);
+        None: on a GPU, where padding costs little and every new shape costs a lot."""
+        self.grid = (mx.default_device() == mx.gpu) if grid is None else grid
         if not plain_caches(model):
             raise ValueError("the slab holds plain KVCache layers only")
         probe = make_prompt_cache(model)
@@ -208,20 +211,35 @@ class Slab:
 
     def forward(self, model: nn.Module, entries: list[tuple[Row, list[int]]]) -> list[mx.array]:
         """Logits (lazy), (n, V) per entry, of one forward in which each entry's row
-        gains its tokens, exactly as if each row had run its own forward."""
+        gains its tokens, exactly as if each row had run its own forward.
+
+        Packed (the CPU's way): only the entries' own tokens run, and attention is one
+        call for the one-token rows in slots 0..m-1 plus one per multi-token row, over
+        the keys the rows hold. Grid (`self.grid`, when the entries fill a run of slots
+        with few gaps): every row of the run brings as many tokens as the widest entry
+        (the others padded; a gap's row is a row of padding) and attention is one call
+        over the run, against keys up to the longest row rounded up to `STEP`, with a
+        mask. The grid computes the padding, which a GPU does nearly for free; in
+        exchange a forward's shapes depend only on the run's size, its width and the
+        key bucket, so the backend's kernels and attention plans are reused from step
+        to step instead of being built for every new length."""
         if not entries:
             return []
         ctx = _Forward(self, entries)
         layers = [_SlabLayer(self, i, ctx) for i in range(self.num_layers)]
-        logits = model(mx.array(ctx.tokens, dtype=mx.int32)[:, None], cache=layers)[:, 0, :]
+        tokens = mx.array(ctx.tokens, dtype=mx.int32)
+        if ctx.grid is not None:  # (rows, width), as a batch of rows at their own offsets
+            lo, hi, width = ctx.grid
+            logits = model(tokens.reshape(hi - lo, width), cache=layers)
+            logits = logits.reshape(-1, logits.shape[-1])
+        else:  # (tokens, 1): every token a row of its own
+            logits = model(tokens[:, None], cache=layers)[:, 0, :]
         for row, tokens in entries:
             for view in row.cache:
                 view.offset += len(tokens)
-        out, start = [None] * len(entries), 0
-        for index in ctx.order:
-            n = len(entries[index][1])
-            out[index] = logits[start:start + n]
-            start += n
+        out = [None] * len(entries)
+        for index, start in zip(ctx.order, ctx.starts):
+            out[index] = logits[start:start + len(entries[index][1])]
         return out
 
 
@@ -232,35 +250,45 @@ def _grow(x: mx.array, axis: int, extra: int) -> mx.array:
 
 
 class _Forward:
-    """What every layer of one packed forward shares: token order, positions, the
-    scatter indices, the batch group's mask."""
+    """What every layer of one forward shares: token order, positions, the scatter
+    indices, the attention masks."""
 
     def __init__(self, slab: Slab, entries: list[tuple[Row, list[int]]]) -> None:
         if len({id(row) for row, _ in entries}) != len(entries):
             raise ValueError("a row appears twice in one forward")
+        for row, tokens in entries:
+            if not tokens:
+                raise ValueError("an entry brings no tokens")
+            if row.slab is not slab or row.freed:
+                raise ValueError("an entry's row is not in this slab")
+        self.batch_rows, self.batch_len, self.batch_mask = 0, 0, None
+        self.groups: list[tuple[Row, int]] = []
+        self.grid: tuple[int, int, int] | None = None  # (first slot, end slot, width)
+        self.grid_mask = None
+        slots = [row.slot for row, _ in entries]
+        lo, hi = min(slots), max(slots) + 1
+        if slab.grid and (hi - lo) - len(entries) <= max(1, len(entries) // 4):
+            self._plan_grid(slab, entries, lo, hi)
+        else:
+            self._plan_packed(slab, entries)
+        self.capacity = slab.capacity
+        self._flat: dict[int, mx.array] = {}
+
+    def _plan_packed(self, slab: Slab, entries: list[tuple[Row, list[int]]]) -> None:
         single = sorted((i for i, (_, t) in enumerate(entries) if len(t) == 1), key=lambda i: entries[i][0].slot)
         # The batch group: one-token rows in slots 0..m-1 share one attention call.
         self.batch_rows = len(single) if [entries[i][0].slot for i in single] == list(range(len(single))) else 0
         self.order = single[: self.batch_rows] + [i for i in range(len(entries)) if i not in single[: self.batch_rows]]
         self.groups = [(entries[i][0], len(entries[i][1])) for i in self.order[self.batch_rows:]]
-        self.tokens, positions, slots = [], [], []
+        self.tokens, positions, slots, self.starts = [], [], [], []
         for i in self.order:
             row, tokens = entries[i]
-            if not tokens:
-                raise ValueError("an entry brings no tokens")
+            self.starts.append(len(self.tokens))
             self.tokens += tokens
             positions += range(row.length, row.length + len(tokens))
             slots += [row.slot] * len(tokens)
-            if row.slab is not slab or row.freed:
-                raise ValueError("an entry's row is not in this slab")
-        slab.reserve(max(p for p in positions) + 1)
-        self.positions = mx.array(positions, dtype=mx.int32)
-        self.capacity = slab.capacity
-        slots_np, pos_np = np.array(slots, np.int64), np.array(positions, np.int64)
-        self._slots_pos = (slots_np, pos_np)
-        self._flat: dict[int, mx.array] = {}
-        self.batch_len = 0
-        self.batch_mask = None
+        slab.reserve(max(positions) + 1)
+        self._set_positions(slots, positions)
         if self.batch_rows:
             lengths = np.array([entries[i][0].length for i in single[: self.batch_rows]], np.int64)
             self.batch_len = int(lengths.max()) + 1
@@ -268,13 +296,47 @@ class _Forward:
                 valid = np.arange(self.batch_len)[None, :] <= lengths[:, None]
                 self.batch_mask = mx.array(valid[:, None, None, :])
 
+    def _plan_grid(self, slab: Slab, entries: list[tuple[Row, list[int]]], lo: int, hi: int) -> None:
+        width = max(len(tokens) for _, tokens in entries)
+        by_slot = {row.slot: i for i, (row, _) in enumerate(entries)}
+        lengths = np.array([slab.rows[s].length for s in range(lo, hi)], np.int64)
+        keys = -(-(int(lengths.max()) + width) // STEP) * STEP
+        slab.reserve(keys)
+        self.grid = (lo, hi, width)
+        self.order = [by_slot[s] for s in range(lo, hi) if s in by_slot]
+        self.tokens, self.starts = [], []
+        for s in range(lo, hi):
+            i = by_slot.get(s)
+            tokens = entries[i][1] if i is not None else []
+            if i is not None:
+                self.starts.append(len(self.tokens))
+            self.tokens += tokens + [0] * (width - len(tokens))
+        # scatter order: (row, head, position), the layout of a (rows, heads, width, dim) key block
+        self._grid_rows = (np.arange(lo, hi, dtype=np.int64), lengths, width)
+        self.positions = mx.array(lengths.astype(np.int32))  # RoPE: one offset per row
+        # query i of a row sees keys 0..length + i (a gap's row: whatever, it is padding)
+        valid = np.arange(keys)[None, None, :] <= (lengths[:, None, None] + np.arange(width)[None, :, None])
+        self.grid_mask = mx.array(valid[:, None])  # (rows, 1, width, keys)
+        self.grid_keys = keys
+
+    def _set_positions(self, slots, positions) -> None:
+        self.positions = mx.array(np.asarray(positions, np.int32))
+        self._slots_pos = (np.asarray(slots, np.int64), np.asarray(positions, np.int64))
+
     def flat_index(self, heads: int) -> mx.array:
-        """Indices into a layer buffer viewed as (rows * heads * capacity, dim), token-major."""
+        """Indices into a layer buffer viewed as (rows * heads * capacity, dim), in the
+        order of the new keys: token-major for packed (tokens, heads, 1, dim) keys,
+        (row, head, position) for a grid's (rows, heads, width, dim)."""
         if heads not in self._flat:
-            slots, pos = self._slots_pos
             h = np.arange(heads, dtype=np.int64)
-            flat = ((slots[:, None] * heads + h[None, :]) * self.capacity + pos[:, None]).reshape(-1)
-            self._flat[heads] = mx.array(flat)
+            if self.grid is not None:
+                slots, lengths, width = self._grid_rows
+                pos = lengths[:, None] + np.arange(width, dtype=np.int64)[None, :]
+                flat = ((slots[:, None, None] * heads + h[None, :, None]) * self.capacity + pos[:, None, :])
+            else:
+                slots, pos = self._slots_pos
+                flat = (slots[:, None] * heads + h[None, :]) * self.capacity + pos[:, None]
+            self._flat[heads] = mx.array(flat.reshape(-1))
         return self._flat[heads]
 
 
@@ -316,6 +378,11 @@ def _attention(queries, keys, values, scale, mask, group_size=64, bits=8):
     layer = keys.layer
     ctx, k_all, v_all = layer.ctx, layer.slab.keys[layer.index], layer.slab.values[layer.index]
     heads, dim = queries.shape[1], queries.shape[3]
+    if ctx.grid is not None:  # queries: (rows, heads, width, dim)
+        lo, hi, _ = ctx.grid
+        t = ctx.grid_keys
+        return mx.fast.scaled_dot_product_attention(queries, k_all[lo:hi, :, :t], v_all[lo:hi, :, :t], scale=scale,
+                                                    mask=ctx.grid_mask)
     outputs, start = [], 0
     if ctx.batch_rows:
         m, t = ctx.batch_rows, ctx.batch_len

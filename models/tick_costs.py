@@ -51,7 +51,6 @@ def measure(model: nn.Module, drafter: Drafter | None, num_draft_tokens: int, ma
     rows = [slab.add() for _ in range(max(sizes) + 1)]
     slab.forward(model, [(r, prompt) for r in rows])
     mx.eval(slab.arrays())
-    *decoders, verifier = rows
     verify = prompt[: num_draft_tokens + 1]
 
     def timed_forward(entries):
@@ -62,10 +61,11 @@ def measure(model: nn.Module, drafter: Drafter | None, num_draft_tokens: int, ma
                     view.trim(len(tokens))
         return _timed(run)
 
-    decode = {b: timed_forward([(r, [prompt[i]]) for i, r in enumerate(decoders[:b])]) for b in sizes}
-    fused = {b: timed_forward([(r, [prompt[i]]) for i, r in enumerate(decoders[:b])] + [(verifier, verify)])
+    # b decoding rows in slots 0..b-1, the verifying row next to them (as in a fused tick)
+    decode = {b: timed_forward([(r, [prompt[i]]) for i, r in enumerate(rows[:b])]) for b in sizes}
+    fused = {b: timed_forward([(r, [prompt[i]]) for i, r in enumerate(rows[:b])] + [(rows[b], verify)])
              for b in [0, *sizes]}
-    all_verify = {b: timed_forward([(r, verify) for r in decoders[:b]]) for b in sizes if b > 1}
+    all_verify = {b: timed_forward([(r, verify) for r in rows[:b]]) for b in sizes if b > 1}
     return TickCosts(decode, fused, _draft_seconds(drafter, prompt, num_draft_tokens), all_verify)
 
 

@@ -64,6 +64,7 @@ def one_run(runner, name: str, prompts: list[list[int]], concurrency: int, max_t
         "jain_rounds": metrics.jain_index(rounds),
         "acceptance_length": summary["acceptance_length"],
         "fused_ticks": result.counters.get("actions", {}).get("fused", 0),
+        "slot_rounds": result.counters.get("spec_rounds", 0), "row_rounds": result.counters.get("row_rounds", 0),
         "outputs": {r["request_id"]: r["output_tokens"] for r in
                     ({"request_id": k, **v} for k, v in result.records.items())},
     }

@@ -86,6 +86,22 @@ def test_four_concurrent_streams_match_isolated_classic_decode(runner, prompts, 
     assert counters.backlog_peak <= 3
 
 
+@pytest.mark.parametrize("grant_rounds", [1, 8])
+def test_grid_forwards_give_the_same_streams(runner, prompts, isolated, grant_rounds):
+    """The GPU's way of running a slab forward (`Slab.grid`: rows padded to the widest,
+    gap rows as padding, one masked attention call), forced on the CPU: rotation,
+    parks and rows' drafts change nothing in any stream."""
+    store = runner._classic.slab
+    store.grid = True
+    try:
+        streams, requests, scheduler, fused_with_rows = drive(runner, prompts, grant_rounds=grant_rounds)
+    finally:
+        store.grid = False
+    for r in requests:
+        assert streams[r.request_id] == isolated[r.request_id], r.request_id
+    assert fused_with_rows > 0 and sum(r.spec.num_rounds > 0 for r in requests) >= 2
+
+
 def test_alternate_mode_gives_the_same_streams(runner, prompts, isolated):
     streams, requests, scheduler, _ = drive(runner, prompts, grant_rounds=2, tick_mode="alternate")
     assert scheduler.counters.actions["fused"] == 0

@@ -33,11 +33,13 @@ def _alone(model, prompt, new):
 @pytest.mark.parametrize("make_model", [lambda: _llama(False), lambda: _llama(True), _qwen2],
                          ids=["llama-untied", "llama-tied", "qwen2-bias"])
 @pytest.mark.parametrize("widths", [(1, 1, 1, 1), (1, 1, 1, 5), (2, 1, 7, 1), (4, 3, 2, 6)])
-def test_slab_forward_matches_separate_forwards(make_model, widths):
-    """Rows at different lengths, each bringing its own number of tokens (one-token
-    rows in slots 0..m-1 share one attention call, the others attend alone)."""
+@pytest.mark.parametrize("grid", [False, True], ids=["packed", "grid"])
+def test_slab_forward_matches_separate_forwards(make_model, widths, grid):
+    """Rows at different lengths, each bringing its own number of tokens. Packed:
+    one-token rows in slots 0..m-1 share one attention call, the others attend alone;
+    grid: every row padded to the widest, one masked attention call."""
     model = make_model()
-    store = slab.Slab(model, rows=2)  # grows to 4 rows
+    store = slab.Slab(model, rows=2, grid=grid)  # grows to 4 rows
     rows = [store.add() for _ in PROMPTS]
     store.forward(model, [(r, p) for r, p in zip(rows, PROMPTS)])
     news = [[(11 * i + j) % 200 + 1 for j in range(w)] for i, w in enumerate(widths)]
@@ -65,6 +67,26 @@ def test_freeing_a_row_moves_another_without_changing_it():
         assert mx.abs(got - _alone(model, prompt, [9])).max().item() < ATOL
     with pytest.raises(ValueError, match="not in this slab"):
         store.forward(model, [(rows[1], [1])])
+
+
+def test_grid_rows_between_entries_are_padding_and_keep_their_keys():
+    """A grid over slots 0..3 with slot 1 left out: row 1 runs as padding (its writes
+    land past its length) and its next forward is still its own; with too many gaps
+    the forward runs packed."""
+    model = _llama(False)
+    store = slab.Slab(model, rows=4, grid=True)
+    rows = [store.add() for _ in PROMPTS]
+    store.forward(model, [(r, p) for r, p in zip(rows, PROMPTS)])
+    ctx = slab._Forward(store, [(rows[0], [1]), (rows[2], [2, 3]), (rows[3], [4])])
+    assert ctx.grid == (0, 4, 2) and ctx.grid_keys % slab.STEP == 0
+    assert slab._Forward(store, [(rows[0], [1]), (rows[3], [2])]).grid is None  # two gaps for two rows
+    picks = [(rows[0], [9]), (rows[2], [5, 6, 7]), (rows[3], [8])]
+    out = store.forward(model, picks)
+    assert rows[1].length == len(PROMPTS[1])
+    for got, (row, new) in zip(out, picks):
+        assert mx.abs(got - _alone(model, PROMPTS[rows.index(row)], new)).max().item() < ATOL
+    out = store.forward(model, [(rows[1], [3])])[0]
+    assert mx.abs(out - _alone(model, PROMPTS[1], [3])).max().item() < ATOL
 
 
 def test_shrink_returns_capacity_once_the_long_row_is_gone():

@@ -81,6 +81,7 @@ class OpenAIService:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),  # ids may hold "/"
             Route("/v1/internal/scheduler", self.scheduler_state, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -102,8 +103,19 @@ class OpenAIService:
     async def models(self, request: HTTPRequest) -> Response:
         self._lane_cap(request)
         await self._wait_loaded()
-        card = {"id": self.args.model_name, "object": "model", "created": 0, "owned_by": "specslot"}
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: HTTPRequest) -> Response:
+        self._lane_cap(request)
+        await self._wait_loaded()
+        model_id = request.path_params["model_id"]
+        if model_id != self.args.model_name:
+            raise APIError(404, f"model '{model_id[:64]}' is not served here; "
+                           f"use '{self.args.model_name}'", param="model", code="model_not_found")
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {"id": self.args.model_name, "object": "model", "created": 0, "owned_by": "specslot"}
 
     async def scheduler_state(self, request: HTTPRequest) -> Response:
         self._lane_cap(request)

@@ -160,3 +160,16 @@ def test_usage_counts_only_tokens_emitted_before_a_stop(codec, chunking, stream)
     assert text == "alpha beta "
     assert usage["completion_tokens"] == expected
 
+
+def test_model_retrieve_answers_for_the_served_id_only(codec):
+    async def go():
+        async with make_app(codec, ScriptedClient([]), served_model_name="org/tiny-1") as http:
+            listed = (await http.get("/v1/models")).json()["data"][0]
+            return listed, await http.get("/v1/models/org/tiny-1"), await http.get("/v1/models/gpt-4o")
+    listed, found, missing = run(go())
+    assert found.status_code == 200 and found.json() == listed
+    assert listed["id"] == "org/tiny-1" and listed["object"] == "model"
+    assert missing.status_code == 404
+    assert missing.json()["error"] == {
+        "message": "model 'gpt-4o' is not served here; use 'org/tiny-1'",
+        "type": "invalid_request_error", "param": "model", "code": "model_not_found"}

@@ -308,7 +308,7 @@ class OpenAIService:
             if any(t >= self.codec.vocab_size for t in ids):
                 raise APIError(400, "prompt contains token ids outside the vocabulary", param="prompt")
         elif spec.chat:
-            ids = self.codec.encode_chat(spec.messages)
+            ids = self.codec.encode_chat(spec.messages, spec.chat_template_kwargs)
         else:
             ids = self.codec.encode(spec.prompt_text)
         if not ids:

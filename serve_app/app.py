@@ -25,7 +25,8 @@ from ray.serve import Application
 from serve_app.actor import ActorSource
 from serve_app.client import EngineClient
 from serve_app.codec import TextCodec
-from serve_app.config import LiveConfig, ServeArgs, format_validation_error
+from serve_app.config import (ConfigError, LiveConfig, ServeArgs, format_validation_error,
+                              read_chat_template)
 from serve_app.http import OpenAIService
 from serve_app.metrics import ReplicaMetrics
 from serve_app.ready import last_error_line
@@ -33,10 +34,6 @@ from serve_app.ready import last_error_line
 logger = logging.getLogger("ray.serve")
 
 DEPLOYMENT_NAME = "SpecslotServer"
-
-
-class ConfigError(ValueError):
-    """Deployment args or user_config failed validation (message lists every problem)."""
 
 
 def validate_args(args: dict | None) -> ServeArgs:
@@ -105,7 +102,8 @@ async def load_replica(service: OpenAIService) -> None:
         # Before transformers could try the hub, off the event loop (a download may take
         # minutes); the draft too, so the actor finds both in this node's cache.
         target_dir, _ = await asyncio.to_thread(args.model_dirs)
-        codec = await asyncio.to_thread(TextCodec.from_path, target_dir)
+        template = read_chat_template(args.chat_template)  # build_app has inlined a file's text
+        codec = await asyncio.to_thread(TextCodec.from_path, target_dir, template)
         await service.client.start()
     except Exception as exc:  # ModelLoadError, or the scheduler actor could not start
         service.fail_load(last_error_line(str(exc)))
@@ -123,9 +121,9 @@ def _identity() -> dict:
 
 def build_app(args: dict) -> Application:
     """The application a YAML config's `import_path` names. Validates `args` and finds
-    the models first (raises ConfigError / ModelLoadError), so a bad path or a hub id
-    missing from the cache fails here, once, and not in every replica; with
-    `allow_download` a missing hub id is downloaded here."""
+    the models first (raises ConfigError / ModelLoadError), so a bad path, an unreadable
+    chat template file or a hub id missing from the cache fails here, once, and not in
+    every replica; with `allow_download` a missing hub id is downloaded here."""
     serve_args = validate_args(args).with_resolved_paths(Path.cwd())
     serve_args.model_dirs()
     return SpecslotServer.bind(serve_args.model_dump(mode="json"))

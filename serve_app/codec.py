@@ -1,13 +1,20 @@
 """Text ↔ token ids on the replica: prompt encoding, chat template, streaming decode.
 
 The replica tokenizes and detokenizes so the scheduler actor only ever sees token ids.
-Tokenizers without a chat template (the tiny test models) get a plain
-`role: content` transcript ending in `assistant:`.
+Chat prompts are rendered by the tokenizer's chat template, or by the deployment's
+`chat_template` when it names one; without either, chat is a 400 (`no_chat_template`)
+rather than a prompt format the model never saw.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from jinja2 import TemplateError, TemplateSyntaxError
+
+from serve_app.errors import APIError
+
+MAX_TEMPLATE_MESSAGE = 300  # characters of a template's own error passed on to the client
 
 
 class IncrementalDecoder:
@@ -48,25 +55,58 @@ class IncrementalDecoder:
 
 
 class TextCodec:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, chat_template: str | None = None) -> None:
+        """`chat_template`: a jinja template used instead of the tokenizer's own."""
         self._tok = tokenizer
+        self._chat_template = chat_template
 
     @classmethod
-    def from_path(cls, model_path: str) -> "TextCodec":
+    def from_path(cls, model_path: str, chat_template: str | None = None) -> "TextCodec":
         import models  # noqa: F401  (fast BLAS before anything imports mlx)
         from mlx_lm.tokenizer_utils import load
 
-        return cls(load(Path(model_path)))
+        return cls(load(Path(model_path)), chat_template)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text))
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        if getattr(self._tok, "chat_template", None):
-            ids = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return list(ids)
-        transcript = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-        return self.encode(transcript)
+    @property
+    def has_chat_template(self) -> bool:
+        if self._chat_template is not None:
+            return True
+        own = getattr(self._tok, "has_chat_template", None)  # mlx-lm's wrapper: Python renderers too
+        return bool(own if own is not None else getattr(self._tok, "chat_template", None))
+
+    def encode_chat(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of `messages` rendered with a generation prompt; `template_kwargs`
+        become template variables (e.g. `enable_thinking`).
+
+        Raises APIError: 400 `no_chat_template` without a template, 400
+        `chat_template_error` when the template refuses the messages (Gemma's and
+        Mistral's `raise_exception('System role not supported')`, a missing field), 500
+        `chat_template_invalid` when the template itself does not parse.
+        """
+        if not self.has_chat_template:
+            raise APIError(400, "this model has no chat template; use the completions "
+                           "endpoint, or set chat_template in the deployment's args",
+                           param="messages", code="no_chat_template")
+        kwargs = dict(template_kwargs or {})
+        if self._chat_template is not None:
+            kwargs["chat_template"] = self._chat_template
+        try:
+            ids = self._tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                tokenize=True, **kwargs)
+        except TemplateSyntaxError as exc:
+            raise APIError(500, f"the chat template does not parse: {_short(exc)}", "server_error",
+                           code="chat_template_invalid") from None
+        except TemplateError as exc:
+            raise APIError(400, f"chat template: {_short(exc)}", param="messages",
+                           code="chat_template_error") from None
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            # Python errors inside the template: these messages do not fit what it expects.
+            raise APIError(400, f"the chat template cannot render these messages: {_short(exc)}",
+                           param="messages", code="chat_template_error") from None
+        return list(ids)
 
     def decoder(self, skip_ids=()) -> IncrementalDecoder:
         return IncrementalDecoder(self._tok, frozenset(skip_ids))
@@ -77,3 +117,8 @@ class TextCodec:
     @property
     def vocab_size(self) -> int:
         return len(self._tok.get_vocab())
+
+
+def _short(exc: Exception) -> str:
+    text = str(getattr(exc, "message", None) or exc) or type(exc).__name__
+    return text[:MAX_TEMPLATE_MESSAGE]

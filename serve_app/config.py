@@ -163,6 +163,12 @@ class ServeArgs(BaseModel):
         description="GPUs the scheduler actor reserves (CUDA nodes); 0 on CPU and Apple silicon.",
     )
     retry_after_seconds: int = Field(1, ge=1, le=3600, description="Retry-After sent with 503 on a full queue.")
+    chat_template: str | None = Field(
+        None, min_length=1,
+        description="Chat template for /v1/chat/completions, used instead of the tokenizer's "
+        "own (or where it has none): a jinja template, or a path to a .jinja file, read when "
+        "the app is built. Unset: the tokenizer's template; without one, chat is a 400.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> "ServeArgs":
@@ -186,12 +192,15 @@ class ServeArgs(BaseModel):
         return self.drafter.kind != "none"
 
     def with_resolved_paths(self, cwd: Path | None = None) -> "ServeArgs":
-        """A copy whose local model paths are absolute (the replica may run elsewhere);
-        hub ids stay ids (each process looks them up in its own Hugging Face cache)."""
+        """A copy whose local model paths are absolute and whose `chat_template` file has
+        been read into the template (the replica may run elsewhere); hub ids stay ids
+        (each process looks them up in its own Hugging Face cache). Raises ConfigError
+        when the template file cannot be read."""
         drafter = self.drafter
         if drafter.path:
             drafter = drafter.model_copy(update={"path": resolve_path(drafter.path, cwd)})
-        return self.model_copy(update={"model": resolve_path(self.model, cwd), "drafter": drafter})
+        return self.model_copy(update={"model": resolve_path(self.model, cwd), "drafter": drafter,
+                                       "chat_template": read_chat_template(self.chat_template, cwd)})
 
     def model_dirs(self) -> tuple[str, str | None]:
         """(target directory, draft directory or None): local paths as given, hub ids from
@@ -254,6 +263,32 @@ class LiveConfig(BaseModel):
 
     def changes(self) -> dict:
         return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+class ConfigError(ValueError):
+    """Deployment args or user_config failed validation (message lists every problem)."""
+
+
+def is_template_path(value: str) -> bool:
+    """Whether a `chat_template` value names a file: one line ending in `.jinja`, no braces."""
+    return "\n" not in value and "{" not in value and value.strip().endswith(".jinja")
+
+
+def read_chat_template(value: str | None, cwd: Path | None = None) -> str | None:
+    """The template a `chat_template` value means: itself, or its file's text (a relative
+    path resolves as a model path does)."""
+    if value is None or not is_template_path(value):
+        return value
+    path = resolve_path(value.strip(), cwd)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"invalid specslot config:\n  args.chat_template: cannot read "
+                          f"{path!r}: {reason}") from None
+    if not text.strip():
+        raise ConfigError(f"invalid specslot config:\n  args.chat_template: {path!r} is empty")
+    return text
 
 
 def resolve_path(path: str, cwd: Path | None = None) -> str:

@@ -1,4 +1,5 @@
-"""Starlette exception handlers: whatever goes wrong, the client gets an OpenAI error body."""
+"""OpenAI-style errors, and the Starlette exception handlers that make sure whatever goes
+wrong, the client gets an OpenAI error body."""
 
 from __future__ import annotations
 
@@ -7,9 +8,26 @@ import logging
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
-from serve_app.protocol import APIError
-
 logger = logging.getLogger("serve_app.http")
+
+
+class APIError(Exception):
+    """A client-visible error: HTTP status plus the OpenAI `error` object."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type,
+                          "param": self.param, "code": self.code}}
 
 
 async def _api_error(request: HTTPRequest, exc: APIError) -> Response:

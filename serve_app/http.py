@@ -30,7 +30,7 @@ from serve_app.errors import EXCEPTION_HANDLERS
 from serve_app.metrics import ReplicaMetrics
 from serve_app.protocol import APIError, GenerationSpec, decode_json, parse_generation
 from serve_app.ready import health_body
-from serve_app.responses import ResponseFormat, StopMatcher, Usage, sse
+from serve_app.responses import CompletionText, ResponseFormat, Usage, sse
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class OpenAIService:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),  # ids may hold "/"
             Route("/v1/internal/scheduler", self.scheduler_state, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -102,8 +103,19 @@ class OpenAIService:
     async def models(self, request: HTTPRequest) -> Response:
         self._lane_cap(request)
         await self._wait_loaded()
-        card = {"id": self.args.model_name, "object": "model", "created": 0, "owned_by": "specslot"}
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: HTTPRequest) -> Response:
+        self._lane_cap(request)
+        await self._wait_loaded()
+        model_id = request.path_params["model_id"]
+        if model_id != self.args.model_name:
+            raise APIError(404, f"model '{model_id[:64]}' is not served here; "
+                           f"use '{self.args.model_name}'", param="model", code="model_not_found")
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {"id": self.args.model_name, "object": "model", "created": 0, "owned_by": "specslot"}
 
     async def scheduler_state(self, request: HTTPRequest) -> Response:
         self._lane_cap(request)
@@ -207,18 +219,16 @@ class OpenAIService:
         """(text, finish_reason, usage, error) tuples of one request; cancels it if abandoned."""
         rid, lane = request.request_id, request.lane.name.lower()
         decoder = self.codec.decoder(skip_ids=self.client.info.get("eos_token_ids") or ())
-        stops = StopMatcher(spec.stop)
+        completion = CompletionText(decoder, spec.stop)
         started = time.monotonic()
         first_token_at = None
-        num_tokens = 0
         done = False
         try:
             async for event in events:
                 if event.token_ids and first_token_at is None:
                     first_token_at = time.monotonic()
-                num_tokens += len(event.token_ids)
-                text, hit_stop = stops.feed(decoder.add(event.token_ids))
-                if hit_stop:
+                text = completion.add(event.token_ids)
+                if completion.stopped:
                     stats = event.stats if event.finish_reason else (
                         await self._cancel_and_drain(rid, events))
                     finish, error = "stop", None
@@ -227,9 +237,9 @@ class OpenAIService:
                         yield text, None, None, None
                     continue
                 elif event.finish_reason in ("stop", "length"):
-                    tail, hit_stop = stops.feed(decoder.flush())
-                    text += tail if hit_stop else tail + stops.flush()
-                    finish, error, stats = event.finish_reason, None, event.stats
+                    text += completion.finish()
+                    finish = "stop" if completion.stopped else event.finish_reason
+                    error, stats = None, event.stats
                 else:  # "cancelled" by a stopping scheduler, or "error"
                     finish, error, stats = "error", SCHEDULER_LOST, event.stats
                     if event.error:
@@ -237,10 +247,10 @@ class OpenAIService:
                 done = True
                 now = time.monotonic()
                 self.metrics.record_finish(
-                    lane, finish, stats, num_tokens,
+                    lane, finish, stats, completion.num_generated,
                     None if first_token_at is None else first_token_at - started,
                     None if first_token_at is None else now - first_token_at)
-                yield text, finish, Usage(num_prompt, num_tokens, stats), error
+                yield text, finish, Usage(num_prompt, completion.num_billed, stats), error
                 return
         finally:
             if not done:  # the client went away (or the response task was cancelled)
@@ -298,7 +308,7 @@ class OpenAIService:
             if any(t >= self.codec.vocab_size for t in ids):
                 raise APIError(400, "prompt contains token ids outside the vocabulary", param="prompt")
         elif spec.chat:
-            ids = self.codec.encode_chat(spec.messages)
+            ids = self.codec.encode_chat(spec.messages, spec.chat_template_kwargs)
         else:
             ids = self.codec.encode(spec.prompt_text)
         if not ids:

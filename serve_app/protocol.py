@@ -3,37 +3,24 @@
 Bodies are parsed strictly (unknown fields, wrong types and out-of-range values are a
 4xx, never a crash); the result is a `GenerationSpec`, plain data the HTTP layer turns
 into a scheduler `Request` once the prompt is tokenized. Error messages name the field
-and never carry internal detail (paths, stack traces).
+as the client wrote it (`messages[1].content`) and never carry internal detail (paths,
+stack traces). Fields OpenAI defines that this server does not implement yet are
+accepted with the values that change nothing (`n: 1`, `logprobs: false`) and are a 400
+`unsupported_parameter` naming the field otherwise.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import typing
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-
-class APIError(Exception):
-    """A client-visible error: HTTP status plus the OpenAI `error` object."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type,
-                          "param": self.param, "code": self.code}}
-
+from serve_app.chat import ChatMessage, template_messages
+from serve_app.errors import APIError
 
 _BODY = ConfigDict(extra="forbid", strict=True)
 
@@ -41,6 +28,11 @@ _BODY = ConfigDict(extra="forbid", strict=True)
 class StreamOptions(BaseModel):
     model_config = _BODY
     include_usage: bool = False
+
+
+class ResponseFormatSpec(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)  # json_schema carries its schema
+    type: Literal["text", "json_object", "json_schema"]
 
 
 class _Common(BaseModel):
@@ -56,11 +48,15 @@ class _Common(BaseModel):
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
     user: str | None = Field(None, max_length=256)
-    # Accepted for client compatibility; only their neutral values are supported.
-    presence_penalty: Literal[0, 0.0] = 0.0
-    frequency_penalty: Literal[0, 0.0] = 0.0
+    # Typed here so a malformed value is a plain 400; `_NOT_YET` serves the neutral values.
+    n: int = Field(1, ge=1, le=128)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Any] | None = None
+    top_k: int | None = None
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
 
     @field_validator("stop")
     @classmethod
@@ -76,30 +72,42 @@ class _Common(BaseModel):
 
 
 class CompletionBody(_Common):
-    prompt: Union[str, list[int]] = Field(..., description="Prompt text or token ids.")
-    echo: Literal[False] = False
-
-
-class TextPart(BaseModel):
-    model_config = _BODY
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = _BODY
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart]]
-    name: str | None = Field(None, max_length=256)
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
+    prompt: Union[str, list[int], list[str], list[list[int]]] = Field(
+        ..., description="Prompt text or token ids; a list holding one prompt is that prompt.")
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
 
 
 class ChatBody(_Common):
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=4096)
+    chat_template_kwargs: dict[str, Any] | None = None
+    store: bool | None = None  # accepted and ignored: nothing is stored
+    response_format: ResponseFormatSpec | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
+
+
+# Fields this server does not implement yet, with the values that change nothing (served,
+# and ignored); any other value is a 400 naming the field.
+_NOT_YET: dict[str, tuple] = {
+    "n": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+    "top_k": (0, -1), "min_p": (0,), "repetition_penalty": (1,), "logprobs": (False,),
+    "top_logprobs": (0,), "tools": (), "tool_choice": (), "parallel_tool_calls": (),
+    "echo": (False,), "best_of": (1,), "suffix": (),
+}
+
+# apply_chat_template's own arguments and the variables every template gets from it.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "sanitize_control_tokens",
+})
 
 
 @dataclass(frozen=True)
@@ -110,7 +118,8 @@ class GenerationSpec:
     model: str | None
     prompt_text: str | None  # completions with a text prompt
     prompt_ids: list[int] | None  # completions with token ids
-    messages: list[dict] | None  # chat: [{"role", "content"}]
+    messages: list[dict] | None  # chat, as templates take them (`serve_app.chat`)
+    chat_template_kwargs: dict
     max_tokens: int | None
     temperature: float
     top_p: float
@@ -151,11 +160,8 @@ def parse_generation(body: dict, chat: bool) -> GenerationSpec:
     try:
         parsed = model_cls.model_validate(body)
     except ValidationError as err:
-        first = err.errors()[0]
-        param = ".".join(str(x) for x in first["loc"]) or None
-        msg = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
-        raise APIError(400, f"{param}: {msg}" if param else msg, param=param,
-                       code="invalid_value") from None
+        raise _invalid(err) from None
+    _check_not_yet(parsed)
     if parsed.max_tokens is not None and parsed.max_completion_tokens is not None:
         raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
     max_tokens = parsed.max_tokens if parsed.max_tokens is not None else parsed.max_completion_tokens
@@ -164,17 +170,134 @@ def parse_generation(body: dict, chat: bool) -> GenerationSpec:
     if parsed.stream_options is not None and not parsed.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
     prompt_text = prompt_ids = messages = None
+    template_kwargs = {}
     if chat:
-        messages = [{"role": m.role, "content": m.text()} for m in parsed.messages]
-    elif isinstance(parsed.prompt, str):
-        prompt_text = parsed.prompt
+        messages = template_messages(parsed.messages)
+        template_kwargs = _template_kwargs(parsed.chat_template_kwargs)
     else:
-        if any(t < 0 for t in parsed.prompt):
-            raise APIError(400, "prompt token ids must be non-negative", param="prompt")
-        prompt_ids = list(parsed.prompt)
+        prompt_text, prompt_ids = _one_prompt(parsed.prompt)
     return GenerationSpec(
         chat=chat, model=parsed.model, prompt_text=prompt_text, prompt_ids=prompt_ids,
-        messages=messages, max_tokens=max_tokens, temperature=parsed.temperature,
-        top_p=parsed.top_p, stop=list(parsed.stop or []), seed=parsed.seed, stream=parsed.stream,
+        messages=messages, chat_template_kwargs=template_kwargs, max_tokens=max_tokens,
+        temperature=parsed.temperature, top_p=parsed.top_p, stop=list(parsed.stop or []),
+        seed=parsed.seed, stream=parsed.stream,
         include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
     )
+
+
+def _one_prompt(prompt) -> tuple[str | None, list[int] | None]:
+    """(text, token ids) of a completions prompt: a string, token ids, or a list of one of those."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if prompt and not isinstance(prompt[0], int):  # a list of prompts
+        if len(prompt) > 1:
+            raise APIError(400, f"prompt: a batch of {len(prompt)} prompts is not supported; "
+                           "send one prompt per request", param="prompt", code="unsupported_value")
+        return _one_prompt(prompt[0])
+    if any(t < 0 for t in prompt):
+        raise APIError(400, "prompt token ids must be non-negative", param="prompt")
+    return None, list(prompt)
+
+
+def _check_not_yet(parsed: BaseModel) -> None:
+    for name, neutral in _NOT_YET.items():
+        value = getattr(parsed, name, None)
+        if value is None or any(_same(value, n) for n in neutral):
+            continue
+        if neutral:
+            allowed = " or ".join(json.dumps(n) for n in neutral)
+            message = f"{name}: values other than {allowed} are not supported yet"
+        else:
+            message = f"{name} is not supported yet"
+        raise APIError(400, message, param=name, code="unsupported_parameter")
+    response_format = getattr(parsed, "response_format", None)
+    if response_format is not None and response_format.type != "text":
+        raise APIError(400, f"response_format: type '{response_format.type}' is not supported "
+                       "yet; only 'text' is", param="response_format", code="unsupported_parameter")
+
+
+def _same(value, neutral) -> bool:
+    """Equal, and both booleans or neither (`False == 0` in Python, not in JSON)."""
+    return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
+
+
+def _template_kwargs(kwargs: dict | None) -> dict:
+    for key in kwargs or {}:
+        if key in _RESERVED_TEMPLATE_KWARGS:
+            raise APIError(400, f"chat_template_kwargs.{key}: set by the server, not the request",
+                           param=f"chat_template_kwargs.{key}", code="invalid_value")
+    return dict(kwargs or {})
+
+
+# -- validation messages ---------------------------------------------------------------------
+
+def _field_names(*models: type[BaseModel]) -> frozenset[str]:
+    """Every field name of the body models and the models nested in them."""
+    names, todo, seen = set(), list(models), set()
+    while todo:
+        model = todo.pop()
+        if model in seen:
+            continue
+        seen.add(model)
+        for name, field in model.model_fields.items():
+            names.add(name)
+            todo.extend(_models_in(field.annotation))
+    return frozenset(names)
+
+
+def _models_in(annotation) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+_FIELD_NAMES = _field_names(ChatBody, CompletionBody)
+
+
+def _clean_loc(loc: tuple) -> tuple[list, int | None]:
+    """pydantic's location without its union tags (`'str'`, `'list[int]'`), and the index
+    of the first tag: `('messages', 1, 'content', 'str')` -> `(['messages', 1, 'content'], 3)`."""
+    parts, tag_at = [], None
+    for i, part in enumerate(loc):
+        if isinstance(part, int) or part in _FIELD_NAMES:
+            parts.append(part)
+        elif tag_at is None:
+            tag_at = i
+    return parts, tag_at
+
+
+def format_param(parts: list) -> str:
+    """`['messages', 1, 'content']` -> `messages[1].content`."""
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _invalid(err: ValidationError) -> APIError:
+    """One 400 for a failed body: the first problem, named as the client wrote the field.
+
+    A value no member of a union accepts reports the member that got furthest into it
+    (`messages[0].content[0].text: Field required`), or, when none got past the value
+    itself, the types it may have (`prompt: expected one of str, list[int], ...`).
+    """
+    errors = err.errors()
+    first = errors[0]
+    if first["type"] == "extra_forbidden":
+        param = format_param([*_clean_loc(first["loc"][:-1])[0], first["loc"][-1]])
+        return APIError(400, f"{param}: unknown field", param=param, code="invalid_value")
+    parts, tag_at = _clean_loc(first["loc"])
+    message = first["msg"]
+    if tag_at is not None:
+        members = [e for e in errors if e["loc"][:tag_at] == first["loc"][:tag_at]]
+        deepest = max(members, key=lambda e: len(_clean_loc(e["loc"])[0]))
+        if len(_clean_loc(deepest["loc"])[0]) > len(parts):
+            parts, message = _clean_loc(deepest["loc"])[0], deepest["msg"]
+        else:
+            tags = dict.fromkeys(str(e["loc"][tag_at]) for e in members)
+            message = "expected one of " + ", ".join(tags)
+    if first["type"] in ("model_type", "dict_type") and message is first["msg"]:
+        message = "Input should be a JSON object"  # not pydantic's class names
+    param = format_param(parts) or None
+    return APIError(400, f"{param}: {message}" if param else message, param=param,
+                    code="invalid_value")

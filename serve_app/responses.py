@@ -2,11 +2,13 @@
 
 `StopMatcher` finds text stop sequences across token boundaries: it holds back the last
 `len(longest stop) - 1` characters until they can no longer start a match, so a client
-never sees text that a later token turns into a stop.
+never sees text that a later token turns into a stop. `CompletionText` puts it behind a
+request's streaming decoder and counts the tokens the client is billed for.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import time
 from dataclasses import dataclass
@@ -23,12 +25,16 @@ class StopMatcher:
         self._stops = stops
         self._hold = max((len(s) for s in stops), default=1) - 1
         self._buf = ""
+        self._num_fed = 0
+        self.cut_at: int | None = None  # where the first stop starts, in characters fed
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Text safe to emit now, and whether a stop sequence was hit (text ends before it)."""
         self._buf += text
+        self._num_fed += len(text)
         hits = [i for i in (self._buf.find(s) for s in self._stops) if i >= 0]
         if hits:
+            self.cut_at = self._num_fed - len(self._buf) + min(hits)
             out, self._buf = self._buf[:min(hits)], ""
             return out, True
         cut = max(len(self._buf) - self._hold, 0)
@@ -37,6 +43,57 @@ class StopMatcher:
 
     def flush(self) -> str:
         out, self._buf = self._buf, ""
+        return out
+
+
+class CompletionText:
+    """A request's text, decoded token by token and cut at its first stop sequence, and
+    the number of tokens it is billed for.
+
+    Without a stop every token counts. After a stop only the tokens whose text starts
+    before the cut count (their text was emitted, at least partly); tokens generated
+    after it, the stop's own and those drained after the cancel, do not. With stop
+    "END" and tokens "ab", "cE", "ND", "x" the client sees "abc" and is billed for 2.
+    """
+
+    def __init__(self, decoder, stops: list[str]) -> None:
+        self._decoder = decoder
+        self._stops = StopMatcher(stops)
+        self._per_token = bool(stops)  # only a stop needs to know where each token starts
+        self._starts: list[int] = []  # character offset of each token's text
+        self._num_chars = 0
+        self.num_generated = 0
+        self.stopped = False
+
+    @property
+    def num_billed(self) -> int:
+        if not self.stopped:
+            return self.num_generated
+        return bisect.bisect_left(self._starts, self._stops.cut_at)
+
+    def add(self, token_ids: list[int]) -> str:
+        """Text to emit for these tokens; sets `stopped` when a stop sequence is hit."""
+        self.num_generated += len(token_ids)
+        if self._per_token:
+            parts = []
+            for token_id in token_ids:
+                self._starts.append(self._num_chars)
+                parts.append(self._decoder.add([token_id]))
+                self._num_chars += len(parts[-1])
+            text = "".join(parts)
+        else:
+            text = self._decoder.add(token_ids)
+        return self._feed(text)
+
+    def finish(self) -> str:
+        """The rest of the text once generation has ended (held-back characters included)."""
+        text = self._feed(self._decoder.flush())
+        return text if self.stopped else text + self._stops.flush()
+
+    def _feed(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        out, self.stopped = self._stops.feed(text)
         return out
 
 

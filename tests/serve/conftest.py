@@ -13,3 +13,11 @@ from serve_helpers import deploy  # noqa: E402
 def main_app(ray_cluster, tiny_pair):
     """The default app at `/`: tiny pair, draft-model drafter, one replica."""
     return deploy(ray_cluster, tiny_pair, "main", "/")
+
+
+@pytest.fixture(scope="session")
+def codec(tiny_pair):
+    """The tiny target's tokenizer (a ChatML-style chat template), for the HTTP layer without Ray."""
+    from serve_app.codec import TextCodec
+
+    return TextCodec.from_path(tiny_pair[0])

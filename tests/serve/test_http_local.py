@@ -2,70 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
+import json
 
-import httpx
 import pytest
+from local_service import ScriptedClient, make_app, run
 
 from scheduler.events import TokenEvent
-from scheduler.request import Lane, SpecStats
-from serve_app.client import QueueFull
-from serve_app.codec import TextCodec
-from serve_app.config import ServeArgs
-from serve_app.http import OpenAIService
+from scheduler.request import Lane
 from serve_app.responses import StopMatcher
 
 pytestmark = pytest.mark.model
-
-
-class ScriptedClient:
-    """Answers every request with `script` (token id lists), recording what it saw."""
-
-    def __init__(self, script, eos=0, full=False):
-        self.script = script
-        self.info = {"max_context": 512, "eos_token_ids": [eos]}
-        self.full = full
-        self.submitted, self.cancelled = [], []
-        self.healthy, self.num_open_streams, self.num_restarts = True, 0, 0
-
-    async def submit(self, request):
-        if self.full:
-            raise QueueFull()
-        self.submitted.append(request)
-        return self._events(request)
-
-    async def _events(self, request):
-        for i, ids in enumerate(self.script):
-            await asyncio.sleep(0.01)
-            last = i == len(self.script) - 1
-            yield TokenEvent(request.request_id, ids, "length" if last else None,
-                             stats=SpecStats(num_rounds=2, num_drafted=6, num_accepted=4) if last else None)
-
-    async def cancel(self, request_id):
-        self.cancelled.append(request_id)
-
-    def release(self, request_id):
-        pass
-
-    async def snapshot(self):
-        return {"counters": {"grants": 1}}
-
-
-@pytest.fixture(scope="module")
-def codec(tmp_path_factory):
-    from models.tiny import build_tiny_pair
-
-    target, _ = build_tiny_pair(str(tmp_path_factory.mktemp("tiny-http")))
-    return TextCodec.from_path(target)
-
-
-def make_app(codec, client, **args):
-    service = OpenAIService(client, codec, ServeArgs.model_validate({"model": "m", **args}))
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=service.app()), base_url="http://t")
-
-
-def run(coro):
-    return asyncio.run(coro)
 
 
 def test_stop_matcher_table():
@@ -179,3 +125,51 @@ def test_scheduler_failures_are_clean_errors_without_internal_detail(codec):
     assert dead.status_code == 503 and dead.json()["error"]["code"] == "scheduler_unavailable"
     for text in (stream.text, full.text, dead.text):
         assert "Traceback" not in text and "secret" not in text and "/tmp" not in text
+
+
+def billed_before(codec, ids, stop):
+    """The spec, from full decodes: tokens whose text starts before the stop's cut."""
+    cut = codec.decode(ids).index(stop)
+    return sum(1 for k in range(len(ids)) if len(codec.decode(ids[:k])) < cut)
+
+
+@pytest.mark.parametrize("chunking", ["one event", "token per event", "stop across events"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_usage_counts_only_tokens_emitted_before_a_stop(codec, chunking, stream):
+    ids = codec.encode("alpha beta gamma delta epsilon")
+    split = len(codec.encode("alpha beta g"))  # the stop "gam" starts inside the last of these
+    script = {"one event": [ids], "token per event": [[t] for t in ids],
+              "stop across events": [ids[:split], ids[split:]]}[chunking]
+    expected = billed_before(codec, ids, "gam")
+    assert 0 < expected < len(ids) - 3  # tokens after the stop were generated and are not billed
+    client = ScriptedClient(script)
+    body = {"prompt": "hi", "stop": ["gam"], "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    async def go():
+        async with make_app(codec, client) as http:
+            return await http.post("/v1/completions", json=body)
+    r = run(go())
+    if stream:
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: {")]
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        usage = chunks[-1]["usage"]
+    else:
+        text, usage = r.json()["choices"][0]["text"], r.json()["usage"]
+    assert text == "alpha beta "
+    assert usage["completion_tokens"] == expected
+
+
+def test_model_retrieve_answers_for_the_served_id_only(codec):
+    async def go():
+        async with make_app(codec, ScriptedClient([]), served_model_name="org/tiny-1") as http:
+            listed = (await http.get("/v1/models")).json()["data"][0]
+            return listed, await http.get("/v1/models/org/tiny-1"), await http.get("/v1/models/gpt-4o")
+    listed, found, missing = run(go())
+    assert found.status_code == 200 and found.json() == listed
+    assert listed["id"] == "org/tiny-1" and listed["object"] == "model"
+    assert missing.status_code == 404
+    assert missing.json()["error"] == {
+        "message": "model 'gpt-4o' is not served here; use 'org/tiny-1'",
+        "type": "invalid_request_error", "param": "model", "code": "model_not_found"}

@@ -90,7 +90,7 @@ BAD_BODIES = [
     ("completions", j({"prompt": None}), 400),
     ("completions", j({"prompt": 123}), 400),
     ("completions", j({"prompt": ["a", "b"]}), 400),
-    ("completions", j({"prompt": [[1, 2]]}), 400),
+    ("completions", j({"prompt": [[1, 2], [3, 4]]}), 400),  # a batch of prompts
     ("completions", j({"prompt": [1.5, 2]}), 400),
     ("completions", j({**HI, "max_tokens": True}), 400),
     ("completions", b'{"prompt": "hi", "max_tokens": Infinity}', 400),

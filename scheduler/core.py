@@ -162,7 +162,7 @@ class Scheduler:
     def _to_classic(self, request: Request, reason: str | None) -> None:
         """Queue for classic prefill; `reason` counts a speculative-eligible fallback."""
         if reason is not None:
-            self.counters.classic_fallbacks[reason] += 1
+            self.counters.record_fallback(reason)
         request.status = RequestStatus.QUEUED
         self._queues[request.lane].append(request)
 
@@ -222,6 +222,7 @@ class Scheduler:
         for request in admitted:
             request.status = RequestStatus.CLASSIC
             self._rows[request.request_id] = request
+            request.mark_scheduled(now)
             self.counters.record_queue_wait(request.lane, now - request.arrival_time)
         try:
             batches = self.runner.classic_prefill(admitted)
@@ -282,6 +283,7 @@ class Scheduler:
         return self.sink.drain()
 
     def snapshot(self) -> dict:
+        num_running = sum(r.status.is_running for r in self._requests.values())
         return {
             "slot": self.slot.snapshot(),
             "queue_depth": {lane.name.lower(): len(q) for lane, q in self._queues.items()},
@@ -289,6 +291,8 @@ class Scheduler:
             "classic_rows": len(self._rows),
             "classic_row_ids": list(self._rows),
             "unfinished": len(self._requests),
+            "num_running": num_running,
+            "num_waiting": len(self._requests) - num_running,
             "last_action": None if self.last_decision is None else self.last_decision.action.value,
             "counters": self.counters.to_dict(),
             "policy": self.policy.snapshot(),

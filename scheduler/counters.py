@@ -10,9 +10,23 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from scheduler.policy import Action
 from scheduler.request import Lane, RequestStatus
 
 SAMPLE_WINDOW = 1024  # recent samples kept per lane and kind
+
+# Why a request the slot could serve went to the classic batch instead:
+#   policy_declined          - the B=1 policy (or the fused tick's gate) said no at routing
+#   batch_size               - `speculative_disable_by_batch_size`: too many live requests
+#   slot_busy                - the slot was taken and there is no backlog (tick slicing off)
+#   backlog_full             - the slot was taken and the grant backlog was full
+#   declined_at_promotion    - a fused-tick ring entry whose grant the gate declined
+#   batch_size_at_promotion  - likewise, stopped by the batch-size rule
+FALLBACK_REASONS = ("policy_declined", "batch_size", "slot_busy", "backlog_full",
+                    "declined_at_promotion", "batch_size_at_promotion")
+# Ticks by the action they ran; "fused" counts speculative ticks whose round also
+# decoded the classic rows (so it overlaps "speculative").
+TICK_ACTIONS = tuple(action.value for action in Action) + ("fused",)
 
 # Where a request was when its cancellation took effect:
 #   inbox   - submitted, cancelled before the scheduler routed it
@@ -108,6 +122,11 @@ class Counters:
         self.live_sessions = live
         self.live_sessions_peak = max(self.live_sessions_peak, live)
 
+    def record_fallback(self, reason: str) -> None:
+        if reason not in FALLBACK_REASONS:
+            raise ValueError(f"unknown classic fallback reason {reason!r}")
+        self.classic_fallbacks[reason] += 1
+
     def record_queue_wait(self, lane: Lane, seconds: float) -> None:
         self.queue_wait.record(lane, seconds)
 
@@ -123,10 +142,12 @@ class Counters:
                 "spec_rounds", "row_rounds", "probe_rounds", "drafted_tokens", "accepted_tokens",
             )
         }
-        plain["classic_fallbacks"] = dict(self.classic_fallbacks)
+        # Every declared key, zero or not: readers (the /metrics families) see the same
+        # keys from the first snapshot on.
+        plain["classic_fallbacks"] = {r: self.classic_fallbacks[r] for r in FALLBACK_REASONS}
         plain["classic_fallbacks_total"] = sum(self.classic_fallbacks.values())
         plain["cancelled_by_phase"] = {p: self.cancelled_by_phase[p] for p in CANCEL_PHASES}
-        plain["actions"] = dict(self.actions)
+        plain["actions"] = {a: self.actions[a] for a in TICK_ACTIONS}
         plain["queue_wait"] = self.queue_wait.to_dict()
         plain["ttft"] = self.ttft.to_dict()
         return plain

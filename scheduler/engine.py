@@ -121,6 +121,8 @@ class Engine:
             state = scheduler.snapshot() if scheduler is not None else {}
         with self._lock:
             state["pending_submissions"] = len(self._inbox)
+            # Submitted but not yet handed to the scheduler: waiting too.
+            state["num_waiting"] = state.get("num_waiting", 0) + len(self._inbox)
             state["unfinished"] = len(self._unfinished)
             state["running"] = self.running
             state["config"] = self._config.to_dict()

@@ -1,8 +1,8 @@
 """Token events leaving the scheduler, and the per-tick sink that builds them.
 
 The sink is the only place that appends to a request's `output_ids`, stamps its first
-token time and marks it finished, so every path (classic, slot, cancellation) reports
-through the same bookkeeping. Events are merged per request per tick.
+and last token times and marks it finished, so every path (classic, slot, cancellation)
+reports through the same bookkeeping. Events are merged per request per tick.
 """
 
 from __future__ import annotations
@@ -22,6 +22,33 @@ _STATUS_FOR_FINISH = {
 }
 
 
+@dataclass(frozen=True)
+class RequestTimes:
+    """A finished request's phases on the scheduler's clock, in seconds (None: the
+    phase was never reached). Intervals are taken inside the scheduler's process
+    because monotonic clocks of different processes do not compare.
+
+    queue: arrival -> first scheduled; prefill: first scheduled -> first token;
+    decode: first token -> last token; inference: first scheduled -> last token.
+    """
+
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
+    inference_s: float | None = None
+
+    @classmethod
+    def of(cls, request: Request) -> "RequestTimes":
+        """E.g. arrival 1.0, scheduled 1.5, first token 2.0, last token 3.0: queue 0.5,
+        prefill 0.5, decode 1.0, inference 1.5."""
+        scheduled, first, last = request.scheduled_time, request.first_token_time, request.last_token_time
+        if scheduled is None:
+            return cls()
+        if first is None:
+            return cls(queue_s=scheduled - request.arrival_time)
+        return cls(scheduled - request.arrival_time, first - scheduled, last - first, last - scheduled)
+
+
 @dataclass
 class TokenEvent:
     request_id: str
@@ -30,6 +57,7 @@ class TokenEvent:
     error: str | None = None  # message for finish_reason == "error"
     stats: SpecStats | None = None  # set on the event that finishes a request
     prompt_tokens: int = 0  # set on the finishing event
+    times: RequestTimes | None = None  # set on the finishing event
 
 
 class EventSink:
@@ -52,8 +80,9 @@ class EventSink:
         if not token_ids or request.status.is_done:
             return
         request.output_ids.extend(token_ids)
+        request.last_token_time = self._clock()
         if request.first_token_time is None:
-            request.first_token_time = self._clock()
+            request.first_token_time = request.last_token_time
             self._counters.record_ttft(request.lane, request.first_token_time - request.arrival_time)
         self._event(request.request_id).token_ids.extend(token_ids)
 
@@ -74,6 +103,7 @@ class EventSink:
         event.error = error
         event.stats = copy.copy(request.spec)
         event.prompt_tokens = len(request.prompt_ids)
+        event.times = RequestTimes.of(request)
         if self._on_finish is not None:
             self._on_finish(request)
 

@@ -49,6 +49,12 @@ class RequestStatus(enum.Enum):
     def is_done(self) -> bool:
         return self in (RequestStatus.FINISHED, RequestStatus.CANCELLED, RequestStatus.FAILED)
 
+    @property
+    def is_running(self) -> bool:
+        """In a model forward each step (a classic row or the slot owner); the other
+        unfinished statuses wait (queued, in the backlog, parked)."""
+        return self in (RequestStatus.CLASSIC, RequestStatus.ACTIVE)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -142,4 +148,13 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     spec: SpecStats = field(default_factory=SpecStats)
+    # Scheduler clock: first scheduled (classic prefill or slot slice 0), first and last token.
+    scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    def mark_scheduled(self, now: float) -> None:
+        """The first scheduling counts; a request moved between the slot and the
+        classic batch later keeps it."""
+        if self.scheduled_time is None:
+            self.scheduled_time = now

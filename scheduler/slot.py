@@ -232,7 +232,7 @@ class SpecSlot:
         # their next boundary, and each move costs a row's cache copy.
         reason = reason or (None if self.batch_allows() else "batch_size_at_promotion")
         if reason is not None:
-            self.counters.classic_fallbacks[reason] += 1
+            self.counters.record_fallback(reason)
             if entry.kind is EntryKind.PARKED:
                 self.runner.spec_finish(request.request_id)  # it stays a row: drop its draft state
             return False
@@ -267,7 +267,9 @@ class SpecSlot:
     def _begin(self, job: ActiveJob) -> None:
         """Slice 0: prefill + first token, then the immediate expiry check."""
         request = job.request
-        self.counters.record_queue_wait(request.lane, self._clock() - request.arrival_time)
+        now = self._clock()
+        request.mark_scheduled(now)
+        self.counters.record_queue_wait(request.lane, now - request.arrival_time)
         try:
             batch = self.runner.spec_begin(request)
         except Exception as exc:  # noqa: BLE001

@@ -28,7 +28,6 @@ from serve_app.codec import TextCodec
 from serve_app.config import (ConfigError, LiveConfig, ServeArgs, format_validation_error,
                               read_chat_template)
 from serve_app.http import OpenAIService
-from serve_app.metrics import ReplicaMetrics
 from serve_app.ready import last_error_line
 
 logger = logging.getLogger("ray.serve")
@@ -66,8 +65,7 @@ class SpecslotServer:
         source = ActorSource(self.args, num_gpus=self.args.actor_num_gpus,
                              name_prefix=f"scheduler-{identity['replica_id']}")
         self.client = EngineClient(source)
-        self.service = OpenAIService(self.client, None, self.args, ReplicaMetrics(),
-                                     identity=identity)
+        self.service = OpenAIService(self.client, None, self.args, identity=identity)
         # Not awaited: the replica must answer /health (503, loading) while this runs.
         self._loading = asyncio.get_running_loop().create_task(load_replica(self.service))
 

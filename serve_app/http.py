@@ -27,7 +27,7 @@ from serve_app.client import SCHEDULER_LOST, EngineClient, QueueFull
 from serve_app.codec import TextCodec
 from serve_app.config import ServeArgs
 from serve_app.errors import EXCEPTION_HANDLERS
-from serve_app.metrics import ReplicaMetrics
+from serve_app.metrics import ReplicaMetrics, StreamTimes
 from serve_app.protocol import APIError, GenerationSpec, decode_json, parse_generation
 from serve_app.ready import health_body
 from serve_app.responses import CompletionText, ResponseFormat, Usage, sse
@@ -45,7 +45,7 @@ class OpenAIService:
         self.identity = dict(identity or {})  # e.g. replica and node ids, for operators
         self.codec = codec
         self.args = args
-        self.metrics = metrics or ReplicaMetrics()
+        self.metrics = metrics or ReplicaMetrics(args.model_name, args.num_draft_tokens)
         self.load_error: str | None = None  # why loading failed, once it has
         self._load_ended = asyncio.Event()
         if codec is not None:
@@ -98,7 +98,9 @@ class OpenAIService:
 
     async def prometheus(self, request: HTTPRequest) -> Response:
         snapshot = await self._snapshot_or_none()
-        return Response(self.metrics.render(snapshot), media_type="text/plain; version=0.0.4")
+        # The header names the replica that answered: through Serve's proxy, one of them.
+        return Response(self.metrics.render(snapshot), media_type="text/plain; version=0.0.4",
+                        headers=self._id_header())
 
     async def models(self, request: HTTPRequest) -> Response:
         self._lane_cap(request)
@@ -150,6 +152,7 @@ class OpenAIService:
     async def _generate(self, http: HTTPRequest, chat: bool) -> Response:
         lane_cap = self._lane_cap(http)
         await self._wait_loaded()
+        times = StreamTimes(arrival=time.monotonic())  # TTFT and e2e start here
         spec = parse_generation(decode_json(await self._read_body(http)), chat)
         if spec.model is not None and spec.model != self.args.model_name:
             raise APIError(400, f"model '{spec.model[:64]}' is not served here; "
@@ -175,7 +178,7 @@ class OpenAIService:
             raise APIError(503, "the scheduler is restarting; retry later", "server_error",
                            code="scheduler_unavailable", headers=self._retry()) from None
         fmt = ResponseFormat(request_id, self.args.model_name, chat)
-        pieces = self._pieces(request, events, spec, len(prompt_ids))
+        pieces = self._pieces(request, events, spec, len(prompt_ids), times)
         if spec.stream:
             return StreamingResponse(self._sse(fmt, pieces, spec.include_usage),
                                      media_type="text/event-stream",
@@ -215,22 +218,20 @@ class OpenAIService:
                     yield sse(fmt.usage_chunk(usage))
         yield sse("[DONE]")
 
-    async def _pieces(self, request: Request, events, spec: GenerationSpec, num_prompt: int):
+    async def _pieces(self, request: Request, events, spec: GenerationSpec, num_prompt: int,
+                      times: StreamTimes):
         """(text, finish_reason, usage, error) tuples of one request; cancels it if abandoned."""
         rid, lane = request.request_id, request.lane.name.lower()
         decoder = self.codec.decoder(skip_ids=self.client.info.get("eos_token_ids") or ())
         completion = CompletionText(decoder, spec.stop)
-        started = time.monotonic()
-        first_token_at = None
         done = False
         try:
             async for event in events:
-                if event.token_ids and first_token_at is None:
-                    first_token_at = time.monotonic()
+                if event.token_ids:
+                    self.metrics.record_tokens(times, len(event.token_ids), num_prompt, time.monotonic())
                 text = completion.add(event.token_ids)
                 if completion.stopped:
-                    stats = event.stats if event.finish_reason else (
-                        await self._cancel_and_drain(rid, events))
+                    final = event if event.finish_reason else await self._cancel_and_drain(rid, events)
                     finish, error = "stop", None
                 elif event.finish_reason is None:
                     if text:
@@ -239,17 +240,15 @@ class OpenAIService:
                 elif event.finish_reason in ("stop", "length"):
                     text += completion.finish()
                     finish = "stop" if completion.stopped else event.finish_reason
-                    error, stats = None, event.stats
+                    error, final = None, event
                 else:  # "cancelled" by a stopping scheduler, or "error"
-                    finish, error, stats = "error", SCHEDULER_LOST, event.stats
+                    finish, error, final = "error", SCHEDULER_LOST, event
                     if event.error:
                         logger.warning("request %s failed: %s", rid, event.error)
                 done = True
-                now = time.monotonic()
-                self.metrics.record_finish(
-                    lane, finish, stats, completion.num_generated,
-                    None if first_token_at is None else first_token_at - started,
-                    None if first_token_at is None else now - first_token_at)
+                stats = None if final is None else final.stats
+                self.metrics.record_finish(lane, finish, times, time.monotonic(), stats,
+                                           None if final is None else final.times)
                 yield text, finish, Usage(num_prompt, completion.num_billed, stats), error
                 return
         finally:
@@ -259,12 +258,13 @@ class OpenAIService:
                 self.client.release(rid)
 
     async def _cancel_and_drain(self, rid: str, events):
+        """The finishing event after a text stop (its stats and times), or None."""
         await self.client.cancel(rid)
         try:
             async with asyncio.timeout(DRAIN_AFTER_STOP_S):
                 async for event in events:
                     if event.finish_reason is not None:
-                        return event.stats
+                        return event
         except TimeoutError:
             self.client.release(rid)
         return None
@@ -272,7 +272,7 @@ class OpenAIService:
     async def _abandon(self, rid: str, lane: str) -> None:
         self.client.release(rid)
         await self.client.cancel(rid)
-        self.metrics.requests.labels(lane, "disconnected").inc()
+        self.metrics.record_abort(lane)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

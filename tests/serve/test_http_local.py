@@ -173,3 +173,37 @@ def test_model_retrieve_answers_for_the_served_id_only(codec):
     assert missing.json()["error"] == {
         "message": "model 'gpt-4o' is not served here; use 'org/tiny-1'",
         "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+
+
+def _samples(text: str) -> dict[tuple, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_streamed_request_observes_one_inter_token_gap_per_token_after_the_first(codec):
+    client = ScriptedClient([[5], [6, 7], [8], [9, 10, 11]])  # 7 tokens in 4 chunks
+    async def go():
+        async with make_app(codec, client, served_model_name="tiny-served") as http:
+            first = await http.get("/metrics")
+            r = await http.post("/v1/completions", json={"prompt": "hi", "stream": True,
+                                                         "stream_options": {"include_usage": True}})
+            assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+            return first.text, (await http.get("/metrics")).text
+    before, after = run(go())
+    model = (("model_name", "tiny-served"),)
+    values = _samples(after)
+    assert values[("specslot:inter_token_latency_seconds_count", model)] == 6
+    assert values[("specslot:time_to_first_token_seconds_count", model)] == 1
+    assert values[("specslot:e2e_request_latency_seconds_count", model)] == 1
+    assert values[("specslot:generation_tokens_total", model)] == 7
+    assert values[("specslot:prompt_tokens_total", model)] == len(client.submitted[0].prompt_ids)
+    assert values[("specslot:request_success_total", (("finished_reason", "length"),) + model)] == 1
+    # Scripted chunks 10 ms apart: the gaps sum to first -> last token, about 30 ms.
+    assert 0.02 < values[("specslot:inter_token_latency_seconds_sum", model)] < 1.0
+    # Every series of the first scrape (before any request) is there after, same name and
+    # labels; `specslot:` ones carry the served model id.
+    assert set(_samples(before)) == set(values)
+    assert {labels for (name, labels) in values if name.startswith("specslot:")
+            and dict(labels).get("model_name") != "tiny-served"} == set()

@@ -173,7 +173,7 @@ def test_service_healthy_after_the_matrix_and_openai_client_sees_errors(app):
         assert r.status_code == status
     assert httpx.get(f"{app}/v1/models").json()["data"][0]["id"] == MODEL
     metrics = httpx.get(f"{app}/metrics").text
-    for series in ("specslot_ttft_seconds_count", "specslot_itl_seconds_count",
+    for series in ("specslot_ttft_seconds_count", "specslot:inter_token_latency_seconds_count",
                    "specslot_acceptance_length_count", "specslot_drafted_tokens_total",
                    "specslot_accepted_tokens_total", "specslot:spec_decode_num_drafts_total",
                    "specslot:spec_decode_num_accepted_tokens_total", "specslot_scheduler_grants",

@@ -2,7 +2,7 @@
 under vLLM's names (serve_app.metrics), from slot rounds and row verifies alike."""
 
 from scheduler.request import SpecStats
-from serve_app.metrics import ReplicaMetrics
+from serve_app.metrics import ReplicaMetrics, StreamTimes
 
 
 def test_record_round_counts_verifies_and_accepted_positions():
@@ -30,17 +30,17 @@ def test_slot_rounds_and_row_verifies_are_told_apart_by_drafter():
 
 
 def test_vllm_named_series_sum_over_requests():
-    metrics = ReplicaMetrics()
+    metrics = ReplicaMetrics("tiny")
     for rounds in (((4, 2), (4, 4)), ((3, 1),)):
         stats = SpecStats()
         for drafted, accepted in rounds:
             stats.record_round(drafted, accepted)
-        metrics.record_finish("normal", "length", stats, 10, 0.1, 0.5)
+        metrics.record_finish("normal", "length", StreamTimes(arrival=0.0), 1.0, stats, None)
     text = metrics.render(None).decode()
-    for line in ("specslot:spec_decode_num_drafts_total 3.0",
-                 "specslot:spec_decode_num_draft_tokens_total 11.0",
-                 "specslot:spec_decode_num_accepted_tokens_total 7.0",
-                 'specslot:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 3.0',
-                 'specslot:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 2.0',
-                 'specslot:spec_decode_num_accepted_tokens_per_pos_total{position="3"} 1.0'):
+    for line in ('specslot:spec_decode_num_drafts_total{model_name="tiny"} 3.0',
+                 'specslot:spec_decode_num_draft_tokens_total{model_name="tiny"} 11.0',
+                 'specslot:spec_decode_num_accepted_tokens_total{model_name="tiny"} 7.0',
+                 'specslot:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"} 3.0',
+                 'specslot:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="1"} 2.0',
+                 'specslot:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="3"} 1.0'):
         assert line in text, line

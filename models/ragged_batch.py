@@ -18,7 +18,8 @@ optional rider, extract, adopt, remove), over rows that each keep their own leng
   acceptance estimate against what a verify position costs at this batch size, from
   the runner's measured `TickCosts`); a row whose drafts do not land drafts nothing.
 Steps are not pipelined: a CPU computes the next step on the cores the host would
-overlap it with (the GPU default, the compiled verify, keeps `ClassicBatch`).
+overlap it with; on a GPU the host's work between steps is the slab's remaining gap
+to `BatchGenerator` for a lone row (docs/gpu.md).
 """
 
 from __future__ import annotations

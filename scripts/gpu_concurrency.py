@@ -1,69 +1,217 @@
-"""Scenario 6 on a GPU: a Qwen2.5-1.5B-shaped 4-bit model (random weights, the bundled
-tokenizer), n-gram drafter, the `scripts.bench_concurrency` configurations on the plain
-verify path (the slab, the only batch the fused tick uses; `classic_batchgen` on a
-`BatchGenerator` runner), then the GPU default (compiled verify, `fast_verify`, which
-keeps `BatchGenerator` and the alternating tick) for reference.
+"""Scenario 6 on a GPU: concurrency sweep of the default path (the slab's grid forwards,
+the fused tick, rows that draft) against mlx-lm's `BatchGenerator`, on a model of a
+realistic shape with random weights (4-bit, the bundled tokenizer).
 
-    OUT=results/gpu python3 scripts/gpu_concurrency.py      # SHAPE=tiny: a CPU dry run
+    OUT=results/gpu python3 scripts/gpu_concurrency.py
+    SHAPE=llama1b ... | SHAPE=tiny (a CPU dry run) | NS=1,2 | MICRO=0 | ORACLE=1
 
-Writes `$OUT/q15_concurrency.json`; prints one line per concurrency:
-config -> [tok/s, ratio to classic, speculative rounds per request, fused ticks].
+- SHAPE: `q15` (Qwen2.5-1.5B: 28 layers, hidden 1536, 12/2 heads; default) or `llama1b`
+  (Llama-3.2-1B: 16 layers, hidden 2048, 32/8 heads).
+- Microbench (MICRO=1, default): milliseconds of one synchronised forward with 256
+  tokens cached per row, slab grid vs `BatchKVCache`: B rows decoding, B rows plus one
+  5-token verify, B rows of 5 tokens.
+- Engine sweep (NS, default 1,2,4,8,16): closed loop, 2 x N requests of 64..192 tokens,
+  2 interleaved repeats after an unmeasured warm-up per concurrency, n-gram drafter
+  K = 4; configurations `classic_batchgen` (mlx-lm's BatchGenerator, the baseline),
+  `classic` (the slab, no speculation), `default`, `slot_only` (no row drafts).
+- ORACLE=1: the slot drafts the target's own greedy continuation (computed alone, so a
+  batched bf16 forward that drifts from it lowers the acceptance), each token replaced
+  with probability 0.2, at 2/4/8 streams.
+
+Writes `$OUT/concurrency_<shape>.json`; prints one line per concurrency: config ->
+[tok/s, ratio to BatchGenerator (median of paired repeats), slot rounds, row rounds,
+fused ticks, acceptance length].
 """
-import json, os, shutil, sys, tempfile, time, statistics
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
 sys.path.insert(0, os.getcwd())
-import models
-import mlx.core as mx, mlx.nn as nn
-from mlx.utils import tree_flatten
+import models  # noqa: E402,F401  (fast BLAS before mlx on a CPU)
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
+
 OUT = os.environ["OUT"]
-def build(path, hidden, layers, heads, kv, inter):
-    from mlx_lm.models import qwen2
-    cfg = dict(model_type="qwen2", hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-               num_key_value_heads=kv, intermediate_size=inter, vocab_size=151936, rms_norm_eps=1e-6,
-               rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True)
-    m = qwen2.Model(qwen2.ModelArgs.from_dict(cfg)); m.set_dtype(mx.bfloat16); nn.quantize(m, group_size=64, bits=4)
-    mx.eval(m.parameters()); os.makedirs(path, exist_ok=True)
-    mx.save_safetensors(os.path.join(path, "model.safetensors"), dict(tree_flatten(m.parameters())))
-    cfg["quantization"] = {"group_size": 64, "bits": 4}; json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
-    for f in os.listdir("models/bundled/target"):
-        if "token" in f: shutil.copy(os.path.join("models/bundled/target", f), path)
-Q15 = os.path.join(tempfile.mkdtemp(), "q15"); t = time.time(); build(Q15, *((1536, 28, 12, 2, 8960) if os.environ.get("SHAPE") != "tiny" else (128, 2, 4, 2, 256)))
-print(f"built q15 in {time.time()-t:.1f}s", flush=True)
-from models.runner import MlxRunner
-from scripts import bench_concurrency as bc, bench_util
-from scripts.prompts import token_prompts
-def runner_for(fast, ragged=None):
-    return MlxRunner.from_paths(Q15, drafter_kind="ngram", num_draft_tokens=4, max_batch_size=16, prefill_batch_size=8,
-                                fast_verify=fast, warm_positions=512 if fast else None, ragged=ragged)
-results = {}
-t = time.time(); plain = runner_for(False); bench_util.warm_up(plain, plain.tokenizer)
-batchgen = runner_for(False, ragged=False); bench_util.warm_up(batchgen, batchgen.tokenizer)
-on = lambda name: batchgen if name in bc.ON_BATCHGEN else plain  # noqa: E731
-print("plain runner", round(time.time() - t, 1), "s; can_fuse", plain.can_fuse(), plain.fuse_blocker, flush=True)
-t = time.time(); costs = plain.tick_costs(); print("tick costs", round(time.time() - t, 1), "s", costs.to_dict(), flush=True)
-results["tick_costs"] = costs.to_dict()
-waves, max_tokens = 2, 128
-for n in (1, 2, 4, 8):
-    prompts = token_prompts(plain.tokenizer, n * waves, n, num_tokens=64)
-    for name in bc.CONFIGS:  # warm the shapes of this concurrency once, unmeasured
-        bc.one_run(on(name), name, prompts[:n], n, 16, 8)
-    runs = {k: [] for k in bc.CONFIGS}
-    for rep in range(2):
-        for name in bc.CONFIGS:
-            runs[name].append(bc.one_run(on(name), name, prompts, n, max_tokens, 8))
-    row = {name: {"tok_s": statistics.median(r["aggregate_tok_s"] for r in rs),
-                  "ratio": statistics.median(r["aggregate_tok_s"] / c["aggregate_tok_s"] for r, c in zip(rs, runs["classic"])),
-                  "rounds_per_req": statistics.median(sum(r["rounds"]) / len(r["rounds"]) for r in rs),
-                  "fused_ticks": rs[-1]["fused_ticks"], "accept_len": rs[-1]["acceptance_length"]} for name, rs in runs.items()}
-    results[f"c{n}"] = row
-    print(n, json.dumps({k: (round(v["tok_s"]), round(v["ratio"], 2), v["rounds_per_req"], v["fused_ticks"]) for k, v in row.items()}), flush=True)
-    json.dump(results, open(os.path.join(OUT, "q15_concurrency.json"), "w"), indent=1)
-plain.close(); batchgen.close()
-t = time.time(); fast = runner_for(True); bench_util.warm_up(fast, fast.tokenizer)
-print("compiled-verify runner", round(time.time() - t, 1), "s; can_fuse", fast.can_fuse(), flush=True)
-for n in (1, 2, 4, 8):
-    prompts = token_prompts(fast.tokenizer, n * waves, n, num_tokens=64)
-    bc.one_run(fast, "alternate", prompts[:n], n, 16, 8)
-    rs = [bc.one_run(fast, "alternate", prompts, n, max_tokens, 8) for _ in range(2)]
-    results[f"c{n}"]["gpu_default_alternate_compiled"] = {"tok_s": statistics.median(r["aggregate_tok_s"] for r in rs)}
-    print(n, "compiled alternate", round(results[f"c{n}"]["gpu_default_alternate_compiled"]["tok_s"]), flush=True)
-    json.dump(results, open(os.path.join(OUT, "q15_concurrency.json"), "w"), indent=1)
+SHAPE = os.environ.get("SHAPE", "q15")
+SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab
+    "q15": ("qwen2", (1536, 28, 12, 2, 8960, 151936), dict(rms_norm_eps=1e-6, rope_theta=1000000.0)),
+    "llama1b": ("llama", (2048, 16, 32, 8, 8192, 128256), dict(rms_norm_eps=1e-5, rope_theta=500000.0, head_dim=64)),
+    "tiny": ("qwen2", (128, 2, 4, 2, 256, 151936), dict(rms_norm_eps=1e-6, rope_theta=1000000.0)),
+}
+T0 = time.time()
+
+
+def log(*args):
+    print(f"[{time.time() - T0:.0f}s]", *args, flush=True)
+
+
+def build(path: str) -> int:
+    import importlib
+
+    family, (hidden, layers, heads, kv, inter, vocab), extra = SHAPES[SHAPE]
+    module = importlib.import_module(f"mlx_lm.models.{family}")
+    cfg = dict(model_type=family, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+               num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab, max_position_embeddings=32768,
+               tie_word_embeddings=True, **extra)
+    model = module.Model(module.ModelArgs.from_dict(cfg))
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=64, bits=4)
+    mx.eval(model.parameters())
+    os.makedirs(path, exist_ok=True)
+    mx.save_safetensors(os.path.join(path, "model.safetensors"), dict(tree_flatten(model.parameters())))
+    cfg["quantization"] = {"group_size": 64, "bits": 4}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    for name in os.listdir("models/bundled/target"):
+        if "token" in name:
+            shutil.copy(os.path.join("models/bundled/target", name), path)
+    return vocab
+
+
+class Oracle:
+    """Benchmark-only drafter: each prompt's greedy continuation, each token wrong with
+    probability 1 - alpha (seeded)."""
+
+    kind, name = "oracle", "oracle-0.8"
+
+    def __init__(self, refs: dict, vocab: int, alpha: float = 0.8):
+        self.refs, self.vocab, self.alpha, self.rng = refs, vocab, alpha, random.Random(0)
+
+    def new_state(self, prompt_ids):
+        return len(prompt_ids), self.refs.get(tuple(prompt_ids), [])
+
+    def propose(self, state, history, k):
+        start, ref = state
+        at = len(history) - start
+        return [t if self.rng.random() < self.alpha else (t + 1) % self.vocab for t in ref[at:at + k]]
+
+    def rollback(self, state, num_drafted, num_accepted):
+        return None
+
+
+def main() -> None:
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+    from models import slab
+    from models.loader import load_pair
+    from models.runner import MlxRunner
+    from scripts import bench_concurrency as bc, bench_util
+    from scripts.prompts import token_prompts
+
+    os.makedirs(OUT, exist_ok=True)
+    path = os.path.join(tempfile.mkdtemp(), SHAPE)
+    vocab = build(path)
+    log("built", SHAPE)
+    results: dict = {"shape": SHAPE, "weights": "random (4-bit)", "machine": bench_util.machine()}
+
+    def save():
+        with open(os.path.join(OUT, f"concurrency_{SHAPE}.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+    def runner(ragged, drafter=None):
+        if drafter is None:
+            return MlxRunner.from_paths(path, drafter_kind="ngram", num_draft_tokens=4, max_batch_size=16,
+                                        prefill_batch_size=8, ragged=ragged)
+        return MlxRunner(load_pair(path, None)[0], drafter, num_draft_tokens=4, max_batch_size=16,
+                         prefill_batch_size=8, ragged=ragged)
+
+    plain = runner(None)
+    bench_util.warm_up(plain, plain.tokenizer)
+    results["grid"] = plain._classic.slab.grid if plain.fuse_blocker is None else None
+    results["tick_costs"] = plain.tick_costs().to_dict()
+    log("slab batch, grid", results["grid"], "tick costs", results["tick_costs"])
+    save()
+
+    if os.environ.get("MICRO", "1") == "1":
+        model, prompt = plain.target.model, list(range(3, 259))
+
+        def median_ms(fn):
+            fn(), fn()
+            runs = []
+            for _ in range(7):
+                tic = time.perf_counter()
+                fn()
+                runs.append(time.perf_counter() - tic)
+            return round(statistics.median(runs) * 1e3, 2)
+
+        store = slab.Slab(model, rows=18)
+        rows = [store.add() for _ in range(17)]
+        store.forward(model, [(r, prompt) for r in rows])
+        mx.eval(store.arrays())
+        micro = {}
+        for b in (1, 2, 4, 8, 16):
+            def slab_step(verify=0, width=1):
+                entries = [(r, [5] * width) for r in rows[:b]] + ([(rows[b], [5] * verify)] if verify else [])
+                mx.eval(store.forward(model, entries), store.arrays())
+                for row, tokens in entries:
+                    for view in row.cache:
+                        view.trim(len(tokens))
+            caches = []
+            for _ in range(b):
+                cache = make_prompt_cache(model)
+                model(mx.array([prompt]), cache=cache)
+                mx.eval([c.state for c in cache])
+                caches.append(cache)
+            batch = caches[0] if b == 1 else [BatchKVCache.merge([c[i] for c in caches]) for i in range(len(caches[0]))]
+
+            def batch_step(width=1):
+                mx.eval(model(mx.array([[5] * width] * b), cache=batch))
+                for c in batch:
+                    c.trim(width)
+            micro[b] = {"slab_decode": median_ms(slab_step), "slab_decode_plus_verify5": median_ms(lambda: slab_step(5)),
+                        "slab_width5": median_ms(lambda: slab_step(0, 5)), "batchkv_decode": median_ms(batch_step),
+                        "batchkv_width5": median_ms(lambda: batch_step(5))}
+            log("micro", b, micro[b])
+        results["micro_ms"] = micro
+        save()
+
+    batchgen = runner(False)
+    bench_util.warm_up(batchgen, batchgen.tokenizer)
+    waves, max_tokens = 2, 128
+
+    def sweep(label, names, pick, concurrencies):
+        for n in concurrencies:
+            prompts = token_prompts(plain.tokenizer, n * waves, n, num_tokens=64)
+            for name in names:  # this concurrency's shapes, once, unmeasured
+                bc.one_run(pick(name), name, prompts[:n], n, 16, 8)
+            runs = {name: [] for name in names}
+            for _ in range(2):
+                for name in names:
+                    runs[name].append(bc.one_run(pick(name), name, prompts, n, max_tokens, 8))
+            row = {name: {"tok_s": round(statistics.median(r["aggregate_tok_s"] for r in rs), 1),
+                          "ratio": round(statistics.median(r["aggregate_tok_s"] / c["aggregate_tok_s"]
+                                                           for r, c in zip(rs, runs["classic_batchgen"])), 3),
+                          "slot_rounds": rs[-1]["slot_rounds"], "row_rounds": rs[-1]["row_rounds"],
+                          "fused_ticks": rs[-1]["fused_ticks"], "acceptance_length": rs[-1]["acceptance_length"]}
+                   for name, rs in runs.items()}
+            results.setdefault(label, {})[n] = row
+            save()
+            log(label, n, json.dumps({k: [v["tok_s"], v["ratio"], v["slot_rounds"], v["row_rounds"], v["fused_ticks"],
+                                          v["acceptance_length"] and round(v["acceptance_length"], 2)]
+                                      for k, v in row.items()}))
+
+    concurrencies = [int(x) for x in os.environ.get("NS", "1,2,4,8,16").split(",")]
+    sweep("ngram", ["classic_batchgen", "classic", "default", "slot_only"],
+          lambda name: batchgen if name in bc.ON_BATCHGEN else plain, concurrencies)
+    if os.environ.get("ORACLE"):
+        refs = {}
+        for n in (2, 4, 8):
+            for p in token_prompts(plain.tokenizer, n * waves, n, num_tokens=64):
+                if tuple(p) not in refs:
+                    steps = generate_step(mx.array(p), plain.target.model, max_tokens=200)
+                    refs[tuple(p)] = [int(t) for t, _ in steps]
+        oracle = runner(None, Oracle(refs, vocab))
+        bench_util.warm_up(oracle, oracle.tokenizer)
+        sweep("oracle", ["classic_batchgen", "slot_only", "default"],
+              lambda name: batchgen if name in bc.ON_BATCHGEN else oracle, [2, 4, 8])
+
+
+if __name__ == "__main__":
+    main()

@@ -97,6 +97,12 @@ class ServeArgs(BaseModel):
         "so classic rows never wait for a speculative round; alternate: the seed's strict "
         "alternation (a tick runs either the round or the decode step).",
     )
+    fast_verify: bool = Field(
+        False,
+        description="The slot verifies through compiled, shape-bucketed per-session forwards "
+        "(models/bucketed.py): the fastest lone stream on a GPU, but its verify cannot ride in the "
+        "batch's forward, so the alternating tick and mlx-lm's BatchGenerator run instead of the slab.",
+    )
     row_drafts: bool = Field(
         True,
         description="Classic rows verify their own n-gram (prompt lookup) drafts in their decode "

@@ -17,13 +17,19 @@ optional rider, extract, adopt, remove), over rows that each keep their own leng
   is decided per step by expected value (`scheduler.costs.row_draft_budget`: the row's
   acceptance estimate against what a verify position costs at this batch size, from
   the runner's measured `TickCosts`); a row whose drafts do not land drafts nothing.
-Steps are not pipelined: a CPU computes the next step on the cores the host would
-overlap it with; on a GPU the host's work between steps is the slab's remaining gap
-to `BatchGenerator` for a lone row (docs/gpu.md).
+On a grid slab (a GPU) plain steps are pipelined: when no row drafts and no verify
+rides, the next step (every row fed the token this step draws, still on the device)
+is queued before this step's tokens are read, so the host builds step n + 1 while the
+device runs step n. The queued step is used by the next `decode` if the rows are the
+same (less any that finished); anything else that touches the batch first takes it
+back (rows shortened by one, samplers' random state restored), so what every stream
+emits does not depend on the pipeline. On a CPU steps are not pipelined: the next step
+would run on the cores the host uses.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -45,7 +51,7 @@ PREFILL_CHUNK = 512  # prompt positions per row per prefill forward
 CLEAR_CACHE_EVERY = 256  # decode steps between releases of MLX's buffer cache
 
 
-@dataclass
+@dataclass(eq=False)
 class _Stream:
     request_id: str
     row: Row
@@ -58,15 +64,28 @@ class _Stream:
     acceptance: RowAcceptance | None = None
 
 
+@dataclass(eq=False)
+class _Ahead:
+    """A plain step queued on the device: each stream fed its pending token (its row is
+    already one longer), `tokens` the next tokens drawn (lazy), `keys` the samplers'
+    random states before those draws."""
+
+    streams: list[_Stream]
+    tokens: mx.array
+    keys: list
+
+
 class RaggedBatch:
     """Rows of classic decode, keyed by request id, in one slab with the sessions."""
 
     def __init__(self, model: nn.Module, *, eos_token_ids: Sequence[int], max_batch_size: int = 16,
                  prefill_batch_size: int = 8, solo_burst_s: float = 0.0, row_drafts: bool = False,
-                 num_draft_tokens: int = 4):
+                 num_draft_tokens: int = 4, grid: bool | None = None):
         """`row_drafts`: rows verify their own n-gram drafts, up to `num_draft_tokens`
         each, as `costs` (set by the runner once measured) says they pay; without
-        costs a row drafts whatever its estimate allows at zero cost."""
+        costs a row drafts whatever its estimate allows at zero cost. `grid`: the slab's
+        layout (None: on a GPU); plain steps are pipelined on a grid slab while
+        `pipeline` is on (the default)."""
         if solo_burst_s < 0:
             raise ValueError("solo_burst_s must be >= 0")
         self.row_drafts = row_drafts
@@ -77,11 +96,14 @@ class RaggedBatch:
         self._eos_token_ids = tuple(eos_token_ids)
         self._prefill_batch_size = max(1, prefill_batch_size)
         self._solo_burst_s = solo_burst_s
-        self.slab = Slab(model, rows=max_batch_size + 2)
+        self.slab = Slab(model, rows=max_batch_size + 2, grid=grid)
+        self.pipeline = True
+        self.num_pipelined = 0  # steps whose tokens a queued step had drawn
         self._streams: dict[str, _Stream] = {}  # classic rows, in slots 0..len-1
         self._sessions: set[int] = set()  # ids of rows handed out as session caches
         self._finished: set[str] = set()  # finished rows not yet removed
         self._steps = 0
+        self._ahead: _Ahead | None = None  # the queued plain step (grid slabs)
 
     @property
     def costs(self) -> TickCosts | None:
@@ -111,12 +133,14 @@ class RaggedBatch:
 
     def new_session_cache(self) -> list[RowView]:
         """An empty row for a speculative session (after the classic rows)."""
+        self._take_back()
         row = self.slab.add()
         self._sessions.add(id(row))
         return row.cache
 
     def release(self, cache: list) -> None:
         """Free a session's row (idempotent; a cache that is not a session row is ignored)."""
+        self._take_back()
         row = _row_of(cache)
         if row is not None and id(row) in self._sessions and not row.freed:
             self._sessions.discard(id(row))
@@ -146,6 +170,7 @@ class RaggedBatch:
         if not requests:
             return []
         check_admissible(requests, self.request_ids())
+        self._take_back()
         out: list[TokenBatch] = []
         for start in range(0, len(requests), self._prefill_batch_size):
             out += self._prefill_group(requests[start:start + self._prefill_batch_size])
@@ -176,6 +201,7 @@ class RaggedBatch:
         it, for the row's drafts). A session row of this slab changes hands; another
         cache is copied into a new row. Emits nothing."""
         check_adoptable(request_id, self.request_ids(), num_emitted, max_tokens)
+        self._take_back()
         row = _row_of(cache)
         if row is not None and id(row) in self._sessions and not row.freed:
             self._sessions.discard(id(row))
@@ -193,22 +219,28 @@ class RaggedBatch:
         streams = list(self._streams.values())
         drafts = drafts and self.row_drafts
         if rider is not None:
+            self._take_back()
             return self._step(streams, rider, drafts)
         if not streams:
             return []
         tic = time.perf_counter()
-        batches = self._step(streams, None, drafts)
+        batches = self._step(streams, None, drafts, pipeline=self.pipeline and self.slab.grid)
         while (len(streams) == 1 and batches[0].finish_reason is None
                and time.perf_counter() - tic < self._solo_burst_s):
-            more = self._step(streams, None, drafts)[0]
+            more = self._step(streams, None, drafts, pipeline=self.pipeline and self.slab.grid)[0]
             batches[0].token_ids += more.token_ids
             batches[0].finish_reason = more.finish_reason
             batches[0].num_drafted += more.num_drafted
             batches[0].num_accepted += more.num_accepted
         return batches
 
-    def _step(self, streams: list[_Stream], rider: Rider | None, drafts: bool = False) -> list[TokenBatch]:
+    def _step(self, streams: list[_Stream], rider: Rider | None, drafts: bool = False,
+              pipeline: bool = False) -> list[TokenBatch]:
+        wanted = drafts
         drafts = self._drafts(streams) if drafts else [[] for _ in streams]
+        if pipeline and rider is None and not any(drafts):
+            return self._plain_step(streams, wanted)
+        self._take_back()
         entries = [(s.row, [s.pending, *d]) for s, d in zip(streams, drafts)]
         if rider is not None:
             row = _row_of(rider.extra.cache)
@@ -221,6 +253,12 @@ class RaggedBatch:
         if rider is not None:
             rider.extra_logits = logits[-1]
         verified = self._sample(streams, logits[: len(streams)])
+        return self._apply(streams, drafts, verified, wanted)
+
+    def _apply(self, streams: list[_Stream], drafts: list[list[int]], verified: list[list[int]],
+               wanted: bool) -> list[TokenBatch]:
+        """Accept each row's drafts, emit, drop finished rows. `wanted`: drafts were
+        asked for this step (a row that drafted nothing relaxes its estimate)."""
         out = []
         for stream, draft, target in zip(streams, drafts, verified):
             num_accepted = accept_count(draft, target)
@@ -235,7 +273,7 @@ class RaggedBatch:
                 stream.index.extend(tokens)
                 if draft:
                     stream.acceptance.record(len(draft), num_accepted)
-                elif drafts:
+                elif wanted:
                     stream.acceptance.relax()
             out.append(TokenBatch(stream.request_id, tokens, reason, len(draft), num_accepted if draft else 0,
                                   "ngram" if draft else ""))
@@ -246,6 +284,65 @@ class RaggedBatch:
         if self._steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
         return out
+
+    # -- the pipeline (grid slabs) --------------------------------------------------------
+    def _plain_step(self, streams: list[_Stream], wanted: bool) -> list[TokenBatch]:
+        """One token for every row, no drafts: the queued step if it is this one, and the
+        next step queued before this one's tokens are read."""
+        tokens = self._queued_tokens(streams)
+        if tokens is None:
+            self._take_back()
+            tokens = self._draw(streams, [(s.row, [s.pending]) for s in streams])
+        if not (wanted and self._may_draft(streams)):  # the next step will not draft: queue it
+            keys = [s.sampler.key for s in streams]
+            nxt = self._draw(streams, [(s.row, [0]) for s in streams], values=tokens)
+            mx.async_eval(nxt)
+            self._ahead = _Ahead(streams, nxt, keys)
+        values = tokens.tolist()
+        return self._apply(streams, [[] for _ in streams], [[v] for v in values], wanted)
+
+    def _queued_tokens(self, streams: list[_Stream]) -> mx.array | None:
+        """The queued step's tokens for `streams` if it fed exactly them (rows that
+        finished since are left out of it), else None."""
+        ahead = self._ahead
+        if ahead is None:
+            return None
+        live = [i for i, s in enumerate(ahead.streams) if self._streams.get(s.request_id) is s]
+        if [ahead.streams[i] for i in live] != streams:
+            return None
+        self._ahead = None
+        self.num_pipelined += 1
+        return ahead.tokens if len(live) == len(ahead.streams) else ahead.tokens[mx.array(live)]
+
+    def _take_back(self) -> None:
+        """Undo the queued step: its rows are one shorter again, its draws undone."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        for stream, key in zip(ahead.streams, ahead.keys):
+            if not stream.row.freed:
+                for view in stream.row.cache:
+                    view.trim(1)
+            stream.sampler.key = key
+
+    def _draw(self, streams: list[_Stream], entries, values: mx.array | None = None) -> mx.array:
+        """(lazy) each row's next token from a forward of `entries`."""
+        logits = self.slab.forward(self._model, entries, values=values)
+        return mx.concatenate(self._draws(streams, logits)).astype(mx.int32)
+
+    def _may_draft(self, streams: list[_Stream]) -> bool:
+        """Whether a row may draft in the next step (its budget allows drafts)."""
+        n, fit, cap = len(streams), self._fit, self.num_draft_tokens
+        if fit is not None and row_draft_budget(1.0, n, fit, cap) == 0:
+            return False
+        for s in streams:
+            if s.index is None or not draft_budget(cap, s.max_tokens - s.num_emitted - 1):
+                continue
+            relaxed = copy.copy(s.acceptance)  # as `_apply` leaves it after a step without drafts
+            relaxed.relax()
+            if fit is None or row_draft_budget(max(s.acceptance.alpha, relaxed.alpha), n, fit, cap):
+                return True
+        return False
 
     def _drafts(self, streams: list[_Stream]) -> list[list[int]]:
         """Each row's drafts for this step (empty where it drafts nothing; nobody
@@ -269,6 +366,19 @@ class RaggedBatch:
         if not streams:
             mx.eval(self.slab.arrays())
             return []
+        drawn = self._draws(streams, logits)
+        flat = mx.concatenate(drawn)
+        mx.eval(flat, self.slab.arrays())
+        values, out, start = flat.tolist(), [], 0
+        for d in drawn:
+            n = d.shape[0]
+            out.append(values[start:start + n])
+            start += n
+        return out
+
+    def _draws(self, streams: list[_Stream], logits: list[mx.array]) -> list[mx.array]:
+        """(lazy) every verify position of every row, drawn from the row's sampler
+        (greedy rows: one argmax over all of them)."""
         greedy = [i for i, s in enumerate(streams) if s.sampler.is_greedy]
         drawn: list[mx.array | None] = [None] * len(streams)
         if greedy:
@@ -281,19 +391,13 @@ class RaggedBatch:
         for i, s in enumerate(streams):
             if drawn[i] is None:
                 drawn[i] = s.sampler.from_logits(logits[i])
-        flat = mx.concatenate(drawn)
-        mx.eval(flat, self.slab.arrays())
-        values, out, start = flat.tolist(), [], 0
-        for d in drawn:
-            n = d.shape[0]
-            out.append(values[start:start + n])
-            start += n
-        return out
+        return drawn
 
     # -- leaving ------------------------------------------------------------------------
     def extract(self, request_id: str) -> tuple[TokenBatch, LiveRow | None]:
         """Take a row out for a speculative session: its cache (every token but the
         pending one, already emitted) becomes a session row; nothing is emitted."""
+        self._take_back()
         stream = self._streams.get(request_id)
         if stream is None:
             raise ValueError(f"request {request_id!r} is not a decoding classic row")
@@ -311,12 +415,14 @@ class RaggedBatch:
 
     def remove(self, request_id: str) -> None:
         """Drop a row (finished rows are already out of the slab). Idempotent."""
+        self._take_back()
         self._finished.discard(request_id)
         stream = self._streams.get(request_id)
         if stream is not None:
             self._drop(stream)
 
     def close(self) -> None:
+        self._ahead = None
         self._streams.clear()
         self._finished.clear()
 

@@ -37,6 +37,15 @@ class RequestSampler:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def key(self) -> mx.array:
+        """The random state a later draw splits (restore it to undo draws)."""
+        return self._key
+
+    @key.setter
+    def key(self, key: mx.array) -> None:
+        self._key = key
+
     def from_logits(self, logits: mx.array) -> mx.array:
         """Sample from raw logits: normalised to log-probabilities first, as mlx-lm's
         samplers expect (and as every path of ours samples, so greedy ties break alike)."""

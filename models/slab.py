@@ -209,7 +209,8 @@ class Slab:
     def arrays(self) -> list[mx.array]:
         return self.keys + self.values
 
-    def forward(self, model: nn.Module, entries: list[tuple[Row, list[int]]]) -> list[mx.array]:
+    def forward(self, model: nn.Module, entries: list[tuple[Row, list[int]]],
+                values: mx.array | None = None) -> list[mx.array]:
         """Logits (lazy), (n, V) per entry, of one forward in which each entry's row
         gains its tokens, exactly as if each row had run its own forward.
 
@@ -222,12 +223,19 @@ class Slab:
         mask. The grid computes the padding, which a GPU does nearly for free; in
         exchange a forward's shapes depend only on the run's size, its width and the
         key bucket, so the backend's kernels and attention plans are reused from step
-        to step instead of being built for every new length."""
+        to step instead of being built for every new length.
+
+        `values`: the entries' tokens as one (lazy) int32 array, the entries' lists
+        concatenated in entry order; the lists then only give each entry's length (a
+        pipelined step feeds tokens the device has not produced yet)."""
         if not entries:
             return []
         ctx = _Forward(self, entries)
         layers = [_SlabLayer(self, i, ctx) for i in range(self.num_layers)]
-        tokens = mx.array(ctx.tokens, dtype=mx.int32)
+        if values is None:
+            tokens = mx.array(ctx.tokens, dtype=mx.int32)
+        else:  # padding reads the appended zero
+            tokens = mx.concatenate([values.astype(mx.int32), mx.zeros((1,), mx.int32)])[mx.array(ctx.source)]
         if ctx.grid is not None:  # (rows, width), as a batch of rows at their own offsets
             lo, hi, width = ctx.grid
             logits = model(tokens.reshape(hi - lo, width), cache=layers)
@@ -280,11 +288,13 @@ class _Forward:
         self.batch_rows = len(single) if [entries[i][0].slot for i in single] == list(range(len(single))) else 0
         self.order = single[: self.batch_rows] + [i for i in range(len(entries)) if i not in single[: self.batch_rows]]
         self.groups = [(entries[i][0], len(entries[i][1])) for i in self.order[self.batch_rows:]]
-        self.tokens, positions, slots, self.starts = [], [], [], []
+        offsets = _entry_offsets(entries)
+        self.tokens, positions, slots, self.starts, self.source = [], [], [], [], []
         for i in self.order:
             row, tokens = entries[i]
             self.starts.append(len(self.tokens))
             self.tokens += tokens
+            self.source += range(offsets[i], offsets[i] + len(tokens))
             positions += range(row.length, row.length + len(tokens))
             slots += [row.slot] * len(tokens)
         slab.reserve(max(positions) + 1)
@@ -304,13 +314,17 @@ class _Forward:
         slab.reserve(keys)
         self.grid = (lo, hi, width)
         self.order = [by_slot[s] for s in range(lo, hi) if s in by_slot]
-        self.tokens, self.starts = [], []
+        offsets = _entry_offsets(entries)
+        pad = offsets[-1]  # `values` gets a zero appended at this index
+        self.tokens, self.starts, self.source = [], [], []
         for s in range(lo, hi):
             i = by_slot.get(s)
             tokens = entries[i][1] if i is not None else []
             if i is not None:
                 self.starts.append(len(self.tokens))
+                self.source += range(offsets[i], offsets[i] + len(tokens))
             self.tokens += tokens + [0] * (width - len(tokens))
+            self.source += [pad] * (width - len(tokens))
         # scatter order: (row, head, position), the layout of a (rows, heads, width, dim) key block
         self._grid_rows = (np.arange(lo, hi, dtype=np.int64), lengths, width)
         self.positions = mx.array(lengths.astype(np.int32))  # RoPE: one offset per row
@@ -338,6 +352,14 @@ class _Forward:
                 flat = (slots[:, None] * heads + h[None, :]) * self.capacity + pos[:, None]
             self._flat[heads] = mx.array(flat.reshape(-1))
         return self._flat[heads]
+
+
+def _entry_offsets(entries: list[tuple[Row, list[int]]]) -> list[int]:
+    """Where each entry's tokens start in the entries' concatenated tokens, and the total."""
+    out = [0]
+    for _, tokens in entries:
+        out.append(out[-1] + len(tokens))
+    return out
 
 
 class _Keys:

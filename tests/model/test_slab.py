@@ -194,3 +194,54 @@ def test_sampled_rows_do_not_draft(loaded):
     batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True)
     _, stats = _run(batch, [make_request("s", repeating, 24, temperature=0.7, seed=1)], drafts=True)
     assert stats["drafted"] == 0
+
+
+def _pipelined_run(batch, requests, late, cancel_after, drafts):
+    """Two requests join after three steps (a prefill between pipelined steps), one is
+    removed mid-stream; returns every stream's tokens and finish reason."""
+    out, reasons = {}, {}
+
+    def take(batches):
+        for b in batches:
+            out.setdefault(b.request_id, []).extend(b.token_ids)
+            if b.finish_reason:
+                reasons[b.request_id] = b.finish_reason
+                batch.remove(b.request_id)
+
+    take(batch.prefill(requests))
+    for step in range(500):
+        if step == 3:
+            take(batch.prefill(late))
+        if step == cancel_after[1]:
+            batch.remove(cancel_after[0])
+            reasons[cancel_after[0]] = "cancelled"
+        if len(reasons) == len(requests) + len(late):
+            break
+        take(batch.decode(drafts=drafts))
+    assert batch.num_rows() == 0 and batch.slab.num_rows == 0
+    return {rid: (out[rid], reasons[rid]) for rid in out}
+
+
+@pytest.mark.parametrize("drafts, costs", [
+    (False, None),  # b1_policy off: every step plain
+    (True, TickCosts({1: 1.0, 2: 1.1}, {0: 9.0, 1: 9.5}, 0.0)),  # drafts never pay: plain
+    (True, None)])  # greedy rows draft: plain steps only once they are gone
+def test_pipelined_steps_emit_what_unpipelined_steps_emit(loaded, prompt_ids, drafts, costs):
+    """On a grid slab the next plain step is queued before this one's tokens are read;
+    joins, a removal, finishing rows and seeded sampling give the same streams as
+    without the pipeline."""
+    target = loaded[0]
+    eos = sorted(target.tokenizer.eos_token_ids)
+    repeating = list(target.tokenizer.encode(REPEATING))
+    requests = [make_request("g", repeating, 8), make_request("s", prompt_ids[3], 26, temperature=0.8, seed=5),
+                make_request("t", prompt_ids[5], 40, temperature=1.0, top_p=0.9, seed=9)]
+    late = [make_request("rep", repeating[4:], 6), make_request("u", prompt_ids[2], 12, temperature=0.7, seed=1)]
+    runs = []
+    for pipeline in (False, True):
+        batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True, grid=True)
+        batch.costs, batch.pipeline = costs, pipeline
+        runs.append((_pipelined_run(batch, requests, late, ("t", 25), drafts), batch.num_pipelined))
+    (plain, none), (piped, used) = runs
+    assert none == 0 and used >= 8
+    assert piped == plain
+    assert piped["t"][1] == "cancelled" and len(piped["t"][0]) < 40

@@ -10,6 +10,9 @@ optional rider, extract, adopt, remove), over rows that each keep their own leng
   (`extract`) and a park (`adopt`) move no keys: the row changes hands. Classic rows
   fill the slab's first slots, sessions the slots after them, so a decode step's rows
   are the buffer's first m rows and attend in one call;
+- with a `PrefixCache`, a new row starts from the longest cached prefix of its prompt
+  (copied into the row) and prefills only the rest; a row that leaves (finished,
+  cancelled, or a session's row released) stores its tokens' KV for later prompts;
 - with `row_drafts`, every greedy row may also verify its own n-gram drafts (prompt lookup
   over its prompt and output, `models.drafters.NgramIndex`) in the same forward: it
   accepts the matching prefix and emits it plus the target's next token, its rejected
@@ -39,6 +42,7 @@ import mlx.nn as nn
 
 from models.batch_adapter import LiveRow, check_adoptable, check_admissible
 from models.drafters import NgramIndex
+from models.prefix_cache import PrefixCache
 from models.ragged import Rider
 from models.rollback import accept_count, clip_tokens, draft_budget
 from models.sampling import RequestSampler, log_probs, stop_token_ids
@@ -62,6 +66,7 @@ class _Stream:
     pending: int
     index: NgramIndex | None = None  # prompt + emitted tokens (the last is `pending`)
     acceptance: RowAcceptance | None = None
+    token_ids: list[int] | None = None  # prompt + emitted (the last is `pending`), for the prefix cache
 
 
 @dataclass(eq=False)
@@ -80,12 +85,13 @@ class RaggedBatch:
 
     def __init__(self, model: nn.Module, *, eos_token_ids: Sequence[int], max_batch_size: int = 16,
                  prefill_batch_size: int = 8, solo_burst_s: float = 0.0, row_drafts: bool = False,
-                 num_draft_tokens: int = 4, grid: bool | None = None):
+                 num_draft_tokens: int = 4, prefix_cache: PrefixCache | None = None, grid: bool | None = None):
         """`row_drafts`: rows verify their own n-gram drafts, up to `num_draft_tokens`
         each, as `costs` (set by the runner once measured) says they pay; without
-        costs a row drafts whatever its estimate allows at zero cost. `grid`: the slab's
-        layout (None: on a GPU); plain steps are pipelined on a grid slab while
-        `pipeline` is on (the default)."""
+        costs a row drafts whatever its estimate allows at zero cost. `prefix_cache`:
+        where new rows look up their prompt's prefix and leaving rows store theirs.
+        `grid`: the slab's layout (None: on a GPU); plain steps are pipelined on a grid
+        slab while `pipeline` is on (the default)."""
         if solo_burst_s < 0:
             raise ValueError("solo_burst_s must be >= 0")
         self.row_drafts = row_drafts
@@ -104,6 +110,7 @@ class RaggedBatch:
         self._finished: set[str] = set()  # finished rows not yet removed
         self._steps = 0
         self._ahead: _Ahead | None = None  # the queued plain step (grid slabs)
+        self.prefix_cache = prefix_cache
 
     @property
     def costs(self) -> TickCosts | None:
@@ -131,21 +138,45 @@ class RaggedBatch:
         once its stream is deleted (classic rows stay in slots 0..len-1)."""
         self.slab.swap(row, self.slab.rows[len(self._streams) - 1])
 
-    def new_session_cache(self) -> list[RowView]:
-        """An empty row for a speculative session (after the classic rows)."""
+    def new_session_cache(self, prompt_ids: Sequence[int] = ()) -> list[RowView]:
+        """A row for a speculative session (after the classic rows), holding the longest
+        cached prefix of `prompt_ids` (its offsets say how long; 0: empty)."""
         self._take_back()
         row = self.slab.add()
         self._sessions.add(id(row))
+        self._reuse_prefix(row, prompt_ids)
         return row.cache
 
-    def release(self, cache: list) -> None:
-        """Free a session's row (idempotent; a cache that is not a session row is ignored)."""
+    def release(self, cache: list, token_ids: Sequence[int] | None = None) -> None:
+        """Free a session's row (idempotent; a cache that is not a session row is ignored).
+        `token_ids`: the stream's tokens, the last one not in the row (prompt + emitted),
+        to store the row's KV in the prefix cache first."""
         self._take_back()
         row = _row_of(cache)
         if row is not None and id(row) in self._sessions and not row.freed:
+            if token_ids is not None:
+                self._store_prefix(row, token_ids)
             self._sessions.discard(id(row))
             self.slab.free(row)
             self.slab.shrink()
+
+    # -- the prefix cache ---------------------------------------------------------------
+    def _reuse_prefix(self, row: Row, prompt_ids: Sequence[int]) -> int:
+        """Copy the longest cached prefix of `prompt_ids` into the empty `row`; returns its length."""
+        hit = self.prefix_cache.lookup(prompt_ids) if self.prefix_cache is not None and prompt_ids else None
+        if hit is None:
+            return 0
+        self.slab.write_prefix(row, hit.keys, hit.values, hit.num_tokens)
+        return hit.num_tokens
+
+    def _store_prefix(self, row: Row, token_ids: Sequence[int]) -> None:
+        """Store the KV of `token_ids` but the last (the pending token, never fed). A row
+        may hold more (accepted drafts cut short by a stop token): those are left out."""
+        n = len(token_ids) - 1
+        if self.prefix_cache is None or n < 1 or n > row.length:  # n > length: not these tokens' row
+            return
+        self.prefix_cache.store(token_ids[:n], n * self.slab.bytes_per_position,
+                                lambda: self.slab.copy_prefix(row, n))
 
     # -- admission ----------------------------------------------------------------------
     def _add_stream(self, request_id: str, row: Row, sampler: RequestSampler, stop_ids, max_tokens: int,
@@ -153,6 +184,8 @@ class RaggedBatch:
         """`history`: the stream's tokens before `pending` (None: unknown, no drafts)."""
         self._to_classic_region(row)
         stream = _Stream(request_id, row, sampler, frozenset(stop_ids), max_tokens, num_emitted, pending)
+        if self.prefix_cache is not None and history is not None:
+            stream.token_ids = [*history, pending]
         # Greedy rows only: a sampled row's draws would depend on how many positions
         # each step verified (one key split per verify), so a seeded stream would
         # change with the machine's measured costs.
@@ -165,8 +198,10 @@ class RaggedBatch:
 
     def prefill(self, requests: Sequence[Request]) -> list[TokenBatch]:
         """Admit `requests` and emit each one's first token; existing rows do not
-        advance. All prompt tokens but the last run in chunked forwards whose logits
-        are never computed; the last tokens run together and give the first tokens."""
+        advance. A row starts from its prompt's longest cached prefix (setting the
+        request's `num_cached_tokens`); the other prompt tokens but the last run in
+        chunked forwards whose logits are never computed; the last tokens run together
+        and give the first tokens."""
         if not requests:
             return []
         check_admissible(requests, self.request_ids())
@@ -178,7 +213,9 @@ class RaggedBatch:
 
     def _prefill_group(self, requests: Sequence[Request]) -> list[TokenBatch]:
         rows = [self.slab.add() for _ in requests]
-        heads = [list(r.prompt_ids[:-1]) for r in requests]
+        for r, row in zip(requests, rows):
+            r.num_cached_tokens = self._reuse_prefix(row, r.prompt_ids)
+        heads = [list(r.prompt_ids[row.length:-1]) for r, row in zip(requests, rows)]
         done = 0
         while any(len(h) > done for h in heads):
             entries = [(row, h[done:done + PREFILL_CHUNK]) for row, h in zip(rows, heads) if len(h) > done]
@@ -269,6 +306,8 @@ class RaggedBatch:
                                          stream.stop_ids)
             stream.num_emitted += len(tokens)
             stream.pending = tokens[-1]
+            if stream.token_ids is not None:
+                stream.token_ids += tokens
             if stream.index is not None:
                 stream.index.extend(tokens)
                 if draft:
@@ -408,6 +447,8 @@ class RaggedBatch:
         return TokenBatch(request_id, []), LiveRow(row.cache, stream.sampler)
 
     def _drop(self, stream: _Stream) -> None:
+        if stream.token_ids is not None:
+            self._store_prefix(stream.row, stream.token_ids)
         self._to_session_region(stream.row)  # the last row of the slab takes its slot
         self.slab.free(stream.row)
         del self._streams[stream.request_id]

@@ -15,7 +15,7 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from models import bucketed, cache_rollback, ragged, slab, tick_costs
+from models import bucketed, cache_rollback, prefix_cache, ragged, slab, tick_costs
 from models.batch_adapter import ClassicBatch
 from models.ragged_batch import RaggedBatch
 from models.drafters import Drafter, DraftModelDrafter, DrafterSlot, NgramDrafter
@@ -60,6 +60,7 @@ class MlxRunner:
         draft_fingerprint: str = "",
         ragged: bool | None = None,
         row_drafts: bool = True,
+        prefix_cache_bytes: int | None = 0,
     ):
         """`fast_verify`: speculative rounds through `models.bucketed` (shape-stable,
         compiled forwards; one host sync per round): the fastest lone stream on a GPU,
@@ -79,7 +80,10 @@ class MlxRunner:
         whenever the verify can ride in the batch's forward (`fuse_blocker` is None),
         False = mlx-lm's `BatchGenerator` (`models.batch_adapter`) in every case.
         `row_drafts`: in a ragged batch, classic rows verify their own n-gram drafts
-        where the measured costs say they pay (on only with a drafter configured)."""
+        where the measured costs say they pay (on only with a drafter configured).
+        `prefix_cache_bytes`: budget of the KV prefix cache that classic rows and
+        sessions of the ragged batch start from (`models.prefix_cache`); 0 = off (the
+        default here, so scripts opt in), None = sized from the memory available now."""
         if num_draft_tokens < 1:
             raise ValueError("num_draft_tokens must be >= 1")
         self.target = target
@@ -122,7 +126,10 @@ class MlxRunner:
         batch_kind = RaggedBatch if self.fuse_blocker is None and ragged is not False else ClassicBatch
         extra = {}
         if batch_kind is RaggedBatch:
-            extra = dict(row_drafts=row_drafts and self._slot is not None, num_draft_tokens=num_draft_tokens)
+            extra = dict(row_drafts=row_drafts and self._slot is not None, num_draft_tokens=num_draft_tokens,
+                         prefix_cache=_make_prefix_cache(prefix_cache_bytes))
+        elif prefix_cache_bytes != 0:
+            log.info("prefix cache off: it needs the slab batch (%s)", self.fuse_blocker)
         self._classic = batch_kind(
             target.model,
             eos_token_ids=self.eos_token_ids,
@@ -211,6 +218,7 @@ class MlxRunner:
         classic_burst_ms: float = DEFAULT_CLASSIC_BURST_MS,
         ragged: bool | None = None,
         row_drafts: bool = True,
+        prefix_cache_bytes: int | None = 0,
     ) -> "MlxRunner":
         """Load models and build the runner; raises `ModelLoadError` / `ValueError`."""
         if drafter_kind not in (None, *DRAFTER_KINDS):
@@ -235,6 +243,7 @@ class MlxRunner:
             draft_fingerprint=draft.fingerprint if draft is not None else "",
             ragged=ragged,
             row_drafts=row_drafts,
+            prefix_cache_bytes=prefix_cache_bytes,
         )
 
     # -- classic --------------------------------------------------------------------
@@ -249,6 +258,10 @@ class MlxRunner:
 
     def num_classic_rows(self) -> int:
         return self._classic.num_rows()
+
+    def prefix_cache_stats(self) -> dict | None:
+        cache = getattr(self._classic, "prefix_cache", None)
+        return None if cache is None else cache.stats()
 
     # -- speculative ----------------------------------------------------------------
     def spec_supports(self, request: Request) -> bool:
@@ -275,12 +288,20 @@ class MlxRunner:
             num_draft_tokens=self.num_draft_tokens,
             eos_token_ids=self.eos_token_ids,
             verifier=self._verifier,
-            new_cache=self._classic.new_session_cache if self._ragged else None,
+            new_cache=self._session_cache_for(request) if self._ragged else None,
         )
         session.bind(self._slot.take(request.request_id))
         self._sessions[request.request_id] = session
         result = session.begin()
         return TokenBatch(request.request_id, result.token_ids, result.finish_reason)
+
+    def _session_cache_for(self, request: Request):
+        """A session's `new_cache`: a slab row starting from the prompt's cached prefix."""
+        def new_cache() -> list:
+            cache = self._classic.new_session_cache(request.prompt_ids)
+            request.num_cached_tokens = cache[0].offset
+            return cache
+        return new_cache
 
     def spec_round(self, request_id: str, probe: bool = False) -> RoundOutcome:
         session = self._sessions[request_id]
@@ -387,7 +408,7 @@ class MlxRunner:
         session = self._sessions.pop(request_id, None)
         if session is not None:
             if self._ragged and session.cache is not None:
-                self._classic.release(session.cache)
+                self._classic.release(session.cache, session.history)
             session.finish()
         if self._slot is not None:
             self._slot.return_(request_id)
@@ -432,3 +453,12 @@ class MlxRunner:
         for request_id in list(self._sessions):
             self.spec_finish(request_id)
         self._classic.close()
+
+
+def _make_prefix_cache(budget_bytes: int | None) -> prefix_cache.PrefixCache | None:
+    """None when off (0); None as the budget: sized from the memory available now."""
+    if budget_bytes is None:
+        budget_bytes = prefix_cache.default_budget(prefix_cache.available_memory())
+        log.info("prefix cache: %.2f GiB (1/%d of the memory available, at most %d GiB)", budget_bytes / 2**30,
+                 prefix_cache.DEFAULT_BUDGET_SHARE, prefix_cache.DEFAULT_BUDGET_CAP >> 30)
+    return prefix_cache.PrefixCache(budget_bytes) if budget_bytes > 0 else None

@@ -147,11 +147,13 @@ class SpeculativeSession:
         """Prefill target (and draft state, if bound) and emit the first token.
 
         Like classic prefill: all but the last prompt token in chunks, then the last
-        token alone, whose logits give the first token.
+        token alone, whose logits give the first token. A cache that `new_cache`
+        hands over already holding a prefix of the prompt (its offset, at most all
+        but the last token) is prefilled from there.
         """
         tic = time.perf_counter()
         self.cache = self._new_cache()
-        head = self.prompt_ids[:-1]
+        head = self.prompt_ids[self.cache[0].offset:-1]
         last = mx.array([self.prompt_ids[-1:]], dtype=mx.int32)
         if self.verifier is not None and self.verifier.prefill_chunk:
             # Shape-stable and lazy: one host sync for the whole begin.

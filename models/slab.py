@@ -170,14 +170,38 @@ class Slab:
     def add_from(self, cache: list) -> Row:
         """A new row holding a copy of a plain `KVCache` list's entries."""
         row = self.add()
-        length = cache[0].offset
-        self.reserve(length)
-        for i, c in enumerate(cache):
-            if length:
-                self.keys[i][row.slot:row.slot + 1, :, :length, :] = c.keys[..., :length, :]
-                self.values[i][row.slot:row.slot + 1, :, :length, :] = c.values[..., :length, :]
-            row.cache[i].offset = length
+        if cache[0].offset:
+            self.write_prefix(row, [c.keys[0] for c in cache], [c.values[0] for c in cache], cache[0].offset)
         return row
+
+    @property
+    def bytes_per_position(self) -> int:
+        """Bytes one position of one row takes, keys and values of every layer."""
+        return sum(h * (dk + dv) for h, dk, dv in self._shapes) * self.dtype.size
+
+    def write_prefix(self, row: Row, keys: list[mx.array], values: list[mx.array], length: int) -> None:
+        """Fill an empty row with positions 0..length-1 of per-layer (kv_heads, >= length,
+        dim) keys and values (the arrays themselves are only read)."""
+        if row.length:
+            raise ValueError("write_prefix needs an empty row")
+        self.reserve(length)
+        for i in range(self.num_layers):
+            if length:
+                self.keys[i][row.slot:row.slot + 1, :, :length, :] = keys[i][None, :, :length, :]
+                self.values[i][row.slot:row.slot + 1, :, :length, :] = values[i][None, :, :length, :]
+            row.cache[i].offset = length
+
+    def copy_prefix(self, row: Row, length: int) -> tuple[list[mx.array], list[mx.array]]:
+        """Evaluated copies of the row's positions 0..length-1, per layer (kv_heads,
+        length, dim): new buffers, so later writes to the slab never reach them and
+        they do not keep the slab's buffers alive (a slice, even a contiguous one, may
+        be a view of the buffer)."""
+        if length > row.length:
+            raise ValueError(f"the row holds {row.length} positions, not {length}")
+        keys = [mx.array(k[row.slot, :, :length, :]) for k in self.keys]
+        values = [mx.array(v[row.slot, :, :length, :]) for v in self.values]
+        mx.eval(keys, values)
+        return keys, values
 
     def free(self, row: Row) -> None:
         if row.freed:

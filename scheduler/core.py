@@ -296,6 +296,7 @@ class Scheduler:
             "last_action": None if self.last_decision is None else self.last_decision.action.value,
             "counters": self.counters.to_dict(),
             "policy": self.policy.snapshot(),
+            "prefix_cache": self.runner.prefix_cache_stats(),
             "config": self.config.to_dict(),
             "speculation": {
                 # why the slot serves no request at all (None: it can), e.g. a target

@@ -57,6 +57,7 @@ class TokenEvent:
     error: str | None = None  # message for finish_reason == "error"
     stats: SpecStats | None = None  # set on the event that finishes a request
     prompt_tokens: int = 0  # set on the finishing event
+    num_cached_tokens: int = 0  # set on the finishing event: prompt tokens the prefix cache held
     times: RequestTimes | None = None  # set on the finishing event
 
 
@@ -103,6 +104,7 @@ class EventSink:
         event.error = error
         event.stats = copy.copy(request.spec)
         event.prompt_tokens = len(request.prompt_ids)
+        event.num_cached_tokens = request.num_cached_tokens
         event.times = RequestTimes.of(request)
         if self._on_finish is not None:
             self._on_finish(request)

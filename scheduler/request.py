@@ -148,6 +148,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     spec: SpecStats = field(default_factory=SpecStats)
+    # Leading prompt tokens whose KV came from the prefix cache (set by the runner at admission).
+    num_cached_tokens: int = 0
     # Scheduler clock: first scheduled (classic prefill or slot slice 0), first and last token.
     scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -83,6 +83,10 @@ class ModelRunner(Protocol):
 
     def num_classic_rows(self) -> int: ...
 
+    def prefix_cache_stats(self) -> dict | None:
+        """The KV prefix cache's counters and bytes in use, for the snapshot; None
+        without a cache. A runner with one sets `Request.num_cached_tokens` at admission."""
+
     # -- speculative slot -----------------------------------------------------------
     def spec_supports(self, request: Request) -> bool:
         """Whether the slot can serve this request at all (sampler options, prompt)."""

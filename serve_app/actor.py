@@ -54,6 +54,7 @@ def build_engine(args: ServeArgs):
             prefill_batch_size=args.prefill_batch_size,
             classic_burst_ms=args.classic_burst_ms,
             fast_verify=args.fast_verify,
+            prefix_cache_bytes=args.prefix_cache_bytes,
         )
         logger.info("loaded in %.1f s (device %s, %s batch)", time.perf_counter() - tic, hardware_name(),
                     "slab" if runner.fuse_blocker is None else "BatchGenerator")

@@ -141,6 +141,12 @@ class ServeArgs(BaseModel):
         description="A classic row decoding alone keeps stepping for up to this long per engine tick "
         "(several tokens per tick when steps are fast); 0 = one token per tick.",
     )
+    prefix_cache_bytes: int | None = Field(
+        None, ge=0, le=1 << 42,
+        description="Bytes of KV the replica's prefix cache may hold: finished requests' prompt and "
+        "output, reused by later prompts that start with the same tokens (multi-turn chat, agents); "
+        "0 = off. Unset: an eighth of the memory available once the model is loaded, at most 4 GiB.",
+    )
     max_queue_depth: int = Field(
         256, ge=1, le=1_000_000, description="Pending requests per replica before 503 + Retry-After."
     )

@@ -247,9 +247,10 @@ class OpenAIService:
                         logger.warning("request %s failed: %s", rid, event.error)
                 done = True
                 stats = None if final is None else final.stats
+                cached = 0 if final is None else final.num_cached_tokens
                 self.metrics.record_finish(lane, finish, times, time.monotonic(), stats,
                                            None if final is None else final.times)
-                yield text, finish, Usage(num_prompt, completion.num_billed, stats), error
+                yield text, finish, Usage(num_prompt, completion.num_billed, stats, cached), error
                 return
         finally:
             if not done:  # the client went away (or the response task was cancelled)

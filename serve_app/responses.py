@@ -102,12 +102,14 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     stats: object | None = None  # scheduler.request.SpecStats
+    cached_tokens: int = 0  # prompt tokens the prefix cache held (OpenAI's prompt_tokens_details)
 
     def to_dict(self) -> dict:
         out = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
         s = self.stats
         if s is not None:

@@ -50,6 +50,24 @@ SUMMARIES = (
     ("queue_wait", "Arrival to first scheduled, per lane, on the scheduler's clock."),
     ("ttft", "Arrival to first token, per lane, on the scheduler's clock."),
 )
+# The `prefix_cache` snapshot (the runner's `PrefixCache.stats()`, None when off; every
+# series reads 0 then). vLLM's token counters, under our prefix with `model_name`:
+PREFIX_CACHE_TOKEN_COUNTERS = (
+    ("query_tokens", "specslot:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    ("hit_tokens", "specslot:prefix_cache_hits", "Prompt tokens the prefix cache held (not prefilled)."),
+)
+PREFIX_CACHE = "specslot_prefix_cache_"
+PREFIX_CACHE_COUNTERS = (
+    ("hits", "Admissions (classic rows and sessions) that started from a cached prefix."),
+    ("misses", "Admissions that found no cached prefix."),
+    ("stores", "Entries stored: a leaving stream's prompt and output."),
+    ("evictions", "Entries dropped, least recently used first, to stay within the byte budget."),
+)
+PREFIX_CACHE_GAUGES = (
+    ("bytes", "Bytes of KV the prefix cache holds."),
+    ("budget_bytes", "The prefix cache's byte budget (0: off)."),
+    ("entries", "Entries the prefix cache holds."),
+)
 # Snapshot keys that are not series: a sum of a labelled counter (sum() it in PromQL).
 NOT_EXPORTED = ("classic_fallbacks_total",)
 LANES = tuple(lane.name.lower() for lane in Lane)
@@ -75,6 +93,7 @@ def scheduler_families(snapshot: dict, model_name: str) -> list:
         families.append(fam)
     for key, doc in GAUGES:
         families.append(GaugeMetricFamily(PREFIX + key, doc, value=counters.get(key, 0)))
+    families += _prefix_cache_families(snapshot.get("prefix_cache") or {}, model_name)
     for key, doc in SUMMARIES:
         samples = counters.get(key) or {}
         fam = SummaryMetricFamily(f"{PREFIX}{key}_seconds", doc, labels=["lane"])
@@ -82,6 +101,19 @@ def scheduler_families(snapshot: dict, model_name: str) -> list:
             sample = samples.get(lane) or {}
             fam.add_metric([lane], count_value=sample.get("count", 0), sum_value=sample.get("sum_s", 0.0))
         families.append(fam)
+    return families
+
+
+def _prefix_cache_families(stats: dict, model_name: str) -> list:
+    families = []
+    for key, name, doc in PREFIX_CACHE_TOKEN_COUNTERS:
+        fam = CounterMetricFamily(name, doc, labels=["model_name"])
+        fam.add_metric([model_name], stats.get(key, 0))
+        families.append(fam)
+    for key, doc in PREFIX_CACHE_COUNTERS:
+        families.append(CounterMetricFamily(PREFIX_CACHE + key, doc, value=stats.get(key, 0)))
+    for key, doc in PREFIX_CACHE_GAUGES:
+        families.append(GaugeMetricFamily(PREFIX_CACHE + key, doc, value=stats.get(key, 0)))
     return families
 
 

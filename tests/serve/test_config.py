@@ -79,6 +79,8 @@ def test_config_specifics():
     ({"model": "m", "speculative_disable_by_batch_size": -1}, "args.speculative_disable_by_batch_size"),
     ({"model": "m", "classic_burst_ms": -0.5}, "args.classic_burst_ms"),
     ({"model": "m", "b1_profile_requests": -1}, "args.b1_profile_requests"),
+    ({"model": "m", "prefix_cache_bytes": -1}, "args.prefix_cache_bytes"),
+    ({"model": "m", "prefix_cache_bytes": "1GiB"}, "args.prefix_cache_bytes"),
     ({"model": "m", "drafter": {"kind": "draft_model"}}, "drafter.path is required"),
     ({"model": "m", "drafter": {"kind": "eagle"}}, "args.drafter.kind"),
     ({"model": "m", "max_lane_unauthenticated": "urgent"}, "args.max_lane_unauthenticated"),
@@ -100,7 +102,9 @@ def test_policy_profiling_knobs_reach_the_scheduler_config():
     assert (scheduler_config.b1_profile_requests, scheduler_config.b1_probe_rounds) == (5, 4)
 
 
-@pytest.mark.parametrize("raw, expected", [({}, 4.0), ({"classic_burst_ms": 0}, 0.0), ({"classic_burst_ms": 2.5}, 2.5)])
+@pytest.mark.parametrize("raw, expected", [({}, (4.0, None)), ({"classic_burst_ms": 0}, (0.0, None)),
+                                           ({"classic_burst_ms": 2.5, "prefix_cache_bytes": 0}, (2.5, 0)),
+                                           ({"prefix_cache_bytes": 1 << 30}, (4.0, 1 << 30))])
 def test_runner_args_reach_the_mlx_runner(monkeypatch, raw, expected):
     """The engine's runner factory builds MlxRunner with the deployment's runner args."""
     import models.runner
@@ -121,7 +125,8 @@ def test_runner_args_reach_the_mlx_runner(monkeypatch, raw, expected):
     monkeypatch.setattr(models.runner.MlxRunner, "from_paths", staticmethod(from_paths))
     engine, info = build_engine(ServeArgs.model_validate({"model": "m", "max_batch_size": 7, **raw}))
     engine._runner_factory()
-    assert seen["classic_burst_ms"] == expected and seen["max_batch_size"] == 7 and seen["path"] == "m"
+    assert (seen["classic_burst_ms"], seen["prefix_cache_bytes"]) == expected
+    assert seen["max_batch_size"] == 7 and seen["path"] == "m"
     assert info == {"max_context": 128, "eos_token_ids": [0], "spec_off_reason": None,
                     "fuse_blocker": "a stand-in runner"}
 

@@ -94,6 +94,24 @@ def test_usage_carries_speculative_stats_and_queue_full_is_503(codec):
     assert full.json()["error"]["code"] == "queue_full"
 
 
+def test_usage_reports_cached_prompt_tokens_as_openai_does(codec):
+    async def go():
+        async with make_app(codec, ScriptedClient([[5], [6]], cached=7)) as http:
+            full = (await http.post("/v1/completions", json={"prompt": "hi"})).json()
+            stream = await http.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                "stream_options": {"include_usage": True}})
+        async with make_app(codec, ScriptedClient([[5]])) as http:
+            miss = (await http.post("/v1/completions", json={"prompt": "hi"})).json()
+        return full, stream, miss
+    full, stream, miss = run(go())
+    assert full["usage"]["prompt_tokens_details"] == {"cached_tokens": 7}
+    chunks = [json.loads(line[6:]) for line in stream.text.splitlines()
+              if line.startswith("data: {")]
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 7}
+    assert miss["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
 class FailingClient(ScriptedClient):
     """Streams one token, then the scheduler reports an internal error (with detail)."""
 

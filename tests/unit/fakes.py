@@ -58,6 +58,7 @@ class FakeRunner:
         self.row_draft_tokens = 0
         self.row_drafts_like_slot = False
         self.draft_flags: list[bool] = []  # the `drafts` argument of every decode step
+        self.prefix_stats: dict | None = None  # what `prefix_cache_stats` reports
 
     # -- helpers ------------------------------------------------------------------------
     def _emit(self, request: Request, count: int) -> tuple[list[int], str | None]:
@@ -111,6 +112,9 @@ class FakeRunner:
 
     def num_classic_rows(self):
         return len(self.rows)
+
+    def prefix_cache_stats(self):
+        return self.prefix_stats
 
     # -- speculative --------------------------------------------------------------------
     def spec_supports(self, request):

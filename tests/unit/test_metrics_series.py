@@ -224,3 +224,27 @@ def test_lanes_are_declared_for_the_per_lane_series():
         name = lane.name.lower()
         assert f'specslot_ttft_seconds_count{{lane="{name}"}} 0.0' in text
         assert f'specslot_scheduler_queue_wait_seconds_count{{lane="{name}"}} 0.0' in text
+
+
+def test_prefix_cache_series_read_the_snapshot_and_read_zero_without_a_cache():
+    runner = FakeRunner()
+    scheduler = make_scheduler(runner)
+    metrics = ReplicaMetrics("tiny")
+    off = series(metrics.render(scheduler.snapshot()).decode())
+    runner.prefix_stats = {"budget_bytes": 1 << 30, "bytes": 4096, "entries": 2, "block_size": 64, "hits": 3,
+                           "misses": 5, "query_tokens": 900, "hit_tokens": 600, "stores": 4, "evictions": 1}
+    state = scheduler.snapshot()
+    assert state["prefix_cache"] == runner.prefix_stats
+    on = series(metrics.render(state).decode())
+    model = (("model_name", "tiny"),)
+    expected = {("specslot:prefix_cache_queries_total", model): ("counter", 900.0),
+                ("specslot:prefix_cache_hits_total", model): ("counter", 600.0),
+                ("specslot_prefix_cache_hits_total", ()): ("counter", 3.0),
+                ("specslot_prefix_cache_misses_total", ()): ("counter", 5.0),
+                ("specslot_prefix_cache_stores_total", ()): ("counter", 4.0),
+                ("specslot_prefix_cache_evictions_total", ()): ("counter", 1.0),
+                ("specslot_prefix_cache_bytes", ()): ("gauge", 4096.0),
+                ("specslot_prefix_cache_budget_bytes", ()): ("gauge", float(1 << 30)),
+                ("specslot_prefix_cache_entries", ()): ("gauge", 2.0)}
+    assert {key: on[key] for key in expected} == expected
+    assert {key: off[key] for key in expected} == {key: (kind, 0.0) for key, (kind, _) in expected.items()}

@@ -161,7 +161,7 @@ class RaggedBatch:
             done += PREFILL_CHUNK
         streams = []
         for r, row in zip(requests, rows):
-            stream = self._add_stream(r.request_id, row, RequestSampler(r.sampling),
+            stream = self._add_stream(r.request_id, row, RequestSampler(r.sampling, r.prompt_ids),
                                       stop_token_ids(self._eos_token_ids, r.sampling), r.sampling.max_tokens,
                                       0, r.prompt_ids[-1], r.prompt_ids[:-1])
             streams.append(stream)
@@ -219,7 +219,7 @@ class RaggedBatch:
         logits = self.slab.forward(self._model, entries)
         if rider is not None:
             rider.extra_logits = logits[-1]
-        verified = self._sample(streams, logits[: len(streams)])
+        verified = self._sample(streams, logits[: len(streams)], drafts)
         out = []
         for stream, draft, target in zip(streams, drafts, verified):
             num_accepted = accept_count(draft, target)
@@ -230,6 +230,7 @@ class RaggedBatch:
                                          stream.stop_ids)
             stream.num_emitted += len(tokens)
             stream.pending = tokens[-1]
+            stream.sampler.accept(tokens)
             if stream.index is not None:
                 stream.index.extend(tokens)
                 if draft:
@@ -262,13 +263,14 @@ class RaggedBatch:
             out.append(s.index.propose(k) if k else [])
         return out
 
-    def _sample(self, streams: list[_Stream], logits: list[mx.array]) -> list[list[int]]:
-        """Every verify position of every row, drawn from the row's sampler (greedy
-        rows: one argmax over all of them)."""
+    def _sample(self, streams: list[_Stream], logits: list[mx.array], drafts: list[list[int]]) -> list[list[int]]:
+        """Every verify position of every row, drawn from the row's sampler, position i
+        after the row's drafts[:i] (greedy rows without processors: one argmax over
+        all of them)."""
         if not streams:
             mx.eval(self.slab.arrays())
             return []
-        greedy = [i for i, s in enumerate(streams) if s.sampler.is_greedy]
+        greedy = [i for i, s in enumerate(streams) if s.sampler.is_greedy and not s.sampler.has_processors]
         drawn: list[mx.array | None] = [None] * len(streams)
         if greedy:
             stacked = mx.concatenate([logits[i] for i in greedy]) if len(greedy) > 1 else logits[greedy[0]]
@@ -279,7 +281,7 @@ class RaggedBatch:
                 start += n
         for i, s in enumerate(streams):
             if drawn[i] is None:
-                drawn[i] = s.sampler.from_logits(logits[i])
+                drawn[i] = s.sampler.sample(logits[i], drafts[i])
         flat = mx.concatenate(drawn)
         mx.eval(flat, self.slab.arrays())
         values, out, start = flat.tolist(), [], 0

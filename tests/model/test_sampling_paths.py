@@ -188,9 +188,9 @@ def test_seeded_sampled_streams_with_processors_agree_on_classic_paths(loaded, p
     alone = {r.request_id: run_classic(model, [r], eos(loaded))[r.request_id] for r in reqs}
     ragged, _ = _run(RaggedBatch(model, eos_token_ids=eos(loaded)), reqs, drafts=False)
     assert batched == alone == ragged
-    unseeded_like = run_classic(model, [make_request(r.request_id, r.prompt_ids, 20, seed=r.sampling.seed,
+    unprocessed = run_classic(model, [make_request(r.request_id, r.prompt_ids, 20, seed=r.sampling.seed,
                                                      temperature=0.8) for r in reqs], eos(loaded))
-    assert unseeded_like != batched  # the processors and filters change the draws
+    assert unprocessed != batched  # the processors and filters change the draws
 
 
 @pytest.mark.parametrize("knobs", ["presence", "bias_and_all"])

@@ -63,6 +63,27 @@ def check_adoptable(request_id: str, rows: Sequence[str], num_emitted: int, max_
         raise ValueError(f"request {request_id!r} has no tokens left to decode")
 
 
+class RowSampler:
+    """A `RequestSampler` as one `BatchGenerator` row's hooks: `penalize` is the row's
+    logits processor (mlx-lm normalises its output as `models.sampling.log_probs`
+    does), the call picks from those log-probabilities and accepts the draw, since
+    every token a row draws is emitted (or the row ends on the one before)."""
+
+    def __init__(self, sampler: RequestSampler):
+        self.sampler = sampler
+
+    def penalize(self, _context, logits):  # mlx-lm's context is ignored: the sampler keeps the stream
+        return self.sampler.penalized(logits)
+
+    def processors(self) -> list:
+        return [self.penalize] if self.sampler.has_processors else []
+
+    def __call__(self, logprobs):
+        token = self.sampler(logprobs)
+        self.sampler.accept(token)
+        return token
+
+
 @dataclass
 class LiveRow:
     """A stream taken out of the batch mid-way: `cache` holds every token but the last
@@ -143,11 +164,13 @@ class ClassicBatch:
                          sampler: RequestSampler, num_left: int) -> None:
         """Queue a stream already under way as a batch row: `cache` holds everything
         before `next_input`, which becomes a one-token prompt; `sampler` keeps its key."""
+        hooks = RowSampler(sampler)
         (uid,) = self._gen.insert(
             [[next_input]],
             max_tokens=[num_left],
             caches=[cache],
-            samplers=[sampler],
+            samplers=[hooks],
+            logits_processors=[hooks.processors()],
             stop_sequences=[self._stop_sequences(request_id)],
         )
         self._register(uid, request_id)
@@ -217,7 +240,7 @@ class ClassicBatch:
             return
         uid = rows.uids[0]
         request_id = self._request_by_uid[uid]
-        solo = SoloRow(request_id, self._model, rows.extract_cache(0), rows.samplers[0],
+        solo = SoloRow(request_id, self._model, rows.extract_cache(0), rows.samplers[0].sampler,
                        self._stop_ids[request_id], rows.max_tokens[0], rows._next_tokens,
                        num_emitted=rows._num_tokens[0])
         gen.remove([uid])
@@ -242,15 +265,17 @@ class ClassicBatch:
         if len(requests) == 1 and self._solo_path_free():
             (r,) = requests
             self._solo, first = SoloRow.start(r.request_id, self._model, r.prompt_ids,
-                                              RequestSampler(r.sampling), self._stop_ids[r.request_id],
+                                              RequestSampler(r.sampling, r.prompt_ids), self._stop_ids[r.request_id],
                                               r.sampling.max_tokens)
             self._retire_solo_if_finished(first)
             return [first]
         moved = self._solo_into_batch()
+        hooks = [RowSampler(RequestSampler(r.sampling, r.prompt_ids)) for r in requests]
         uids = self._gen.insert(
             [list(r.prompt_ids) for r in requests],
             max_tokens=[r.sampling.max_tokens for r in requests],
-            samplers=[RequestSampler(r.sampling) for r in requests],
+            samplers=hooks,
+            logits_processors=[h.processors() for h in hooks],
             stop_sequences=[self._stop_sequences(r.request_id) for r in requests],
         )
         for uid, r in zip(uids, requests):
@@ -343,7 +368,7 @@ class ClassicBatch:
             reason = "stop"
         elif rows._num_tokens[idx] + 1 >= rows.max_tokens[idx]:
             reason = "length"
-        state = None if reason else LiveRow(rows.extract_cache(idx), rows.samplers[idx])
+        state = None if reason else LiveRow(rows.extract_cache(idx), rows.samplers[idx].sampler)
         self.remove(request_id)
         return TokenBatch(request_id, [token], reason), state
 

@@ -224,7 +224,7 @@ class RaggedBatch:
             done += PREFILL_CHUNK
         streams = []
         for r, row in zip(requests, rows):
-            stream = self._add_stream(r.request_id, row, RequestSampler(r.sampling),
+            stream = self._add_stream(r.request_id, row, RequestSampler(r.sampling, r.prompt_ids),
                                       stop_token_ids(self._eos_token_ids, r.sampling), r.sampling.max_tokens,
                                       0, r.prompt_ids[-1], r.prompt_ids[:-1])
             streams.append(stream)
@@ -289,7 +289,7 @@ class RaggedBatch:
         logits = self.slab.forward(self._model, entries)
         if rider is not None:
             rider.extra_logits = logits[-1]
-        verified = self._sample(streams, logits[: len(streams)])
+        verified = self._sample(streams, logits[: len(streams)], drafts)
         return self._apply(streams, drafts, verified, wanted)
 
     def _apply(self, streams: list[_Stream], drafts: list[list[int]], verified: list[list[int]],
@@ -308,6 +308,7 @@ class RaggedBatch:
             stream.pending = tokens[-1]
             if stream.token_ids is not None:
                 stream.token_ids += tokens
+            stream.sampler.accept(tokens)
             if stream.index is not None:
                 stream.index.extend(tokens)
                 if draft:
@@ -332,7 +333,9 @@ class RaggedBatch:
         if tokens is None:
             self._take_back()
             tokens = self._draw(streams, [(s.row, [s.pending]) for s in streams])
-        if not (wanted and self._may_draft(streams)):  # the next step will not draft: queue it
+        # Queue the next step unless a row may draft in it, or its processors must first
+        # read this step's token (penalties count what was emitted).
+        if not (wanted and self._may_draft(streams)) and not any(s.sampler.has_processors for s in streams):
             keys = [s.sampler.key for s in streams]
             nxt = self._draw(streams, [(s.row, [0]) for s in streams], values=tokens)
             mx.async_eval(nxt)
@@ -367,7 +370,7 @@ class RaggedBatch:
     def _draw(self, streams: list[_Stream], entries, values: mx.array | None = None) -> mx.array:
         """(lazy) each row's next token from a forward of `entries`."""
         logits = self.slab.forward(self._model, entries, values=values)
-        return mx.concatenate(self._draws(streams, logits)).astype(mx.int32)
+        return mx.concatenate(self._draws(streams, logits, [[] for _ in streams])).astype(mx.int32)
 
     def _may_draft(self, streams: list[_Stream]) -> bool:
         """Whether a row may draft in the next step (its budget allows drafts)."""
@@ -399,13 +402,14 @@ class RaggedBatch:
             out.append(s.index.propose(k) if k else [])
         return out
 
-    def _sample(self, streams: list[_Stream], logits: list[mx.array]) -> list[list[int]]:
-        """Every verify position of every row, drawn from the row's sampler (greedy
-        rows: one argmax over all of them)."""
+    def _sample(self, streams: list[_Stream], logits: list[mx.array], drafts: list[list[int]]) -> list[list[int]]:
+        """Every verify position of every row, drawn from the row's sampler, position i
+        after the row's drafts[:i] (greedy rows without processors: one argmax over
+        all of them)."""
         if not streams:
             mx.eval(self.slab.arrays())
             return []
-        drawn = self._draws(streams, logits)
+        drawn = self._draws(streams, logits, drafts)
         flat = mx.concatenate(drawn)
         mx.eval(flat, self.slab.arrays())
         values, out, start = flat.tolist(), [], 0
@@ -415,10 +419,11 @@ class RaggedBatch:
             start += n
         return out
 
-    def _draws(self, streams: list[_Stream], logits: list[mx.array]) -> list[mx.array]:
-        """(lazy) every verify position of every row, drawn from the row's sampler
-        (greedy rows: one argmax over all of them)."""
-        greedy = [i for i, s in enumerate(streams) if s.sampler.is_greedy]
+    def _draws(self, streams: list[_Stream], logits: list[mx.array], drafts: list[list[int]]) -> list[mx.array]:
+        """(lazy) every verify position of every row, drawn from the row's sampler,
+        position i after the row's drafts[:i] (greedy rows without processors: one
+        argmax over all of them)."""
+        greedy = [i for i, s in enumerate(streams) if s.sampler.is_greedy and not s.sampler.has_processors]
         drawn: list[mx.array | None] = [None] * len(streams)
         if greedy:
             stacked = mx.concatenate([logits[i] for i in greedy]) if len(greedy) > 1 else logits[greedy[0]]
@@ -429,7 +434,7 @@ class RaggedBatch:
                 start += n
         for i, s in enumerate(streams):
             if drawn[i] is None:
-                drawn[i] = s.sampler.from_logits(logits[i])
+                drawn[i] = s.sampler.sample(logits[i], drafts[i])
         return drawn
 
     # -- leaving ------------------------------------------------------------------------

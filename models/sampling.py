@@ -1,41 +1,141 @@
-"""Per-request samplers with their own seeded random stream.
+"""Per-request samplers: the request's logit processors, filters and seeded random stream.
 
 mlx-lm's `make_sampler` draws from MLX's global random state, so two requests
 interleaved in one process would perturb each other's streams. Here each request owns
 a key: a request with a seed is reproducible however it is scheduled (classic or
 speculative, alone or batched), and an unseeded request gets a fresh random seed.
+
+Every path turns logits into tokens through one function, `penalized_logits`, then
+`log_probs`, then the sampler's pick (argmax, or the filters and one seeded draw). The
+processors read the stream's tokens, which the sampler keeps (`accept`) so that they
+move with it between paths. A verify position i reads the stream plus the drafts
+before it, which is what classic decode would have read there had those drafts been
+emitted: a greedy stream with penalties is the same whether it speculates or not.
 """
 
 from __future__ import annotations
 
 import secrets
-from typing import Callable, Sequence
+from typing import Callable, Sequence, Union
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_p
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from scheduler.request import SamplingParams
 
 Sampler = Callable[[mx.array], mx.array]  # logprobs (..., V) -> token ids (...)
+Tokens = Union[Sequence[int], mx.array]
+
+
+def log_probs(logits: mx.array) -> mx.array:
+    """Logits normalised to log-probabilities over the last axis: what every sampling
+    path of ours (the sampler and the compiled greedy heads) takes its argmax or draw of."""
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def penalized_logits(logits: mx.array, params: SamplingParams, recent: mx.array | None,
+                     counts: mx.array | None, drafts: Tokens = ()) -> mx.array:
+    """The logits (n, V) of n consecutive positions after the request's processors
+    (`SamplingParams`: logit_bias, then the repetition penalty, then presence and
+    frequency penalties).
+
+    Position 0 follows the stream so far: `recent` (int32) holds its last
+    `repetition_context_size` tokens of prompt + output (None without a repetition
+    penalty), `counts` (V,) how often each token occurs in the output (None without
+    presence / frequency penalties). Position i > 0 follows `drafts[:i]` as well (a
+    verify: the tokens fed at positions 1..i), counted as output tokens.
+    Example: stream output [7, 7], drafts [7, 9]: position 0 sees token 7 twice,
+    position 1 three times, position 2 three times and token 9 once.
+    """
+    if not params.has_processors:
+        return logits
+    n, vocab = logits.shape
+    draft_ids = _token_array(drafts)[: n - 1] if n > 1 else None
+    if draft_ids is not None and draft_ids.shape[0] != n - 1:
+        raise ValueError(f"{n} positions need {n - 1} drafts, got {draft_ids.shape[0]}")
+    if params.logit_bias:
+        logits = logits + bias_vector(params.logit_bias, vocab)
+    if params.repetition_penalty != 1.0:
+        logits = _repetition_penalty(logits, params.repetition_penalty, params.repetition_context_size,
+                                     recent, draft_ids)
+    if params.has_output_penalties:
+        seen = counts[None]
+        if draft_ids is not None:  # row i adds the drafts before position i
+            one_hot = (draft_ids[:, None] == mx.arange(vocab)[None]).astype(counts.dtype)
+            seen = seen + mx.concatenate([mx.zeros((1, vocab), counts.dtype), mx.cumsum(one_hot, axis=0)])
+        logits = logits - params.frequency_penalty * seen - params.presence_penalty * (seen > 0)
+    return logits
+
+
+def bias_vector(logit_bias: Sequence[tuple[int, float]], vocab: int) -> mx.array:
+    """(V,) float32: the bias of each token; ids outside the logits are ignored (the
+    serve layer refuses ids outside the tokenizer's vocabulary)."""
+    pairs = [(t, b) for t, b in logit_bias if 0 <= t < vocab]
+    bias = mx.zeros((vocab,), mx.float32)
+    if not pairs:
+        return bias
+    ids, values = zip(*pairs)
+    return bias.at[mx.array(ids, mx.int32)].add(mx.array(values, mx.float32))
+
+
+def _repetition_penalty(logits: mx.array, penalty: float, window: int, recent: mx.array,
+                        draft_ids: mx.array | None) -> mx.array:
+    """mlx-lm's `make_repetition_penalty`, per position: each token among the position's
+    last `window` tokens has its logit divided by `penalty` (positive) or multiplied."""
+    n = logits.shape[0]
+    full = recent if draft_ids is None else mx.concatenate([recent, draft_ids.astype(recent.dtype)])
+    before = recent.shape[0]  # tokens before position 0
+    width = min(window, before + n - 1)
+    # Position i's window is full[max(0, before + i - window) : before + i]; an index
+    # clipped to 0 repeats full[0], which lies in that window whenever it is clipped.
+    idx = before - width + mx.arange(n)[:, None] + mx.arange(width)[None, :]
+    tokens = full[mx.maximum(idx, 0)]
+    picked = mx.take_along_axis(logits, tokens, axis=-1)
+    picked = mx.where(picked < 0, picked * penalty, picked / penalty)
+    return mx.put_along_axis(logits, tokens, picked, axis=-1)
+
+
+def _token_array(tokens: Tokens) -> mx.array:
+    if isinstance(tokens, mx.array):
+        return tokens.reshape(-1).astype(mx.int32)
+    return mx.array(list(tokens), dtype=mx.int32)
 
 
 class RequestSampler:
-    """Samples rows of log-probabilities at the request's temperature / top_p.
+    """A request's sampling state: its seeded key and the tokens its processors read.
 
-    Greedy (temperature 0) is argmax and uses no randomness. Otherwise each call
-    splits a fresh subkey from the request's key; rows of one call are independent
-    draws (one per verify position).
+    `sample(logits, drafts)` turns the logits of one position, or of a verify's
+    positions, into tokens without changing the state (but the key: a sampled call
+    splits it once, whatever the number of positions); `accept(tokens)` adds emitted
+    tokens to the stream. Pipelined paths, which emit every token they draw, use
+    `next_token` (sample, then accept). Greedy (temperature 0) is the argmax of the
+    processed log-probabilities and uses no randomness.
     """
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = ()):
+        """`prompt_ids`: the request's prompt (the repetition penalty's window starts in it)."""
+        self.params = params
         self.temperature = params.temperature
         self.top_p = params.top_p
         seed = params.seed if params.seed is not None else secrets.randbits(31)
         self._key = mx.random.key(seed)
+        # The processors' view of the stream; arrays are replaced, never mutated, so a
+        # copy of the sampler is an independent stream.
+        self._recent: mx.array | None = None
+        if params.repetition_penalty != 1.0:
+            if not prompt_ids:
+                raise ValueError("a repetition penalty needs the prompt")
+            self._recent = mx.array(list(prompt_ids[-params.repetition_context_size:]), dtype=mx.int32)
+        self._counts: mx.array | None = None  # (V,), made at the first draw
+        self._unfolded: tuple[mx.array, ...] = ()  # output accepted before the first draw
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_processors(self) -> bool:
+        return self.params.has_processors
 
     @property
     def key(self) -> mx.array:
@@ -46,29 +146,77 @@ class RequestSampler:
     def key(self, key: mx.array) -> None:
         self._key = key
 
-    def from_logits(self, logits: mx.array) -> mx.array:
-        """Sample from raw logits: normalised to log-probabilities first, as mlx-lm's
-        samplers expect (and as every path of ours samples, so greedy ties break alike)."""
-        return self(log_probs(logits))
+    # -- the stream ---------------------------------------------------------------------
+    def accept(self, tokens: Tokens) -> None:
+        """Emitted output tokens (a list, or a lazy array: pipelined paths accept a draw
+        before it is evaluated) join what the processors read."""
+        if self._recent is None and not self.params.has_output_penalties:
+            return
+        ids = _token_array(tokens)
+        if self._recent is not None:
+            self._recent = mx.concatenate([self._recent, ids])[-self.params.repetition_context_size:]
+        if self.params.has_output_penalties:
+            if self._counts is None:
+                self._unfolded += (ids,)
+            else:
+                self._counts = self._counts.at[ids].add(1.0)
+
+    def _output_counts(self, vocab: int) -> mx.array | None:
+        if not self.params.has_output_penalties:
+            return None
+        if self._counts is None:
+            self._counts = mx.zeros((vocab,), mx.float32)
+            for ids in self._unfolded:
+                self._counts = self._counts.at[ids].add(1.0)
+            self._unfolded = ()
+        return self._counts
+
+    # -- logits to tokens ---------------------------------------------------------------
+    def penalized(self, logits: mx.array, drafts: Tokens = ()) -> mx.array:
+        """`penalized_logits` with this stream's state: (n, V) logits of n positions,
+        `drafts` the n - 1 tokens fed after the first."""
+        if not self.params.has_processors:
+            return logits
+        return penalized_logits(logits, self.params, self._recent, self._output_counts(logits.shape[-1]), drafts)
+
+    def log_probs(self, logits: mx.array, drafts: Tokens = ()) -> mx.array:
+        return log_probs(self.penalized(logits, drafts))
+
+    def sample(self, logits: mx.array, drafts: Tokens = ()) -> mx.array:
+        """Tokens (n,) for the raw logits (n, V) of n consecutive positions; the stream
+        is unchanged (the caller accepts what it emits)."""
+        return self(self.log_probs(logits, drafts))
+
+    def next_token(self, logits: mx.array) -> mx.array:
+        """The next token for one position's logits (1, V), accepted at once: for paths
+        that emit every token they draw (`models.solo`, `BatchGenerator` rows)."""
+        token = self.sample(logits)
+        self.accept(token)
+        return token
 
     def __call__(self, logprobs: mx.array) -> mx.array:
+        """Pick from processed log-probabilities: argmax, or top_p, min_p, top_k (mlx-lm's
+        `make_sampler` order) and one draw per row from one fresh subkey."""
         if self.is_greedy:
             return mx.argmax(logprobs, axis=-1)
-        if 0.0 < self.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, self.top_p)
+        p = self.params
+        if 0.0 < p.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, p.top_p)
+        if p.min_p > 0.0:
+            logprobs = apply_min_p(logprobs, p.min_p)
+        if 0 < p.top_k < logprobs.shape[-1]:
+            logprobs = apply_top_k(logprobs, p.top_k)
         self._key, subkey = mx.random.split(self._key)
         return mx.random.categorical(logprobs * (1.0 / self.temperature), key=subkey)
 
 
-def log_probs(logits: mx.array) -> mx.array:
-    """Logits normalised to log-probabilities over the last axis: what every sampling
-    path of ours (the sampler and the compiled greedy heads) takes its argmax or draw of."""
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
 def supports_sampling(params: SamplingParams) -> bool:
-    """Options both paths implement (temperature >= 0, 0 < top_p <= 1, max_tokens > 0)."""
-    return params.temperature >= 0.0 and 0.0 < params.top_p <= 1.0 and params.max_tokens > 0
+    """Options every path implements (temperature >= 0, 0 < top_p <= 1, top_k >= 0,
+    0 <= min_p <= 1, repetition_penalty > 0 over a window of at least one token,
+    max_tokens > 0)."""
+    return (params.temperature >= 0.0 and 0.0 < params.top_p <= 1.0 and params.top_k >= 0
+            and 0.0 <= params.min_p <= 1.0 and params.repetition_penalty > 0.0
+            and params.repetition_context_size >= 1 and params.max_tokens > 0)
 
 
 def stop_token_ids(eos_token_ids: Sequence[int], params: SamplingParams) -> tuple[int, ...]:

@@ -90,7 +90,7 @@ class SpeculativeSession:
         self.num_draft_tokens = num_draft_tokens
         self.verifier = verifier
         self._new_cache = new_cache or (lambda: make_prompt_cache(target))
-        self.sampler = RequestSampler(sampling)
+        self.sampler = RequestSampler(sampling, prompt_ids)
         self.counters = SessionCounters()
         self.history: list[int] = []
         self.num_emitted = 0
@@ -133,15 +133,21 @@ class SpeculativeSession:
         return self.finish_reason is not None
 
     # -- life ----------------------------------------------------------------------
-    def _emit(self, tokens: list[int]) -> tuple[list[int], str | None]:
+    def _emit(self, tokens: list[int], accepted: bool = False) -> tuple[list[int], str | None]:
+        """Emit what clipping leaves of `tokens`; the sampler takes them as the stream's
+        unless it has already (`accepted`: a probe's row accepts what it draws)."""
         tokens, reason = clip_tokens(tokens, self.max_tokens - self.num_emitted, self.stop_ids)
+        if not accepted:
+            self.sampler.accept(tokens)
         self.history.extend(tokens)
         self.num_emitted += len(tokens)
         self.finish_reason = reason
         return tokens, reason
 
-    def _sample(self, logits: mx.array) -> list[int]:
-        return self.sampler.from_logits(logits).tolist()
+    def _sample(self, logits: mx.array, drafts: Sequence[int] = ()) -> list[int]:
+        """The target's token at each of the (n, V) `logits`' positions, position i
+        after `drafts[:i]`."""
+        return self.sampler.sample(logits, drafts).tolist()
 
     def begin(self) -> RoundResult:
         """Prefill target (and draft state, if bound) and emit the first token.
@@ -184,7 +190,7 @@ class SpeculativeSession:
         if probe:
             tic = time.perf_counter()
             tokens, per_token = self._probe_tokens()
-            tokens, reason = self._emit(tokens)
+            tokens, reason = self._emit(tokens, accepted=True)
             seconds = time.perf_counter() - tic
             self._count_round(True, 0, 0, seconds)
             return RoundResult(tokens, reason, 0, 0, True, seconds, per_token)
@@ -230,7 +236,7 @@ class SpeculativeSession:
         `tic` is when the round began (its wall time is reported)."""
         phases = self.counters.phase_seconds
         t2 = time.perf_counter()
-        verified = self._sample(logits)
+        verified = self._sample(logits, tokens[1:])
         phases["sync"] += time.perf_counter() - t2
         return self._finish_round(tokens[1:], verified, len(tokens) - 1, tic)
 
@@ -327,11 +333,12 @@ class SpeculativeSession:
             draft = self.drafter.propose(self.draft_state, self.history, k) if k else []
             tokens = mx.array([self.history[-1]] + draft + [0] * (width - len(draft)), dtype=mx.int32)
         t1 = time.perf_counter()
-        if self.sampler.is_greedy:  # the argmax inside the compiled forward: fewer host ops
+        if self.sampler.is_greedy and not self.sampler.has_processors:
+            # the argmax inside the compiled forward: fewer host ops
             target = self.verifier.greedy_every(self.cache, tokens[None])[0]
         else:
             logits = self.verifier.logits(self.cache, tokens[None])[0]
-            target = self.sampler.from_logits(logits)
+            target = self.sampler.sample(logits, tokens[1:])
         t2 = time.perf_counter()
         if lazy:
             mx.eval(drafts, target)

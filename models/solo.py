@@ -73,10 +73,11 @@ class SoloRow:
         return row
 
     def _forward(self, token: mx.array, model=None) -> mx.array:
-        """Feed one token (shape (1,)) and draw the next from the request's sampler;
-        `model` stands in for the row's own (a `models.ragged.Rider`)."""
+        """Feed one token (shape (1,)) and draw the next from the request's sampler,
+        which takes it as emitted (a drawn token is always emitted, or the row ends on
+        the one before); `model` stands in for the row's own (a `models.ragged.Rider`)."""
         logits = (model or self.model)(token[:, None], cache=self.cache)
-        return self.sampler.from_logits(logits[:, -1, :])
+        return self.sampler.next_token(logits[:, -1, :])
 
     def _finish_reason(self, token: int) -> str | None:
         # mlx-lm's rule: a stop token ends the row even when max_tokens is also reached.

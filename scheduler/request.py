@@ -56,12 +56,24 @@ class RequestStatus(enum.Enum):
         return self in (RequestStatus.CLASSIC, RequestStatus.ACTIVE)
 
 
+REPETITION_CONTEXT_SIZE = 20  # mlx-lm's default window for its repetition penalty
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling and stop conditions, in tokens.
 
     `stop_token_ids` end the stream and are emitted (like EOS in mlx-lm); text stop
-    sequences are the serve layer's job.
+    sequences are the serve layer's job. The logit processors (applied to the raw
+    logits, in this order; `models.sampling.penalized_logits`):
+    - `logit_bias`: (token id, bias) pairs added to the logits;
+    - `repetition_penalty`: mlx-lm's (and Hugging Face's) sign-aware penalty on every
+      token among the last `repetition_context_size` tokens of prompt + output
+      (a positive logit is divided by it, a negative one multiplied; 1 = off);
+    - `presence_penalty`, `frequency_penalty`: OpenAI's, over the output tokens only:
+      logit -= presence * (count > 0) + frequency * count.
+    Then the filters on the log-probabilities (mlx-lm's order: top_p, min_p, top_k;
+    0 = off for top_k and min_p) and the draw at `temperature` (0 = argmax).
     """
 
     max_tokens: int
@@ -69,10 +81,27 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_context_size: int = REPETITION_CONTEXT_SIZE
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether any logit processor changes the logits (each token then depends on
+        the tokens before it, not only on the model)."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.has_output_penalties
+
+    @property
+    def has_output_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass

@@ -29,6 +29,7 @@ from serve_app.config import (ConfigError, LiveConfig, ServeArgs, format_validat
                               read_chat_template)
 from serve_app.http import OpenAIService
 from serve_app.ready import last_error_line
+from serve_app.sampling_defaults import read_generation_config
 
 logger = logging.getLogger("ray.serve")
 
@@ -102,12 +103,13 @@ async def load_replica(service: OpenAIService) -> None:
         target_dir, _ = await asyncio.to_thread(args.model_dirs)
         template = read_chat_template(args.chat_template)  # build_app has inlined a file's text
         codec = await asyncio.to_thread(TextCodec.from_path, target_dir, template)
+        generation_config = read_generation_config(target_dir)
         await service.client.start()
     except Exception as exc:  # ModelLoadError, or the scheduler actor could not start
         service.fail_load(last_error_line(str(exc)))
         logger.error("specslot failed to load: %s", service.load_error)
         return
-    service.mark_ready(codec)
+    service.mark_ready(codec, generation_config)
 
 
 def _identity() -> dict:

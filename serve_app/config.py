@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from models.hub import is_repo_id
 from scheduler.request import Lane
+from serve_app.sampling_defaults import SamplingDefaults
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -180,6 +181,18 @@ class ServeArgs(BaseModel):
         description="Chat template for /v1/chat/completions, used instead of the tokenizer's "
         "own (or where it has none): a jinja template, or a path to a .jinja file, read when "
         "the app is built. Unset: the tokenizer's template; without one, chat is a 400.",
+    )
+    use_generation_config: bool = Field(
+        True,
+        description="Requests that omit temperature, top_p, top_k, min_p or repetition_penalty "
+        "take the values in the model's generation_config.json, where it has one; false: "
+        "OpenAI's defaults (temperature 1, top_p 1, the rest off).",
+    )
+    sampling_defaults: SamplingDefaults = Field(
+        default_factory=SamplingDefaults,
+        description="Defaults for sampling fields a request omits (temperature, top_p, top_k, "
+        "min_p, repetition_penalty, presence_penalty, frequency_penalty); each one set here "
+        "overrides generation_config.json's.",
     )
 
     @model_validator(mode="after")

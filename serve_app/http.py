@@ -31,6 +31,7 @@ from serve_app.metrics import ReplicaMetrics, StreamTimes
 from serve_app.protocol import APIError, GenerationSpec, decode_json, parse_generation
 from serve_app.ready import health_body
 from serve_app.responses import CompletionText, ResponseFormat, Usage, sse
+from serve_app.sampling_defaults import request_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ class OpenAIService:
         self.args = args
         self.metrics = metrics or ReplicaMetrics(args.model_name, args.num_draft_tokens)
         self.load_error: str | None = None  # why loading failed, once it has
+        # SamplingParams fields for what a request omits (`serve_app.sampling_defaults`).
+        self.sampling_defaults = request_defaults(args.sampling_defaults, None)
         self._load_ended = asyncio.Event()
         if codec is not None:
             self._load_ended.set()
@@ -56,8 +59,13 @@ class OpenAIService:
     def ready(self) -> bool:
         return self.codec is not None and self.load_error is None
 
-    def mark_ready(self, codec: TextCodec) -> None:
+    def mark_ready(self, codec: TextCodec, generation_config: dict | None = None) -> None:
+        """`generation_config`: the model's sampling defaults (`read_generation_config`),
+        used where the deployment's `use_generation_config` says so."""
         self.codec = codec
+        if generation_config and self.args.use_generation_config:
+            self.sampling_defaults = request_defaults(self.args.sampling_defaults, generation_config)
+        logger.info("request sampling defaults: %s", self.sampling_defaults)
         self._load_ended.set()
         logger.info("specslot replica ready: %s", health_body(self.args, self.client.info))
 
@@ -162,10 +170,7 @@ class OpenAIService:
         lane = Lane(max(parse_priority(http.headers.get("x-priority")), lane_cap))
         prefix = "chatcmpl-" if chat else "cmpl-"
         request_id = prefix + uuid.uuid4().hex
-        sampling = SamplingParams(
-            max_tokens=max_tokens, temperature=spec.temperature, top_p=spec.top_p,
-            seed=spec.seed, stop_token_ids=tuple(self.client.info.get("eos_token_ids") or ()))
-        request = Request(request_id, prompt_ids, sampling, lane=lane)
+        request = Request(request_id, prompt_ids, self._sampling(spec, max_tokens), lane=lane)
         try:
             events = await self.client.submit(request)
         except QueueFull:
@@ -334,6 +339,16 @@ class OpenAIService:
                            f"context of {max_context}", param="max_tokens",
                            code="context_length_exceeded")
         return spec.max_tokens
+
+    def _sampling(self, spec: GenerationSpec, max_tokens: int) -> SamplingParams:
+        fields = {**self.sampling_defaults, **spec.sampling}
+        vocab = self.codec.vocab_size
+        for token_id, _ in fields.get("logit_bias", ()):
+            if token_id >= vocab:
+                raise APIError(400, f"logit_bias: token id {token_id} is outside the vocabulary "
+                               f"({vocab} tokens)", param="logit_bias", code="invalid_value")
+        return SamplingParams(max_tokens=max_tokens, seed=spec.seed,
+                              stop_token_ids=tuple(self.client.info.get("eos_token_ids") or ()), **fields)
 
     def _retry(self) -> dict[str, str]:
         return {"Retry-After": str(self.args.retry_after_seconds)}

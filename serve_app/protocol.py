@@ -6,7 +6,9 @@ into a scheduler `Request` once the prompt is tokenized. Error messages name the
 as the client wrote it (`messages[1].content`) and never carry internal detail (paths,
 stack traces). Fields OpenAI defines that this server does not implement yet are
 accepted with the values that change nothing (`n: 1`, `logprobs: false`) and are a 400
-`unsupported_parameter` naming the field otherwise.
+`unsupported_parameter` naming the field otherwise. Sampling fields a request omits stay
+unset here: their defaults depend on the deployment and the model
+(`serve_app.sampling_defaults`).
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from serve_app.chat import ChatMessage, template_messages
 from serve_app.errors import APIError
+from serve_app.sampling_defaults import sampling_fields
 
 _BODY = ConfigDict(extra="forbid", strict=True)
+_TOKEN_ID = re.compile(r"[0-9]{1,12}")
 
 
 class StreamOptions(BaseModel):
@@ -42,8 +46,8 @@ class _Common(BaseModel):
     model: str | None = Field(None, min_length=1, max_length=256)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: Union[str, list[str], None] = None
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stream: bool = False
@@ -51,12 +55,24 @@ class _Common(BaseModel):
     user: str | None = Field(None, max_length=256)
     # Typed here so a malformed value is a plain 400; `_NOT_YET` serves the neutral values.
     n: int = Field(1, ge=1, le=128)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, Any] | None = None
-    top_k: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Any] | None = None  # token id (as a string) -> bias in [-100, 100]
+    top_k: int | None = Field(None, ge=-1)  # 0 or -1 = off
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _biases(cls, v):
+        for key, bias in (v or {}).items():
+            if not _TOKEN_ID.fullmatch(key):
+                raise ValueError(f"keys are token ids (decimal strings), got {key[:32]!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+                raise ValueError(f"the bias of token {key} must be a number")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"the bias of token {key} must be between -100 and 100")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -95,11 +111,12 @@ class ChatBody(_Common):
 # Fields this server does not implement yet, with the values that change nothing (served,
 # and ignored); any other value is a 400 naming the field.
 _NOT_YET: dict[str, tuple] = {
-    "n": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
-    "top_k": (0, -1), "min_p": (0,), "repetition_penalty": (1,), "logprobs": (False,),
-    "top_logprobs": (0,), "tools": (), "tool_choice": (), "parallel_tool_calls": (),
-    "echo": (False,), "best_of": (1,), "suffix": (),
+    "n": (1,), "logprobs": (False,), "top_logprobs": (0,), "tools": (), "tool_choice": (),
+    "parallel_tool_calls": (), "echo": (False,), "best_of": (1,), "suffix": (),
 }
+# Body fields that are `SamplingParams` fields of the same name.
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty")
 
 # apply_chat_template's own arguments and the variables every template gets from it.
 _RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -121,8 +138,9 @@ class GenerationSpec:
     messages: list[dict] | None  # chat, as templates take them (`serve_app.chat`)
     chat_template_kwargs: dict
     max_tokens: int | None
-    temperature: float
-    top_p: float
+    # The sampling fields the request set, as `SamplingParams` takes them (`top_k: -1`
+    # is 0, `logit_bias` sorted (token id, bias) pairs); omitted ones are absent.
+    sampling: dict
     stop: list[str]
     seed: int | None
     stream: bool
@@ -179,10 +197,18 @@ def parse_generation(body: dict, chat: bool) -> GenerationSpec:
     return GenerationSpec(
         chat=chat, model=parsed.model, prompt_text=prompt_text, prompt_ids=prompt_ids,
         messages=messages, chat_template_kwargs=template_kwargs, max_tokens=max_tokens,
-        temperature=parsed.temperature, top_p=parsed.top_p, stop=list(parsed.stop or []),
+        sampling=_sampling(parsed), stop=list(parsed.stop or []),
         seed=parsed.seed, stream=parsed.stream,
         include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
     )
+
+
+def _sampling(parsed: _Common) -> dict:
+    out = sampling_fields({name: getattr(parsed, name) for name in _SAMPLING_FIELDS})
+    if parsed.logit_bias:
+        biases = {int(k): float(b) for k, b in parsed.logit_bias.items()}  # "5" and "05" are one id
+        out["logit_bias"] = tuple(sorted(biases.items()))
+    return out
 
 
 def _one_prompt(prompt) -> tuple[str | None, list[int] | None]:

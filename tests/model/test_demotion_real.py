@@ -25,6 +25,7 @@ from .helpers import run_classic
 pytestmark = pytest.mark.model
 
 SAMPLED = dict(temperature=0.8, top_p=0.9, seed=5)
+PENALIZED = dict(presence_penalty=1.0, repetition_penalty=1.3, logit_bias=((40, 1.0),))
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["ragged", "batch_generator"])
@@ -89,17 +90,18 @@ def reference_after(runner, session, max_steps):
     stop = set(session.stop_ids)
     for _ in range(max_steps):
         logits = runner.target.model(mx.array([[token]]), cache=cache)[:, -1, :]
-        token = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).item()
+        token = sampler.next_token(logits).item()
         tokens.append(token)
         if token in stop:
             break
     return tokens
 
 
+@pytest.mark.parametrize("knobs", [{}, PENALIZED], ids=["plain", "penalized"])
 @pytest.mark.parametrize("others", [0, 1, 2], ids=["alone", "lone_row", "batch"])
 @pytest.mark.parametrize("park", [False, True], ids=["active", "parked"])
-def test_greedy_demoted_stream_equals_isolated_classic(runner, prompt_ids, others, park):
-    a = make_request("a", prompt_ids[0], 40)
+def test_greedy_demoted_stream_equals_isolated_classic(runner, prompt_ids, others, park, knobs):
+    a = make_request("a", prompt_ids[0], 40, **knobs)
     rows = [make_request(f"r{i}", prompt_ids[5 + i], 30) for i in range(others)]
     out, reasons = {}, {}
     for r in rows:  # one at a time: two rows end up in BatchGenerator, one stays a SoloRow
@@ -119,9 +121,10 @@ def test_greedy_demoted_stream_equals_isolated_classic(runner, prompt_ids, other
     assert runner.num_classic_rows() == 0
 
 
+@pytest.mark.parametrize("knobs", [{}, PENALIZED], ids=["plain", "penalized"])
 @pytest.mark.parametrize("others", [0, 2], ids=["alone", "batch"])
-def test_sampled_tokens_after_demotion_are_not_redrawn(runner, prompt_ids, others):
-    a = make_request("a", prompt_ids[3], 36, **SAMPLED)
+def test_sampled_tokens_after_demotion_are_not_redrawn(runner, prompt_ids, others, knobs):
+    a = make_request("a", prompt_ids[3], 36, **SAMPLED, **knobs)
     rows = [make_request(f"r{i}", prompt_ids[9 + i], 24, **SAMPLED) for i in range(others)]
     out, reasons = {}, {}
     for r in rows:

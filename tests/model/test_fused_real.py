@@ -35,12 +35,12 @@ def prompts(runner):
     return [runner.tokenizer.encode(PROMPTS[i]) for i in (0, 8, 21, 3)]
 
 
-def drive(runner, prompts, *, cancel_at=None, **overrides):
-    """All requests submitted at once; returns (streams, requests, scheduler, ticks
-    in which a fused round advanced classic rows)."""
+def drive(runner, prompts, *, cancel_at=None, sampling=None, **overrides):
+    """All requests submitted at once (`sampling`: their SamplingParams fields); returns
+    (streams, requests, scheduler, ticks in which a fused round advanced classic rows)."""
     config = SchedulerConfig(**{"b1_policy": "on", **overrides})
     scheduler = Scheduler(runner, config)
-    requests = [make_request(f"r{i}", p, max_tokens=MAX_TOKENS) for i, p in enumerate(prompts)]
+    requests = [make_request(f"r{i}", p, max_tokens=MAX_TOKENS, **(sampling or {})) for i, p in enumerate(prompts)]
     for r in requests:
         scheduler.submit(r)
     streams = {r.request_id: [] for r in requests}
@@ -127,3 +127,18 @@ def test_the_cost_gate_moves_streams_between_slot_and_batch_exactly(runner, prom
     for r in requests:
         assert streams[r.request_id] == isolated[r.request_id], r.request_id
     assert scheduler.snapshot()["slot"]["tick_costs"] is not None
+
+
+PENALIZED = dict(presence_penalty=-0.5, frequency_penalty=0.1, repetition_penalty=0.9, logit_bias=((13, 1.5),))
+
+
+def test_penalized_streams_match_isolated_classic_decode(runner, prompts, isolated):
+    """Logit processors read the stream's tokens, which move with it between the slot,
+    the ring, the batch and rows that draft: every stream still equals its isolated
+    classic decode."""
+    alone = {f"r{i}": drive(runner, [p], b1_policy="off", sampling=PENALIZED)[0]["r0"] for i, p in enumerate(prompts)}
+    assert alone != isolated  # the processors change the streams
+    for overrides in (dict(grant_rounds=2), dict(grant_rounds=1, speculative_disable_by_batch_size=3)):
+        streams, requests, scheduler, _ = drive(runner, prompts, sampling=PENALIZED, **overrides)
+        assert streams == alone, overrides
+        assert sum(r.spec.num_rounds > 0 for r in requests) >= 2 and sum(r.spec.num_accepted for r in requests) > 0

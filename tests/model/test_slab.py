@@ -235,7 +235,9 @@ def test_pipelined_steps_emit_what_unpipelined_steps_emit(loaded, prompt_ids, dr
     repeating = list(target.tokenizer.encode(REPEATING))
     requests = [make_request("g", repeating, 8), make_request("s", prompt_ids[3], 26, temperature=0.8, seed=5),
                 make_request("t", prompt_ids[5], 40, temperature=1.0, top_p=0.9, seed=9)]
-    late = [make_request("rep", repeating[4:], 6), make_request("u", prompt_ids[2], 12, temperature=0.7, seed=1)]
+    late = [make_request("rep", repeating[4:], 6), make_request("u", prompt_ids[2], 12, temperature=0.7, seed=1),
+            # penalties read every emitted token: no step is queued while this row lives
+            make_request("p", prompt_ids[4], 5, temperature=0.9, seed=3, frequency_penalty=1.5)]
     runs = []
     for pipeline in (False, True):
         batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True, grid=True)

@@ -158,6 +158,10 @@ def test_a_chat_template_file_is_read_when_the_app_is_built(tmp_path):
     ("chat/completions", {"messages": USER, "n": 1, "logprobs": False, "presence_penalty": 0,
                           "frequency_penalty": 0.0, "logit_bias": {}, "top_k": -1,
                           "repetition_penalty": 1.0}, 200, None, None),
+    # sampling fields (tests/serve/test_sampling_fields.py checks what they become)
+    ("completions", {"prompt": "hi", "logit_bias": {"5": 10}, "top_k": 40, "min_p": 0.1,
+                     "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": -1},
+     200, None, None),
     # not implemented yet: a 400 naming the field
     ("chat/completions", {"messages": USER, "response_format": {"type": "json_object"}}, 400,
      "response_format", "unsupported_parameter"),
@@ -169,13 +173,6 @@ def test_a_chat_template_file_is_read_when_the_app_is_built(tmp_path):
     ("chat/completions", {"messages": USER, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
     ("chat/completions", {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", "unsupported_parameter"),
     ("chat/completions", {"messages": USER, "n": 2}, 400, "n", "unsupported_parameter"),
-    ("completions", {"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias", "unsupported_parameter"),
-    ("completions", {"prompt": "hi", "top_k": 40}, 400, "top_k", "unsupported_parameter"),
-    ("completions", {"prompt": "hi", "min_p": 0.1}, 400, "min_p", "unsupported_parameter"),
-    ("completions", {"prompt": "hi", "repetition_penalty": 1.1}, 400, "repetition_penalty",
-     "unsupported_parameter"),
-    ("completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty", "unsupported_parameter"),
-    ("completions", {"prompt": "hi", "frequency_penalty": -1}, 400, "frequency_penalty", "unsupported_parameter"),
     ("completions", {"prompt": "hi", "echo": True}, 400, "echo", "unsupported_parameter"),
     ("completions", {"prompt": "hi", "logprobs": 1}, 400, "logprobs", "unsupported_parameter"),
     # malformed, named as the client wrote it

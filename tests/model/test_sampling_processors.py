@@ -1,0 +1,179 @@
+"""The logit processors and filters of `models.sampling`, against a plain reference.
+
+The reference recomputes each position from explicit token lists (prompt, output and
+the drafts before the position), one token at a time in numpy: what classic decode
+reads at that point. The sampler must give the same logits for the positions of one
+verify call, from the state it keeps across `accept` calls. No model needed.
+"""
+
+import copy
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from models.sampling import RequestSampler, log_probs, penalized_logits, supports_sampling
+from scheduler.request import SamplingParams
+
+pytestmark = pytest.mark.model
+
+V = 48
+
+
+def reference(row: np.ndarray, p: SamplingParams, prompt: list[int], output: list[int]) -> np.ndarray:
+    """One position's processed logits, from scratch (float32, the sampler's op order)."""
+    x = row.astype(np.float32).copy()
+    for token, bias in p.logit_bias:
+        x[token] += np.float32(bias)
+    if p.repetition_penalty != 1.0:
+        for token in set((prompt + output)[-p.repetition_context_size:]):
+            x[token] = x[token] * np.float32(p.repetition_penalty) if x[token] < 0 else x[token] / np.float32(
+                p.repetition_penalty)
+    for token in set(output):
+        count = output.count(token)
+        x[token] = x[token] - np.float32(p.frequency_penalty) * np.float32(count) - np.float32(p.presence_penalty)
+    return x
+
+
+KNOBS = {
+    "bias": dict(logit_bias=((3, 2.5), (7, -100.0), (40, 0.75))),
+    "repetition": dict(repetition_penalty=1.7),
+    "repetition_short_window": dict(repetition_penalty=0.6, repetition_context_size=3),
+    "presence": dict(presence_penalty=1.25),
+    "frequency": dict(frequency_penalty=-0.5),
+    "all": dict(logit_bias=((3, 2.5),), repetition_penalty=1.3, repetition_context_size=6,
+                presence_penalty=0.5, frequency_penalty=0.75),
+}
+
+
+@pytest.mark.parametrize("knobs", KNOBS.values(), ids=KNOBS.keys())
+def test_every_verify_position_matches_the_reference(knobs):
+    rng = random.Random(sum(map(ord, str(knobs))))
+    params = SamplingParams(8, **knobs)
+    for trial in range(40):
+        n = rng.randint(1, 5)
+        prompt = [rng.randrange(12) for _ in range(rng.randint(1, 30))]  # small ids: repeats happen
+        output = [rng.randrange(12) for _ in range(rng.randint(0, 25))]
+        drafts = [rng.randrange(12) for _ in range(n - 1)]
+        logits = mx.array(np.random.default_rng(trial).normal(0, 3, (n, V)).astype(np.float32))
+        sampler = RequestSampler(params, prompt)
+        if trial % 3 == 0:  # accepted before the first draw, as lists, as lazy arrays
+            sampler.accept(output)
+        else:
+            sampler.penalized(logits[:1])
+            for start in range(0, len(output), 4):
+                chunk = output[start:start + 4]
+                sampler.accept(mx.array(chunk, dtype=mx.int32) if trial % 2 else chunk)
+        got = np.array(sampler.penalized(logits, mx.array(drafts, dtype=mx.int32) if trial % 2 else drafts))
+        for i in range(n):
+            want = reference(np.array(logits[i]), params, prompt, output + drafts[:i])
+            np.testing.assert_allclose(got[i], want, rtol=1e-6, atol=1e-6, err_msg=f"position {i}")
+
+
+def test_a_verify_call_equals_sequential_single_positions():
+    """Position i of one call reads what the sampler reads after accepting drafts[:i]."""
+    params = SamplingParams(8, **KNOBS["all"])
+    rng = np.random.default_rng(0)
+    logits = mx.array(rng.normal(0, 3, (5, V)).astype(np.float32))
+    drafts = [3, 3, 9, 3]
+    sampler = RequestSampler(params, [1, 2, 3])
+    sampler.accept([9, 3])
+    together = sampler.log_probs(logits, drafts)
+    for i in range(5):
+        alone = copy.copy(sampler)
+        alone.accept(drafts[:i])
+        assert mx.array_equal(alone.log_probs(logits[i:i + 1])[0], together[i])
+
+
+def test_output_penalties_count_output_tokens_only():
+    params = SamplingParams(8, presence_penalty=0.5, frequency_penalty=0.25)
+    sampler = RequestSampler(params, [1, 1, 1])
+    logits = mx.zeros((1, V))
+    sampler.accept([2, 2, 2, 4])
+    got = np.array(sampler.penalized(logits))[0]
+    assert got[1] == 0.0  # in the prompt only
+    assert got[2] == pytest.approx(-0.5 - 0.75) and got[4] == pytest.approx(-0.5 - 0.25)
+    assert np.count_nonzero(got) == 2
+
+
+def test_repetition_penalty_is_sign_aware_and_windowed():
+    params = SamplingParams(8, repetition_penalty=2.0, repetition_context_size=3)
+    logits = mx.array([[4.0, -4.0, 4.0, -4.0, 1.0]])
+    sampler = RequestSampler(params, [0, 1, 2, 3])  # token 0 is out of the 3-token window
+    assert np.array(sampler.penalized(logits)).tolist() == [[4.0, -8.0, 2.0, -8.0, 1.0]]
+    sampler.accept([4, 4])  # window now [3, 4, 4]
+    assert np.array(sampler.penalized(logits)).tolist() == [[4.0, -4.0, 4.0, -8.0, 0.5]]
+
+
+def test_a_plus_100_bias_forces_a_token_at_any_temperature():
+    logits = mx.array(np.random.default_rng(1).normal(0, 5, (1, V)).astype(np.float32))
+    for temperature in (0.0, 1.0, 2.0):
+        sampler = RequestSampler(SamplingParams(8, temperature=temperature, seed=3, logit_bias=((11, 100.0),)), [1])
+        assert {sampler.sample(logits).item() for _ in range(50)} == {11}
+    banned = RequestSampler(SamplingParams(8, temperature=1.0, seed=3, logit_bias=((0, -100.0),)), [1])
+    assert 0 not in {banned.sample(mx.zeros((1, V)) + mx.eye(V)[0][None] * 5).item() for _ in range(200)}
+
+
+def test_top_k_and_min_p_limit_the_draws():
+    lp = log_probs(mx.array([[3.0, 2.9, 2.8, 2.0, 1.0, 0.0, -1.0, -2.0]]))
+    probs = np.exp(np.array(lp))[0]
+
+    def draws(**knobs):
+        sampler = RequestSampler(SamplingParams(8, temperature=1.0, seed=0, **knobs))
+        return {sampler(lp).item() for _ in range(300)}
+
+    assert draws(top_k=3) == {0, 1, 2}
+    assert draws(min_p=0.3) == {i for i, p in enumerate(probs) if p >= 0.3 * probs.max()}
+    assert len(draws()) >= 6  # unfiltered: the tail is drawn too
+    assert len(draws(top_k=8)) >= 6 and len(draws(top_k=100)) >= 6  # k >= V: off
+
+
+def test_without_processors_nothing_changes():
+    params = SamplingParams(8, temperature=0.7, top_p=0.9, seed=5)
+    logits = mx.array(np.random.default_rng(2).normal(0, 3, (3, V)).astype(np.float32))
+    sampler = RequestSampler(params, [1, 2])
+    assert sampler.penalized(logits) is logits
+    assert mx.array_equal(sampler.log_probs(logits, [4, 5]), log_probs(logits))
+    # one split per call, whatever the positions: the stream the seeded tests pin
+    key = mx.random.split(mx.random.key(5))[1]
+    from mlx_lm.sample_utils import apply_top_p
+    expected = mx.random.categorical(apply_top_p(log_probs(logits), 0.9) * (1 / 0.7), key=key)
+    assert sampler.sample(logits, [4, 5]).tolist() == expected.tolist()
+
+
+def test_a_copied_sampler_is_an_independent_stream():
+    params = SamplingParams(8, presence_penalty=1.0, repetition_penalty=1.5)
+    a = RequestSampler(params, [1])
+    a.penalized(mx.zeros((1, V)))
+    b = copy.copy(a)
+    b.accept([5, 6])
+    assert np.array(a.penalized(mx.ones((1, V))))[0][5] == 1.0
+    assert np.array(b.penalized(mx.ones((1, V))))[0][5] == pytest.approx(1 / 1.5 - 1.0)
+
+
+def test_the_drafts_must_cover_the_positions():
+    params = SamplingParams(8, presence_penalty=1.0)
+    with pytest.raises(ValueError, match="3 positions need 2 drafts"):
+        penalized_logits(mx.zeros((3, V)), params, None, mx.zeros((V,)), [1])
+    with pytest.raises(ValueError, match="needs the prompt"):
+        RequestSampler(SamplingParams(8, repetition_penalty=1.1))
+
+
+@pytest.mark.parametrize("knobs, processors, supported", [
+    ({}, False, True),
+    ({"top_k": 5, "min_p": 0.1, "temperature": 0.5}, False, True),  # filters read no tokens
+    ({"logit_bias": ((1, 0.5),)}, True, True),
+    ({"repetition_penalty": 1.0}, False, True),
+    ({"repetition_penalty": 0.9}, True, True),
+    ({"presence_penalty": -0.1}, True, True),
+    ({"frequency_penalty": 2.0}, True, True),
+    ({"top_k": -1}, False, False),
+    ({"min_p": 1.5}, False, False),
+    ({"repetition_penalty": 0.0}, True, False),
+    ({"repetition_penalty": 1.1, "repetition_context_size": 0}, True, False),
+])
+def test_params_table(knobs, processors, supported):
+    params = SamplingParams(8, **knobs)
+    assert params.has_processors is processors
+    assert supports_sampling(params) is supported

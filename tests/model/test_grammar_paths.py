@@ -211,3 +211,21 @@ def test_rows_that_verify_drafts_match_the_reference(loaded, grammars, requests,
 def test_a_constrained_request_needs_the_grammars(loaded, requests):
     with pytest.raises(ValueError, match="Grammars"):
         run_classic(loaded[0].model, requests[:1], eos(loaded))
+
+
+def test_a_session_with_the_compiled_verifier_takes_the_plain_verify(loaded, grammars, requests, expected):
+    """The GPU path's compiled verify (`models.bucketed`) pads drafts and takes no
+    grammar: a constrained session verifies through the plain forward instead."""
+    from models.bucketed import BucketedForward
+
+    verifier = BucketedForward(loaded[0].model, bucket=16, prefill_chunk=8)
+    for r in requests:
+        want = expected[r.request_id]
+        session = SpeculativeSession(r.request_id, loaded[0].model, r.prompt_ids, r.sampling, num_draft_tokens=4,
+                                     eos_token_ids=eos(loaded), verifier=verifier, grammars=grammars)
+        session.bind(OracleDrafter(r.prompt_ids, want[0], _forbidden(loaded)))
+        tokens = list(session.begin().token_ids)
+        while not session.finished:
+            tokens += session.step().token_ids
+        assert (tokens, session.finish_reason) == want, r.request_id
+        assert session.counters.num_accepted >= 5

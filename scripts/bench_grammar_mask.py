@@ -2,7 +2,9 @@
 
 For each engine: compile a JSON schema once, then walk a fixed valid JSON document
 token by token, computing the allowed-token mask before each token and consuming it.
-Prints a table (compile ms, mean and p95 mask µs per token) and writes JSON.
+The "specslot" rows time what a verify pays here (`models.grammar.GrammarMatcher.masks`
+over 1 or 5 positions, as an mlx array). Prints a table (compile ms, mean and p95 mask
+µs per call) and writes JSON.
 
     python scripts/bench_grammar_mask.py --model models/bundled/target --out /tmp/grammar_mask.json
 """
@@ -93,6 +95,23 @@ def bench_outlines_core(hf_tokenizer, token_ids: list[int]) -> dict:
     return {"compile_ms": compile_ms, "mask_us": costs}
 
 
+def bench_specslot_masks(hf_tokenizer, token_ids: list[int], num_positions: int) -> dict:
+    """What a verify of `num_positions` pays here: `GrammarMatcher.masks` (llguidance's
+    masks after each draft, unpacked into one (n, V) mlx bool array)."""
+    from models.grammar import Grammars, json_schema_grammar
+
+    start = time.perf_counter()
+    matcher = Grammars(hf_tokenizer, [hf_tokenizer.eos_token_id]).matcher(json_schema_grammar(SCHEMA))
+    compile_ms = (time.perf_counter() - start) * 1e3
+    vocab, costs = len(hf_tokenizer), []
+    for i in range(len(token_ids) - num_positions):
+        start = time.perf_counter()
+        matcher.masks(num_positions, token_ids[i + 1:i + num_positions], vocab)
+        costs.append(time.perf_counter() - start)
+        matcher.accept([token_ids[i]])
+    return {"compile_ms": compile_ms, "mask_us": costs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="models/bundled/target")
@@ -103,16 +122,19 @@ def main() -> None:
     hf_tokenizer = AutoTokenizer.from_pretrained(args.model)
     token_ids = hf_tokenizer.encode(DOCUMENT)
     rows = {}
-    for name, bench in (("llguidance", bench_llguidance), ("outlines-core", bench_outlines_core)):
+    engines = (("llguidance", bench_llguidance), ("outlines-core", bench_outlines_core),
+               ("specslot, 1 position", lambda t, ids: bench_specslot_masks(t, ids, 1)),
+               ("specslot, 5 positions", lambda t, ids: bench_specslot_masks(t, ids, 5)))
+    for name, bench in engines:
         runs = [bench(hf_tokenizer, token_ids) for _ in range(args.repeats)]
         costs = [c * 1e6 for run in runs[1:] or runs for c in run["mask_us"]]
         rows[name] = {"compile_ms": statistics.median(r["compile_ms"] for r in runs),
                       "mask_us_mean": statistics.mean(costs), "mask_us_p95": _percentile(costs, 0.95),
                       "tokens": len(token_ids)}
     print(f"vocab {len(hf_tokenizer)}, document {len(token_ids)} tokens, {args.repeats} repeats")
-    print(f"{'engine':<14} {'compile ms':>11} {'mask µs mean':>13} {'mask µs p95':>12}")
+    print(f"{'engine':<22} {'compile ms':>11} {'mask µs mean':>13} {'mask µs p95':>12}")
     for name, row in rows.items():
-        print(f"{name:<14} {row['compile_ms']:>11.1f} {row['mask_us_mean']:>13.1f} {row['mask_us_p95']:>12.1f}")
+        print(f"{name:<22} {row['compile_ms']:>11.1f} {row['mask_us_mean']:>13.1f} {row['mask_us_p95']:>12.1f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"model": args.model, "vocab": len(hf_tokenizer), "engines": rows}, f, indent=2)

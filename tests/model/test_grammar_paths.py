@@ -229,3 +229,18 @@ def test_a_session_with_the_compiled_verifier_takes_the_plain_verify(loaded, gra
             tokens += session.step().token_ids
         assert (tokens, session.finish_reason) == want, r.request_id
         assert session.counters.num_accepted >= 5
+
+
+def test_sampled_constrained_streams_are_valid_on_every_path(loaded, grammars, prompt_ids):
+    """Temperature 1 draws from the masked distribution: whatever it picks parses."""
+    model, tokenizer = loaded[0].model, loaded[0].tokenizer
+    reqs = [make_request(f"s{i}", prompt_ids[i], MAX_TOKENS, grammar=GRAMMAR, temperature=1.0, seed=i)
+            for i in INDEXES]
+    outputs = list(run_classic(model, reqs, eos(loaded), grammars=grammars).values())
+    outputs += list(_run(RaggedBatch(model, eos_token_ids=eos(loaded), grammars=grammars), reqs, drafts=False)[0]
+                    .values())
+    outputs += [run_session(loaded, grammars, r, make_drafter("draft_model", loaded))[0] for r in reqs]
+    assert len({tuple(tokens) for tokens, _ in outputs}) > 1  # the draws differ
+    for tokens, reason in outputs:
+        assert reason == "stop"
+        jsonschema.validate(json.loads(tokenizer.decode(tokens[:-1])), SCHEMA)

@@ -14,12 +14,15 @@ its first token the grammar forbids: that token could never be accepted.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Sequence
 
 import llguidance
 import llguidance.hf
 import mlx.core as mx
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 # Compact separators ("," and ":") rather than free whitespace: a small model
 # could otherwise spend its whole budget on indentation.
@@ -56,27 +59,39 @@ class Grammars:
 
 class GrammarMatcher:
     """One request's position in its grammar. Invariant: the matcher has consumed
-    exactly the accepted output tokens; `masks` and `allowed_prefix` leave it there."""
+    exactly the accepted output tokens; `masks` and `allowed_prefix` leave it there.
+
+    A matcher that fails (a grammar that does not compile against this tokenizer, a
+    parser resource limit, a token outside the grammar) allows only EOS from then on:
+    that request ends, with a warning logged, and the batch it shares is unaffected."""
 
     def __init__(self, matcher: llguidance.LLMatcher, eos_token_ids: Sequence[int]):
-        if matcher.is_error():
-            raise ValueError(f"grammar does not compile: {matcher.get_error()}")
         self._matcher = matcher
         self._eos_token_ids = tuple(eos_token_ids)
+        self._warn_if_failed()
 
     @property
     def is_finished(self) -> bool:
-        """The grammar is complete and allows nothing but the end of the stream."""
-        return self._matcher.is_stopped()
+        """The grammar is complete (or failed) and allows nothing but the end of the stream."""
+        return self._matcher.is_stopped() or self._matcher.is_error()
+
+    @property
+    def error(self) -> str | None:
+        return self._matcher.get_error() if self._matcher.is_error() else None
 
     def accept(self, tokens: Sequence[int]) -> None:
         """Emitted tokens (each allowed by the mask it was drawn under). A token after the
         grammar stopped (an EOS, or what a stop id let through) is ignored."""
         for token in tokens:
-            if self._matcher.is_stopped():
+            if self.is_finished:
                 return
             if not self._matcher.consume_token(int(token)):
-                raise ValueError(f"token {token} is outside the grammar: {self._matcher.get_error()}")
+                self._warn_if_failed()
+                return
+
+    def _warn_if_failed(self) -> None:
+        if self._matcher.is_error():
+            log.warning("grammar matcher failed; the request ends: %s", self._matcher.get_error()[:300])
 
     def allowed_prefix(self, drafts: Sequence[int]) -> list[int]:
         """`drafts` up to (not including) the first token the grammar forbids after the
@@ -103,7 +118,7 @@ class GrammarMatcher:
         return mx.array(allowed.astype(np.bool_))
 
     def _fill(self, row: np.ndarray, words: int) -> None:
-        if self._matcher.is_stopped():  # complete: only the end of the stream
+        if self.is_finished:  # complete (or failed): only the end of the stream
             row[:] = 0
             for eos in self._eos_token_ids:
                 row[eos // 32] |= np.int32(np.uint32(1 << (eos % 32)).view(np.int32))

@@ -76,10 +76,14 @@ def test_a_complete_document_allows_only_eos(grammars, tokenizer, doc):
     m.accept([5])  # after the end (a stop id let it through): ignored
 
 
-def test_an_emitted_token_outside_the_grammar_is_an_error(grammars, tokenizer):
+def test_a_failed_matcher_allows_only_eos(grammars, tokenizer):
+    """A token outside the grammar (or a parser limit) ends that request, not the batch."""
     m = grammars.matcher(GRAMMAR)
-    with pytest.raises(ValueError, match="outside the grammar"):
-        m.accept(tokenizer.encode("x"))
+    m.accept(tokenizer.encode("x"))
+    assert m.error is not None and m.is_finished
+    masks = np.array(m.masks(2, [5], len(tokenizer)))
+    assert masks[0][EOS] and masks[0].sum() == 1
+    assert m.allowed_prefix([5, 6]) == []
 
 
 @pytest.mark.parametrize("schema, ok", [

@@ -51,6 +51,12 @@ class Grammars:
         self._hf_tokenizer = hf_tokenizer
         self._tokenizer: llguidance.LLTokenizer | None = None
 
+    @classmethod
+    def for_tokenizer(cls, tokenizer, eos_token_ids: Sequence[int]) -> "Grammars":
+        """From mlx-lm's `TokenizerWrapper`, which keeps the Hugging Face tokenizer that
+        llguidance reads in `_tokenizer` (no public accessor in mlx-lm 0.32.2)."""
+        return cls(getattr(tokenizer, "_tokenizer", tokenizer), eos_token_ids)
+
     def matcher(self, grammar: str) -> "GrammarMatcher":
         if self._tokenizer is None:
             self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, eos_token=list(self.eos_token_ids))

@@ -90,8 +90,7 @@ class MlxRunner:
         self.target = target
         self.tokenizer = target.tokenizer
         self.eos_token_ids: list[int] = sorted(self.tokenizer.eos_token_ids)
-        hf_tokenizer = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
-        self.grammars = Grammars(hf_tokenizer, self.eos_token_ids)  # constrained requests' compiler
+        self.grammars = Grammars.for_tokenizer(self.tokenizer, self.eos_token_ids)  # constrained requests' compiler
         self.max_context = target.max_context
         self.num_draft_tokens = num_draft_tokens
         self._draft_fingerprint = draft_fingerprint

@@ -339,7 +339,7 @@ class SpeculativeSession:
                 parts.append(mx.zeros((width - k,), dtype=mx.int32))
             tokens = mx.concatenate(parts)
         else:
-            draft = self.sampler.allowed_drafts(self.drafter.propose(self.draft_state, self.history, k) if k else [])
+            draft = self.drafter.propose(self.draft_state, self.history, k) if k else []
             tokens = mx.array([self.history[-1]] + draft + [0] * (width - len(draft)), dtype=mx.int32)
         t1 = time.perf_counter()
         if self.sampler.is_greedy and not self.sampler.has_processors:

@@ -50,7 +50,7 @@ def eos(loaded):
 
 @pytest.fixture(scope="module")
 def grammars(loaded):
-    return Grammars(loaded[0].tokenizer._tokenizer, eos(loaded))
+    return Grammars.for_tokenizer(loaded[0].tokenizer, eos(loaded))
 
 
 def plain_decode(model, grammars, prompt, max_tokens, stop_ids):

@@ -39,6 +39,7 @@ from typing import Sequence
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, GenerationBatch, StopSequences
 
+from models.grammar import Grammars
 from models.ragged import Rider
 from models.sampling import RequestSampler, stop_token_ids
 from models.solo import SoloRow
@@ -105,6 +106,7 @@ class ClassicBatch:
         prefill_batch_size: int = 8,
         single_row_fast_path: bool = True,
         solo_burst_s: float = 0.0,
+        grammars: Grammars | None = None,
     ):
         """`solo_burst_s`: a solo row's `decode()` keeps stepping until this much time
         has passed (at least one step; 0 = exactly one), so when steps are fast one
@@ -115,6 +117,7 @@ class ClassicBatch:
         self._single_row_fast_path = single_row_fast_path
         self._solo_burst_s = solo_burst_s
         self._eos_token_ids = tuple(eos_token_ids)
+        self._grammars = grammars
         self._gen = BatchGenerator(
             model,
             stop_tokens=[[t] for t in self._eos_token_ids],
@@ -265,12 +268,12 @@ class ClassicBatch:
         if len(requests) == 1 and self._solo_path_free():
             (r,) = requests
             self._solo, first = SoloRow.start(r.request_id, self._model, r.prompt_ids,
-                                              RequestSampler(r.sampling, r.prompt_ids), self._stop_ids[r.request_id],
+                                              RequestSampler(r.sampling, r.prompt_ids, self._grammars), self._stop_ids[r.request_id],
                                               r.sampling.max_tokens)
             self._retire_solo_if_finished(first)
             return [first]
         moved = self._solo_into_batch()
-        hooks = [RowSampler(RequestSampler(r.sampling, r.prompt_ids)) for r in requests]
+        hooks = [RowSampler(RequestSampler(r.sampling, r.prompt_ids, self._grammars)) for r in requests]
         uids = self._gen.insert(
             [list(r.prompt_ids) for r in requests],
             max_tokens=[r.sampling.max_tokens for r in requests],

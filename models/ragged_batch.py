@@ -42,6 +42,7 @@ import mlx.nn as nn
 
 from models.batch_adapter import LiveRow, check_adoptable, check_admissible
 from models.drafters import NgramIndex
+from models.grammar import Grammars
 from models.prefix_cache import PrefixCache
 from models.ragged import Rider
 from models.rollback import accept_count, clip_tokens, draft_budget
@@ -85,7 +86,8 @@ class RaggedBatch:
 
     def __init__(self, model: nn.Module, *, eos_token_ids: Sequence[int], max_batch_size: int = 16,
                  prefill_batch_size: int = 8, solo_burst_s: float = 0.0, row_drafts: bool = False,
-                 num_draft_tokens: int = 4, prefix_cache: PrefixCache | None = None, grid: bool | None = None):
+                 num_draft_tokens: int = 4, prefix_cache: PrefixCache | None = None, grid: bool | None = None,
+                 grammars: Grammars | None = None):
         """`row_drafts`: rows verify their own n-gram drafts, up to `num_draft_tokens`
         each, as `costs` (set by the runner once measured) says they pay; without
         costs a row drafts whatever its estimate allows at zero cost. `prefix_cache`:
@@ -100,6 +102,7 @@ class RaggedBatch:
         self._fit: tuple[float, float, float] | None = None
         self._model = model
         self._eos_token_ids = tuple(eos_token_ids)
+        self._grammars = grammars
         self._prefill_batch_size = max(1, prefill_batch_size)
         self._solo_burst_s = solo_burst_s
         self.slab = Slab(model, rows=max_batch_size + 2, grid=grid)
@@ -224,7 +227,7 @@ class RaggedBatch:
             done += PREFILL_CHUNK
         streams = []
         for r, row in zip(requests, rows):
-            stream = self._add_stream(r.request_id, row, RequestSampler(r.sampling, r.prompt_ids),
+            stream = self._add_stream(r.request_id, row, RequestSampler(r.sampling, r.prompt_ids, self._grammars),
                                       stop_token_ids(self._eos_token_ids, r.sampling), r.sampling.max_tokens,
                                       0, r.prompt_ids[-1], r.prompt_ids[:-1])
             streams.append(stream)
@@ -399,7 +402,7 @@ class RaggedBatch:
                 k = draft_budget(cap, s.max_tokens - s.num_emitted)
                 if fit is not None and k:
                     k = min(k, row_draft_budget(s.acceptance.alpha, n, fit, cap))
-            out.append(s.index.propose(k) if k else [])
+            out.append(s.sampler.allowed_drafts(s.index.propose(k)) if k else [])
         return out
 
     def _sample(self, streams: list[_Stream], logits: list[mx.array], drafts: list[list[int]]) -> list[list[int]]:

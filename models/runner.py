@@ -19,6 +19,7 @@ from models import bucketed, cache_rollback, prefix_cache, ragged, slab, tick_co
 from models.batch_adapter import ClassicBatch
 from models.ragged_batch import RaggedBatch
 from models.drafters import Drafter, DraftModelDrafter, DrafterSlot, NgramDrafter
+from models.grammar import Grammars
 from models.loader import LoadedModel, load_pair
 from models.sampling import supports_sampling
 from models.session import PROBE_TOKENS, SpeculativeSession
@@ -89,6 +90,7 @@ class MlxRunner:
         self.target = target
         self.tokenizer = target.tokenizer
         self.eos_token_ids: list[int] = sorted(self.tokenizer.eos_token_ids)
+        self.grammars = Grammars.for_tokenizer(self.tokenizer, self.eos_token_ids)  # constrained requests' compiler
         self.max_context = target.max_context
         self.num_draft_tokens = num_draft_tokens
         self._draft_fingerprint = draft_fingerprint
@@ -136,6 +138,7 @@ class MlxRunner:
             max_batch_size=max_batch_size,
             prefill_batch_size=prefill_batch_size,
             solo_burst_s=classic_burst_ms / 1000.0,
+            grammars=self.grammars,
             **extra,
         )
         if batch_kind is RaggedBatch and self._classic.row_drafts:
@@ -289,6 +292,7 @@ class MlxRunner:
             eos_token_ids=self.eos_token_ids,
             verifier=self._verifier,
             new_cache=self._session_cache_for(request) if self._ragged else None,
+            grammars=self.grammars,
         )
         session.bind(self._slot.take(request.request_id))
         self._sessions[request.request_id] = session

@@ -11,6 +11,8 @@ processors read the stream's tokens, which the sampler keeps (`accept`) so that 
 move with it between paths. A verify position i reads the stream plus the drafts
 before it, which is what classic decode would have read there had those drafts been
 emitted: a greedy stream with penalties is the same whether it speculates or not.
+A request's grammar (`models.grammar`) is the last processor: it masks each position
+after the stream plus the drafts before it, the same way.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Callable, Sequence, Union
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from models.grammar import GrammarMatcher, Grammars
 from scheduler.request import SamplingParams
 
 Sampler = Callable[[mx.array], mx.array]  # logprobs (..., V) -> token ids (...)
@@ -112,8 +115,9 @@ class RequestSampler:
     processed log-probabilities and uses no randomness.
     """
 
-    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = ()):
-        """`prompt_ids`: the request's prompt (the repetition penalty's window starts in it)."""
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = (), grammars: Grammars | None = None):
+        """`prompt_ids`: the request's prompt (the repetition penalty's window starts in it);
+        `grammars`: the model's grammar compiler (needed when `params.grammar` is set)."""
         self.params = params
         self.temperature = params.temperature
         self.top_p = params.top_p
@@ -128,6 +132,11 @@ class RequestSampler:
             self._recent = mx.array(list(prompt_ids[-params.repetition_context_size:]), dtype=mx.int32)
         self._counts: mx.array | None = None  # (V,), made at the first draw
         self._unfolded: tuple[mx.array, ...] = ()  # output accepted before the first draw
+        self.grammar: GrammarMatcher | None = None
+        if params.grammar is not None:
+            if grammars is None:
+                raise ValueError("a grammar-constrained request needs the model's Grammars")
+            self.grammar = grammars.matcher(params.grammar)
 
     @property
     def is_greedy(self) -> bool:
@@ -149,7 +158,10 @@ class RequestSampler:
     # -- the stream ---------------------------------------------------------------------
     def accept(self, tokens: Tokens) -> None:
         """Emitted output tokens (a list, or a lazy array: pipelined paths accept a draw
-        before it is evaluated) join what the processors read."""
+        before it is evaluated) join what the processors read. The grammar reads them
+        at once (a lazy draw is evaluated here: constrained rows are never pipelined)."""
+        if self.grammar is not None:
+            self.grammar.accept(_token_array(tokens).tolist())
         if self._recent is None and not self.params.has_output_penalties:
             return
         ids = _token_array(tokens)
@@ -177,7 +189,16 @@ class RequestSampler:
         `drafts` the n - 1 tokens fed after the first."""
         if not self.params.has_processors:
             return logits
-        return penalized_logits(logits, self.params, self._recent, self._output_counts(logits.shape[-1]), drafts)
+        logits = penalized_logits(logits, self.params, self._recent, self._output_counts(logits.shape[-1]), drafts)
+        if self.grammar is not None:
+            allowed = self.grammar.masks(logits.shape[0], _token_array(drafts).tolist(), logits.shape[-1])
+            logits = mx.where(allowed, logits, mx.array(-mx.inf, logits.dtype))
+        return logits
+
+    def allowed_drafts(self, drafts: list[int]) -> list[int]:
+        """`drafts` cut at the first token the request's grammar forbids (all of them
+        without a grammar)."""
+        return drafts if self.grammar is None or not drafts else self.grammar.allowed_prefix(drafts)
 
     def log_probs(self, logits: mx.array, drafts: Tokens = ()) -> mx.array:
         return log_probs(self.penalized(logits, drafts))

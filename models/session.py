@@ -18,7 +18,7 @@ makes the stream identical to classic greedy decoding.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import mlx.core as mx
@@ -28,6 +28,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from models.bucketed import BucketedForward
 from models.cache_rollback import trim_exact
 from models.drafters import Drafter
+from models.grammar import Grammars
 from models.rollback import accept_count, clip_tokens, draft_budget, target_cache_trim
 from models.sampling import RequestSampler, stop_token_ids
 from models.solo import SoloRow
@@ -75,6 +76,7 @@ class SpeculativeSession:
         eos_token_ids: Sequence[int],
         verifier: BucketedForward | None = None,
         new_cache: Callable[[], list] | None = None,
+        grammars: Grammars | None = None,
     ):
         """`verifier`: the shape-stable compiled target forward (GPU path); None runs
         the plain mlx-lm forward, whose CPU results the tests pin exactly. `new_cache`
@@ -90,7 +92,7 @@ class SpeculativeSession:
         self.num_draft_tokens = num_draft_tokens
         self.verifier = verifier
         self._new_cache = new_cache or (lambda: make_prompt_cache(target))
-        self.sampler = RequestSampler(sampling, prompt_ids)
+        self.sampler = RequestSampler(sampling, prompt_ids, grammars)
         self.counters = SessionCounters()
         self.history: list[int] = []
         self.num_emitted = 0
@@ -99,6 +101,9 @@ class SpeculativeSession:
         self.draft_state: object = None
         self.drafter: Drafter | None = None  # bound handle; None while parked
         self._draft_ready = False  # draft_state built (lazily if begun unbound)
+        # Drafts the drafter proposed this round (more than the verify checks when the
+        # grammar cut them): the drafter rolls back all it proposed.
+        self._num_proposed = 0
 
     @classmethod
     def from_live(cls, request_id: str, target: nn.Module, prompt_ids: Sequence[int], output_ids: Sequence[int],
@@ -111,8 +116,8 @@ class SpeculativeSession:
         the history at the first round); the drafter catches up on what it missed."""
         if not output_ids:
             raise ValueError("a live stream has emitted at least one token")
-        session = cls(request_id, target, prompt_ids, sampling, num_draft_tokens=num_draft_tokens,
-                      eos_token_ids=eos_token_ids)
+        session = cls(request_id, target, prompt_ids, replace(sampling, grammar=None),
+                      num_draft_tokens=num_draft_tokens, eos_token_ids=eos_token_ids)
         session.cache = cache
         session.sampler = sampler
         session.history = list(prompt_ids) + list(output_ids)
@@ -196,7 +201,7 @@ class SpeculativeSession:
             return RoundResult(tokens, reason, 0, 0, True, seconds, per_token)
         if self.drafter is None:
             raise RuntimeError(f"session {self.request_id!r} does not hold the drafter")
-        if self.verifier is not None:
+        if self.verifier is not None and self.sampler.grammar is None:  # grammars: plain path
             return self._step_bucketed()
         tic = time.perf_counter()
         tokens = self.prepare_round()
@@ -226,7 +231,9 @@ class SpeculativeSession:
             raise RuntimeError(f"session {self.request_id!r} does not hold the drafter")
         t0 = time.perf_counter()
         k = self._draft_budget()
-        draft = self.drafter.propose(self.draft_state, self.history, k) if k else []
+        proposed = self.drafter.propose(self.draft_state, self.history, k) if k else []
+        self._num_proposed = len(proposed)
+        draft = self.sampler.allowed_drafts(proposed)
         self.counters.phase_seconds["draft"] += time.perf_counter() - t0
         return [self.history[-1]] + draft
 
@@ -238,7 +245,7 @@ class SpeculativeSession:
         t2 = time.perf_counter()
         verified = self._sample(logits, tokens[1:])
         phases["sync"] += time.perf_counter() - t2
-        return self._finish_round(tokens[1:], verified, len(tokens) - 1, tic)
+        return self._finish_round(tokens[1:], verified, len(tokens) - 1, tic, self._num_proposed)
 
     def _step_bucketed(self) -> RoundResult:
         tic = time.perf_counter()
@@ -254,18 +261,20 @@ class SpeculativeSession:
             self._draft_ready = True
         return k
 
-    def _finish_round(self, draft: list[int], verified: list[int], width: int, tic: float) -> RoundResult:
+    def _finish_round(self, draft: list[int], verified: list[int], width: int, tic: float,
+                      num_proposed: int | None = None) -> RoundResult:
         """The verify added `width` positions after the pending token (the drafts, and
         on the bucketed path their padding): roll back all but the accepted ones and the
-        drafter, emit, count."""
+        drafter (`num_proposed` drafts, default `len(draft)`), emit, count."""
         num_drafted, num_accepted = len(draft), accept_count(draft, verified)
         trim = target_cache_trim(width, num_accepted)  # padding is rejected like a draft
         t3 = time.perf_counter()
         # The verify appended its 1 + K positions in one multi-token update, which every
         # cache the runner speculates on (sliding windows too) gives back exactly, or raises.
         trim_exact(self.cache, trim)
-        if num_drafted:
-            self.drafter.rollback(self.draft_state, num_drafted, num_accepted)
+        num_proposed = num_drafted if num_proposed is None else num_proposed
+        if num_proposed:
+            self.drafter.rollback(self.draft_state, num_proposed, num_accepted)
         self.counters.phase_seconds["rollback"] += time.perf_counter() - t3
         tokens, reason = self._emit(verified[: num_accepted + 1])
         seconds = time.perf_counter() - tic

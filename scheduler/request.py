@@ -72,6 +72,8 @@ class SamplingParams:
       (a positive logit is divided by it, a negative one multiplied; 1 = off);
     - `presence_penalty`, `frequency_penalty`: OpenAI's, over the output tokens only:
       logit -= presence * (count > 0) + frequency * count.
+    - `grammar`: an llguidance grammar (`models.grammar`); tokens it forbids after the
+      stream so far get -inf, and a draft it forbids ends the draft.
     Then the filters on the log-probabilities (mlx-lm's order: top_p, min_p, top_k;
     0 = off for top_k and min_p) and the draw at `temperature` (0 = argmax).
     """
@@ -88,6 +90,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     repetition_context_size: int = REPETITION_CONTEXT_SIZE
     logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: str | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -97,7 +100,8 @@ class SamplingParams:
     def has_processors(self) -> bool:
         """Whether any logit processor changes the logits (each token then depends on
         the tokens before it, not only on the model)."""
-        return bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.has_output_penalties
+        return (bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.has_output_penalties
+                or self.grammar is not None)
 
     @property
     def has_output_penalties(self) -> bool:

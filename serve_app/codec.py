@@ -77,9 +77,11 @@ class TextCodec:
         own = getattr(self._tok, "has_chat_template", None)  # mlx-lm's wrapper: Python renderers too
         return bool(own if own is not None else getattr(self._tok, "chat_template", None))
 
-    def encode_chat(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict], template_kwargs: dict | None = None,
+                    tools: list[dict] | None = None) -> list[int]:
         """Token ids of `messages` rendered with a generation prompt; `template_kwargs`
-        become template variables (e.g. `enable_thinking`).
+        become template variables (e.g. `enable_thinking`); `tools` (OpenAI function
+        tools) are the template's `tools`, for templates that render them.
 
         Raises APIError: 400 `no_chat_template` without a template, 400
         `chat_template_error` when the template refuses the messages (Gemma's and
@@ -93,6 +95,8 @@ class TextCodec:
         kwargs = dict(template_kwargs or {})
         if self._chat_template is not None:
             kwargs["chat_template"] = self._chat_template
+        if tools:
+            kwargs["tools"] = tools
         try:
             ids = self._tok.apply_chat_template(messages, add_generation_prompt=True,
                                                 tokenize=True, **kwargs)

@@ -182,7 +182,7 @@ class OpenAIService:
             self.metrics.rejected.labels("503").inc()
             raise APIError(503, "the scheduler is restarting; retry later", "server_error",
                            code="scheduler_unavailable", headers=self._retry()) from None
-        fmt = ResponseFormat(request_id, self.args.model_name, chat)
+        fmt = ResponseFormat(request_id, self.args.model_name, chat, spec.output)
         pieces = self._pieces(request, events, spec, len(prompt_ids), times)
         if spec.stream:
             return StreamingResponse(self._sse(fmt, pieces, spec.include_usage),
@@ -211,14 +211,20 @@ class OpenAIService:
 
     async def _sse(self, fmt: ResponseFormat, pieces, include_usage: bool):
         yield sse(fmt.chunk("", None, first=True))
+        held: list[str] = []  # a reply that may be tool calls is sent once finished
         async for text, finish_reason, usage, error in pieces:  # ends after the final piece
             if error is not None:
                 yield sse(APIError(500, error, "server_error", code="generation_failed").body())
                 continue
-            if text:
+            if fmt.holds_back_stream:
+                held.append(text)
+            elif text:
                 yield sse(fmt.chunk(text, None))
             if finish_reason is not None:
-                yield sse(fmt.chunk(None, finish_reason))
+                ending = (fmt.final_chunks("".join(held), finish_reason) if fmt.holds_back_stream
+                          else [fmt.chunk(None, finish_reason)])
+                for chunk in ending:
+                    yield sse(chunk)
                 if include_usage:
                     yield sse(fmt.usage_chunk(usage))
         yield sse("[DONE]")
@@ -314,7 +320,8 @@ class OpenAIService:
             if any(t >= self.codec.vocab_size for t in ids):
                 raise APIError(400, "prompt contains token ids outside the vocabulary", param="prompt")
         elif spec.chat:
-            ids = self.codec.encode_chat(spec.messages, spec.chat_template_kwargs)
+            tools = list(spec.output.tools) if spec.output.tools else None
+            ids = self.codec.encode_chat(spec.messages, spec.chat_template_kwargs, tools)
         else:
             ids = self.codec.encode(spec.prompt_text)
         if not ids:
@@ -347,7 +354,7 @@ class OpenAIService:
             if token_id >= vocab:
                 raise APIError(400, f"logit_bias: token id {token_id} is outside the vocabulary "
                                f"({vocab} tokens)", param="logit_bias", code="invalid_value")
-        return SamplingParams(max_tokens=max_tokens, seed=spec.seed,
+        return SamplingParams(max_tokens=max_tokens, seed=spec.seed, grammar=spec.output.grammar,
                               stop_token_ids=tuple(self.client.info.get("eos_token_ids") or ()), **fields)
 
     def _retry(self) -> dict[str, str]:

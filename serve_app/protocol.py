@@ -6,7 +6,8 @@ into a scheduler `Request` once the prompt is tokenized. Error messages name the
 as the client wrote it (`messages[1].content`) and never carry internal detail (paths,
 stack traces). Fields OpenAI defines that this server does not implement yet are
 accepted with the values that change nothing (`n: 1`, `logprobs: false`) and are a 400
-`unsupported_parameter` naming the field otherwise. Sampling fields a request omits stay
+`unsupported_parameter` naming the field otherwise. `response_format`, `tools` and
+`tool_choice` become an `OutputSpec` (`serve_app.structured`). Sampling fields a request omits stay
 unset here: their defaults depend on the deployment and the model
 (`serve_app.sampling_defaults`).
 """
@@ -24,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from serve_app.chat import ChatMessage, template_messages
 from serve_app.errors import APIError
 from serve_app.sampling_defaults import sampling_fields
+from serve_app.structured import OutputSpec, resolve
 
 _BODY = ConfigDict(extra="forbid", strict=True)
 _TOKEN_ID = re.compile(r"[0-9]{1,12}")
@@ -111,8 +113,7 @@ class ChatBody(_Common):
 # Fields this server does not implement yet, with the values that change nothing (served,
 # and ignored); any other value is a 400 naming the field.
 _NOT_YET: dict[str, tuple] = {
-    "n": (1,), "logprobs": (False,), "top_logprobs": (0,), "tools": (), "tool_choice": (),
-    "parallel_tool_calls": (), "echo": (False,), "best_of": (1,), "suffix": (),
+    "n": (1,), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "suffix": (),
 }
 # Body fields that are `SamplingParams` fields of the same name.
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -145,6 +146,7 @@ class GenerationSpec:
     seed: int | None
     stream: bool
     include_usage: bool
+    output: OutputSpec = OutputSpec()  # structured output and tools (chat only)
 
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
@@ -188,10 +190,11 @@ def parse_generation(body: dict, chat: bool) -> GenerationSpec:
     if parsed.stream_options is not None and not parsed.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
     prompt_text = prompt_ids = messages = None
-    template_kwargs = {}
+    template_kwargs, output = {}, OutputSpec()
     if chat:
         messages = template_messages(parsed.messages)
         template_kwargs = _template_kwargs(parsed.chat_template_kwargs)
+        output = resolve(parsed.response_format, parsed.tools, parsed.tool_choice)
     else:
         prompt_text, prompt_ids = _one_prompt(parsed.prompt)
     return GenerationSpec(
@@ -200,6 +203,7 @@ def parse_generation(body: dict, chat: bool) -> GenerationSpec:
         sampling=_sampling(parsed), stop=list(parsed.stop or []),
         seed=parsed.seed, stream=parsed.stream,
         include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
+        output=output,
     )
 
 
@@ -236,10 +240,6 @@ def _check_not_yet(parsed: BaseModel) -> None:
         else:
             message = f"{name} is not supported yet"
         raise APIError(400, message, param=name, code="unsupported_parameter")
-    response_format = getattr(parsed, "response_format", None)
-    if response_format is not None and response_format.type != "text":
-        raise APIError(400, f"response_format: type '{response_format.type}' is not supported "
-                       "yet; only 'text' is", param="response_format", code="unsupported_parameter")
 
 
 def _same(value, neutral) -> bool:

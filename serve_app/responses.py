@@ -13,6 +13,8 @@ import json
 import time
 from dataclasses import dataclass
 
+from serve_app.structured import NONE, OutputSpec, read_tool_calls
+
 
 class StopMatcher:
     """Emit text up to (not including) the first stop sequence.
@@ -118,13 +120,42 @@ class Usage:
 
 
 class ResponseFormat:
-    """Chunk and response bodies for one request of either endpoint."""
+    """Chunk and response bodies for one request of either endpoint.
 
-    def __init__(self, request_id: str, model: str, chat: bool) -> None:
+    A chat reply that may hold tool calls (`output.tool_mode` not none) is read back
+    whole once it finishes with "stop": its calls become `tool_calls` and the finish
+    reason "tool_calls". A reply cut by max_tokens ("length") is returned as content.
+    Such a reply is not streamed token by token (`holds_back_stream`): its stream
+    carries it in one delta, content or tool calls, before the finishing chunk."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, output: OutputSpec | None = None) -> None:
         self.request_id = request_id
         self.model = model
         self.chat = chat
+        self.output = output or OutputSpec()
         self.created = int(time.time())
+
+    @property
+    def holds_back_stream(self) -> bool:
+        return self.chat and self.output.tool_mode != NONE
+
+    def _message(self, text: str, finish_reason: str) -> tuple[dict, str]:
+        """The reply's message fields (content, tool_calls) and its finish reason."""
+        if finish_reason == "stop" and self.output.tool_mode != NONE:
+            content, calls = read_tool_calls(text, self.output)
+            if calls:
+                return {"content": content, "tool_calls": calls}, "tool_calls"
+        return {"content": text}, finish_reason
+
+    def final_chunks(self, text: str, finish_reason: str) -> list[dict]:
+        """A held-back stream's end: the reply as one delta, then the finishing chunk."""
+        message, finish_reason = self._message(text, finish_reason)
+        delta = {k: v for k, v in message.items() if v}
+        if "tool_calls" in delta:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta["tool_calls"])]
+        chunks = [self._envelope("chat.completion.chunk", [
+            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])] if delta else []
+        return chunks + [self.chunk(None, finish_reason)]
 
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.request_id, "object": obj, "created": self.created,
@@ -146,7 +177,8 @@ class ResponseFormat:
 
     def full(self, text: str, finish_reason: str, usage: Usage) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+            message, finish_reason = self._message(text, finish_reason)
+            choice = {"index": 0, "message": {"role": "assistant", **message},
                       "logprobs": None, "finish_reason": finish_reason}
             body = self._envelope("chat.completion", [choice])
         else:

@@ -35,12 +35,12 @@ def prompts(runner):
     return [runner.tokenizer.encode(PROMPTS[i]) for i in (0, 8, 21, 3)]
 
 
-def drive(runner, prompts, *, cancel_at=None, sampling=None, **overrides):
+def drive(runner, prompts, *, cancel_at=None, sampling=None, max_tokens=MAX_TOKENS, **overrides):
     """All requests submitted at once (`sampling`: their SamplingParams fields); returns
     (streams, requests, scheduler, ticks in which a fused round advanced classic rows)."""
     config = SchedulerConfig(**{"b1_policy": "on", **overrides})
     scheduler = Scheduler(runner, config)
-    requests = [make_request(f"r{i}", p, max_tokens=MAX_TOKENS, **(sampling or {})) for i, p in enumerate(prompts)]
+    requests = [make_request(f"r{i}", p, max_tokens=max_tokens, **(sampling or {})) for i, p in enumerate(prompts)]
     for r in requests:
         scheduler.submit(r)
     streams = {r.request_id: [] for r in requests}

@@ -16,8 +16,9 @@ from serve_app.http import OpenAIService
 class ScriptedClient:
     """Answers every request with `script` (token id lists), recording what it saw."""
 
-    def __init__(self, script, eos=0, full=False, cached=0):
+    def __init__(self, script, eos=0, full=False, cached=0, finish="length"):
         self.script = script
+        self.finish = finish  # the last event's finish_reason
         self.cached = cached  # the finishing event's num_cached_tokens
         self.info = {"max_context": 512, "eos_token_ids": [eos]}
         self.full = full
@@ -34,7 +35,7 @@ class ScriptedClient:
         for i, ids in enumerate(self.script):
             await asyncio.sleep(0.01)
             last = i == len(self.script) - 1
-            yield TokenEvent(request.request_id, ids, "length" if last else None,
+            yield TokenEvent(request.request_id, ids, self.finish if last else None,
                              stats=SpecStats(num_rounds=2, num_drafted=6, num_accepted=4) if last else None,
                              num_cached_tokens=self.cached if last else 0)
 

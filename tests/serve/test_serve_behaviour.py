@@ -124,7 +124,7 @@ BAD_BODIES = [
     ("chat/completions", j({"messages": [{"role": "user", "content": [{"type": "text"}]}]}), 400),
     ("chat/completions", j({"messages": [["user", "hi"]]}), 400),
     ("chat/completions", j({"messages": USER, "tools": []}), 400),
-    ("chat/completions", j({"messages": USER, "response_format": {"type": "json_object"}}), 400),
+    ("chat/completions", j({"messages": USER, "response_format": {"type": "json_schema"}}), 400),
     ("chat/completions", j({"messages": USER, "n": 0}), 400),
     ("chat/completions", j({"messages": USER, "max_tokens": -1}), 400),
     ("chat/completions", j({"messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 3}), 400),

@@ -72,3 +72,23 @@ def mlx_lm_greedy(model, prompt_ids, max_tokens, stop_ids=()):
         if token in stop_ids:
             break
     return out
+
+
+def stepwise_greedy(model, prompt_ids, max_tokens, stop_ids, pick):
+    """A reference decode, one token at a time: `pick(logits, out)` chooses the next
+    token from the last position's logits (a numpy array) and the output so far.
+    Returns (tokens, finish_reason)."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([prompt_ids]), cache=cache)[0, -1]
+    out = []
+    while len(out) < max_tokens:
+        token = int(pick(np.array(logits), out))
+        out.append(token)
+        if token in stop_ids:
+            return out, "stop"
+        logits = model(mx.array([[token]]), cache=cache)[0, -1]
+    return out, "length"

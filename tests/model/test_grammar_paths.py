@@ -12,10 +12,8 @@ random model's output closes and must parse and validate.
 import json
 
 import jsonschema
-import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
 
 from models.grammar import Grammars, json_schema_grammar
 from models.ragged_batch import RaggedBatch
@@ -23,7 +21,7 @@ from models.rollback import draft_budget
 from models.session import SpeculativeSession
 
 from .conftest import make_request
-from .helpers import make_drafter, run_classic
+from .helpers import make_drafter, run_classic, stepwise_greedy
 from .test_slab import REPEATING, _run
 
 pytestmark = pytest.mark.model
@@ -55,19 +53,13 @@ def grammars(loaded):
 
 def plain_decode(model, grammars, prompt, max_tokens, stop_ids):
     """Greedy, one token at a time; each step's mask from a new matcher fed the output."""
-    cache = make_prompt_cache(model)
-    logits = model(mx.array([prompt]), cache=cache)[0, -1]
-    out = []
-    while len(out) < max_tokens:
+    def pick(logits, out):
         matcher = grammars.matcher(GRAMMAR)
         matcher.accept(out)
         allowed = np.array(matcher.masks(1, [], logits.shape[-1])[0])
-        token = int(np.argmax(np.where(allowed, np.array(logits), -np.inf)))
-        out.append(token)
-        if token in stop_ids:
-            return out, "stop"
-        logits = model(mx.array([[token]]), cache=cache)[0, -1]
-    return out, "length"
+        return np.argmax(np.where(allowed, logits, -np.inf))
+
+    return stepwise_greedy(model, prompt, max_tokens, stop_ids, pick)
 
 
 @pytest.fixture(scope="module")

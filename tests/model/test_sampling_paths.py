@@ -14,14 +14,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
 from models.ragged_batch import RaggedBatch
 from models.rollback import draft_budget
 
 from .conftest import make_request
-from .helpers import make_drafter, run_classic, run_session
+from .helpers import make_drafter, run_classic, run_session, stepwise_greedy
 from .test_sampling_processors import reference
 from .test_slab import REPEATING, _run
 
@@ -43,16 +42,8 @@ def eos(loaded):
 
 def plain_decode(model, prompt, params, stop_ids):
     """Greedy decode one token at a time; each step's processors from the token lists."""
-    cache = make_prompt_cache(model)
-    logits = model(mx.array([prompt]), cache=cache)[0, -1]
-    out = []
-    while len(out) < params.max_tokens:
-        token = int(np.argmax(reference(np.array(logits), params, list(prompt), out)))
-        out.append(token)
-        if token in stop_ids:
-            return out, "stop"
-        logits = model(mx.array([[token]]), cache=cache)[0, -1]
-    return out, "length"
+    return stepwise_greedy(model, prompt, params.max_tokens, stop_ids,
+                           lambda logits, out: np.argmax(reference(logits, params, list(prompt), out)))
 
 
 @pytest.fixture(scope="module")

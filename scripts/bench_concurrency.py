@@ -46,7 +46,9 @@ ON_BATCHGEN = {"classic_batchgen"}  # configurations run on the BatchGenerator r
 
 
 def one_run(runner, name: str, prompts: list[list[int]], concurrency: int, max_tokens: int,
-            grant_rounds: int) -> dict:
+            grant_rounds: int, with_tokens: bool = False) -> dict:
+    """One closed-loop run; `with_tokens`: also each prompt's output tokens
+    (`token_ids`, in prompt order)."""
     config = SchedulerConfig(num_draft_tokens=runner.num_draft_tokens, grant_rounds=grant_rounds,
                              max_batch_size=max(16, concurrency), **CONFIGS[name])
     lengths = random.Random(len(prompts)).choices(range(max_tokens // 2, 3 * max_tokens // 2 + 1), k=len(prompts))
@@ -67,6 +69,7 @@ def one_run(runner, name: str, prompts: list[list[int]], concurrency: int, max_t
         "slot_rounds": result.counters.get("spec_rounds", 0), "row_rounds": result.counters.get("row_rounds", 0),
         "outputs": {r["request_id"]: r["output_tokens"] for r in
                     ({"request_id": k, **v} for k, v in result.records.items())},
+        **({"token_ids": [result.token_ids.get(a.request_id, []) for a in arrivals]} if with_tokens else {}),
     }
 
 

@@ -83,6 +83,7 @@ class RunResult:
     grant_log: list[tuple[str, int]] = field(default_factory=list)
     counters: dict = field(default_factory=dict)
     duration_s: float = 0.0
+    token_ids: dict[str, list[int]] = field(default_factory=dict)  # each request's output
 
 
 def drive(runner, config: SchedulerConfig, arrivals: list[Arrival], max_ticks: int = 1_000_000,
@@ -130,6 +131,7 @@ def drive(runner, config: SchedulerConfig, arrivals: list[Arrival], max_ticks: i
         for ev in events:
             rec = records[ev.request_id]
             if ev.token_ids:
+                result.token_ids.setdefault(ev.request_id, []).extend(ev.token_ids)
                 emitted += len(ev.token_ids)
                 rec["output_tokens"] += len(ev.token_ids)
                 rec["chunks"].append((toc - t0, len(ev.token_ids)))

@@ -37,6 +37,9 @@ class PrefixAffinityRouter(RequestRouter):
         """One replica per rank, best first; Serve tries them in order."""
         if not candidate_replicas:
             return []
+        if pending_request is not None:
+            # Every rank is tried each pass: back off before the next pass (all were full).
+            pending_request.routing_context.should_backoff = True
         key = affinity_key(pending_request)
         if key is None or len(candidate_replicas) < 2:
             # Power of two choices, as Serve's default: Serve sends to the shorter queue.

@@ -41,7 +41,8 @@ def make_router(load_margin=4):
 
 
 def request(session_id=""):
-    return SimpleNamespace(metadata=SimpleNamespace(session_id=session_id))
+    return SimpleNamespace(metadata=SimpleNamespace(session_id=session_id),
+                           routing_context=SimpleNamespace(should_backoff=False))
 
 
 def choose(router, replicas, pending):
@@ -93,6 +94,12 @@ def test_without_a_session_two_random_replicas_share_one_rank():
     ranks = choose(make_router(), replicas, request(""))
     assert len(ranks) == 1 and len(ranks[0]) == 2 and len(set(ranks[0])) == 2
     assert all(r.num_probes == 0 for r in replicas)  # Serve's own selection probes
+
+
+def test_every_pass_backs_off():
+    pending = request("s")
+    choose(make_router(), [FakeReplica("a", 0)], pending)
+    assert pending.routing_context.should_backoff is True
 
 
 def test_no_candidates_no_ranks():

@@ -1,6 +1,7 @@
 """Scenario 7: multi-turn chat, TTFT per turn with the prefix cache on and off.
 
     python -m scripts.bench_multiturn [--quick] [--out results/multiturn] [--peer | --no-peer] [--repeats N]
+        [--replicas N]
 
 Conversations resend their whole history every turn, as chat clients and agents do: a
 first user message of `first_tokens` tokens, then per turn the assistant's reply
@@ -16,7 +17,10 @@ conversations (an idle server uses no CPU):
 - `cache_off`: the same with `prefix_cache_bytes: 0`;
 - `mlx_lm`: `mlx_lm server` with its own prompt cache, on a float32 copy of the weights
   on CPU (what our CPU loader runs; scenario 4 says why); full mode only unless
-  `--peer`, off with `--no-peer`.
+  `--peer`, off with `--no-peer`;
+- `cache_on_xN` with `--replicas N`: configs/local.yaml with N replicas; each
+  conversation sends its own `X-Session-Id`, so affinity routing keeps it on one
+  replica; reports the share of turns that stayed and the requests per replica.
 Every repeat (`--repeats`, default 1) uses fresh conversations (its own seed), so no
 server reuses a previous run's cache. TTFT is the time to the first streamed content chunk. Peak RSS is each
 server's largest process (VmHWM from /proc: the scheduler actor for ours) when the run
@@ -54,13 +58,17 @@ def user_texts(tokenizer, num_conversations: int, num_turns: int, first_tokens: 
             for _ in range(num_conversations)]
 
 
-async def stream_chat(session, base_url: str, messages: list[dict], max_tokens: int) -> dict:
-    """One streamed chat completion: TTFT, the reply's text and what usage reports."""
+async def stream_chat(session, base_url: str, messages: list[dict], max_tokens: int, session_id: str) -> dict:
+    """One streamed chat completion: TTFT, the reply's text, what usage reports and which
+    replica answered. `session_id` goes in Serve's session header (replica affinity)."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
     tic = time.perf_counter()
-    rec = {"ttft_s": None, "text": "", "prompt_tokens": None, "cached_tokens": None, "error": None}
-    async with session.post(base_url + "/v1/chat/completions", json=body) as resp:
+    rec = {"ttft_s": None, "text": "", "prompt_tokens": None, "cached_tokens": None, "error": None,
+           "replica": None}
+    async with session.post(base_url + "/v1/chat/completions", json=body,
+                            headers={"X-Session-Id": session_id}) as resp:
+        rec["replica"] = resp.headers.get("X-Specslot-Replica")
         if resp.status >= 400:
             rec["error"] = f"HTTP {resp.status}: {(await resp.text())[:300]}"
             return rec
@@ -83,7 +91,7 @@ async def stream_chat(session, base_url: str, messages: list[dict], max_tokens: 
 
 
 async def run_conversations(base_url: str, conversations: list[list[str]], concurrency: int,
-                            max_tokens: int) -> list[dict]:
+                            max_tokens: int, run_id: str = "run") -> list[dict]:
     """Every conversation's turns in order, `concurrency` conversations at a time; one
     record per turn, with its conversation and turn index."""
     import aiohttp
@@ -98,7 +106,7 @@ async def run_conversations(base_url: str, conversations: list[list[str]], concu
                 history: list[dict] = []
                 for turn, text in enumerate(user_messages):
                     history.append({"role": "user", "content": text})
-                    rec = await stream_chat(session, base_url, history, max_tokens)
+                    rec = await stream_chat(session, base_url, history, max_tokens, f"{run_id}-{index}")
                     records.append({"conversation": index, "turn": turn + 1, **rec})
                     history.append({"role": "assistant", "content": rec["text"]})
 
@@ -153,6 +161,19 @@ def turn_rows(records: list[dict], names: list[str]) -> list[dict]:
     return rows
 
 
+def affinity_stats(records: list[dict], name: str) -> dict:
+    """For a multi-replica server: the share of turns after the first that landed on the
+    replica of their conversation's first turn, and the requests each replica served."""
+    mine = [r for r in records if r["server"] == name]
+    home = {(r["repeat"], r["conversation"]): r["replica"] for r in mine if r["turn"] == 1}
+    later = [r for r in mine if r["turn"] > 1]
+    same = sum(1 for r in later if r["replica"] == home.get((r["repeat"], r["conversation"])))
+    counts: dict[str, int] = {}
+    for r in mine:
+        counts[r["replica"]] = counts.get(r["replica"], 0) + 1
+    return {"same_replica_share": same / len(later) if later else None, "requests_per_replica": counts}
+
+
 def columns(names: list[str]) -> list[tuple[str, str]]:
     cols = [("turn", "turn"), ("prompt_tokens", "prompt tokens")]
     for name in names:
@@ -162,7 +183,7 @@ def columns(names: list[str]) -> list[tuple[str, str]]:
 
 
 def run(quick: bool, target: str, seed: int = 0, out_dir: str = "results/multiturn", base_port: int = 8160,
-        with_peer: bool | None = None, repeats: int | None = None) -> dict:
+        with_peer: bool | None = None, repeats: int | None = None, replicas: int = 0) -> dict:
     from transformers import AutoTokenizer
 
     size = {**sizes(quick), **({"repeats": repeats} if repeats else {})}
@@ -172,6 +193,9 @@ def run(quick: bool, target: str, seed: int = 0, out_dir: str = "results/multitu
     if with_peer:
         model = servers.float32_copy(target, out_dir) if _is_cpu() else target
         fleet.append(servers.mlx_lm_server(base_port + 2, out_dir, model, name="mlx_lm"))
+    if replicas > 1:
+        fleet.append(servers.ours(base_port + 3, out_dir, name=f"cache_on_x{replicas}",
+                                  deployment={"num_replicas": replicas}))
     tokenizer = AutoTokenizer.from_pretrained(target)
     records, rss = [], {}
     try:
@@ -186,7 +210,7 @@ def run(quick: bool, target: str, seed: int = 0, out_dir: str = "results/multitu
             for server in fleet:
                 tic = time.perf_counter()
                 run_records = asyncio.run(run_conversations(server.base_url, conversations, size["concurrency"],
-                                                            size["max_tokens"]))
+                                                            size["max_tokens"], run_id=f"rep{rep}"))
                 records += [{"server": server.name, "repeat": rep, **r} for r in run_records]
                 errors = [r["error"] for r in run_records if r["error"]]
                 print(f"rep={rep} {server.name:<10} {len(run_records)} turns in {time.perf_counter() - tic:.1f} s"
@@ -200,6 +224,7 @@ def run(quick: bool, target: str, seed: int = 0, out_dir: str = "results/multitu
             "startup_s": {s.name: s.startup_s for s in fleet}, "peak_rss": rss,
             "records": [{k: v for k, v in r.items() if k != "text"} for r in records],
             "num_errors": sum(1 for r in records if r["error"]), "rows": turn_rows(records, names),
+            "affinity": {name: affinity_stats(records, name) for name in names if "_x" in name},
             "server_names": names}
 
 
@@ -225,8 +250,11 @@ def plot(result: dict, path: str) -> None:
 def render(result: dict) -> str:
     rss = "; ".join(f"{name} {info['peak_rss_mb']:.0f} MB ({info['process']})"
                     for name, info in result["peak_rss"].items() if info.get("peak_rss_mb"))
+    affinity = "".join(f"\n{name}: {info['same_replica_share']:.0%} of later turns on their first turn's "
+                       f"replica; requests per replica {sorted(info['requests_per_replica'].values())}"
+                       for name, info in result.get("affinity", {}).items() if info["same_replica_share"] is not None)
     return (metrics.table(result["rows"], columns(result["server_names"]), digits=1)
-            + f"\n\nPeak RSS (largest process): {rss or '-'}")
+            + f"\n\nPeak RSS (largest process, per replica for ours): {rss or '-'}" + affinity)
 
 
 def main(argv=None) -> int:
@@ -236,9 +264,11 @@ def main(argv=None) -> int:
                       help="also run mlx_lm.server (the default in full mode)")
     peer.add_argument("--no-peer", dest="with_peer", action="store_false", help="skip mlx_lm.server")
     ap.add_argument("--repeats", type=int, default=None, help="runs of the whole workload per server (default 1)")
+    ap.add_argument("--replicas", type=int, default=0,
+                    help="also run the cached service with this many replicas (affinity routing)")
     args = ap.parse_args(argv)
     result = run(args.quick, args.target, args.seed, out_dir=args.out, with_peer=args.with_peer,
-                 repeats=args.repeats)
+                 repeats=args.repeats, replicas=args.replicas)
     bench_util.publish(args, "multiturn", result, render(result), plot)
     return 1 if result["num_errors"] else 0
 

@@ -44,3 +44,15 @@ def test_multiturn_quick(tmp_path):
     for info in result["peak_rss"].values():
         assert info["peak_rss_mb"] > 0
     assert (tmp_path / "multiturn.md").read_text().startswith("| turn |")
+
+
+def test_affinity_stats_counts_turns_that_stay_home():
+    def rec(conversation, turn, replica):
+        return {"server": "cache_on_x2", "repeat": 0, "conversation": conversation, "turn": turn,
+                "replica": replica}
+
+    records = [rec(0, 1, "a"), rec(0, 2, "a"), rec(0, 3, "b"), rec(1, 1, "b"), rec(1, 2, "b"),
+               {**rec(0, 2, "b"), "server": "other"}]
+    stats = bench_multiturn.affinity_stats(records, "cache_on_x2")
+    assert stats["same_replica_share"] == pytest.approx(2 / 3)
+    assert stats["requests_per_replica"] == {"a": 2, "b": 3}

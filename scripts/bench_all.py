@@ -27,6 +27,7 @@ SCENARIOS = [
     ("vs_mlx_lm", "scripts.bench_vs_mlx_lm", "4. side by side with mlx_lm.server (HTTP, alternating)"),
     ("overhead", "scripts.bench_overhead", "5. overheads: scheduler per tick, actor hop, engine vs raw"),
     ("concurrency", "scripts.bench_concurrency", "6. speculation under concurrency: fused vs alternating tick vs classic"),
+    ("multiturn", "scripts.bench_multiturn", "7. multi-turn chat: TTFT per turn, prefix cache on vs off (and mlx_lm.server)"),
 ]
 
 

@@ -62,15 +62,17 @@ class Server:
 
 
 def ours(port: int, out_dir: str, base_config: str = "configs/local.yaml", args: dict | None = None,
-         name: str = "specslot") -> Server:
+         name: str = "specslot", deployment: dict | None = None) -> Server:
     """Our service through its own entry point (`python -m serve_app.cli <config>`), with
-    the config's HTTP port moved to `port` and `args` (if any) merged over the first
-    application's `args`."""
+    the config's HTTP port moved to `port`, and `args` and `deployment` options (if any)
+    merged over the first application's `args` and first deployment's options."""
     with open(base_config) as f:
         config = yaml.safe_load(f)
     config.setdefault("http_options", {}).update({"host": HOST, "port": port})
     if args:
         config["applications"][0].setdefault("args", {}).update(args)
+    if deployment:
+        config["applications"][0]["deployments"][0].update(deployment)
     path = os.path.join(out_dir, f"specslot-{port}.yaml")
     os.makedirs(out_dir, exist_ok=True)
     with open(path, "w") as f:

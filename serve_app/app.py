@@ -21,6 +21,7 @@ import models  # noqa: F401  (fast BLAS before anything imports mlx)
 from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from serve_app.actor import ActorSource
 from serve_app.client import EngineClient
@@ -126,4 +127,15 @@ def build_app(args: dict) -> Application:
     every replica; with `allow_download` a missing hub id is downloaded here."""
     serve_args = validate_args(args).with_resolved_paths(Path.cwd())
     serve_args.model_dirs()
-    return SpecslotServer.bind(serve_args.model_dump(mode="json"))
+    deployment = SpecslotServer
+    if serve_args.affinity_routing:
+        deployment = SpecslotServer.options(request_router_config=affinity_router_config(serve_args))
+    return deployment.bind(serve_args.model_dump(mode="json"))
+
+
+def affinity_router_config(args: ServeArgs) -> RequestRouterConfig:
+    """Serve's request router for `affinity_routing` (by path: the proxy imports it)."""
+    from serve_app.router import ROUTER_PATH
+
+    return RequestRouterConfig(request_router_class=ROUTER_PATH,
+                               request_router_kwargs={"load_margin": args.affinity_load_margin})

@@ -148,6 +148,17 @@ class ServeArgs(BaseModel):
         "output, reused by later prompts that start with the same tokens (multi-turn chat, agents); "
         "0 = off. Unset: an eighth of the memory available once the model is loaded, at most 4 GiB.",
     )
+    affinity_routing: bool = Field(
+        True,
+        description="Serve routes the requests of one session (Serve's X-Session-Id header) to "
+        "one replica, where its prefix cache is, unless that replica's queue is longer than the "
+        "least loaded one's by more than affinity_load_margin; false: Serve's default router.",
+    )
+    affinity_load_margin: int = Field(
+        4, ge=0, le=1_000_000,
+        description="Ongoing requests a session's replica may have beyond the least loaded "
+        "replica before its request goes to the least loaded one instead.",
+    )
     max_queue_depth: int = Field(
         256, ge=1, le=1_000_000, description="Pending requests per replica before 503 + Retry-After."
     )

@@ -9,7 +9,7 @@ import time
 import httpx
 import openai
 
-from serve_app.app import SpecslotServer, build_app
+from serve_app.app import build_app
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,7 +32,8 @@ def deploy(ray_cluster, tiny_pair, name, route, args=None, **options):
                  "drafter": {"kind": "draft_model", "path": draft}, **(args or {})}
     app = build_app(full_args)
     if options:
-        app = SpecslotServer.options(**options).bind(*app._bound_deployment.init_args)
+        # Over build_app's options (the request router), as a YAML `deployments` entry is.
+        app = app._bound_deployment.options(**options).bind(*app._bound_deployment.init_args)
     serve.run(app, name=name, route_prefix=route, blocking=False)
     base = ray_cluster["base"] + (route if route != "/" else "")
     wait_until(lambda: httpx.get(f"{base}/health", timeout=5).status_code == 200, 120)

@@ -67,6 +67,21 @@ def test_config_specifics():
         REPO, "models", "bundled", "target")
 
 
+@pytest.mark.parametrize("extra, router, margin", [
+    ({}, "serve_app.router.PrefixAffinityRouter", 4),
+    ({"affinity_load_margin": 0}, "serve_app.router.PrefixAffinityRouter", 0),
+    ({"affinity_routing": False}, None, None),
+])
+def test_affinity_routing_sets_the_request_router(extra, router, margin):
+    deployment = build_app({"model": "models/bundled/target", **extra})._bound_deployment
+    config = deployment._deployment_config.request_router_config
+    if router is None:
+        assert "PrefixAffinityRouter" not in str(config.request_router_class)
+    else:
+        assert config.request_router_class == router
+        assert config.request_router_kwargs == {"load_margin": margin}
+
+
 @pytest.mark.parametrize("bad, fragment", [
     ({"model": "m", "grant_rounds": -1}, "args.grant_rounds: Input should be greater than or equal to 0"),
     ({"model": "m", "grant_round": 3}, "args.grant_round: unknown key"),

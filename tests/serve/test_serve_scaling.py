@@ -49,6 +49,16 @@ def test_two_replicas_one_per_node_both_serve(ray_cluster, tiny_pair):
             break
     assert len(set(nodes.values())) == 2, nodes  # one replica on each Ray node
     assert len(set(answered.values())) == 1  # same greedy text from both
+    # A session's requests stay on one replica (idle replicas: the load bound never moves them).
+    sessions = {}
+    for i in range(12):
+        for _ in range(4):
+            raw = client.completions.with_raw_response.create(
+                model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
+                extra_headers={"X-Session-Id": f"conversation-{i}"})
+            sessions.setdefault(i, set()).add(raw.headers["x-specslot-replica"])
+    assert all(len(replicas) == 1 for replicas in sessions.values()), sessions
+    assert len(set().union(*sessions.values())) == 2  # and sessions spread over both
     serve.delete("pair")
 
 

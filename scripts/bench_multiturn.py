@@ -1,0 +1,277 @@
+"""Scenario 7: multi-turn chat, TTFT per turn with the prefix cache on and off.
+
+    python -m scripts.bench_multiturn [--quick] [--out results/multiturn] [--peer | --no-peer] [--repeats N]
+        [--replicas N]
+
+Conversations resend their whole history every turn, as chat clients and agents do: a
+first user message of `first_tokens` tokens, then per turn the assistant's reply
+(`max_tokens`, greedy) and a new user message of `turn_tokens` tokens, so the history
+grows toward the model's context (full mode: 8 conversations x 6 turns, ~350 + 5 x 96
+tokens, ~900 at the last turn for the bundled model's 1,024). `concurrency`
+conversations run at once, each turn after the previous one's reply. Texts are held-out
+stdlib snippets cut to exact token counts with the target's tokenizer.
+
+Servers, all started here on 127.0.0.1 and up together, each run in turn with the same
+conversations (an idle server uses no CPU):
+- `cache_on`: configs/local.yaml (the prefix cache at its default budget);
+- `cache_off`: the same with `prefix_cache_bytes: 0`;
+- `mlx_lm`: `mlx_lm server` with its own prompt cache, on a float32 copy of the weights
+  on CPU (what our CPU loader runs; scenario 4 says why); full mode only unless
+  `--peer`, off with `--no-peer`;
+- `cache_on_xN` with `--replicas N`: configs/local.yaml with N replicas; each
+  conversation sends its own `X-Session-Id`, so affinity routing keeps it on one
+  replica; reports the share of turns that stayed and the requests per replica.
+Every repeat (`--repeats`, default 1) uses fresh conversations (its own seed), so no
+server reuses a previous run's cache. TTFT is the time to the first streamed content chunk. Peak RSS is each
+server's largest process (VmHWM from /proc: the scheduler actor for ours) when the run
+ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+from scripts import bench_util, metrics, servers
+from scripts.prompts import stdlib_snippets
+
+
+def sizes(quick: bool) -> dict:
+    if quick:
+        return {"num_conversations": 4, "num_turns": 3, "concurrency": 2, "first_tokens": 350,
+                "turn_tokens": 64, "max_tokens": 16, "repeats": 1}
+    return {"num_conversations": 8, "num_turns": 6, "concurrency": 4, "first_tokens": 350,
+            "turn_tokens": 64, "max_tokens": 32, "repeats": 1}
+
+
+def user_texts(tokenizer, num_conversations: int, num_turns: int, first_tokens: int, turn_tokens: int,
+               seed: int) -> list[list[str]]:
+    """Per conversation, its user messages: the first `first_tokens` tokens long, the
+    others `turn_tokens`; deterministic in `seed`."""
+    def cut(text: str, num_tokens: int) -> str:
+        return tokenizer.decode(tokenizer.encode(text)[:num_tokens])
+
+    snippets = iter(stdlib_snippets(num_conversations * num_turns, seed, num_chars=8 * first_tokens))
+    return [[cut(next(snippets), first_tokens if turn == 0 else turn_tokens) for turn in range(num_turns)]
+            for _ in range(num_conversations)]
+
+
+async def stream_chat(session, base_url: str, messages: list[dict], max_tokens: int, session_id: str) -> dict:
+    """One streamed chat completion: TTFT, the reply's text, what usage reports and which
+    replica answered. `session_id` goes in Serve's session header (replica affinity)."""
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    tic = time.perf_counter()
+    rec = {"ttft_s": None, "text": "", "prompt_tokens": None, "cached_tokens": None, "error": None,
+           "replica": None}
+    async with session.post(base_url + "/v1/chat/completions", json=body,
+                            headers={"X-Session-Id": session_id}) as resp:
+        rec["replica"] = resp.headers.get("X-Specslot-Replica")
+        if resp.status >= 400:
+            rec["error"] = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+            return rec
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            for choice in chunk.get("choices") or []:
+                text = (choice.get("delta") or {}).get("content")
+                if text:
+                    if rec["ttft_s"] is None:
+                        rec["ttft_s"] = time.perf_counter() - tic
+                    rec["text"] += text
+            usage = chunk.get("usage")
+            if usage:
+                rec["prompt_tokens"] = usage.get("prompt_tokens")
+                rec["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    return rec
+
+
+async def run_conversations(base_url: str, conversations: list[list[str]], concurrency: int,
+                            max_tokens: int, run_id: str = "run") -> list[dict]:
+    """Every conversation's turns in order, `concurrency` conversations at a time; one
+    record per turn, with its conversation and turn index."""
+    import aiohttp
+
+    records: list[dict] = []
+    pending = list(enumerate(conversations))
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def worker():
+            while pending:
+                index, user_messages = pending.pop(0)
+                history: list[dict] = []
+                for turn, text in enumerate(user_messages):
+                    history.append({"role": "user", "content": text})
+                    rec = await stream_chat(session, base_url, history, max_tokens, f"{run_id}-{index}")
+                    records.append({"conversation": index, "turn": turn + 1, **rec})
+                    history.append({"role": "assistant", "content": rec["text"]})
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return records
+
+
+def peak_rss_mb(root_pid: int) -> dict:
+    """The largest peak RSS (VmHWM) among `root_pid` and its descendants, and its name."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    best = {"peak_rss_mb": None, "process": None}
+    stack = [root_pid]
+    while stack:
+        pid = stack.pop()
+        stack += children.get(pid, [])
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
+        hwm = fields.get("VmHWM")
+        if hwm and (best["peak_rss_mb"] is None or int(hwm.split()[0]) / 1024 > best["peak_rss_mb"]):
+            best = {"peak_rss_mb": int(hwm.split()[0]) / 1024, "process": fields.get("Name", "").strip()}
+    return best
+
+
+def turn_rows(records: list[dict], names: list[str]) -> list[dict]:
+    """One row per turn: prompt tokens, and per server TTFT p50/p99 and cached tokens."""
+    rows = []
+    for turn in sorted({r["turn"] for r in records}):
+        row = {"turn": turn}
+        for name in names:
+            mine = [r for r in records if r["server"] == name and r["turn"] == turn and r["ttft_s"] is not None]
+            stats = metrics.describe([r["ttft_s"] for r in mine], "ttft")
+            row[f"{name}_p50_ms"], row[f"{name}_p99_ms"] = stats["median_ttft_ms"], stats["p99_ttft_ms"]
+            cached = [r["cached_tokens"] or 0 for r in mine]
+            row[f"{name}_cached"] = sum(cached) / len(cached) if cached else None
+            if name == names[0]:
+                prompts = [r["prompt_tokens"] for r in mine if r["prompt_tokens"]]
+                row["prompt_tokens"] = sum(prompts) / len(prompts) if prompts else None
+        if row.get("cache_on_p50_ms") and row.get("cache_off_p50_ms"):
+            row["off_over_on_p50"] = row["cache_off_p50_ms"] / row["cache_on_p50_ms"]
+        rows.append(row)
+    return rows
+
+
+def affinity_stats(records: list[dict], name: str) -> dict:
+    """For a multi-replica server: the share of turns after the first that landed on the
+    replica of their conversation's first turn, and the requests each replica served."""
+    mine = [r for r in records if r["server"] == name]
+    home = {(r["repeat"], r["conversation"]): r["replica"] for r in mine if r["turn"] == 1}
+    later = [r for r in mine if r["turn"] > 1]
+    same = sum(1 for r in later if r["replica"] == home.get((r["repeat"], r["conversation"])))
+    counts: dict[str, int] = {}
+    for r in mine:
+        counts[r["replica"]] = counts.get(r["replica"], 0) + 1
+    return {"same_replica_share": same / len(later) if later else None, "requests_per_replica": counts}
+
+
+def columns(names: list[str]) -> list[tuple[str, str]]:
+    cols = [("turn", "turn"), ("prompt_tokens", "prompt tokens")]
+    for name in names:
+        cols += [(f"{name}_p50_ms", f"{name} TTFT p50 ms"), (f"{name}_p99_ms", f"{name} p99 ms"),
+                 (f"{name}_cached", f"{name} cached tokens")]
+    return cols + [("off_over_on_p50", "cache off / on (p50)")]
+
+
+def run(quick: bool, target: str, seed: int = 0, out_dir: str = "results/multiturn", base_port: int = 8160,
+        with_peer: bool | None = None, repeats: int | None = None, replicas: int = 0) -> dict:
+    from transformers import AutoTokenizer
+
+    size = {**sizes(quick), **({"repeats": repeats} if repeats else {})}
+    with_peer = (not quick) if with_peer is None else with_peer
+    fleet = [servers.ours(base_port, out_dir, name="cache_on"),
+             servers.ours(base_port + 1, out_dir, args={"prefix_cache_bytes": 0}, name="cache_off")]
+    if with_peer:
+        model = servers.float32_copy(target, out_dir) if _is_cpu() else target
+        fleet.append(servers.mlx_lm_server(base_port + 2, out_dir, model, name="mlx_lm"))
+    if replicas > 1:
+        fleet.append(servers.ours(base_port + 3, out_dir, name=f"cache_on_x{replicas}",
+                                  deployment={"num_replicas": replicas}))
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    records, rss = [], {}
+    try:
+        for server in fleet:
+            server.start("/v1/models")
+        warm = user_texts(tokenizer, 1, 2, 64, 16, seed + 999)
+        for server in fleet:  # first-call costs out of the measured runs
+            asyncio.run(run_conversations(server.base_url, warm, 1, 4))
+        for rep in range(size["repeats"]):
+            conversations = user_texts(tokenizer, size["num_conversations"], size["num_turns"],
+                                       size["first_tokens"], size["turn_tokens"], seed + rep)
+            for server in fleet:
+                tic = time.perf_counter()
+                run_records = asyncio.run(run_conversations(server.base_url, conversations, size["concurrency"],
+                                                            size["max_tokens"], run_id=f"rep{rep}"))
+                records += [{"server": server.name, "repeat": rep, **r} for r in run_records]
+                errors = [r["error"] for r in run_records if r["error"]]
+                print(f"rep={rep} {server.name:<10} {len(run_records)} turns in {time.perf_counter() - tic:.1f} s"
+                      + (f"; {len(errors)} errors, first: {errors[0]}" if errors else ""), flush=True)
+        rss = {server.name: peak_rss_mb(server.proc.pid) for server in fleet}
+    finally:
+        stops = {server.name: server.stop() for server in fleet}
+    names = [server.name for server in fleet]
+    return {"scenario": "multiturn", "quick": quick, **size, "machine": bench_util.machine(),
+            "servers": {s.name: s.cmd for s in fleet}, "exit_codes": stops,
+            "startup_s": {s.name: s.startup_s for s in fleet}, "peak_rss": rss,
+            "records": [{k: v for k, v in r.items() if k != "text"} for r in records],
+            "num_errors": sum(1 for r in records if r["error"]), "rows": turn_rows(records, names),
+            "affinity": {name: affinity_stats(records, name) for name in names if "_x" in name},
+            "server_names": names}
+
+
+def _is_cpu() -> bool:
+    import models  # noqa: F401
+    import mlx.core as mx
+    return mx.default_device() == mx.cpu
+
+
+def plot(result: dict, path: str) -> None:
+    plt = bench_util.pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in result["server_names"]:
+        ax.plot([r["turn"] for r in result["rows"]], [r[f"{name}_p50_ms"] for r in result["rows"]],
+                marker="o", label=name)
+    ax.set_xlabel("turn")
+    ax.set_ylabel("TTFT p50 (ms)")
+    ax.set_title("Scenario 7: multi-turn chat")
+    ax.legend()
+    bench_util.save_figure(fig, path)
+
+
+def render(result: dict) -> str:
+    rss = "; ".join(f"{name} {info['peak_rss_mb']:.0f} MB ({info['process']})"
+                    for name, info in result["peak_rss"].items() if info.get("peak_rss_mb"))
+    affinity = "".join(f"\n{name}: {info['same_replica_share']:.0%} of later turns on their first turn's "
+                       f"replica; requests per replica {sorted(info['requests_per_replica'].values())}"
+                       for name, info in result.get("affinity", {}).items() if info["same_replica_share"] is not None)
+    return (metrics.table(result["rows"], columns(result["server_names"]), digits=1)
+            + f"\n\nPeak RSS (largest process, per replica for ours): {rss or '-'}" + affinity)
+
+
+def main(argv=None) -> int:
+    ap = bench_util.scenario_args(__doc__.split("\n\n")[0], "results/multiturn")
+    peer = ap.add_mutually_exclusive_group()
+    peer.add_argument("--peer", dest="with_peer", action="store_true", default=None,
+                      help="also run mlx_lm.server (the default in full mode)")
+    peer.add_argument("--no-peer", dest="with_peer", action="store_false", help="skip mlx_lm.server")
+    ap.add_argument("--repeats", type=int, default=None, help="runs of the whole workload per server (default 1)")
+    ap.add_argument("--replicas", type=int, default=0,
+                    help="also run the cached service with this many replicas (affinity routing)")
+    args = ap.parse_args(argv)
+    result = run(args.quick, args.target, args.seed, out_dir=args.out, with_peer=args.with_peer,
+                 repeats=args.repeats, replicas=args.replicas)
+    bench_util.publish(args, "multiturn", result, render(result), plot)
+    return 1 if result["num_errors"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

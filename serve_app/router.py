@@ -1,0 +1,78 @@
+"""Serve's request router for specslot: a conversation stays on the replica holding its
+prefix cache, within a load bound (the policy is `serve_app.affinity`).
+
+Serve runs this router where requests enter (the HTTP proxy) before the body has been
+read, so the affinity key is the request's session id: Serve's session header
+(`X-Session-Id`, renamed with `RAY_SERVE_SESSION_ID_HEADER_KEY`). Requests without one
+go to the shorter queue of two random replicas, as with Serve's default router. Queue
+lengths are Serve's ongoing-request counts per replica: cached where fresh, else probed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from serve_app.affinity import rank_replicas
+
+logger = logging.getLogger("ray.serve")
+
+ROUTER_PATH = "serve_app.router.PrefixAffinityRouter"
+PROBE_DEADLINE_S = 0.1
+
+
+class PrefixAffinityRouter(RequestRouter):
+    load_margin = 4
+
+    def initialize_state(self, load_margin: int = 4, **kwargs) -> None:
+        if not isinstance(load_margin, int) or load_margin < 0:
+            raise ValueError(f"load_margin must be a non-negative int, got {load_margin!r}")
+        self.load_margin = load_margin
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        """One replica per rank, best first; Serve tries them in order."""
+        if not candidate_replicas:
+            return []
+        if pending_request is not None:
+            # Every rank is tried each pass: back off before the next pass (all were full).
+            pending_request.routing_context.should_backoff = True
+        key = affinity_key(pending_request)
+        if key is None or len(candidate_replicas) < 2:
+            # Power of two choices, as Serve's default: Serve sends to the shorter queue.
+            return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        queue_lens = await self._queue_lens(candidate_replicas)
+        ranked = rank_replicas(key, queue_lens, self.load_margin)
+        return [[by_id[rid]] for rid in ranked]
+
+    async def _queue_lens(self, replicas: list[RunningReplica]) -> dict[str, int]:
+        """Ongoing requests per replica; one that does not answer in time counts as idle
+        (Serve's own selection probes it again before sending)."""
+        cache = self.replica_queue_len_cache
+        lens = {r.replica_id.unique_id: cache.get(r.replica_id) for r in replicas}
+        missing = [r for r in replicas if lens[r.replica_id.unique_id] is None]
+        if missing:
+            answers = await asyncio.gather(*(_probe(r) for r in missing))
+            for replica, queue_len in zip(missing, answers):
+                if queue_len is not None:
+                    cache.update(replica.replica_id, queue_len)
+                lens[replica.replica_id.unique_id] = queue_len
+        return {rid: n or 0 for rid, n in lens.items()}
+
+
+def affinity_key(pending_request: PendingRequest | None) -> str | None:
+    """The session id Serve's proxy read from the session header; None without one."""
+    if pending_request is None:
+        return None
+    return pending_request.metadata.session_id or None
+
+
+async def _probe(replica: RunningReplica) -> int | None:
+    try:
+        return await asyncio.wait_for(replica.get_queue_len(deadline_s=PROBE_DEADLINE_S), PROBE_DEADLINE_S)
+    except Exception:  # noqa: BLE001 - a dead or slow replica: Serve's own probe decides
+        return None

@@ -1,0 +1,60 @@
+"""Quick mode of scenario 7 against the bundled model: two services (prefix cache on and
+off) start and run the same conversations, and from the second turn the cached service
+reuses the history. How much TTFT drops is the benchmark's table, not a test: timing on a
+shared 2-core machine is noise."""
+
+import json
+import os
+
+import pytest
+
+from scripts import bench_multiturn
+
+pytestmark = [pytest.mark.model, pytest.mark.serve]
+BUNDLED = os.path.isfile("models/bundled/target/model.safetensors")
+
+
+def test_turn_rows_are_per_turn_and_per_server():
+    records = [{"server": s, "turn": t, "ttft_s": 0.1 * t * (2 if s == "cache_off" else 1),
+                "prompt_tokens": 100 * t, "cached_tokens": 0 if s == "cache_off" else 50 * t}
+               for s in ("cache_on", "cache_off") for t in (1, 2) for _ in range(3)]
+    rows = bench_multiturn.turn_rows(records, ["cache_on", "cache_off"])
+    assert [r["turn"] for r in rows] == [1, 2]
+    assert rows[1]["prompt_tokens"] == 200 and rows[1]["cache_on_cached"] == 100
+    assert rows[1]["cache_on_p50_ms"] == pytest.approx(200.0)
+    assert rows[1]["off_over_on_p50"] == pytest.approx(2.0)
+
+
+@pytest.mark.skipif(not BUNDLED, reason="bundled model not present")
+def test_multiturn_quick(tmp_path):
+    assert bench_multiturn.main(["--quick", "--out", str(tmp_path), "--no-plot"]) == 0
+    result = json.loads((tmp_path / "multiturn.json").read_text())
+    assert result["scenario"] == "multiturn" and result["quick"] is True
+    assert result["server_names"] == ["cache_on", "cache_off"]
+    assert result["exit_codes"] == {"cache_on": 0, "cache_off": 0}
+    assert {"date_utc", "nproc", "cpu", "versions"} <= set(result["machine"])
+    num_turns = result["num_turns"]
+    assert len(result["records"]) == 2 * result["num_conversations"] * num_turns * result["repeats"]
+    rows = {r["turn"]: r for r in result["rows"]}
+    assert sorted(rows) == list(range(1, num_turns + 1))
+    assert all(rows[t]["prompt_tokens"] > rows[t - 1]["prompt_tokens"] for t in range(2, num_turns + 1))
+    assert all(r["cache_off_cached"] == 0 for r in rows.values())
+    for turn in range(2, num_turns + 1):
+        # The history up to the last reply is reused.
+        assert rows[turn]["cache_on_cached"] > rows[turn - 1]["prompt_tokens"] / 2
+        assert rows[turn]["cache_on_p50_ms"] > 0 and rows[turn]["cache_off_p50_ms"] > 0
+    for info in result["peak_rss"].values():
+        assert info["peak_rss_mb"] > 0
+    assert (tmp_path / "multiturn.md").read_text().startswith("| turn |")
+
+
+def test_affinity_stats_counts_turns_that_stay_home():
+    def rec(conversation, turn, replica):
+        return {"server": "cache_on_x2", "repeat": 0, "conversation": conversation, "turn": turn,
+                "replica": replica}
+
+    records = [rec(0, 1, "a"), rec(0, 2, "a"), rec(0, 3, "b"), rec(1, 1, "b"), rec(1, 2, "b"),
+               {**rec(0, 2, "b"), "server": "other"}]
+    stats = bench_multiturn.affinity_stats(records, "cache_on_x2")
+    assert stats["same_replica_share"] == pytest.approx(2 / 3)
+    assert stats["requests_per_replica"] == {"a": 2, "b": 3}

@@ -259,15 +259,15 @@ class RaggedBatch:
         streams = list(self._streams.values())
         drafts = drafts and self.row_drafts
         if rider is not None:
-            self._take_back()
             return self._step(streams, rider, drafts)
         if not streams:
             return []
+        pipeline = self.pipeline and self.slab.grid
         tic = time.perf_counter()
-        batches = self._step(streams, None, drafts, pipeline=self.pipeline and self.slab.grid)
+        batches = self._step(streams, None, drafts, pipeline)
         while (len(streams) == 1 and batches[0].finish_reason is None
                and time.perf_counter() - tic < self._solo_burst_s):
-            more = self._step(streams, None, drafts, pipeline=self.pipeline and self.slab.grid)[0]
+            more = self._step(streams, None, drafts, pipeline)[0]
             batches[0].token_ids += more.token_ids
             batches[0].finish_reason = more.finish_reason
             batches[0].num_drafted += more.num_drafted
@@ -375,33 +375,41 @@ class RaggedBatch:
         logits = self.slab.forward(self._model, entries, values=values)
         return mx.concatenate(self._draws(streams, logits, [[] for _ in streams])).astype(mx.int32)
 
+    def _nobody_pays(self, num_rows: int) -> bool:
+        """Whether at this batch size even a row accepting every draft would not pay
+        (budgets only grow with acceptance, so no row drafts)."""
+        fit = self._fit
+        return fit is not None and row_draft_budget(1.0, num_rows, fit, self.num_draft_tokens) == 0
+
+    def _budget(self, alpha: float, num_rows: int, remaining: int) -> int:
+        """Drafts a drafting row with acceptance `alpha` and `remaining` tokens left to
+        emit may verify in a step of `num_rows` rows."""
+        k = draft_budget(self.num_draft_tokens, remaining)
+        if self._fit is not None and k:
+            k = min(k, row_draft_budget(alpha, num_rows, self._fit, self.num_draft_tokens))
+        return k
+
     def _may_draft(self, streams: list[_Stream]) -> bool:
-        """Whether a row may draft in the next step (its budget allows drafts)."""
-        n, fit, cap = len(streams), self._fit, self.num_draft_tokens
-        if fit is not None and row_draft_budget(1.0, n, fit, cap) == 0:
+        """Whether a row may draft in the next step: its budget allows drafts at its
+        acceptance as `_apply` leaves it after a step without drafts (or higher)."""
+        if self._nobody_pays(len(streams)):
             return False
         for s in streams:
-            if s.index is None or not draft_budget(cap, s.max_tokens - s.num_emitted - 1):
+            if s.index is None:
                 continue
-            relaxed = copy.copy(s.acceptance)  # as `_apply` leaves it after a step without drafts
+            relaxed = copy.copy(s.acceptance)
             relaxed.relax()
-            if fit is None or row_draft_budget(max(s.acceptance.alpha, relaxed.alpha), n, fit, cap):
+            if self._budget(max(s.acceptance.alpha, relaxed.alpha), len(streams), s.max_tokens - s.num_emitted - 1):
                 return True
         return False
 
     def _drafts(self, streams: list[_Stream]) -> list[list[int]]:
-        """Each row's drafts for this step (empty where it drafts nothing; nobody
-        drafts where even a row accepting everything would not pay)."""
-        n, fit, cap = len(streams), self._fit, self.num_draft_tokens
-        if fit is not None and row_draft_budget(1.0, n, fit, cap) == 0:
+        """Each row's drafts for this step (empty where it drafts nothing)."""
+        if self._nobody_pays(len(streams)):
             return [[] for _ in streams]
         out = []
         for s in streams:
-            k = 0
-            if s.index is not None:
-                k = draft_budget(cap, s.max_tokens - s.num_emitted)
-                if fit is not None and k:
-                    k = min(k, row_draft_budget(s.acceptance.alpha, n, fit, cap))
+            k = 0 if s.index is None else self._budget(s.acceptance.alpha, len(streams), s.max_tokens - s.num_emitted)
             out.append(s.sampler.allowed_drafts(s.index.propose(k)) if k else [])
         return out
 

@@ -165,11 +165,10 @@ class SpeculativeSession:
         tic = time.perf_counter()
         self.cache = self._new_cache()
         head = self.prompt_ids[self.cache[0].offset:-1]
-        last = mx.array([self.prompt_ids[-1:]], dtype=mx.int32)
         if self.verifier is not None and self.verifier.prefill_chunk:
             # Shape-stable and lazy: one host sync for the whole begin.
             self.verifier.prefill(self.cache, head)
-            logits = self.verifier.logits(self.cache, last)[0]
+            logits = self.verifier.logits(self.cache, mx.array([self.prompt_ids[-1:]], dtype=mx.int32))[0]
         else:
             for start in range(0, len(head), PREFILL_STEP):
                 self.forward(head[start : start + PREFILL_STEP])

@@ -44,10 +44,11 @@ HALF_RTOL = 0.03
 STEP = 256  # capacity grows in these many positions, as mlx-lm's KVCache does
 
 
-def plain_caches(model: nn.Module) -> bool:
+def plain_caches(model: nn.Module, caches: list | None = None) -> bool:
     """Whether every layer of `model` keeps a plain `KVCache` (no sliding window, no
-    quantized or state-space cache): the only kind a slab (or a packed forward) holds."""
-    return all(type(c) is KVCache for c in make_prompt_cache(model))
+    quantized or state-space cache): the only kind a slab (or a packed forward) holds.
+    `caches`: the model's prompt cache, if made already."""
+    return all(type(c) is KVCache for c in (make_prompt_cache(model) if caches is None else caches))
 
 
 class Row:
@@ -119,9 +120,9 @@ class Slab:
         """`grid`: run forwards as a grid where the rows allow it (see `forward`);
         None: on a GPU, where padding costs little and every new shape costs a lot."""
         self.grid = (mx.default_device() == mx.gpu) if grid is None else grid
-        if not plain_caches(model):
-            raise ValueError("the slab holds plain KVCache layers only")
         probe = make_prompt_cache(model)
+        if not plain_caches(model, probe):
+            raise ValueError("the slab holds plain KVCache layers only")
         model(mx.array([[0]]), cache=probe)
         self.num_layers = len(probe)
         self._shapes = [(c.keys.shape[1], c.keys.shape[3], c.values.shape[3]) for c in probe]

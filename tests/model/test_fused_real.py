@@ -17,14 +17,18 @@ BUNDLED = os.path.join(os.path.dirname(__file__), "..", "..", "models", "bundled
 MAX_TOKENS = 40
 
 
-@pytest.fixture(scope="module", params=["draft_model", "ngram"])
-def runner(request):
+def bundled_runner(kind):
+    """An `MlxRunner` over the bundled pair, drafting with `kind` (None: no drafter)."""
     from models.runner import MlxRunner
 
     target, draft = os.path.join(BUNDLED, "target"), os.path.join(BUNDLED, "draft")
-    kind = request.param
-    r = MlxRunner.from_paths(target, drafter_kind=kind, drafter_path=draft if kind == "draft_model" else None,
-                             num_draft_tokens=4)
+    return MlxRunner.from_paths(target, drafter_kind=kind, drafter_path=draft if kind == "draft_model" else None,
+                                num_draft_tokens=4)
+
+
+@pytest.fixture(scope="module", params=["draft_model", "ngram"])
+def runner(request):
+    r = bundled_runner(request.param)
     assert r.can_fuse(), r.fuse_blocker
     yield r
     r.close()

@@ -5,18 +5,15 @@ classic decode and the same requests on a runner with speculation off; every rep
 parses and validates against the schema."""
 
 import json
-import os
 
 import jsonschema
 import pytest
 
 from models.grammar import json_schema_grammar
-from tests.model.conftest import PROMPTS
-from tests.model.test_fused_real import drive
+from tests.model.test_fused_real import bundled_runner, drive, prompts, runner  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.model
 
-BUNDLED = os.path.join(os.path.dirname(__file__), "..", "..", "models", "bundled")
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -32,27 +29,6 @@ GRAMMAR = json_schema_grammar(SCHEMA)
 MAX_TOKENS = 96
 
 
-def _runner(kind):
-    from models.runner import MlxRunner
-
-    target, draft = os.path.join(BUNDLED, "target"), os.path.join(BUNDLED, "draft")
-    return MlxRunner.from_paths(target, drafter_kind=kind, drafter_path=draft if kind == "draft_model" else None,
-                                num_draft_tokens=4)
-
-
-@pytest.fixture(scope="module", params=["draft_model", "ngram"])
-def runner(request):
-    r = _runner(request.param)
-    assert r.can_fuse(), r.fuse_blocker
-    yield r
-    r.close()
-
-
-@pytest.fixture(scope="module")
-def prompts(runner):
-    return [runner.tokenizer.encode(PROMPTS[i]) for i in (0, 8, 21, 3)]
-
-
 def _drive(runner, prompts, **overrides):
     return drive(runner, prompts, sampling={"grammar": GRAMMAR}, max_tokens=MAX_TOKENS, **overrides)
 
@@ -60,7 +36,7 @@ def _drive(runner, prompts, **overrides):
 @pytest.fixture(scope="module")
 def speculation_off(prompts):
     """The same requests on a runner without a drafter (classic decode only)."""
-    r = _runner(None)
+    r = bundled_runner(None)
     try:
         streams, _, _, _ = _drive(r, prompts)
     finally:

@@ -353,6 +353,13 @@ class _Forward:
         # scatter order: (row, head, position), the layout of a (rows, heads, width, dim) key block
         self._grid_rows = (np.arange(lo, hi, dtype=np.int64), lengths, width)
         self.positions = mx.array(lengths.astype(np.int32))  # RoPE: one offset per row
+        if hi - lo == 1 and width == 1:
+            # A lone row's decode attends to exactly its keys, unmasked: the one-query
+            # attention kernel takes any key length without building anything new, and
+            # runs faster without a mask array. (Several queries keep the bucket: the
+            # backend plans that attention per key length.)
+            self.grid_keys, self.grid_mask = int(lengths[0]) + 1, None
+            return
         # query i of a row sees keys 0..length + i (a gap's row: whatever, it is padding)
         valid = np.arange(keys)[None, None, :] <= (lengths[:, None, None] + np.arange(width)[None, :, None])
         self.grid_mask = mx.array(valid[:, None])  # (rows, 1, width, keys)

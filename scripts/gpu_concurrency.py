@@ -121,11 +121,14 @@ def main() -> None:
         with open(os.path.join(OUT, f"concurrency_{SHAPE}.json"), "w") as f:
             json.dump(results, f, indent=1)
 
+    concurrencies = [int(x) for x in os.environ.get("NS", "1,2,4,8,16").split(",")]
+    max_batch = max(16, *concurrencies)
+
     def runner(ragged, drafter=None):
         if drafter is None:
-            return MlxRunner.from_paths(path, drafter_kind="ngram", num_draft_tokens=4, max_batch_size=16,
+            return MlxRunner.from_paths(path, drafter_kind="ngram", num_draft_tokens=4, max_batch_size=max_batch,
                                         prefill_batch_size=8, ragged=ragged)
-        return MlxRunner(load_pair(path, None)[0], drafter, num_draft_tokens=4, max_batch_size=16,
+        return MlxRunner(load_pair(path, None)[0], drafter, num_draft_tokens=4, max_batch_size=max_batch,
                          prefill_batch_size=8, ragged=ragged)
 
     plain = runner(None)
@@ -203,7 +206,6 @@ def main() -> None:
                                           v["acceptance_length"] and round(v["acceptance_length"], 2)]
                                       for k, v in row.items()}))
 
-    concurrencies = [int(x) for x in os.environ.get("NS", "1,2,4,8,16").split(",")]
     sweep("ngram", ["classic_batchgen", "classic", "default", "slot_only"],
           lambda name: batchgen if name in bc.ON_BATCHGEN else plain, concurrencies)
     if os.environ.get("ORACLE"):

@@ -89,6 +89,26 @@ def test_grid_rows_between_entries_are_padding_and_keep_their_keys():
     assert mx.abs(out - _alone(model, PROMPTS[1], [3])).max().item() < ATOL
 
 
+def test_grid_lone_row_attends_to_exactly_its_keys():
+    """A run of one slot bringing one token (a lone stream's decode) passes attention no
+    mask array, and its keys end at its length; several tokens keep the bucket."""
+    model = _llama(True)
+    store = slab.Slab(model, rows=3, grid=True)
+    rows = [store.add() for _ in PROMPTS[:3]]
+    store.forward(model, [(r, p) for r, p in zip(rows, PROMPTS)])
+    for new in ([7], [7, 8, 9, 10, 11]):
+        ctx = slab._Forward(store, [(rows[1], new)])
+        assert ctx.grid == (1, 2, len(new))
+        if len(new) == 1:
+            assert ctx.grid_keys == rows[1].length + 1 and ctx.grid_mask is None
+        else:
+            assert ctx.grid_keys % slab.STEP == 0 and ctx.grid_mask.shape == (1, 1, len(new), ctx.grid_keys)
+    out = store.forward(model, [(rows[1], [7, 8, 9, 10, 11])])[0]
+    assert mx.abs(out - _alone(model, PROMPTS[1], [7, 8, 9, 10, 11])).max().item() < ATOL
+    out = store.forward(model, [(rows[1], [12])])[0]
+    assert mx.abs(out - _alone(model, PROMPTS[1], [7, 8, 9, 10, 11, 12])[-1:]).max().item() < ATOL
+
+
 def test_shrink_returns_capacity_once_the_long_row_is_gone():
     model = _llama(False)
     store = slab.Slab(model, rows=2)

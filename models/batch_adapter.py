@@ -97,6 +97,8 @@ class LiveRow:
 class ClassicBatch:
     """Rows of classic decode, keyed by request id."""
 
+    skip_cap = 2  # the draft budget's skip cap (`RaggedBatch`); these rows never draft
+
     def __init__(
         self,
         model: nn.Module,
@@ -196,7 +198,7 @@ class ClassicBatch:
 
     def adopt(self, request_id: str, cache: list, sampler: RequestSampler, pending_token: int, *,
               max_tokens: int, num_emitted: int, stop_ids: Sequence[int],
-              history: Sequence[int] | None = None) -> list[TokenBatch]:
+              history: Sequence[int] | None = None, lane: int = 1) -> list[TokenBatch]:
         """Take over a live decode from elsewhere (a speculative session) as a row.
 
         State handed over: `cache` holds every token of the stream but `pending_token`,
@@ -210,8 +212,8 @@ class ClassicBatch:
         forward is queued now; otherwise it joins `BatchGenerator` as a one-token
         prompt and emits from a later `decode()` / `prefill()`. A lone row moved into
         the batch on the way emits its pending token: those batches are returned.
-        `history` (the stream's earlier tokens) is for batches whose rows draft; this
-        one's rows do not.
+        `history` (the stream's earlier tokens) and `lane` are for batches whose rows
+        draft; this one's rows do not.
         """
         check_adoptable(request_id, self.request_ids(), num_emitted, max_tokens)
         self._stop_ids[request_id] = tuple(stop_ids)

@@ -48,7 +48,7 @@ from models.ragged import Rider
 from models.rollback import accept_count, clip_tokens, draft_budget
 from models.sampling import RequestSampler, log_probs, stop_token_ids
 from models.slab import Row, RowView, Slab
-from scheduler.costs import RowAcceptance, TickCosts, row_draft_budget, verify_costs
+from scheduler.costs import RowAcceptance, TickCosts, row_draft_budget, share_drafts, step_draft_budget, verify_costs
 from scheduler.request import Request
 from scheduler.runner import TokenBatch
 
@@ -68,6 +68,8 @@ class _Stream:
     index: NgramIndex | None = None  # prompt + emitted tokens (the last is `pending`)
     acceptance: RowAcceptance | None = None
     token_ids: list[int] | None = None  # prompt + emitted (the last is `pending`), for the prefix cache
+    lane: int = 1  # the request's lane (`scheduler.request.Lane`): its place in the step's draft budget
+    denied: int = 0  # steps running in which this row had drafts and the budget gave it none
 
 
 @dataclass(eq=False)
@@ -107,6 +109,9 @@ class RaggedBatch:
         self._solo_burst_s = solo_burst_s
         self.slab = Slab(model, rows=max_batch_size + 2, grid=grid)
         self.pipeline = True
+        # Steps a row with drafts may be left out of the step's draft budget before it
+        # goes first (the scheduler sets its `skip_cap`, as for grants).
+        self.skip_cap = 2
         self.num_pipelined = 0  # steps whose tokens a queued step had drawn
         self._streams: dict[str, _Stream] = {}  # classic rows, in slots 0..len-1
         self._sessions: set[int] = set()  # ids of rows handed out as session caches
@@ -183,10 +188,10 @@ class RaggedBatch:
 
     # -- admission ----------------------------------------------------------------------
     def _add_stream(self, request_id: str, row: Row, sampler: RequestSampler, stop_ids, max_tokens: int,
-                    num_emitted: int, pending: int, history: Sequence[int] | None) -> _Stream:
+                    num_emitted: int, pending: int, history: Sequence[int] | None, lane: int) -> _Stream:
         """`history`: the stream's tokens before `pending` (None: unknown, no drafts)."""
         self._to_classic_region(row)
-        stream = _Stream(request_id, row, sampler, frozenset(stop_ids), max_tokens, num_emitted, pending)
+        stream = _Stream(request_id, row, sampler, frozenset(stop_ids), max_tokens, num_emitted, pending, lane=lane)
         if self.prefix_cache is not None and history is not None:
             stream.token_ids = [*history, pending]
         # Greedy rows only: a sampled row's draws would depend on how many positions
@@ -229,17 +234,17 @@ class RaggedBatch:
         for r, row in zip(requests, rows):
             stream = self._add_stream(r.request_id, row, RequestSampler(r.sampling, r.prompt_ids, self._grammars),
                                       stop_token_ids(self._eos_token_ids, r.sampling), r.sampling.max_tokens,
-                                      0, r.prompt_ids[-1], r.prompt_ids[:-1])
+                                      0, r.prompt_ids[-1], r.prompt_ids[:-1], int(r.lane))
             streams.append(stream)
         return self._step(streams, None, False)
 
     def adopt(self, request_id: str, cache: list, sampler: RequestSampler, pending_token: int, *,
               max_tokens: int, num_emitted: int, stop_ids: Sequence[int],
-              history: Sequence[int] | None = None) -> list[TokenBatch]:
+              history: Sequence[int] | None = None, lane: int = 1) -> list[TokenBatch]:
         """Take over a live stream (a speculative session) as a row: `cache` holds every
         token but `pending_token`, the last one emitted (`history`: the tokens before
-        it, for the row's drafts). A session row of this slab changes hands; another
-        cache is copied into a new row. Emits nothing."""
+        it, for the row's drafts; `lane`: the request's). A session row of this slab
+        changes hands; another cache is copied into a new row. Emits nothing."""
         check_adoptable(request_id, self.request_ids(), num_emitted, max_tokens)
         self._take_back()
         row = _row_of(cache)
@@ -247,7 +252,7 @@ class RaggedBatch:
             self._sessions.discard(id(row))
         else:
             row = self.slab.add_from(cache)
-        self._add_stream(request_id, row, sampler, stop_ids, max_tokens, num_emitted, pending_token, history)
+        self._add_stream(request_id, row, sampler, stop_ids, max_tokens, num_emitted, pending_token, history, lane)
         return []
 
     # -- decode -------------------------------------------------------------------------
@@ -404,14 +409,25 @@ class RaggedBatch:
         return False
 
     def _drafts(self, streams: list[_Stream]) -> list[list[int]]:
-        """Each row's drafts for this step (empty where it drafts nothing)."""
+        """Each row's drafts for this step (empty where it drafts nothing): what its own
+        budget allows and its index proposes, within the step's draft budget, which
+        rows share in lane order (`scheduler.costs.share_drafts`)."""
         if self._nobody_pays(len(streams)):
             return [[] for _ in streams]
         out = []
         for s in streams:
             k = 0 if s.index is None else self._budget(s.acceptance.alpha, len(streams), s.max_tokens - s.num_emitted)
             out.append(s.sampler.allowed_drafts(s.index.propose(k)) if k else [])
-        return out
+        budget = None if self._fit is None else step_draft_budget(len(streams), self._fit)
+        if budget is None or sum(map(len, out)) <= budget:
+            for s, d in zip(streams, out):
+                s.denied = 0 if d else s.denied
+            return out
+        given = share_drafts([len(d) for d in out], [s.lane for s in streams], [s.denied for s in streams],
+                             budget, self.skip_cap)
+        for s, d, n in zip(streams, out, given):
+            s.denied = 0 if n or not d else s.denied + 1
+        return [d[:n] for d, n in zip(out, given)]
 
     def _sample(self, streams: list[_Stream], logits: list[mx.array], drafts: list[list[int]]) -> list[list[int]]:
         """Every verify position of every row, drawn from the row's sampler, position i

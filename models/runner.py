@@ -104,6 +104,7 @@ class MlxRunner:
             log.warning("speculation off: %s (target %s)", SPEC_OFF_NO_ROLLBACK, target.name)
         self._slot = DrafterSlot(drafter) if self.spec_off_reason is None else None
         self._sessions: dict[str, SpeculativeSession] = {}
+        self._lanes: dict[str, int] = {}  # sessions' lanes, for their rows when they park or demote
         # Draft states of streams parked into the classic batch (fused tick), by request.
         self._parked_drafts: dict[str, object] = {}
         self._tick_costs: TickCosts | None = None
@@ -253,7 +254,8 @@ class MlxRunner:
     def classic_prefill(self, requests: Sequence[Request]) -> list[TokenBatch]:
         return self._classic.prefill(requests)
 
-    def classic_decode(self, drafts: bool = False) -> list[TokenBatch]:
+    def classic_decode(self, drafts: bool = False, skip_cap: int = 2) -> list[TokenBatch]:
+        self._classic.skip_cap = skip_cap
         return self._classic.decode(drafts=drafts)
 
     def classic_remove(self, request_id: str) -> None:
@@ -296,6 +298,7 @@ class MlxRunner:
         )
         session.bind(self._slot.take(request.request_id))
         self._sessions[request.request_id] = session
+        self._lanes[request.request_id] = int(request.lane)
         result = session.begin()
         return TokenBatch(request.request_id, result.token_ids, result.finish_reason)
 
@@ -344,7 +347,8 @@ class MlxRunner:
                                                   self._classic_rows_cap, vocab)
         return self._tick_costs
 
-    def spec_round_with_decode(self, request_id: str, drafts: bool = False) -> tuple[RoundOutcome, list[TokenBatch]]:
+    def spec_round_with_decode(self, request_id: str, drafts: bool = False,
+                               skip_cap: int = 2) -> tuple[RoundOutcome, list[TokenBatch]]:
         """The holder's round and one decode step of every classic row in one forward:
         the verify tokens ride in the batch's step (`models.ragged.Rider`). When the
         batch runs no forward (a lone row emitting its last token), the verify runs
@@ -357,6 +361,7 @@ class MlxRunner:
         tic = time.perf_counter()
         tokens = session.prepare_round()
         rider = ragged.Rider(self.target.model, ragged.Group(session.cache, mx.array(tokens, dtype=mx.int32)))
+        self._classic.skip_cap = skip_cap
         rows = self._classic.decode(rider, drafts=drafts)
         logits = rider.extra_logits
         if logits is None:
@@ -397,6 +402,7 @@ class MlxRunner:
             eos_token_ids=self.eos_token_ids, draft_state=draft_state)
         session.bind(self._slot.take(request_id))
         self._sessions[request_id] = session
+        self._lanes[request_id] = int(request.lane)
         return [emitted], True
 
     def spec_park(self, request_id: str) -> None:
@@ -409,6 +415,7 @@ class MlxRunner:
 
     def spec_finish(self, request_id: str) -> None:
         self._parked_drafts.pop(request_id, None)
+        self._lanes.pop(request_id, None)
         session = self._sessions.pop(request_id, None)
         if session is not None:
             if self._ragged and session.cache is not None:
@@ -428,7 +435,7 @@ class MlxRunner:
         moved = self._classic.adopt(
             request_id, session.cache, session.sampler, session.history[-1],
             max_tokens=session.max_tokens, num_emitted=session.num_emitted, stop_ids=session.stop_ids,
-            history=session.history[:-1])
+            history=session.history[:-1], lane=self._lanes.pop(request_id, 1))
         del self._sessions[request_id]
         session.cache = None  # the classic row owns it now
         session.finish()

@@ -236,7 +236,7 @@ class Scheduler:
 
     def _decode(self) -> None:
         try:
-            batches = self.runner.classic_decode(drafts=self.config.rows_draft)
+            batches = self.runner.classic_decode(drafts=self.config.rows_draft, skip_cap=self.config.skip_cap)
         except Exception as exc:  # noqa: BLE001
             self._fail_rows(list(self._rows.values()), f"classic_decode failed: {exc}")
             return

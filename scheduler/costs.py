@@ -26,6 +26,10 @@ EMA_WEIGHT = 0.3  # weight of the newest round in a request's acceptance estimat
 # scripts/bench_concurrency.py (docs/benchmarks.md, scenario 6).
 BATCH_MARGIN = 1.1
 RELAX_WEIGHT = 0.05  # how far each turn-away moves an estimate back toward all-accepted
+# The rows' drafts in one step may add at most this share of the step's time without
+# them (`step_draft_budget`): a bound on what drafting does to every row's TPOT, and the
+# budget lanes compete for (`share_drafts`).
+DRAFT_STEP_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -250,3 +254,46 @@ def row_draft_budget(alpha: float, num_rows: int, costs: TickCosts | tuple[float
         if net > best:
             best, best_k = net, k
     return best_k
+
+
+def step_draft_budget(num_rows: int, fit: tuple[float, float, float], share: float = DRAFT_STEP_SHARE) -> int | None:
+    """Draft tokens a step of `num_rows` rows may verify in all: as many as add at most
+    `share` of the step's time without them, by the `verify_costs` fit (None: a draft
+    position costs nothing measurable, so there is no limit).
+    >>> step_draft_budget(4, (3.5, 0.5, 0.625))
+    4
+    >>> step_draft_budget(16, (20.0, 0.45, 0.35)), step_draft_budget(8, (10.0, 0.5, 0.0))
+    (38, None)
+    """
+    per_forward, per_token, per_draft = fit
+    if per_draft <= 0:
+        return None
+    return int(share * (per_forward + per_token * num_rows) / per_draft)
+
+
+def share_drafts(wants: list[int], lanes: list[int], skipped: list[int], budget: int | None,
+                 skip_cap: int) -> list[int]:
+    """Each row's drafts when a step may verify `budget` in all (None: every row gets
+    what it wants). Rows are served in the grants' order: a row denied drafts
+    `skip_cap` steps running goes first (the most denied first), then by lane (a lower
+    value first), then in row order, which is the order rows joined the batch. A row
+    gets what it wants or what is left.
+    >>> share_drafts([4, 4, 4], [1, 0, 2], [0, 0, 0], 6, 2)
+    [2, 4, 0]
+    >>> share_drafts([4, 4, 4], [1, 0, 2], [0, 0, 2], 6, 2)
+    [0, 2, 4]
+    >>> share_drafts([3, 0, 4], [2, 0, 1], [0, 5, 1], None, 2)
+    [3, 0, 4]
+    """
+    if budget is None:
+        return list(wants)
+    def rank(i: int) -> tuple:
+        overdue = skipped[i] >= skip_cap
+        return (not overdue, -skipped[i] if overdue else 0, lanes[i], i)
+
+    order = sorted(range(len(wants)), key=rank)
+    out = [0] * len(wants)
+    for i in order:
+        out[i] = min(wants[i], budget)
+        budget -= out[i]
+    return out

@@ -71,12 +71,14 @@ class ModelRunner(Protocol):
         if the backend's prefill step decodes them too.
         """
 
-    def classic_decode(self, drafts: bool = False) -> list[TokenBatch]:
+    def classic_decode(self, drafts: bool = False, skip_cap: int = 2) -> list[TokenBatch]:
         """One batched decode step over all active classic rows: one model action.
         A runner may return several tokens for a row decoding alone (a short burst of
         steps that amortizes the per-tick overhead); each row's tokens are in order.
         With `drafts`, rows that can may verify their own drafts in the step and emit
-        the accepted ones too (`TokenBatch.num_drafted` / `num_accepted`)."""
+        the accepted ones too (`TokenBatch.num_drafted` / `num_accepted`); where the
+        step's draft budget cannot carry them all, rows share it in lane order, and a
+        row denied drafts `skip_cap` steps running goes first."""
 
     def classic_remove(self, request_id: str) -> None:
         """Drop a row (finished or cancelled). Idempotent."""
@@ -110,7 +112,8 @@ class ModelRunner(Protocol):
         decode steps (n-gram rows beside an n-gram slot): then the slot adds nothing
         beside rows, and the fused tick's gate keeps the holder a row."""
 
-    def spec_round_with_decode(self, request_id: str, drafts: bool = False) -> tuple[RoundOutcome, list[TokenBatch]]:
+    def spec_round_with_decode(self, request_id: str, drafts: bool = False,
+                               skip_cap: int = 2) -> tuple[RoundOutcome, list[TokenBatch]]:
         """One round of the drafter's holder and one decode step of every classic row,
         in one model forward: the fused tick's single model action. Returns the round
         (never a probe) and the rows' tokens, as `spec_round` and `classic_decode(drafts)` would."""

@@ -311,7 +311,9 @@ class SpecSlot:
         self._plain_round = self._plain_round and not probe
         try:
             if fuse:
-                outcome, rows = self.runner.spec_round_with_decode(request.request_id, drafts=self._config().rows_draft)
+                config = self._config()
+                outcome, rows = self.runner.spec_round_with_decode(request.request_id, drafts=config.rows_draft,
+                                                                   skip_cap=config.skip_cap)
                 self._fused = True
                 self._rows_done(rows, None)
             else:

@@ -59,7 +59,7 @@ class CancelInjector:
         self._rows.update(r.request_id for r in requests)
         return self._runner.classic_prefill(requests)
 
-    def classic_decode(self, drafts=False):
+    def classic_decode(self, drafts=False, skip_cap=2):
         self._classic_tick()
         return self._runner.classic_decode(drafts)
 

@@ -90,7 +90,7 @@ class FakeRunner:
             out.append(TokenBatch(request.request_id, tokens, finish))
         return out
 
-    def classic_decode(self, drafts=False):
+    def classic_decode(self, drafts=False, skip_cap=2):
         self.actions.append(("classic_decode", tuple(self.rows)))
         if not self.rows:
             raise ProtocolError("decode without rows")
@@ -153,7 +153,7 @@ class FakeRunner:
     def tick_costs(self):
         return self.costs if self.fuse else None
 
-    def spec_round_with_decode(self, request_id, drafts=False):
+    def spec_round_with_decode(self, request_id, drafts=False, skip_cap=2):
         """A round and a decode step as ONE model action (one entry in `actions`)."""
         if not self.fuse:
             raise ProtocolError("spec_round_with_decode on a runner that cannot fuse")

@@ -2,7 +2,8 @@
 
 import pytest
 
-from scheduler.costs import BATCH_MARGIN, AcceptanceTracker, LiveCosts, TickCosts, speculation_pays
+from scheduler.costs import (BATCH_MARGIN, AcceptanceTracker, LiveCosts, TickCosts, share_drafts, speculation_pays,
+                             step_draft_budget)
 
 COSTS = TickCosts(decode={1: 4.0, 2: 5.0, 4: 6.0, 8: 8.0}, fused={0: 6.0, 1: 7.0, 4: 9.0, 8: 12.0}, draft=1.0)
 
@@ -64,3 +65,28 @@ def test_acceptance_is_the_requests_own_and_newcomers_start_from_the_replica():
     assert 2.8 < tracker.estimate("a") < 4.0
     tracker.forget("a")
     assert tracker.estimate("a") == tracker.replica
+
+
+@pytest.mark.parametrize("rows, fit, budget", [
+    (4, (3.5, 0.5, 0.625), 4),      # 0.5 * (3.5 + 2) / 0.625
+    (16, (20.0, 0.45, 0.35), 38),   # the CPU's fit: 16 rows of 4 drafts do not fit
+    (8, (20.0, 0.45, 0.35), 33),    # 8 rows of 4 drafts do
+    (8, (10.0, 0.5, 0.0), None),    # drafts cost nothing measurable: no limit
+])
+def test_step_draft_budget_bounds_what_drafts_add_to_a_step(rows, fit, budget):
+    assert step_draft_budget(rows, fit) == budget
+
+
+@pytest.mark.parametrize("wants, lanes, denied, budget, given", [
+    ([4, 4, 4], [1, 1, 1], [0, 0, 0], None, [4, 4, 4]),  # no limit
+    ([4, 4, 4], [1, 1, 1], [0, 0, 0], 12, [4, 4, 4]),    # it all fits
+    ([4, 4, 4], [1, 1, 1], [0, 0, 0], 6, [4, 2, 0]),     # one lane: row order (FIFO)
+    ([4, 4, 4], [1, 0, 2], [0, 0, 0], 6, [2, 4, 0]),     # high, then normal, then low
+    ([4, 4, 4], [2, 2, 0], [0, 1, 0], 5, [1, 0, 4]),     # denied once: not yet overdue
+    ([4, 4, 4], [2, 2, 0], [0, 2, 0], 5, [0, 4, 1]),     # denied skip_cap times: goes first
+    ([4, 4, 4], [2, 2, 0], [2, 3, 0], 5, [1, 4, 0]),     # the most denied first
+    ([0, 3, 1], [0, 1, 2], [0, 0, 0], 2, [0, 2, 0]),     # a row that wants none takes none
+    ([4, 4], [1, 0], [0, 0], 0, [0, 0]),                 # no budget: nobody drafts
+])
+def test_share_drafts_serves_rows_as_grants_are_served(wants, lanes, denied, budget, given):
+    assert share_drafts(wants, lanes, denied, budget, skip_cap=2) == given

@@ -31,7 +31,7 @@ class SlowRunner(FakeRunner):
         self._note()
         return super().spec_round(request_id, probe)
 
-    def classic_decode(self, drafts=False):
+    def classic_decode(self, drafts=False, skip_cap=2):
         self._note()
         return super().classic_decode(drafts)
 

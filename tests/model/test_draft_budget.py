@@ -1,0 +1,80 @@
+"""The step's draft budget (scheduler.costs.step_draft_budget): when the rows' drafts do
+not all fit, rows share it in lane order, and a row denied drafts skip_cap steps running
+goes first; every stream still emits exactly what classic decode emits."""
+
+import pytest
+
+from models import ragged_batch
+from models.ragged_batch import RaggedBatch
+from scheduler.costs import TickCosts, share_drafts, step_draft_budget, verify_costs
+from scheduler.request import Lane, Request, SamplingParams
+
+from .helpers import run_classic
+from .test_slab import REPEATING
+
+pytestmark = pytest.mark.model
+
+# Fitted: 10 ms a forward, 1 ms a row, 1.6 ms a draft position: 3 rows may verify 4
+# drafts in all (half of a 13 ms step), one row's worth.
+COSTS = TickCosts({1: 11.0, 2: 12.0, 4: 14.0}, {0: 17.4, 2: 18.4}, 0.0, {2: 24.8, 4: 39.6})
+
+
+def test_the_budget_goes_by_lane_and_the_skip_cap_bounds_who_waits(loaded, monkeypatch):
+    assert verify_costs(COSTS, 4) == pytest.approx((10.0, 1.0, 1.6))
+    assert step_draft_budget(3, verify_costs(COSTS, 4)) == 4
+    calls = []
+
+    def spy(wants, lanes, denied, budget, skip_cap):
+        given = share_drafts(wants, lanes, denied, budget, skip_cap)
+        calls.append((list(wants), list(lanes), list(denied), budget, given))
+        return given
+
+    monkeypatch.setattr(ragged_batch, "share_drafts", spy)
+    target = loaded[0]
+    eos = sorted(target.tokenizer.eos_token_ids)
+    repeating = list(target.tokenizer.encode(REPEATING))
+    lanes = dict(low=Lane.LOW, normal=Lane.NORMAL, high=Lane.HIGH)
+    requests = [Request(rid, repeating[i:], SamplingParams(max_tokens=40), lane=lanes[rid])
+                for i, rid in enumerate(lanes)]
+    batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True)
+    batch.costs, batch.skip_cap = COSTS, 2
+    out, reasons, steps = {r.request_id: [] for r in requests}, {}, []
+    for b in batch.prefill(requests):
+        out[b.request_id] += b.token_ids
+    while len(reasons) < len(requests):
+        step = {}
+        for b in batch.decode(drafts=True):
+            out[b.request_id] += b.token_ids
+            step[b.request_id] = b.num_drafted
+            if b.finish_reason:
+                reasons[b.request_id] = b.finish_reason
+                batch.remove(b.request_id)
+        steps.append(step)
+    assert all(sum(s.values()) <= 4 for s in steps)
+    full = [c for c in calls if len(c[0]) == 3]
+    assert len(full) >= 6
+    assert all(lanes_ == [2, 1, 0] and budget == 4 for _, lanes_, _, budget, _ in full)
+    assert full[0][2] == [0, 0, 0] and full[0][4][2] == min(full[0][0][2], 4)  # high first
+    for (wants, _, denied, _, given), (_, _, after, _, _) in zip(full, full[1:]):
+        assert after == [0 if g or not w else d + 1 for w, d, g in zip(wants, denied, given)]
+    # a row denied skip_cap steps running goes first: nobody waits past the cap plus
+    # the overdue rows ahead of it
+    assert max(d for c in full for d in c[2]) <= batch.skip_cap + 2
+    assert any(c[4][0] for c in full)  # the low lane drafts too
+    assert out == {rid: tokens for rid, (tokens, _) in run_classic(target.model, requests, eos).items()}
+
+
+def test_a_session_keeps_its_lane_as_a_row():
+    """A demoted or parked session's row shares the draft budget in its request's lane."""
+    from .test_fused_real import bundled_runner
+
+    runner = bundled_runner("ngram")
+    try:
+        prompt = runner.tokenizer.encode(REPEATING)
+        for rid, lane in (("h", Lane.HIGH), ("l", Lane.LOW)):
+            runner.spec_begin(Request(rid, prompt, SamplingParams(max_tokens=30), lane=lane))
+            runner.spec_to_classic(rid)
+        assert {rid: s.lane for rid, s in runner._classic._streams.items()} == {"h": 0, "l": 2}
+        assert runner._lanes == {}
+    finally:
+        runner.close()

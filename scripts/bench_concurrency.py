@@ -1,6 +1,7 @@
 """Scenario 6: speculation under concurrency, fused tick vs alternating tick vs classic.
 
-    python -m scripts.bench_concurrency [--quick] [--drafter ngram|draft_model] [--out results/concurrency]
+    python -m scripts.bench_concurrency [--quick] [--drafter ngram|draft_model] [--workload code|random]
+                                        [--out results/concurrency]
 
 A closed loop of concurrency N (N = 1, 2, 4, 8, 16; quick: 1, 2, 4), as `vllm bench
 serve --max-concurrency N` runs one: N greedy requests of held-out stdlib code start
@@ -17,11 +18,14 @@ do not all end in the same tick), in-process (engine level: the scheduler over `
 - `classic_batchgen`: the same on a second runner whose classic rows run in mlx-lm's
   `BatchGenerator` (`MlxRunner(ragged=False)`), the batch the runner used before the
   slab (`models.ragged_batch`): what the slab costs or gains plain batching.
+`--workload random`: prompts of random token ids, every request sampled at temperature
+1.0 with its own seed: text in which drafts never land, so speculation can only cost
+(what the cost gate and the rows' budgets must keep near 1.0x).
 Reported per configuration: aggregate output tok/s (tokens / wall time from the first
 arrival to the last finish), median per-request TPOT, speculative rounds per request,
 Jain's index over those rounds (last repeat), and the paired ratio to classic (median over
-repeats of the per-repeat ratio). Greedy outputs are checked to have the same lengths
-in every configuration.
+repeats of the per-repeat ratio). Outputs (greedy, or seeded) are checked to have the
+same lengths in every configuration.
 """
 
 from __future__ import annotations
@@ -46,13 +50,14 @@ ON_BATCHGEN = {"classic_batchgen"}  # configurations run on the BatchGenerator r
 
 
 def one_run(runner, name: str, prompts: list[list[int]], concurrency: int, max_tokens: int,
-            grant_rounds: int, with_tokens: bool = False) -> dict:
+            grant_rounds: int, with_tokens: bool = False, temperature: float = 0.0) -> dict:
     """One closed-loop run; `with_tokens`: also each prompt's output tokens
-    (`token_ids`, in prompt order)."""
+    (`token_ids`, in prompt order); `temperature` > 0: request i samples with seed i."""
     config = SchedulerConfig(num_draft_tokens=runner.num_draft_tokens, grant_rounds=grant_rounds,
                              max_batch_size=max(16, concurrency), **CONFIGS[name])
     lengths = random.Random(len(prompts)).choices(range(max_tokens // 2, 3 * max_tokens // 2 + 1), k=len(prompts))
-    arrivals = [Arrival(f"s{i}", p, n, after_request=f"s{i - concurrency}" if i >= concurrency else None)
+    arrivals = [Arrival(f"s{i}", p, n, after_request=f"s{i - concurrency}" if i >= concurrency else None,
+                        temperature=temperature, seed=i if temperature else None)
                 for i, (p, n) in enumerate(zip(prompts, lengths))]
     result = drive(runner, config, arrivals)
     records = list(result.records.values())
@@ -73,7 +78,16 @@ def one_run(runner, name: str, prompts: list[list[int]], concurrency: int, max_t
     }
 
 
-def run(quick: bool, target: str, draft: str, drafter: str, repeats: int, waves: int, seed: int = 0) -> dict:
+def random_prompts(tokenizer, num_prompts: int, seed: int, num_tokens: int = 64) -> list[list[int]]:
+    """Prompts of uniformly random ordinary token ids: text in which no draft lands."""
+    rng = random.Random(seed)
+    special = set(getattr(tokenizer, "all_special_ids", []) or []) | set(tokenizer.eos_token_ids)
+    ordinary = [t for t in range(tokenizer.vocab_size) if t not in special]
+    return [rng.choices(ordinary, k=num_tokens) for _ in range(num_prompts)]
+
+
+def run(quick: bool, target: str, draft: str, drafter: str, repeats: int, waves: int, seed: int = 0,
+        workload: str = "code") -> dict:
     streams = [1, 2, 4] if quick else [1, 2, 4, 8, 16]
     max_tokens = 64 if quick else 128
     runner = load_runner(target, drafter, draft, num_draft_tokens=4, max_batch_size=max(streams))
@@ -83,12 +97,16 @@ def run(quick: bool, target: str, draft: str, drafter: str, repeats: int, waves:
     runner.tick_costs()  # measured once per replica at load, not inside a timed run
     rows = []
     for n in streams:
-        prompts = token_prompts(runner.tokenizer, n * waves, seed + n, num_tokens=64)
+        if workload == "random":
+            prompts = random_prompts(runner.tokenizer, n * waves, seed + n)
+        else:
+            prompts = token_prompts(runner.tokenizer, n * waves, seed + n, num_tokens=64)
         runs = {name: [] for name in CONFIGS}
         for _ in range(repeats):
             for name in CONFIGS:  # interleaved: machine drift hits every configuration alike
                 on = batchgen if name in ON_BATCHGEN else runner
-                runs[name].append(one_run(on, name, prompts, n, max_tokens, grant_rounds=8))
+                runs[name].append(one_run(on, name, prompts, n, max_tokens, grant_rounds=8,
+                                          temperature=1.0 if workload == "random" else 0.0))
         ratios = {name: [f["aggregate_tok_s"] / c["aggregate_tok_s"] for f, c in zip(runs[name], runs["classic"])]
                   for name in CONFIGS if name != "classic"}
         for name, results in runs.items():
@@ -105,8 +123,8 @@ def run(quick: bool, target: str, draft: str, drafter: str, repeats: int, waves:
                 "same_lengths": all(r["outputs"] == runs["classic"][0]["outputs"] for r in results),
                 "runs": results,
             })
-    long_rows = [long_streams(runner, n, 2 * max_tokens, seed) for n in (2, 3, 4)]
-    return {"scenario": "concurrency", "quick": quick, "drafter": drafter, "max_tokens": max_tokens,
+    long_rows = [long_streams(runner, n, 2 * max_tokens, seed) for n in (2, 3, 4)] if workload == "code" else []
+    return {"scenario": "concurrency", "quick": quick, "drafter": drafter, "workload": workload, "max_tokens": max_tokens,
             "repeats": repeats, "waves": waves, "machine": bench_util.machine(), "rows": rows,
             "long_streams": long_rows}
 
@@ -156,13 +174,17 @@ def main(argv=None) -> int:
                     help="default: what configs/local.yaml ships")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 2 quick, 3 full)")
     ap.add_argument("--waves", type=int, default=None, help="requests per concurrency slot (default 3 quick, 4 full)")
+    ap.add_argument("--workload", choices=["code", "random"], default="code",
+                    help="code: greedy stdlib code (drafts land); random: random-token prompts at "
+                         "temperature 1.0, seeded (drafts never land)")
     args = ap.parse_args(argv)
     repeats = args.repeats or (2 if args.quick else 3)
     waves = args.waves or (3 if args.quick else 4)
-    result = run(args.quick, args.target, args.draft, args.drafter, repeats, waves, args.seed)
+    result = run(args.quick, args.target, args.draft, args.drafter, repeats, waves, args.seed, args.workload)
     text = metrics.table([{k: v for k, v in r.items() if k != "runs"} for r in result["rows"]], COLUMNS, digits=2)
-    text += "\n\nLong streams, default configuration (equal lengths, arriving together):\n\n"
-    text += metrics.table(result["long_streams"], LONG_COLUMNS, digits=2)
+    if result["long_streams"]:
+        text += "\n\nLong streams, default configuration (equal lengths, arriving together):\n\n"
+        text += metrics.table(result["long_streams"], LONG_COLUMNS, digits=2)
     bench_util.publish(args, "concurrency", result, text, plot)
     return 0 if all(r["same_lengths"] for r in result["rows"]) else 1
 

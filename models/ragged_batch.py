@@ -45,6 +45,7 @@ from models.drafters import NgramIndex
 from models.grammar import Grammars
 from models.prefix_cache import PrefixCache
 from models.ragged import Rider
+from models.replica_index import ReplicaIndex
 from models.rollback import accept_count, clip_tokens, draft_budget
 from models.sampling import RequestSampler, log_probs, stop_token_ids
 from models.slab import Row, RowView, Slab
@@ -112,6 +113,8 @@ class RaggedBatch:
         # Steps a row with drafts may be left out of the step's draft budget before it
         # goes first (the scheduler sets its `skip_cap`, as for grants).
         self.skip_cap = 2
+        # Past outputs of this batch's rows to draft from (`models.replica_index`; None: off).
+        self.replica_index: ReplicaIndex | None = None
         self.num_pipelined = 0  # steps whose tokens a queued step had drawn
         self._streams: dict[str, _Stream] = {}  # classic rows, in slots 0..len-1
         self._sessions: set[int] = set()  # ids of rows handed out as session caches
@@ -417,7 +420,7 @@ class RaggedBatch:
         out = []
         for s in streams:
             k = 0 if s.index is None else self._budget(s.acceptance.alpha, len(streams), s.max_tokens - s.num_emitted)
-            out.append(s.sampler.allowed_drafts(s.index.propose(k)) if k else [])
+            out.append(s.sampler.allowed_drafts(self._propose(s, k)) if k else [])
         budget = None if self._fit is None else step_draft_budget(len(streams), self._fit)
         if budget is None or sum(map(len, out)) <= budget:
             for s, d in zip(streams, out):
@@ -428,6 +431,15 @@ class RaggedBatch:
         for s, d, n in zip(streams, out, given):
             s.denied = 0 if n or not d else s.denied + 1
         return [d[:n] for d, n in zip(out, given)]
+
+    def _propose(self, stream: _Stream, k: int) -> list[int]:
+        """A row's k drafts: from the replica's past outputs where its last tokens match
+        one at least `replica_index.min_ngram` long, else from its own prompt and output."""
+        if self.replica_index is not None:
+            drafts = self.replica_index.propose(stream.index.history, k)
+            if drafts:
+                return drafts
+        return stream.index.propose(k)
 
     def _sample(self, streams: list[_Stream], logits: list[mx.array], drafts: list[list[int]]) -> list[list[int]]:
         """Every verify position of every row, drawn from the row's sampler, position i
@@ -481,6 +493,8 @@ class RaggedBatch:
     def _drop(self, stream: _Stream) -> None:
         if stream.token_ids is not None:
             self._store_prefix(stream.row, stream.token_ids)
+        if self.replica_index is not None and stream.index is not None and stream.num_emitted:
+            self.replica_index.add(stream.index.history[-stream.num_emitted:])
         self._to_session_region(stream.row)  # the last row of the slab takes its slot
         self.slab.free(stream.row)
         del self._streams[stream.request_id]

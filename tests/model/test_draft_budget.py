@@ -78,3 +78,38 @@ def test_a_session_keeps_its_lane_as_a_row():
         assert runner._lanes == {}
     finally:
         runner.close()
+
+
+def test_a_row_drafts_from_the_replicas_past_outputs(loaded, prompt_ids):
+    """A second request whose answer repeats a first one's drafts that answer from the
+    replica's index, and emits exactly what classic decode emits."""
+    from models.replica_index import ReplicaIndex
+
+    target = loaded[0]
+    eos = sorted(target.tokenizer.eos_token_ids)
+    first = Request("first", prompt_ids[0], SamplingParams(max_tokens=48))
+    again = Request("again", prompt_ids[0], SamplingParams(max_tokens=48))
+    results = {}
+    for replica in (False, True):
+        batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True)
+        batch.replica_index = ReplicaIndex() if replica else None
+        runs = {}
+        for request in (first, again):
+            out, drafted, accepted = [], 0, 0
+            batches = batch.prefill([request])
+            while True:
+                for b in batches:
+                    out += b.token_ids
+                    drafted, accepted = drafted + b.num_drafted, accepted + b.num_accepted
+                if batches and batches[0].finish_reason:
+                    batch.remove(request.request_id)
+                    break
+                batches = batch.decode(drafts=True)
+            runs[request.request_id] = (out, drafted, accepted)
+        results[replica] = runs
+    classic = run_classic(target.model, [first], eos)["first"][0]
+    for runs in results.values():
+        assert runs["first"][0] == runs["again"][0] == classic
+    (_, _, plain), (_, drafted, with_index) = results[False]["again"], results[True]["again"]
+    assert with_index >= len(classic) // 2 and with_index > plain  # the first answer, drafted back
+    assert results[True]["first"][1:] == results[False]["first"][1:]  # nothing stored yet: the same drafts

@@ -16,6 +16,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from models import bucketed, cache_rollback, prefix_cache, ragged, slab, tick_costs
+from models.replica_index import ReplicaIndex
 from models.batch_adapter import ClassicBatch
 from models.ragged_batch import RaggedBatch
 from models.drafters import Drafter, DraftModelDrafter, DrafterSlot, NgramDrafter
@@ -157,6 +158,21 @@ class MlxRunner:
     @property
     def fast_verify(self) -> bool:
         return self._verifier is not None
+
+    @property
+    def replica_drafts(self) -> bool:
+        """Whether classic rows may draft from the replica's past outputs
+        (`models.replica_index`; a slab batch whose rows draft only)."""
+        return getattr(self._classic, "replica_index", None) is not None
+
+    @replica_drafts.setter
+    def replica_drafts(self, on: bool) -> None:
+        if not (self._ragged and self._classic.row_drafts):
+            if on:
+                raise ValueError("replica drafts need the slab batch with row drafts")
+            return
+        if on != self.replica_drafts:
+            self._classic.replica_index = ReplicaIndex() if on else None
 
     def warm(self, max_positions: int) -> int:
         """Compile the fast path's shapes for contexts up to `max_positions`: verifies of

@@ -18,6 +18,9 @@ do not all end in the same tick), in-process (engine level: the scheduler over `
 - `classic_batchgen`: the same on a second runner whose classic rows run in mlx-lm's
   `BatchGenerator` (`MlxRunner(ragged=False)`), the batch the runner used before the
   slab (`models.ragged_batch`): what the slab costs or gains plain batching.
+`--workload repeat`: every code prompt asked twice, the second time at least N arrivals
+later (usually after the first has left: an agent that re-asks), configurations `default`, `replica` (the same with
+`replica_drafts`: rows draft from the replica's past outputs) and `classic`.
 `--workload random`: prompts of random token ids, every request sampled at temperature
 1.0 with its own seed: text in which drafts never land, so speculation can only cost
 (what the cost gate and the rows' budgets must keep near 1.0x).
@@ -46,6 +49,7 @@ CONFIGS = {
     "classic": dict(b1_policy="off"),
     "classic_batchgen": dict(b1_policy="off"),
 }
+REPLICA = {"replica": dict(tick_mode="fused", b1_policy="auto")}  # `default` + drafts from past outputs
 ON_BATCHGEN = {"classic_batchgen"}  # configurations run on the BatchGenerator runner
 
 
@@ -54,7 +58,10 @@ def one_run(runner, name: str, prompts: list[list[int]], concurrency: int, max_t
     """One closed-loop run; `with_tokens`: also each prompt's output tokens
     (`token_ids`, in prompt order); `temperature` > 0: request i samples with seed i."""
     config = SchedulerConfig(num_draft_tokens=runner.num_draft_tokens, grant_rounds=grant_rounds,
-                             max_batch_size=max(16, concurrency), **CONFIGS[name])
+                             max_batch_size=max(16, concurrency), **{**CONFIGS, **REPLICA}[name])
+    if name not in ON_BATCHGEN:
+        runner.replica_drafts = False  # a fresh index for each run
+        runner.replica_drafts = name in REPLICA
     lengths = random.Random(len(prompts)).choices(range(max_tokens // 2, 3 * max_tokens // 2 + 1), k=len(prompts))
     arrivals = [Arrival(f"s{i}", p, n, after_request=f"s{i - concurrency}" if i >= concurrency else None,
                         temperature=temperature, seed=i if temperature else None)
@@ -96,19 +103,23 @@ def run(quick: bool, target: str, draft: str, drafter: str, repeats: int, waves:
     bench_util.warm_up(batchgen, batchgen.tokenizer)
     runner.tick_costs()  # measured once per replica at load, not inside a timed run
     rows = []
+    names = ["default", "replica", "classic"] if workload == "repeat" else list(CONFIGS)
     for n in streams:
         if workload == "random":
             prompts = random_prompts(runner.tokenizer, n * waves, seed + n)
+        elif workload == "repeat":  # every prompt twice, the second time at least n arrivals later
+            half = token_prompts(runner.tokenizer, max(n, n * waves // 2), seed + n, num_tokens=64)
+            prompts = half + half
         else:
             prompts = token_prompts(runner.tokenizer, n * waves, seed + n, num_tokens=64)
-        runs = {name: [] for name in CONFIGS}
+        runs = {name: [] for name in names}
         for _ in range(repeats):
-            for name in CONFIGS:  # interleaved: machine drift hits every configuration alike
+            for name in names:  # interleaved: machine drift hits every configuration alike
                 on = batchgen if name in ON_BATCHGEN else runner
                 runs[name].append(one_run(on, name, prompts, n, max_tokens, grant_rounds=8,
                                           temperature=1.0 if workload == "random" else 0.0))
         ratios = {name: [f["aggregate_tok_s"] / c["aggregate_tok_s"] for f, c in zip(runs[name], runs["classic"])]
-                  for name in CONFIGS if name != "classic"}
+                  for name in names if name != "classic"}
         for name, results in runs.items():
             rows.append({
                 "streams": n, "config": name,
@@ -174,9 +185,10 @@ def main(argv=None) -> int:
                     help="default: what configs/local.yaml ships")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 2 quick, 3 full)")
     ap.add_argument("--waves", type=int, default=None, help="requests per concurrency slot (default 3 quick, 4 full)")
-    ap.add_argument("--workload", choices=["code", "random"], default="code",
+    ap.add_argument("--workload", choices=["code", "random", "repeat"], default="code",
                     help="code: greedy stdlib code (drafts land); random: random-token prompts at "
-                         "temperature 1.0, seeded (drafts never land)")
+                         "temperature 1.0, seeded (drafts never land); repeat: the code prompts, each "
+                         "asked twice (configurations default, replica, classic)")
     args = ap.parse_args(argv)
     repeats = args.repeats or (2 if args.quick else 3)
     waves = args.waves or (3 if args.quick else 4)

@@ -67,7 +67,7 @@ class _BufferView:
         visible = key_pos[None, :] <= query_pos[:, None]
         # Additive, not boolean: on MLX CUDA a boolean mask took SDPA with several queries
         # off its fast path (32-43 vs 18-23 us per call at 1B shapes, L = 5 and 7;
-        # scripts/gpu_verify_parts.py). Adding 0 or -inf gives the same softmax.
+        # scripts/experiments/gpu_verify_parts.py). Adding 0 or -inf gives the same softmax.
         return mx.where(visible, 0.0, -mx.inf).astype(self.keys.dtype)
 
 
@@ -78,7 +78,7 @@ class _FusedDecoder:
     q and k in one call. On MLX CUDA every matmul of more than one row is a cuBLAS call
     wrapped in a CUDA-graph capture, whose host cost dominates a short verify forward
     (host 2-2.5 ms of a 3-4 ms synchronised 1B forward while its kernels take
-    1.5-2.4 ms; scripts/gpu_forward_parts.py), so seven products per layer becoming four
+    1.5-2.4 ms; scripts/experiments/gpu_forward_parts.py), so seven products per layer becoming four
     is what a verify saves.
 
     The model keeps its modules: their q/k/v and gate/up weights become row slices (views)

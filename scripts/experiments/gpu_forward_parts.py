@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from scripts.gpu_bench import log, random_llama  # noqa: E402
 import mlx.core as mx  # noqa: E402

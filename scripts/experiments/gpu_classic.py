@@ -10,7 +10,7 @@ Prints ms per decoded token (median, then every repeat).
     N=256 python3 scripts/gpu_classic.py [1B ...]
 """
 import sys, os, time, statistics
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import models  # noqa
 import mlx.core as mx
 from mlx_lm.generate import generate_step, BatchGenerator

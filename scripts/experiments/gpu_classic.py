@@ -7,7 +7,7 @@ KVCache; synchronised single-token forwards over a plain `KVCache` and over a
 `BatchKVCache`; and, for the bundled target, the threaded `Engine` (classic only).
 Prints ms per decoded token (median, then every repeat).
 
-    N=256 python3 scripts/gpu_classic.py [1B ...]
+    N=256 python3 scripts/experiments/gpu_classic.py [1B ...]
 """
 import sys, os, time, statistics
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

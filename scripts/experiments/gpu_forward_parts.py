@@ -11,7 +11,7 @@ When dispatch is close to sync, the host is the bottleneck and the GPU waits for
 `--profile` adds the GPU kernel time per forward and the costliest kernels, read with
 torch's CUPTI profiler (the device image has PyTorch; it sees MLX's kernels too).
 
-    python3 scripts/gpu_forward_parts.py --size 1B --lengths 1,2,5,7 [--profile]
+    python3 scripts/experiments/gpu_forward_parts.py --size 1B --lengths 1,2,5,7 [--profile]
 """
 
 from __future__ import annotations

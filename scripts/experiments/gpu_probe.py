@@ -4,7 +4,7 @@ sessions (K = 4 and 6, alpha = 0.8) against classic decode, interleaved in one p
 on one prompt (each repeat runs ours, mlx-lm, K=4, K=6 in turn), `--repeats` times.
 Reports medians, min-max spreads and the per-repeat paired speedups (ours_i / spec_i).
 
-    python scripts/gpu_probe.py --size 1B --repeats 7 --out DIR   (writes DIR/gpu_probe.json)
+    python scripts/experiments/gpu_probe.py --size 1B --repeats 7 --out DIR   (writes DIR/gpu_probe.json)
 """
 
 from __future__ import annotations

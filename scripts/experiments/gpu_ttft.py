@@ -13,7 +13,7 @@ prefill and the end-to-end warm requests at load. "cold"
 children get empty kernel caches (MLX_PTX_CACHE_DIR, CUDA_CACHE_PATH), as the first
 process on a fresh machine does.
 
-    python scripts/gpu_ttft.py --out DIR       # writes DIR/gpu_ttft.json
+    python scripts/experiments/gpu_ttft.py --out DIR       # writes DIR/gpu_ttft.json
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Read it as a comparison between variants in the same harness, not as kernel time
 op is dispatched from Python, so host dispatch (~15-25 us per op on the H200's host) is
 part of every figure.
 
-    python3 scripts/gpu_verify_parts.py
+    python3 scripts/experiments/gpu_verify_parts.py
 """
 
 from __future__ import annotations

@@ -297,7 +297,7 @@ class MlxRunner:
         session.bind(self._slot.take(request.request_id))
         self._sessions[request.request_id] = session
         result = session.begin()
-        return TokenBatch(request.request_id, result.token_ids, result.finish_reason)
+        return TokenBatch(request.request_id, result.token_ids, result.finish_reason, logprobs=result.logprobs)
 
     def _session_cache_for(self, request: Request):
         """A session's `new_cache`: a slab row starting from the prompt's cached prefix."""
@@ -324,6 +324,7 @@ class MlxRunner:
             seconds,
             result.seconds_per_token,
             drafter=self._slot.drafter.kind,
+            logprobs=result.logprobs,
         )
 
     def can_fuse(self) -> bool:
@@ -364,7 +365,7 @@ class MlxRunner:
         result = session.complete_round(tokens, logits, tic)
         outcome = RoundOutcome(request_id, result.token_ids, result.finish_reason, result.num_drafted,
                                result.num_accepted, False, time.perf_counter() - tic, fused=True,
-                               drafter=self._slot.drafter.kind)
+                               drafter=self._slot.drafter.kind, logprobs=result.logprobs)
         return outcome, rows
 
     def spec_park_to_classic(self, request_id: str) -> list[TokenBatch]:

@@ -12,7 +12,9 @@ request's seeded stream, `models.sampling`), and a draft token is accepted only 
 equals that draw. Every emitted token is therefore a target sample given the emitted
 prefix, so the output distribution is exactly the target's (the draft only changes how
 many positions one forward covers). At temperature 0 the draw is the argmax, which
-makes the stream identical to classic greedy decoding.
+makes the stream identical to classic greedy decoding. A request that asked for
+logprobs gets each emitted token's from the verify position that produced it (the
+same processed log-probabilities the draw read), so they match classic decode's too.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from models.grammar import Grammars
 from models.rollback import accept_count, clip_tokens, draft_budget, target_cache_trim
 from models.sampling import RequestSampler, stop_token_ids
 from models.solo import SoloRow
-from scheduler.request import SamplingParams
+from scheduler.request import SamplingParams, TokenLogprob
 
 PREFILL_STEP = 2048
 PROBE_TOKENS = 8  # classic steps per probe round: a steady-state rate, not one cold step
@@ -47,6 +49,7 @@ class RoundResult:
     probe: bool
     seconds: float
     seconds_per_token: float | None = None  # a probe's steady-state classic decode time
+    logprobs: list[TokenLogprob] | None = None  # one per token, for a request that asked
 
 
 @dataclass
@@ -104,6 +107,8 @@ class SpeculativeSession:
         # Drafts the drafter proposed this round (more than the verify checks when the
         # grammar cut them): the drafter rolls back all it proposed.
         self._num_proposed = 0
+        self._sampled_logprobs: list[TokenLogprob] | None = None  # the last `_sample`'s
+        self.last_logprobs: list[TokenLogprob] | None = None  # the last emitted tokens'
 
     @classmethod
     def from_live(cls, request_id: str, target: nn.Module, prompt_ids: Sequence[int], output_ids: Sequence[int],
@@ -138,10 +143,13 @@ class SpeculativeSession:
         return self.finish_reason is not None
 
     # -- life ----------------------------------------------------------------------
-    def _emit(self, tokens: list[int], accepted: bool = False) -> tuple[list[int], str | None]:
+    def _emit(self, tokens: list[int], accepted: bool = False,
+              logprobs: list[TokenLogprob] | None = None) -> tuple[list[int], str | None]:
         """Emit what clipping leaves of `tokens`; the sampler takes them as the stream's
-        unless it has already (`accepted`: a probe's row accepts what it draws)."""
+        unless it has already (`accepted`: a probe's row accepts what it draws).
+        `logprobs` (one per token, or None) are clipped alike into `last_logprobs`."""
         tokens, reason = clip_tokens(tokens, self.max_tokens - self.num_emitted, self.stop_ids)
+        self.last_logprobs = None if logprobs is None else logprobs[:len(tokens)]
         if not accepted:
             self.sampler.accept(tokens)
         self.history.extend(tokens)
@@ -151,8 +159,12 @@ class SpeculativeSession:
 
     def _sample(self, logits: mx.array, drafts: Sequence[int] = ()) -> list[int]:
         """The target's token at each of the (n, V) `logits`' positions, position i
-        after `drafts[:i]`."""
-        return self.sampler.sample(logits, drafts).tolist()
+        after `drafts[:i]`; their logprobs (where asked) go to `_sampled_logprobs`."""
+        tokens, report = self.sampler.sample_with_logprobs(logits, drafts)
+        if report is not None:
+            mx.eval(tokens, *report.arrays())
+        self._sampled_logprobs = None if report is None else report.tolist()
+        return tokens.tolist()
 
     def begin(self) -> RoundResult:
         """Prefill target (and draft state, if bound) and emit the first token.
@@ -179,8 +191,8 @@ class SpeculativeSession:
             self.draft_state = self.drafter.new_state(self.prompt_ids)
             self._draft_ready = True
         self.history = list(self.prompt_ids)
-        tokens, reason = self._emit(first)
-        return RoundResult(tokens, reason, 0, 0, False, time.perf_counter() - tic)
+        tokens, reason = self._emit(first, logprobs=self._sampled_logprobs)
+        return RoundResult(tokens, reason, 0, 0, False, time.perf_counter() - tic, logprobs=self.last_logprobs)
 
     def step(self, probe: bool = False) -> RoundResult:
         """Exactly one round: draft K, verify K + 1 positions in one target forward,
@@ -193,11 +205,11 @@ class SpeculativeSession:
             raise RuntimeError(f"session {self.request_id!r} is not running")
         if probe:
             tic = time.perf_counter()
-            tokens, per_token = self._probe_tokens()
-            tokens, reason = self._emit(tokens, accepted=True)
+            tokens, per_token, logprobs = self._probe_tokens()
+            tokens, reason = self._emit(tokens, accepted=True, logprobs=logprobs)
             seconds = time.perf_counter() - tic
             self._count_round(True, 0, 0, seconds)
-            return RoundResult(tokens, reason, 0, 0, True, seconds, per_token)
+            return RoundResult(tokens, reason, 0, 0, True, seconds, per_token, self.last_logprobs)
         if self.drafter is None:
             raise RuntimeError(f"session {self.request_id!r} does not hold the drafter")
         if self.verifier is not None and self.sampler.grammar is None:  # grammars: plain path
@@ -275,10 +287,10 @@ class SpeculativeSession:
         if num_proposed:
             self.drafter.rollback(self.draft_state, num_proposed, num_accepted)
         self.counters.phase_seconds["rollback"] += time.perf_counter() - t3
-        tokens, reason = self._emit(verified[: num_accepted + 1])
+        tokens, reason = self._emit(verified[: num_accepted + 1], logprobs=self._sampled_logprobs)
         seconds = time.perf_counter() - tic
         self._count_round(False, num_drafted, num_accepted, seconds)
-        return RoundResult(tokens, reason, num_drafted, num_accepted, False, seconds)
+        return RoundResult(tokens, reason, num_drafted, num_accepted, False, seconds, logprobs=self.last_logprobs)
 
     def _count_round(self, probe: bool, num_drafted: int, num_accepted: int, seconds: float) -> None:
         c = self.counters
@@ -288,13 +300,13 @@ class SpeculativeSession:
         c.num_accepted += num_accepted
         c.round_seconds.append(seconds)
 
-    def _probe_tokens(self) -> tuple[list[int], float]:
+    def _probe_tokens(self) -> tuple[list[int], float, list[TokenLogprob] | None]:
         """Classic decode of up to `PROBE_TOKENS` tokens, run by a lone classic row
         (`models.solo.SoloRow`) over this session's cache and sampler, pipelined as
         classic decode is: the forward for token i + 1 is queued before the host reads
         token i. Returns the tokens and the steady-state seconds per token (first read
         to last read, over the tokens in between), which is what the adaptive policy
-        compares a round against.
+        compares a round against, and the tokens' logprobs (where asked).
 
         The plain model forward works on both paths' caches (the bucketed path keeps
         ordinary `KVCache`s). The row stops at a stop token or after n tokens without
@@ -306,16 +318,19 @@ class SpeculativeSession:
         row = SoloRow.resume(self.request_id, self.target, self.cache, self.sampler, self.stop_ids,
                              max_tokens=n, next_input=self.history[-1])
         tokens: list[int] = []
+        logprobs: list[TokenLogprob] | None = [] if self.sampler.wants_logprobs else None
         reads: list[float] = []
         while True:
             step = row.step()
             tokens += step.token_ids
+            if logprobs is not None:
+                logprobs += step.logprobs
             reads.append(time.perf_counter())
             if step.finish_reason is not None:
                 break
         if len(reads) > 1:
-            return tokens, (reads[-1] - reads[0]) / (len(reads) - 1)
-        return tokens, reads[0] - tic
+            return tokens, (reads[-1] - reads[0]) / (len(reads) - 1), logprobs
+        return tokens, reads[0] - tic, logprobs
 
     def _verify_bucketed(self, k: int, phases: dict) -> tuple[list[int], list[int], int]:
         """Draft and verify with one host sync: (drafts, target tokens, positions added).
@@ -341,17 +356,19 @@ class SpeculativeSession:
             draft = self.drafter.propose(self.draft_state, self.history, k) if k else []
             tokens = mx.array([self.history[-1]] + draft + [0] * (width - len(draft)), dtype=mx.int32)
         t1 = time.perf_counter()
-        if self.sampler.is_greedy and not self.sampler.has_processors:
+        report = None
+        if self.sampler.is_greedy and not self.sampler.has_processors and not self.sampler.wants_logprobs:
             # the argmax inside the compiled forward: fewer host ops
             target = self.verifier.greedy_every(self.cache, tokens[None])[0]
         else:
             logits = self.verifier.logits(self.cache, tokens[None])[0]
-            target = self.sampler.sample(logits, tokens[1:])
+            target, report = self.sampler.sample_with_logprobs(logits, tokens[1:])
         t2 = time.perf_counter()
         if lazy:
             mx.eval(drafts, target)
             draft = drafts.tolist()
         verified = target.tolist()
+        self._sampled_logprobs = None if report is None else report.tolist()
         phases["draft"] += t1 - t0
         phases["verify"] += t2 - t1
         phases["sync"] += time.perf_counter() - t2

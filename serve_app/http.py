@@ -212,9 +212,10 @@ class OpenAIService:
     async def _collect(self, fmt: ResponseFormat, streams: list, requests: list[Request]) -> Response:
         """All choices, read concurrently; the first to fail fails the request and
         cancels the others."""
-        tasks = [asyncio.get_running_loop().create_task(self._collect_one(s)) for s in streams[1:]]
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(self._collect_one(s)) for s in streams] if len(streams) > 1 else []
         try:
-            results = await asyncio.gather(self._collect_one(streams[0]), *tasks)
+            results = await asyncio.gather(*tasks) if tasks else [await self._collect_one(streams[0])]
         finally:
             for task in tasks:
                 task.cancel()

@@ -104,7 +104,7 @@ BAD_BODIES = [
     ("completions", j({**HI, "stop": 5}), 400),
     ("completions", j({**HI, "stop": ["x" * 300]}), 400),
     ("completions", j({**HI, "echo": True}), 400),
-    ("completions", j({**HI, "logprobs": 3}), 400),  # unknown / unsupported fields
+    ("completions", j({**HI, "logprobs": 6}), 400),  # out of OpenAI's range (0..5)
     ("completions", j({**HI, "presence_penalty": 2.5}), 400),  # out of OpenAI's range
     ("completions", j({**HI, "model": ""}), 400),
     ("completions", j({**HI, "user": "u" * 300}), 400),

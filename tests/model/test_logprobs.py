@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from models.batch_adapter import ClassicBatch
+from models.bucketed import BucketedForward
 from models.ragged_batch import RaggedBatch
 from models.sampling import RequestSampler, logprob_arrays
 from scheduler.request import SamplingParams, TokenLogprob
@@ -166,13 +167,16 @@ def test_slab_rows(loaded, requests, classic, knobs, mode):
 
 
 @pytest.mark.parametrize("knobs", KNOBS)
-@pytest.mark.parametrize("kind", ["oracle", "draft_model", "ngram"])
+@pytest.mark.parametrize("kind", ["oracle", "oracle_compiled", "draft_model", "ngram"])
 def test_speculative_sessions_report_each_verify_position(loaded, requests, classic, knobs, kind):
+    """`oracle_compiled`: the GPU's compiled verify (`models.bucketed`, fast_verify), on the CPU."""
     model, num_accepted = loaded[0].model, 0
     for r in requests[knobs]:
-        drafter = (OracleDrafter(r.prompt_ids, classic[knobs][r.request_id], wrong_every=3) if kind == "oracle"
-                   else make_drafter(kind, loaded))
+        drafter = (OracleDrafter(r.prompt_ids, classic[knobs][r.request_id], wrong_every=3)
+                   if kind.startswith("oracle") else make_drafter(kind, loaded))
         session = new_session(loaded, r, 4, drafter)
+        if kind == "oracle_compiled":
+            session.verifier = BucketedForward(model, bucket=16, prefill_chunk=4)
         first = session.begin()
         tokens, logprobs, reason, accepted = list(first.token_ids), list(first.logprobs), first.finish_reason, 0
         for i in range(100):
@@ -185,19 +189,22 @@ def test_speculative_sessions_report_each_verify_position(loaded, requests, clas
         session.finish()
         check(model, r, tokens, logprobs)
         num_accepted += accepted
-    if kind == "oracle" and knobs != "sampled":
+    if kind.startswith("oracle") and knobs == "plain":
         assert num_accepted >= 20  # accepted drafts' logprobs are checked
 
 
-def test_greedy_logprobs_are_the_same_with_speculation_on_and_off(loaded, prompt_ids):
-    """Through the scheduler and `MlxRunner` (slab batch, fused tick, rotation): the
-    streams and their logprobs do not depend on which path produced each token."""
+@pytest.mark.parametrize("ragged", [True, False], ids=["slab_fused", "batch_generator_alternating"])
+def test_greedy_logprobs_are_the_same_with_speculation_on_and_off(loaded, prompt_ids, ragged):
+    """Through the scheduler and `MlxRunner` (the slab batch and the fused tick, or
+    mlx-lm's batch and the alternating tick; rotation, promotion, demotion): the streams
+    and their logprobs do not depend on which path produced each token."""
     from models.drafters import DraftModelDrafter
     from models.runner import MlxRunner
     from scheduler.config import SchedulerConfig
     from scheduler.core import Scheduler
 
-    runner = MlxRunner(loaded[0], DraftModelDrafter(loaded[1].model, loaded[1].name), num_draft_tokens=4)
+    runner = MlxRunner(loaded[0], DraftModelDrafter(loaded[1].model, loaded[1].name), num_draft_tokens=4,
+                       ragged=ragged)
     repeating = list(loaded[0].tokenizer.encode(REPEATING))
     prompts = [prompt_ids[0], prompt_ids[7], repeating, prompt_ids[12]]
 

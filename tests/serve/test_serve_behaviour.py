@@ -63,7 +63,7 @@ BAD_BODIES = [
     ("completions", json.dumps({"prompt": "hi", "top_p": 0}).encode(), 400),
     ("completions", json.dumps({"prompt": "hi", "stop": [""]}).encode(), 400),
     ("completions", json.dumps({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}).encode(), 400),
-    ("completions", json.dumps({"prompt": "hi", "n": 2}).encode(), 400),
+    ("completions", json.dumps({"prompt": "hi", "n": 9}).encode(), 400),
     ("completions", json.dumps({"prompt": "hi", "bogus_field": 1}).encode(), 400),
     ("completions", json.dumps({"prompt": "hi", "model": "gpt-4"}).encode(), 400),
     ("completions", json.dumps({"prompt": "", "max_tokens": 3}).encode(), 400),

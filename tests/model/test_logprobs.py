@@ -236,3 +236,34 @@ def test_greedy_logprobs_are_the_same_with_speculation_on_and_off(loaded, prompt
             assert abs(a.logprob - b.logprob) < 1e-4
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
         check(loaded[0].model, r, tokens, logprobs)
+
+
+@pytest.mark.parametrize("batch_kind", [ClassicBatch, RaggedBatch])
+def test_a_grammar_masks_the_reported_distribution(loaded, prompt_ids, batch_kind):
+    """Forbidden tokens have -inf (the serve layer reports -9999) and the allowed ones'
+    probabilities sum to 1; where fewer than k tokens are allowed the rest of the top k
+    are forbidden ones."""
+    from models.grammar import Grammars
+
+    from .test_grammar_paths import GRAMMAR
+
+    model, grammars = loaded[0].model, Grammars.for_tokenizer(loaded[0].tokenizer, eos(loaded))
+    reqs = [make_request(f"g{i}", prompt_ids[i], 40, grammar=GRAMMAR, logprobs=5) for i in (0, 3)]
+    out = run_batch(batch_kind(model, eos_token_ids=eos(loaded), grammars=grammars), reqs)
+    num_forbidden_in_top = 0
+    for r in reqs:
+        tokens, logprobs = out[r.request_id]
+        raw = np.array(model(mx.array([list(r.prompt_ids) + tokens[:-1]]))[0, len(r.prompt_ids) - 1:]
+                       .astype(mx.float32)).astype(np.float64)
+        for j, (token, entry) in enumerate(zip(tokens, logprobs)):
+            matcher = grammars.matcher(GRAMMAR)
+            matcher.accept(tokens[:j])
+            allowed = np.array(matcher.masks(1, [], raw.shape[-1])[0])
+            x = np.where(allowed, raw[j], -np.inf)
+            ref = x - (np.log(np.sum(np.exp(x[allowed] - x[allowed].max()))) + x[allowed].max())
+            assert abs(entry.logprob - ref[token]) < TOL and entry.top[0][0] == token
+            for token_id, value in entry.top:
+                assert (value == -np.inf) == (not allowed[token_id])
+                assert value == -np.inf or abs(value - ref[token_id]) < TOL
+            num_forbidden_in_top += sum(v == -np.inf for _, v in entry.top)
+    assert num_forbidden_in_top > 0

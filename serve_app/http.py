@@ -228,6 +228,8 @@ class OpenAIService:
         """(text, finish_reason, usage, logprob entries or None) of one choice."""
         texts: list[str] = []
         entries: list | None = None
+        result = None
+        # read to the end: the generator releases the request's queue once it has returned
         async for text, finish_reason, usage, error, released in pieces:  # ends after the final piece
             if error is not None:
                 raise APIError(500, error, "server_error", code="generation_failed")
@@ -235,8 +237,10 @@ class OpenAIService:
             if released is not None:
                 entries = (entries or []) + released
             if finish_reason is not None:
-                return "".join(texts), finish_reason, usage, entries
-        raise APIError(500, SCHEDULER_LOST, "server_error", code="generation_failed")
+                result = "".join(texts), finish_reason, usage, entries
+        if result is None:
+            raise APIError(500, SCHEDULER_LOST, "server_error", code="generation_failed")
+        return result
 
     async def _sse(self, fmt: ResponseFormat, streams: list, requests: list[Request], include_usage: bool):
         try:
@@ -439,8 +443,9 @@ async def _merged(streams: list):
     consumer stops (a client that went away, a failed choice), which cancels their
     requests (`OpenAIService._pieces`)."""
     if len(streams) == 1:
-        async for piece in streams[0]:
-            yield 0, piece
+        async with contextlib.aclosing(streams[0]) as pieces:  # a consumer that stops closes it
+            async for piece in pieces:
+                yield 0, piece
         return
     queue: asyncio.Queue = asyncio.Queue()
 

@@ -31,6 +31,10 @@ class LogprobClient(ScriptedClient):
     def __init__(self, script, **kw):
         super().__init__(script, eos=EOS, **kw)
         self.fail: set[str] = set()
+        self.released: list[str] = []
+
+    def release(self, request_id):
+        self.released.append(request_id)
 
     async def _events(self, request):
         for i, ids in enumerate(self.script):
@@ -70,6 +74,7 @@ def test_chat_logprobs_have_openais_shape(codec, words):
                                                     "logprobs": True, "top_logprobs": 2}, client)
     assert status == 200
     assert client.submitted[0].sampling.logprobs == 2
+    assert client.released == [client.submitted[0].request_id]
     choice = body["choices"][0]
     content = choice["logprobs"]["content"]
     assert len(content) == body["usage"]["completion_tokens"] == len(words) + 1  # EOS is billed and reported
@@ -154,6 +159,7 @@ def test_n_choices_are_independent_requests_with_consecutive_seeds(codec, words,
     assert len({r.request_id for r in client.submitted}) == 3
     assert all(r.prompt_ids == client.submitted[0].prompt_ids for r in client.submitted)
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert sorted(client.released) == sorted(r.request_id for r in client.submitted) and not client.cancelled
     assert all(c["text"] == "alpha beta gamma delta" for c in body["choices"])
     usage = body["usage"]
     assert usage["prompt_tokens"] == len(client.submitted[0].prompt_ids)  # the prompt counted once
@@ -167,6 +173,7 @@ def test_n_choices_stream_by_index_with_one_usage_chunk(codec, words):
                                                "logprobs": True, "stream": True,
                                                "stream_options": {"include_usage": True}}, client)
     chunks = sse_chunks(text)
+    assert sorted(client.released) == sorted(r.request_id for r in client.submitted) and not client.cancelled
     usage = [c for c in chunks if not c["choices"]]
     assert len(usage) == 1 and usage[0]["usage"]["completion_tokens"] == 2 * len(words)
     for i in (0, 1):

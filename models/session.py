@@ -107,8 +107,6 @@ class SpeculativeSession:
         # Drafts the drafter proposed this round (more than the verify checks when the
         # grammar cut them): the drafter rolls back all it proposed.
         self._num_proposed = 0
-        self._sampled_logprobs: list[TokenLogprob] | None = None  # the last `_sample`'s
-        self.last_logprobs: list[TokenLogprob] | None = None  # the last emitted tokens'
 
     @classmethod
     def from_live(cls, request_id: str, target: nn.Module, prompt_ids: Sequence[int], output_ids: Sequence[int],
@@ -143,13 +141,10 @@ class SpeculativeSession:
         return self.finish_reason is not None
 
     # -- life ----------------------------------------------------------------------
-    def _emit(self, tokens: list[int], accepted: bool = False,
-              logprobs: list[TokenLogprob] | None = None) -> tuple[list[int], str | None]:
+    def _emit(self, tokens: list[int], accepted: bool = False) -> tuple[list[int], str | None]:
         """Emit what clipping leaves of `tokens`; the sampler takes them as the stream's
-        unless it has already (`accepted`: a probe's row accepts what it draws).
-        `logprobs` (one per token, or None) are clipped alike into `last_logprobs`."""
+        unless it has already (`accepted`: a probe's row accepts what it draws)."""
         tokens, reason = clip_tokens(tokens, self.max_tokens - self.num_emitted, self.stop_ids)
-        self.last_logprobs = None if logprobs is None else logprobs[:len(tokens)]
         if not accepted:
             self.sampler.accept(tokens)
         self.history.extend(tokens)
@@ -157,14 +152,14 @@ class SpeculativeSession:
         self.finish_reason = reason
         return tokens, reason
 
-    def _sample(self, logits: mx.array, drafts: Sequence[int] = ()) -> list[int]:
+    def _sample(self, logits: mx.array, drafts: Sequence[int] = ()) -> tuple[list[int], list[TokenLogprob] | None]:
         """The target's token at each of the (n, V) `logits`' positions, position i
-        after `drafts[:i]`; their logprobs (where asked) go to `_sampled_logprobs`."""
+        after `drafts[:i]`, and their logprobs (None unless the request asked)."""
         tokens, report = self.sampler.sample_with_logprobs(logits, drafts)
-        if report is not None:
-            mx.eval(tokens, *report.arrays())
-        self._sampled_logprobs = None if report is None else report.tolist()
-        return tokens.tolist()
+        if report is None:
+            return tokens.tolist(), None
+        mx.eval(tokens, *report.arrays())
+        return tokens.tolist(), report.tolist()
 
     def begin(self) -> RoundResult:
         """Prefill target (and draft state, if bound) and emit the first token.
@@ -186,13 +181,13 @@ class SpeculativeSession:
                 self.forward(head[start : start + PREFILL_STEP])
                 mx.eval([c.state for c in self.cache])
             logits = self.forward(self.prompt_ids[-1:])
-        first = self._sample(logits)
+        first, logprobs = self._sample(logits)
         if self.drafter is not None:
             self.draft_state = self.drafter.new_state(self.prompt_ids)
             self._draft_ready = True
         self.history = list(self.prompt_ids)
-        tokens, reason = self._emit(first, logprobs=self._sampled_logprobs)
-        return RoundResult(tokens, reason, 0, 0, False, time.perf_counter() - tic, logprobs=self.last_logprobs)
+        tokens, reason = self._emit(first)
+        return RoundResult(tokens, reason, 0, 0, False, time.perf_counter() - tic, logprobs=_clip(logprobs, tokens))
 
     def step(self, probe: bool = False) -> RoundResult:
         """Exactly one round: draft K, verify K + 1 positions in one target forward,
@@ -206,10 +201,10 @@ class SpeculativeSession:
         if probe:
             tic = time.perf_counter()
             tokens, per_token, logprobs = self._probe_tokens()
-            tokens, reason = self._emit(tokens, accepted=True, logprobs=logprobs)
+            tokens, reason = self._emit(tokens, accepted=True)
             seconds = time.perf_counter() - tic
             self._count_round(True, 0, 0, seconds)
-            return RoundResult(tokens, reason, 0, 0, True, seconds, per_token, self.last_logprobs)
+            return RoundResult(tokens, reason, 0, 0, True, seconds, per_token, _clip(logprobs, tokens))
         if self.drafter is None:
             raise RuntimeError(f"session {self.request_id!r} does not hold the drafter")
         if self.verifier is not None and self.sampler.grammar is None:  # grammars: plain path
@@ -254,14 +249,14 @@ class SpeculativeSession:
         `tic` is when the round began (its wall time is reported)."""
         phases = self.counters.phase_seconds
         t2 = time.perf_counter()
-        verified = self._sample(logits, tokens[1:])
+        verified, logprobs = self._sample(logits, tokens[1:])
         phases["sync"] += time.perf_counter() - t2
-        return self._finish_round(tokens[1:], verified, len(tokens) - 1, tic, self._num_proposed)
+        return self._finish_round(tokens[1:], verified, len(tokens) - 1, tic, self._num_proposed, logprobs)
 
     def _step_bucketed(self) -> RoundResult:
         tic = time.perf_counter()
-        draft, verified, width = self._verify_bucketed(self._draft_budget(), self.counters.phase_seconds)
-        return self._finish_round(draft, verified, width, tic)
+        draft, verified, width, logprobs = self._verify_bucketed(self._draft_budget(), self.counters.phase_seconds)
+        return self._finish_round(draft, verified, width, tic, logprobs=logprobs)
 
     def _draft_budget(self) -> int:
         """Drafts this round may propose; builds the draft state on the first round
@@ -273,10 +268,11 @@ class SpeculativeSession:
         return k
 
     def _finish_round(self, draft: list[int], verified: list[int], width: int, tic: float,
-                      num_proposed: int | None = None) -> RoundResult:
+                      num_proposed: int | None = None, logprobs: list[TokenLogprob] | None = None) -> RoundResult:
         """The verify added `width` positions after the pending token (the drafts, and
         on the bucketed path their padding): roll back all but the accepted ones and the
-        drafter (`num_proposed` drafts, default `len(draft)`), emit, count."""
+        drafter (`num_proposed` drafts, default `len(draft)`), emit, count. `logprobs`:
+        each verify position's, where the request asked (the emitted tokens' are kept)."""
         num_drafted, num_accepted = len(draft), accept_count(draft, verified)
         trim = target_cache_trim(width, num_accepted)  # padding is rejected like a draft
         t3 = time.perf_counter()
@@ -287,10 +283,11 @@ class SpeculativeSession:
         if num_proposed:
             self.drafter.rollback(self.draft_state, num_proposed, num_accepted)
         self.counters.phase_seconds["rollback"] += time.perf_counter() - t3
-        tokens, reason = self._emit(verified[: num_accepted + 1], logprobs=self._sampled_logprobs)
+        tokens, reason = self._emit(verified[: num_accepted + 1])
         seconds = time.perf_counter() - tic
         self._count_round(False, num_drafted, num_accepted, seconds)
-        return RoundResult(tokens, reason, num_drafted, num_accepted, False, seconds, logprobs=self.last_logprobs)
+        return RoundResult(tokens, reason, num_drafted, num_accepted, False, seconds,
+                           logprobs=_clip(logprobs, tokens))
 
     def _count_round(self, probe: bool, num_drafted: int, num_accepted: int, seconds: float) -> None:
         c = self.counters
@@ -332,8 +329,9 @@ class SpeculativeSession:
             return tokens, (reads[-1] - reads[0]) / (len(reads) - 1), logprobs
         return tokens, reads[0] - tic, logprobs
 
-    def _verify_bucketed(self, k: int, phases: dict) -> tuple[list[int], list[int], int]:
-        """Draft and verify with one host sync: (drafts, target tokens, positions added).
+    def _verify_bucketed(self, k: int, phases: dict) -> tuple[list[int], list[int], int, list[TokenLogprob] | None]:
+        """Draft and verify with one host sync: (drafts, target tokens, positions added,
+        each position's logprobs where the request asked).
 
         The verify covers 1 + K positions whenever k > 0 (K = num_draft_tokens; a
         shorter draft, e.g. near max_tokens or from the n-gram drafter, is padded and the
@@ -364,15 +362,15 @@ class SpeculativeSession:
             logits = self.verifier.logits(self.cache, tokens[None])[0]
             target, report = self.sampler.sample_with_logprobs(logits, tokens[1:])
         t2 = time.perf_counter()
+        mx.eval(target, *([drafts] if lazy else []), *([] if report is None else report.arrays()))  # one sync
         if lazy:
-            mx.eval(drafts, target)
             draft = drafts.tolist()
         verified = target.tolist()
-        self._sampled_logprobs = None if report is None else report.tolist()
+        logprobs = None if report is None else report.tolist()
         phases["draft"] += t1 - t0
         phases["verify"] += t2 - t1
         phases["sync"] += time.perf_counter() - t2
-        return draft, verified, width
+        return draft, verified, width, logprobs
 
     def finish(self) -> None:
         """Release caches and draft state. Idempotent."""
@@ -386,3 +384,8 @@ class SpeculativeSession:
     @property
     def output_ids(self) -> list[int]:
         return self.history[len(self.prompt_ids) :]
+
+
+def _clip(logprobs: list[TokenLogprob] | None, tokens: list[int]) -> list[TokenLogprob] | None:
+    """The logprobs of the emitted `tokens` (a prefix of the positions sampled)."""
+    return None if logprobs is None else logprobs[:len(tokens)]

@@ -16,6 +16,7 @@ Shapes: chat `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"toke
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -23,6 +24,7 @@ from typing import Callable
 from scheduler.request import TokenLogprob
 
 LOGPROB_FLOOR = -9999.0
+log = logging.getLogger(__name__)
 
 
 def _value(logprob: float) -> float:
@@ -40,8 +42,12 @@ class LogprobTrail:
     num_released: int = 0
 
     def add(self, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> None:
+        if len(logprobs or ()) != len(token_ids):  # a decode path that lost them: a bug, made visible
+            log.warning("%d tokens arrived with %d logprobs; reported as %s", len(token_ids),
+                        len(logprobs or ()), LOGPROB_FLOOR)
+            logprobs = [TokenLogprob(LOGPROB_FLOOR)] * len(token_ids)
         self.token_ids += token_ids
-        self.logprobs += logprobs or [TokenLogprob(0.0)] * len(token_ids)
+        self.logprobs += logprobs
 
     def release(self, starts: list[int], num_chars_sent: int, limit: int | None = None) -> list[tuple]:
         """(token id, TokenLogprob, text offset) of tokens not released yet whose text

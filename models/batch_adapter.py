@@ -25,6 +25,10 @@ remaining budget. When the batch drains to one decoding row with nothing left to
 prefill, that row moves back out (its pending token and cache are extracted).
 Neither move recomputes or redraws a token, so a seeded stream is the same either way.
 
+A row whose request asked for logprobs reads them from the log-probabilities
+`BatchGenerator` hands back with each token, which are the sampler's own (its logits
+processor is the request's `RequestSampler.penalized`, normalised the same way).
+
 `adopt` takes a stream decoded elsewhere (a speculative session demoted to classic)
 the same way: its cache, sampler and pending token become a row, as a `SoloRow` when
 no other row exists, else as a one-token prompt of `BatchGenerator`.
@@ -36,12 +40,13 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, GenerationBatch, StopSequences
 
 from models.grammar import Grammars
 from models.ragged import Rider
-from models.sampling import RequestSampler, stop_token_ids
+from models.sampling import LogprobArrays, RequestSampler, logprob_arrays, stop_token_ids
 from models.solo import SoloRow
 from scheduler.request import Request
 from scheduler.runner import TokenBatch
@@ -129,6 +134,7 @@ class ClassicBatch:
         self._uid_by_request: dict[str, int] = {}
         self._request_by_uid: dict[int, str] = {}
         self._stop_ids: dict[str, tuple[int, ...]] = {}  # every row, solo or batched
+        self._num_top: dict[str, int] = {}  # batch rows that report logprobs: how many alternatives
         self._solo: SoloRow | None = None  # the lone decoding row, if any
         self._finished_solo: set[str] = set()  # finished solo rows not yet removed
         # Streams inserted mid-way whose one-token prompt has not run yet: their state
@@ -170,6 +176,7 @@ class ClassicBatch:
         """Queue a stream already under way as a batch row: `cache` holds everything
         before `next_input`, which becomes a one-token prompt; `sampler` keeps its key."""
         hooks = RowSampler(sampler)
+        self._note_logprobs(request_id, sampler)
         (uid,) = self._gen.insert(
             [[next_input]],
             max_tokens=[num_left],
@@ -180,6 +187,23 @@ class ClassicBatch:
         )
         self._register(uid, request_id)
         self._queued_live[request_id] = LiveRow(cache, sampler)
+
+    def _note_logprobs(self, request_id: str, sampler: RequestSampler) -> None:
+        if sampler.wants_logprobs:
+            self._num_top[request_id] = sampler.params.logprobs
+
+    def _logprobs_of(self, request_id: str, token, logprobs: mx.array) -> LogprobArrays | None:
+        """(lazy) a batch row's report for `token` drawn from its processed `logprobs`
+        (V,), None when its request did not ask."""
+        k = self._num_top.get(request_id)
+        if k is None:
+            return None
+        tokens = token if isinstance(token, mx.array) else mx.array([token])
+        return logprob_arrays(logprobs.reshape(1, -1), tokens.reshape(-1), k)
+
+    def _batch(self, request_id: str, token: int, logprobs: mx.array, reason: str | None) -> TokenBatch:
+        report = self._logprobs_of(request_id, token, logprobs)
+        return TokenBatch(request_id, [token], reason, logprobs=None if report is None else report.tolist())
 
     def _solo_into_batch(self) -> list[TokenBatch]:
         """Move the solo row into `BatchGenerator` (queued for prefill as a one-token
@@ -229,9 +253,7 @@ class ClassicBatch:
         tic = time.perf_counter()
         batch = self._solo.step()
         while batch.finish_reason is None and time.perf_counter() - tic < self._solo_burst_s:
-            more = self._solo.step()
-            batch.token_ids += more.token_ids
-            batch.finish_reason = more.finish_reason
+            batch.extend(self._solo.step())
         self._retire_solo_if_finished(batch)
         return batch
 
@@ -247,7 +269,8 @@ class ClassicBatch:
         request_id = self._request_by_uid[uid]
         solo = SoloRow(request_id, self._model, rows.extract_cache(0), rows.samplers[0].sampler,
                        self._stop_ids[request_id], rows.max_tokens[0], rows._next_tokens,
-                       num_emitted=rows._num_tokens[0])
+                       num_emitted=rows._num_tokens[0],
+                       pending_logprobs=self._logprobs_of(request_id, rows._next_tokens, rows._next_logprobs[0]))
         gen.remove([uid])
         del self._uid_by_request[request_id], self._request_by_uid[uid]
         self._solo = solo
@@ -276,6 +299,8 @@ class ClassicBatch:
             return [first]
         moved = self._solo_into_batch()
         hooks = [RowSampler(RequestSampler(r.sampling, r.prompt_ids, self._grammars)) for r in requests]
+        for r, h in zip(requests, hooks):
+            self._note_logprobs(r.request_id, h.sampler)
         uids = self._gen.insert(
             [list(r.prompt_ids) for r in requests],
             max_tokens=[r.sampling.max_tokens for r in requests],
@@ -294,11 +319,12 @@ class ClassicBatch:
             while waiting:
                 _, responses = self._gen.next()
                 for resp in responses:
-                    batch = outputs.setdefault(
-                        resp.uid, TokenBatch(self._request_by_uid[resp.uid], [])
-                    )
-                    batch.token_ids.append(resp.token)
-                    batch.finish_reason = resp.finish_reason
+                    step = self._batch(self._request_by_uid[resp.uid], resp.token, resp.logprobs,
+                                       resp.finish_reason)
+                    if resp.uid in outputs:
+                        outputs[resp.uid].extend(step)
+                    else:
+                        outputs[resp.uid] = step
                     waiting.discard(resp.uid)
         finally:
             self._forget_run_inserts()
@@ -336,10 +362,8 @@ class ClassicBatch:
         finally:
             rows.model = self._model
             self._forget_run_inserts()
-        return [
-            TokenBatch(self._request_by_uid[r.uid], [r.token], r.finish_reason)
-            for r in responses
-        ]
+        return [self._batch(self._request_by_uid[r.uid], r.token, r.logprobs, r.finish_reason)
+                for r in responses]
 
     def extract(self, request_id: str) -> tuple[TokenBatch, LiveRow | None]:
         """Take a decoding row out, for a speculative session to continue it.
@@ -357,6 +381,7 @@ class ClassicBatch:
                 self._finished_solo.add(request_id)
                 return emitted, None
             self._stop_ids.pop(request_id, None)
+            self._num_top.pop(request_id, None)
             return emitted, LiveRow(solo.cache, solo.sampler)
         uid = self._uid_by_request.get(request_id)
         rows = self._gen._generation_batch
@@ -374,8 +399,9 @@ class ClassicBatch:
         elif rows._num_tokens[idx] + 1 >= rows.max_tokens[idx]:
             reason = "length"
         state = None if reason else LiveRow(rows.extract_cache(idx), rows.samplers[idx].sampler)
+        emitted = self._batch(request_id, token, rows._next_logprobs[idx], reason)
         self.remove(request_id)
-        return TokenBatch(request_id, [token], reason), state
+        return emitted, state
 
     def _forget_run_inserts(self) -> None:
         rows = set(self._gen._generation_batch.uids)
@@ -385,6 +411,7 @@ class ClassicBatch:
     def remove(self, request_id: str) -> None:
         """Drop a row (finished rows are already out of the batch). Idempotent."""
         self._stop_ids.pop(request_id, None)
+        self._num_top.pop(request_id, None)
         self._queued_live.pop(request_id, None)
         self._finished_solo.discard(request_id)
         if self._solo is not None and self._solo.request_id == request_id:

@@ -28,6 +28,9 @@ same (less any that finished); anything else that touches the batch first takes 
 back (rows shortened by one, samplers' random state restored), so what every stream
 emits does not depend on the pipeline. On a CPU steps are not pipelined: the next step
 would run on the cores the host uses.
+A row whose request asked for logprobs reads them at every position it emits (a
+verified draft's from the verify position that accepted it) from the log-probabilities
+its sampler drew from (`RequestSampler.sample_with_logprobs`); other rows compute none.
 """
 
 from __future__ import annotations
@@ -47,10 +50,10 @@ from models.prefix_cache import PrefixCache
 from models.ragged import Rider
 from models.replica_index import ReplicaIndex
 from models.rollback import accept_count, clip_tokens, draft_budget
-from models.sampling import RequestSampler, log_probs, stop_token_ids
+from models.sampling import LogprobArrays, RequestSampler, log_probs, stop_token_ids
 from models.slab import Row, RowView, Slab
 from scheduler.costs import RowAcceptance, TickCosts, row_draft_budget, share_drafts, step_draft_budget, verify_costs
-from scheduler.request import Request
+from scheduler.request import Request, TokenLogprob
 from scheduler.runner import TokenBatch
 
 PREFILL_CHUNK = 512  # prompt positions per row per prefill forward
@@ -76,11 +79,13 @@ class _Stream:
 @dataclass(eq=False)
 class _Ahead:
     """A plain step queued on the device: each stream fed its pending token (its row is
-    already one longer), `tokens` the next tokens drawn (lazy), `keys` the samplers'
-    random states before those draws."""
+    already one longer), `tokens` the next tokens drawn (lazy) and `logprobs` their
+    reports (lazy; None for a row that did not ask), `keys` the samplers' random states
+    before those draws."""
 
     streams: list[_Stream]
     tokens: mx.array
+    logprobs: list[LogprobArrays | None]
     keys: list
 
 
@@ -275,11 +280,7 @@ class RaggedBatch:
         batches = self._step(streams, None, drafts, pipeline)
         while (len(streams) == 1 and batches[0].finish_reason is None
                and time.perf_counter() - tic < self._solo_burst_s):
-            more = self._step(streams, None, drafts, pipeline)[0]
-            batches[0].token_ids += more.token_ids
-            batches[0].finish_reason = more.finish_reason
-            batches[0].num_drafted += more.num_drafted
-            batches[0].num_accepted += more.num_accepted
+            batches[0].extend(self._step(streams, None, drafts, pipeline)[0])
         return batches
 
     def _step(self, streams: list[_Stream], rider: Rider | None, drafts: bool = False,
@@ -300,15 +301,16 @@ class RaggedBatch:
         logits = self.slab.forward(self._model, entries)
         if rider is not None:
             rider.extra_logits = logits[-1]
-        verified = self._sample(streams, logits[: len(streams)], drafts)
-        return self._apply(streams, drafts, verified, wanted)
+        verified, reports = self._sample(streams, logits[: len(streams)], drafts)
+        return self._apply(streams, drafts, verified, wanted, reports)
 
     def _apply(self, streams: list[_Stream], drafts: list[list[int]], verified: list[list[int]],
-               wanted: bool) -> list[TokenBatch]:
+               wanted: bool, reports: list[list[TokenLogprob] | None]) -> list[TokenBatch]:
         """Accept each row's drafts, emit, drop finished rows. `wanted`: drafts were
-        asked for this step (a row that drafted nothing relaxes its estimate)."""
+        asked for this step (a row that drafted nothing relaxes its estimate);
+        `reports`: each row's logprobs at every verified position (None: not asked)."""
         out = []
-        for stream, draft, target in zip(streams, drafts, verified):
+        for stream, draft, target, report in zip(streams, drafts, verified, reports):
             num_accepted = accept_count(draft, target)
             if len(draft) > num_accepted:  # rejected drafts leave the row
                 for view in stream.row.cache:
@@ -327,7 +329,7 @@ class RaggedBatch:
                 elif wanted:
                     stream.acceptance.relax()
             out.append(TokenBatch(stream.request_id, tokens, reason, len(draft), num_accepted if draft else 0,
-                                  "ngram" if draft else ""))
+                                  "ngram" if draft else "", None if report is None else report[:len(tokens)]))
             if reason is not None:
                 self._finished.add(stream.request_id)
                 self._drop(stream)
@@ -340,23 +342,26 @@ class RaggedBatch:
     def _plain_step(self, streams: list[_Stream], wanted: bool) -> list[TokenBatch]:
         """One token for every row, no drafts: the queued step if it is this one, and the
         next step queued before this one's tokens are read."""
-        tokens = self._queued_tokens(streams)
-        if tokens is None:
+        queued = self._queued_tokens(streams)
+        if queued is None:
             self._take_back()
-            tokens = self._draw(streams, [(s.row, [s.pending]) for s in streams])
+            queued = self._draw(streams, [(s.row, [s.pending]) for s in streams])
+        tokens, logprobs = queued
         # Queue the next step unless a row may draft in it, or its processors must first
         # read this step's token (penalties count what was emitted).
         if not (wanted and self._may_draft(streams)) and not any(s.sampler.has_processors for s in streams):
             keys = [s.sampler.key for s in streams]
-            nxt = self._draw(streams, [(s.row, [0]) for s in streams], values=tokens)
-            mx.async_eval(nxt)
-            self._ahead = _Ahead(streams, nxt, keys)
+            nxt, nxt_logprobs = self._draw(streams, [(s.row, [0]) for s in streams], values=tokens)
+            mx.async_eval(nxt, *_arrays(nxt_logprobs))
+            self._ahead = _Ahead(streams, nxt, nxt_logprobs, keys)
+        mx.eval(tokens, *_arrays(logprobs))
         values = tokens.tolist()
-        return self._apply(streams, [[] for _ in streams], [[v] for v in values], wanted)
+        reports = [None if lp is None else lp.tolist() for lp in logprobs]
+        return self._apply(streams, [[] for _ in streams], [[v] for v in values], wanted, reports)
 
-    def _queued_tokens(self, streams: list[_Stream]) -> mx.array | None:
-        """The queued step's tokens for `streams` if it fed exactly them (rows that
-        finished since are left out of it), else None."""
+    def _queued_tokens(self, streams: list[_Stream]) -> tuple[mx.array, list[LogprobArrays | None]] | None:
+        """The queued step's tokens and reports for `streams` if it fed exactly them
+        (rows that finished since are left out of it), else None."""
         ahead = self._ahead
         if ahead is None:
             return None
@@ -365,7 +370,10 @@ class RaggedBatch:
             return None
         self._ahead = None
         self.num_pipelined += 1
-        return ahead.tokens if len(live) == len(ahead.streams) else ahead.tokens[mx.array(live)]
+        logprobs = [ahead.logprobs[i] for i in live]
+        if len(live) == len(ahead.streams):
+            return ahead.tokens, logprobs
+        return ahead.tokens[mx.array(live)], logprobs
 
     def _take_back(self) -> None:
         """Undo the queued step: its rows are one shorter again, its draws undone."""
@@ -378,10 +386,12 @@ class RaggedBatch:
                     view.trim(1)
             stream.sampler.key = key
 
-    def _draw(self, streams: list[_Stream], entries, values: mx.array | None = None) -> mx.array:
-        """(lazy) each row's next token from a forward of `entries`."""
+    def _draw(self, streams: list[_Stream], entries,
+              values: mx.array | None = None) -> tuple[mx.array, list[LogprobArrays | None]]:
+        """(lazy) each row's next token from a forward of `entries`, and its report."""
         logits = self.slab.forward(self._model, entries, values=values)
-        return mx.concatenate(self._draws(streams, logits, [[] for _ in streams])).astype(mx.int32)
+        drawn, logprobs = self._draws(streams, logits, [[] for _ in streams])
+        return mx.concatenate(drawn).astype(mx.int32), logprobs
 
     def _nobody_pays(self, num_rows: int) -> bool:
         """Whether at this batch size even a row accepting every draft would not pay
@@ -441,29 +451,33 @@ class RaggedBatch:
                 return drafts
         return stream.index.propose(k)
 
-    def _sample(self, streams: list[_Stream], logits: list[mx.array], drafts: list[list[int]]) -> list[list[int]]:
+    def _sample(self, streams: list[_Stream], logits: list[mx.array],
+                drafts: list[list[int]]) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
         """Every verify position of every row, drawn from the row's sampler, position i
         after the row's drafts[:i] (greedy rows without processors: one argmax over
-        all of them)."""
+        all of them), and the row's logprobs there (None: not asked)."""
         if not streams:
             mx.eval(self.slab.arrays())
-            return []
-        drawn = self._draws(streams, logits, drafts)
+            return [], []
+        drawn, logprobs = self._draws(streams, logits, drafts)
         flat = mx.concatenate(drawn)
-        mx.eval(flat, self.slab.arrays())
+        mx.eval(flat, *_arrays(logprobs), self.slab.arrays())
         values, out, start = flat.tolist(), [], 0
         for d in drawn:
             n = d.shape[0]
             out.append(values[start:start + n])
             start += n
-        return out
+        return out, [None if lp is None else lp.tolist() for lp in logprobs]
 
-    def _draws(self, streams: list[_Stream], logits: list[mx.array], drafts: list[list[int]]) -> list[mx.array]:
+    def _draws(self, streams: list[_Stream], logits: list[mx.array],
+               drafts: list[list[int]]) -> tuple[list[mx.array], list[LogprobArrays | None]]:
         """(lazy) every verify position of every row, drawn from the row's sampler,
-        position i after the row's drafts[:i] (greedy rows without processors: one
-        argmax over all of them)."""
-        greedy = [i for i, s in enumerate(streams) if s.sampler.is_greedy and not s.sampler.has_processors]
+        position i after the row's drafts[:i] (greedy rows without processors and
+        without logprobs: one argmax over all of them), and each row's report."""
+        greedy = [i for i, s in enumerate(streams)
+                  if s.sampler.is_greedy and not s.sampler.has_processors and not s.sampler.wants_logprobs]
         drawn: list[mx.array | None] = [None] * len(streams)
+        reports: list[LogprobArrays | None] = [None] * len(streams)
         if greedy:
             stacked = mx.concatenate([logits[i] for i in greedy]) if len(greedy) > 1 else logits[greedy[0]]
             picks, start = mx.argmax(log_probs(stacked), axis=-1), 0
@@ -473,8 +487,8 @@ class RaggedBatch:
                 start += n
         for i, s in enumerate(streams):
             if drawn[i] is None:
-                drawn[i] = s.sampler.sample(logits[i], drafts[i])
-        return drawn
+                drawn[i], reports[i] = s.sampler.sample_with_logprobs(logits[i], drafts[i])
+        return drawn, reports
 
     # -- leaving ------------------------------------------------------------------------
     def extract(self, request_id: str) -> tuple[TokenBatch, LiveRow | None]:
@@ -512,6 +526,10 @@ class RaggedBatch:
         self._ahead = None
         self._streams.clear()
         self._finished.clear()
+
+
+def _arrays(reports: list[LogprobArrays | None]) -> list[mx.array]:
+    return [a for r in reports if r is not None for a in r.arrays()]
 
 
 def _row_of(cache: list) -> Row | None:

@@ -316,7 +316,7 @@ class MlxRunner:
         self._sessions[request.request_id] = session
         self._lanes[request.request_id] = int(request.lane)
         result = session.begin()
-        return TokenBatch(request.request_id, result.token_ids, result.finish_reason)
+        return TokenBatch(request.request_id, result.token_ids, result.finish_reason, logprobs=result.logprobs)
 
     def _session_cache_for(self, request: Request):
         """A session's `new_cache`: a slab row starting from the prompt's cached prefix."""
@@ -343,6 +343,7 @@ class MlxRunner:
             seconds,
             result.seconds_per_token,
             drafter=self._slot.drafter.kind,
+            logprobs=result.logprobs,
         )
 
     def can_fuse(self) -> bool:
@@ -385,7 +386,7 @@ class MlxRunner:
         result = session.complete_round(tokens, logits, tic)
         outcome = RoundOutcome(request_id, result.token_ids, result.finish_reason, result.num_drafted,
                                result.num_accepted, False, time.perf_counter() - tic, fused=True,
-                               drafter=self._slot.drafter.kind)
+                               drafter=self._slot.drafter.kind, logprobs=result.logprobs)
         return outcome, rows
 
     def spec_park_to_classic(self, request_id: str) -> list[TokenBatch]:

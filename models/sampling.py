@@ -13,18 +13,24 @@ before it, which is what classic decode would have read there had those drafts b
 emitted: a greedy stream with penalties is the same whether it speculates or not.
 A request's grammar (`models.grammar`) is the last processor: it masks each position
 after the stream plus the drafts before it, the same way.
+
+A request that asks for log-probabilities (`SamplingParams.logprobs`) gets them from
+the same processed log-probabilities the pick reads (`sample_with_logprobs`), before
+temperature and the filters: the distribution the model and the processors give,
+the same for greedy and sampled requests. Every path reads them at the positions it
+emits, so they do not depend on how a token was produced (classic, verified draft).
 """
 
 from __future__ import annotations
 
 import secrets
-from typing import Callable, Sequence, Union
+from typing import Callable, NamedTuple, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from models.grammar import GrammarMatcher, Grammars
-from scheduler.request import SamplingParams
+from scheduler.request import SamplingParams, TokenLogprob
 
 Sampler = Callable[[mx.array], mx.array]  # logprobs (..., V) -> token ids (...)
 Tokens = Union[Sequence[int], mx.array]
@@ -34,6 +40,43 @@ def log_probs(logits: mx.array) -> mx.array:
     """Logits normalised to log-probabilities over the last axis: what every sampling
     path of ours (the sampler and the compiled greedy heads) takes its argmax or draw of."""
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+class LogprobArrays(NamedTuple):
+    """(lazy) what a request reports for n positions: `chosen` (n,) the emitted tokens'
+    log-probabilities, `top_ids` / `top_values` (n, k) the k most likely, best first."""
+
+    chosen: mx.array
+    top_ids: mx.array
+    top_values: mx.array
+
+    def arrays(self) -> list[mx.array]:
+        return [self.chosen, self.top_ids, self.top_values]
+
+    def take(self, index) -> "LogprobArrays":
+        return LogprobArrays(self.chosen[index], self.top_ids[index], self.top_values[index])
+
+    def tolist(self) -> list[TokenLogprob]:
+        """Evaluated, one `TokenLogprob` per position."""
+        chosen, ids, values = self.chosen.tolist(), self.top_ids.tolist(), self.top_values.tolist()
+        return [TokenLogprob(c, tuple(zip(i, v))) for c, i, v in zip(chosen, ids, values)]
+
+
+def logprob_arrays(logprobs: mx.array, tokens: mx.array, k: int) -> LogprobArrays:
+    """(lazy) the log-probabilities (n, V) read at `tokens` (n,), and the k largest.
+    Example: log-probs [[-0.1, -2.5, -3.0]], token 1, k 2: chosen [-2.5], top ids
+    [[0, 1]], values [[-0.1, -2.5]]."""
+    logprobs = logprobs.astype(mx.float32)
+    chosen = mx.take_along_axis(logprobs, tokens.reshape(-1, 1).astype(mx.int32), axis=-1)[:, 0]
+    k = min(k, logprobs.shape[-1])
+    if k == 0:
+        empty = mx.zeros((logprobs.shape[0], 0), mx.int32)
+        return LogprobArrays(chosen, empty, empty.astype(mx.float32))
+    ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
+    values = mx.take_along_axis(logprobs, ids, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    return LogprobArrays(chosen, mx.take_along_axis(ids, order, axis=-1).astype(mx.int32),
+                         mx.take_along_axis(values, order, axis=-1))
 
 
 def penalized_logits(logits: mx.array, params: SamplingParams, recent: mx.array | None,
@@ -147,6 +190,10 @@ class RequestSampler:
         return self.params.has_processors
 
     @property
+    def wants_logprobs(self) -> bool:
+        return self.params.logprobs is not None
+
+    @property
     def key(self) -> mx.array:
         """The random state a later draw splits (restore it to undo draws)."""
         return self._key
@@ -208,12 +255,31 @@ class RequestSampler:
         is unchanged (the caller accepts what it emits)."""
         return self(self.log_probs(logits, drafts))
 
+    def sample_with_logprobs(self, logits: mx.array, drafts: Tokens = ()) -> tuple[mx.array, LogprobArrays | None]:
+        """`sample`, and (lazy) the positions' `LogprobArrays` from the same processed
+        log-probabilities where the request asked for them (else None)."""
+        logprobs = self.log_probs(logits, drafts)
+        tokens = self(logprobs)
+        return tokens, self.report(logprobs, tokens)
+
+    def report(self, logprobs: mx.array, tokens: mx.array) -> LogprobArrays | None:
+        """(lazy) what the request reports for `tokens` drawn from the processed
+        `logprobs` (n, V); None when it did not ask."""
+        if self.params.logprobs is None:
+            return None
+        return logprob_arrays(logprobs, tokens, self.params.logprobs)
+
     def next_token(self, logits: mx.array) -> mx.array:
         """The next token for one position's logits (1, V), accepted at once: for paths
         that emit every token they draw (`models.solo`, `BatchGenerator` rows)."""
-        token = self.sample(logits)
-        self.accept(token)
+        token, _ = self.next_token_with_logprobs(logits)
         return token
+
+    def next_token_with_logprobs(self, logits: mx.array) -> tuple[mx.array, LogprobArrays | None]:
+        """`next_token`, and its (lazy) logprobs where the request asked for them."""
+        token, logprobs = self.sample_with_logprobs(logits)
+        self.accept(token)
+        return token, logprobs
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         """Pick from processed log-probabilities: argmax, or top_p, min_p, top_k (mlx-lm's

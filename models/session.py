@@ -12,7 +12,9 @@ request's seeded stream, `models.sampling`), and a draft token is accepted only 
 equals that draw. Every emitted token is therefore a target sample given the emitted
 prefix, so the output distribution is exactly the target's (the draft only changes how
 many positions one forward covers). At temperature 0 the draw is the argmax, which
-makes the stream identical to classic greedy decoding.
+makes the stream identical to classic greedy decoding. A request that asked for
+logprobs gets each emitted token's from the verify position that produced it (the
+same processed log-probabilities the draw read), so they match classic decode's too.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from models.grammar import Grammars
 from models.rollback import accept_count, clip_tokens, draft_budget, target_cache_trim
 from models.sampling import RequestSampler, stop_token_ids
 from models.solo import SoloRow
-from scheduler.request import SamplingParams
+from scheduler.request import SamplingParams, TokenLogprob
 
 PREFILL_STEP = 2048
 PROBE_TOKENS = 8  # classic steps per probe round: a steady-state rate, not one cold step
@@ -47,6 +49,7 @@ class RoundResult:
     probe: bool
     seconds: float
     seconds_per_token: float | None = None  # a probe's steady-state classic decode time
+    logprobs: list[TokenLogprob] | None = None  # one per token, for a request that asked
 
 
 @dataclass
@@ -149,10 +152,14 @@ class SpeculativeSession:
         self.finish_reason = reason
         return tokens, reason
 
-    def _sample(self, logits: mx.array, drafts: Sequence[int] = ()) -> list[int]:
+    def _sample(self, logits: mx.array, drafts: Sequence[int] = ()) -> tuple[list[int], list[TokenLogprob] | None]:
         """The target's token at each of the (n, V) `logits`' positions, position i
-        after `drafts[:i]`."""
-        return self.sampler.sample(logits, drafts).tolist()
+        after `drafts[:i]`, and their logprobs (None unless the request asked)."""
+        tokens, report = self.sampler.sample_with_logprobs(logits, drafts)
+        if report is None:
+            return tokens.tolist(), None
+        mx.eval(tokens, *report.arrays())
+        return tokens.tolist(), report.tolist()
 
     def begin(self) -> RoundResult:
         """Prefill target (and draft state, if bound) and emit the first token.
@@ -174,13 +181,13 @@ class SpeculativeSession:
                 self.forward(head[start : start + PREFILL_STEP])
                 mx.eval([c.state for c in self.cache])
             logits = self.forward(self.prompt_ids[-1:])
-        first = self._sample(logits)
+        first, logprobs = self._sample(logits)
         if self.drafter is not None:
             self.draft_state = self.drafter.new_state(self.prompt_ids)
             self._draft_ready = True
         self.history = list(self.prompt_ids)
         tokens, reason = self._emit(first)
-        return RoundResult(tokens, reason, 0, 0, False, time.perf_counter() - tic)
+        return RoundResult(tokens, reason, 0, 0, False, time.perf_counter() - tic, logprobs=_clip(logprobs, tokens))
 
     def step(self, probe: bool = False) -> RoundResult:
         """Exactly one round: draft K, verify K + 1 positions in one target forward,
@@ -193,11 +200,11 @@ class SpeculativeSession:
             raise RuntimeError(f"session {self.request_id!r} is not running")
         if probe:
             tic = time.perf_counter()
-            tokens, per_token = self._probe_tokens()
+            tokens, per_token, logprobs = self._probe_tokens()
             tokens, reason = self._emit(tokens, accepted=True)
             seconds = time.perf_counter() - tic
             self._count_round(True, 0, 0, seconds)
-            return RoundResult(tokens, reason, 0, 0, True, seconds, per_token)
+            return RoundResult(tokens, reason, 0, 0, True, seconds, per_token, _clip(logprobs, tokens))
         if self.drafter is None:
             raise RuntimeError(f"session {self.request_id!r} does not hold the drafter")
         if self.verifier is not None and self.sampler.grammar is None:  # grammars: plain path
@@ -242,14 +249,14 @@ class SpeculativeSession:
         `tic` is when the round began (its wall time is reported)."""
         phases = self.counters.phase_seconds
         t2 = time.perf_counter()
-        verified = self._sample(logits, tokens[1:])
+        verified, logprobs = self._sample(logits, tokens[1:])
         phases["sync"] += time.perf_counter() - t2
-        return self._finish_round(tokens[1:], verified, len(tokens) - 1, tic, self._num_proposed)
+        return self._finish_round(tokens[1:], verified, len(tokens) - 1, tic, self._num_proposed, logprobs)
 
     def _step_bucketed(self) -> RoundResult:
         tic = time.perf_counter()
-        draft, verified, width = self._verify_bucketed(self._draft_budget(), self.counters.phase_seconds)
-        return self._finish_round(draft, verified, width, tic)
+        draft, verified, width, logprobs = self._verify_bucketed(self._draft_budget(), self.counters.phase_seconds)
+        return self._finish_round(draft, verified, width, tic, logprobs=logprobs)
 
     def _draft_budget(self) -> int:
         """Drafts this round may propose; builds the draft state on the first round
@@ -261,10 +268,11 @@ class SpeculativeSession:
         return k
 
     def _finish_round(self, draft: list[int], verified: list[int], width: int, tic: float,
-                      num_proposed: int | None = None) -> RoundResult:
+                      num_proposed: int | None = None, logprobs: list[TokenLogprob] | None = None) -> RoundResult:
         """The verify added `width` positions after the pending token (the drafts, and
         on the bucketed path their padding): roll back all but the accepted ones and the
-        drafter (`num_proposed` drafts, default `len(draft)`), emit, count."""
+        drafter (`num_proposed` drafts, default `len(draft)`), emit, count. `logprobs`:
+        each verify position's, where the request asked (the emitted tokens' are kept)."""
         num_drafted, num_accepted = len(draft), accept_count(draft, verified)
         trim = target_cache_trim(width, num_accepted)  # padding is rejected like a draft
         t3 = time.perf_counter()
@@ -278,7 +286,8 @@ class SpeculativeSession:
         tokens, reason = self._emit(verified[: num_accepted + 1])
         seconds = time.perf_counter() - tic
         self._count_round(False, num_drafted, num_accepted, seconds)
-        return RoundResult(tokens, reason, num_drafted, num_accepted, False, seconds)
+        return RoundResult(tokens, reason, num_drafted, num_accepted, False, seconds,
+                           logprobs=_clip(logprobs, tokens))
 
     def _count_round(self, probe: bool, num_drafted: int, num_accepted: int, seconds: float) -> None:
         c = self.counters
@@ -288,13 +297,13 @@ class SpeculativeSession:
         c.num_accepted += num_accepted
         c.round_seconds.append(seconds)
 
-    def _probe_tokens(self) -> tuple[list[int], float]:
+    def _probe_tokens(self) -> tuple[list[int], float, list[TokenLogprob] | None]:
         """Classic decode of up to `PROBE_TOKENS` tokens, run by a lone classic row
         (`models.solo.SoloRow`) over this session's cache and sampler, pipelined as
         classic decode is: the forward for token i + 1 is queued before the host reads
         token i. Returns the tokens and the steady-state seconds per token (first read
         to last read, over the tokens in between), which is what the adaptive policy
-        compares a round against.
+        compares a round against, and the tokens' logprobs (where asked).
 
         The plain model forward works on both paths' caches (the bucketed path keeps
         ordinary `KVCache`s). The row stops at a stop token or after n tokens without
@@ -306,19 +315,23 @@ class SpeculativeSession:
         row = SoloRow.resume(self.request_id, self.target, self.cache, self.sampler, self.stop_ids,
                              max_tokens=n, next_input=self.history[-1])
         tokens: list[int] = []
+        logprobs: list[TokenLogprob] | None = [] if self.sampler.wants_logprobs else None
         reads: list[float] = []
         while True:
             step = row.step()
             tokens += step.token_ids
+            if logprobs is not None:
+                logprobs += step.logprobs
             reads.append(time.perf_counter())
             if step.finish_reason is not None:
                 break
         if len(reads) > 1:
-            return tokens, (reads[-1] - reads[0]) / (len(reads) - 1)
-        return tokens, reads[0] - tic
+            return tokens, (reads[-1] - reads[0]) / (len(reads) - 1), logprobs
+        return tokens, reads[0] - tic, logprobs
 
-    def _verify_bucketed(self, k: int, phases: dict) -> tuple[list[int], list[int], int]:
-        """Draft and verify with one host sync: (drafts, target tokens, positions added).
+    def _verify_bucketed(self, k: int, phases: dict) -> tuple[list[int], list[int], int, list[TokenLogprob] | None]:
+        """Draft and verify with one host sync: (drafts, target tokens, positions added,
+        each position's logprobs where the request asked).
 
         The verify covers 1 + K positions whenever k > 0 (K = num_draft_tokens; a
         shorter draft, e.g. near max_tokens or from the n-gram drafter, is padded and the
@@ -341,21 +354,23 @@ class SpeculativeSession:
             draft = self.drafter.propose(self.draft_state, self.history, k) if k else []
             tokens = mx.array([self.history[-1]] + draft + [0] * (width - len(draft)), dtype=mx.int32)
         t1 = time.perf_counter()
-        if self.sampler.is_greedy and not self.sampler.has_processors:
+        report = None
+        if self.sampler.is_greedy and not self.sampler.has_processors and not self.sampler.wants_logprobs:
             # the argmax inside the compiled forward: fewer host ops
             target = self.verifier.greedy_every(self.cache, tokens[None])[0]
         else:
             logits = self.verifier.logits(self.cache, tokens[None])[0]
-            target = self.sampler.sample(logits, tokens[1:])
+            target, report = self.sampler.sample_with_logprobs(logits, tokens[1:])
         t2 = time.perf_counter()
+        mx.eval(target, *([drafts] if lazy else []), *([] if report is None else report.arrays()))  # one sync
         if lazy:
-            mx.eval(drafts, target)
             draft = drafts.tolist()
         verified = target.tolist()
+        logprobs = None if report is None else report.tolist()
         phases["draft"] += t1 - t0
         phases["verify"] += t2 - t1
         phases["sync"] += time.perf_counter() - t2
-        return draft, verified, width
+        return draft, verified, width, logprobs
 
     def finish(self) -> None:
         """Release caches and draft state. Idempotent."""
@@ -369,3 +384,8 @@ class SpeculativeSession:
     @property
     def output_ids(self) -> list[int]:
         return self.history[len(self.prompt_ids) :]
+
+
+def _clip(logprobs: list[TokenLogprob] | None, tokens: list[int]) -> list[TokenLogprob] | None:
+    """The logprobs of the emitted `tokens` (a prefix of the positions sampled)."""
+    return None if logprobs is None else logprobs[:len(tokens)]

@@ -11,7 +11,8 @@ Pipelining is generate_step's: after a token is returned, the forward that feeds
 and samples the next one is already queued (`pending`), so the host's bookkeeping
 between two `step()` calls overlaps the device's work. State between steps: the
 cache holds every emitted token (the last one lazily), `pending` is the next token,
-still being computed, already drawn from the request's sampler.
+still being computed, already drawn from the request's sampler (with
+`pending_logprobs`, its lazy logprobs, where the request asked for them).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from models.sampling import RequestSampler
+from models.sampling import LogprobArrays, RequestSampler
 from scheduler.runner import TokenBatch
 
 PREFILL_STEP = 2048  # BatchGenerator's prefill_step_size default
@@ -32,9 +33,11 @@ CLEAR_CACHE_EVERY = 256  # generate_step's cadence for releasing MLX's buffer ca
 
 class SoloRow:
     def __init__(self, request_id: str, model: nn.Module, cache: list, sampler: RequestSampler,
-                 stop_ids: Sequence[int], max_tokens: int, pending: mx.array, num_emitted: int = 0):
+                 stop_ids: Sequence[int], max_tokens: int, pending: mx.array, num_emitted: int = 0,
+                 pending_logprobs: LogprobArrays | None = None):
         """Adopt a row mid-stream: `cache` holds the emitted tokens, `pending` (shape
-        (1,)) is the next token, sampled but not yet emitted."""
+        (1,)) is the next token, sampled but not yet emitted, `pending_logprobs` its
+        logprobs (where the request asked)."""
         self.request_id = request_id
         self.model = model
         self.cache = cache
@@ -42,6 +45,7 @@ class SoloRow:
         self.stop_ids = frozenset(stop_ids)
         self.max_tokens = max_tokens
         self.pending = pending
+        self.pending_logprobs = pending_logprobs
         self.num_emitted = num_emitted
 
     @classmethod
@@ -68,16 +72,20 @@ class SoloRow:
         the row's next token is queued now."""
         row = cls(request_id, model, cache, sampler, stop_ids, max_tokens, pending=None, num_emitted=num_emitted)
         with mx.stream(generation_stream):
-            row.pending = row._forward(mx.array([next_input], dtype=mx.int32))
-            mx.async_eval(row.pending)
+            row.pending, row.pending_logprobs = row._forward(mx.array([next_input], dtype=mx.int32))
+            mx.async_eval(row.pending, *row._pending_arrays())
         return row
 
-    def _forward(self, token: mx.array, model=None) -> mx.array:
+    def _forward(self, token: mx.array, model=None) -> tuple[mx.array, LogprobArrays | None]:
         """Feed one token (shape (1,)) and draw the next from the request's sampler,
         which takes it as emitted (a drawn token is always emitted, or the row ends on
-        the one before); `model` stands in for the row's own (a `models.ragged.Rider`)."""
+        the one before); `model` stands in for the row's own (a `models.ragged.Rider`).
+        Returns the token and its logprobs (None unless the request asked)."""
         logits = (model or self.model)(token[:, None], cache=self.cache)
-        return self.sampler.next_token(logits[:, -1, :])
+        return self.sampler.next_token_with_logprobs(logits[:, -1, :])
+
+    def _pending_arrays(self) -> list[mx.array]:
+        return [] if self.pending_logprobs is None else self.pending_logprobs.arrays()
 
     def _finish_reason(self, token: int) -> str | None:
         # mlx-lm's rule: a stop token ends the row even when max_tokens is also reached.
@@ -91,16 +99,17 @@ class SoloRow:
         forward that feeds it is queued before the host waits for it, through `model`
         when given."""
         with mx.stream(generation_stream):
-            token_array = self.pending
-            self.pending = None
+            token_array, token_logprobs = self.pending, self.pending_logprobs
+            self.pending = self.pending_logprobs = None
             if queue_next and self.num_emitted + 1 < self.max_tokens:
-                self.pending = self._forward(token_array, model)
-                mx.async_eval(self.pending)
+                self.pending, self.pending_logprobs = self._forward(token_array, model)
+                mx.async_eval(self.pending, *self._pending_arrays())
             token = token_array.item()
         self.num_emitted += 1
         reason = self._finish_reason(token)
         if reason is not None:
-            self.pending = None
+            self.pending = self.pending_logprobs = None
         if self.num_emitted % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
-        return TokenBatch(self.request_id, [token], reason)
+        logprobs = None if token_logprobs is None else token_logprobs.tolist()
+        return TokenBatch(self.request_id, [token], reason, logprobs=logprobs)

@@ -252,7 +252,7 @@ class Scheduler:
                 self.counters.row_rounds += 1
                 self.counters.drafted_tokens += batch.num_drafted
                 self.counters.accepted_tokens += batch.num_accepted
-            self.sink.tokens(request, batch.token_ids)
+            self.sink.tokens(request, batch.token_ids, batch.logprobs)
             if batch.finish_reason:
                 self._rows.pop(batch.request_id)
                 self.runner.classic_remove(batch.request_id)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from scheduler.counters import Counters, cancel_phase
-from scheduler.request import Request, RequestStatus, SpecStats
+from scheduler.request import Request, RequestStatus, SpecStats, TokenLogprob
 
 _STATUS_FOR_FINISH = {
     "stop": RequestStatus.FINISHED,
@@ -59,6 +59,7 @@ class TokenEvent:
     prompt_tokens: int = 0  # set on the finishing event
     num_cached_tokens: int = 0  # set on the finishing event: prompt tokens the prefix cache held
     times: RequestTimes | None = None  # set on the finishing event
+    logprobs: list[TokenLogprob] | None = None  # one per token, for a request that asked
 
 
 class EventSink:
@@ -77,7 +78,8 @@ class EventSink:
             event = self._events[request_id] = TokenEvent(request_id, [])
         return event
 
-    def tokens(self, request: Request, token_ids: list[int]) -> None:
+    def tokens(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+        """`logprobs`: one per token, where the request asked for them."""
         if not token_ids or request.status.is_done:
             return
         request.output_ids.extend(token_ids)
@@ -85,7 +87,10 @@ class EventSink:
         if request.first_token_time is None:
             request.first_token_time = request.last_token_time
             self._counters.record_ttft(request.lane, request.first_token_time - request.arrival_time)
-        self._event(request.request_id).token_ids.extend(token_ids)
+        event = self._event(request.request_id)
+        event.token_ids.extend(token_ids)
+        if logprobs is not None:
+            event.logprobs = (event.logprobs or []) + list(logprobs)
 
     def finish(self, request: Request, reason: str, error: str | None = None,
                phase: str | None = None) -> None:

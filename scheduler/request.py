@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class Lane(enum.IntEnum):
@@ -56,6 +57,18 @@ class RequestStatus(enum.Enum):
         return self in (RequestStatus.CLASSIC, RequestStatus.ACTIVE)
 
 
+class TokenLogprob(NamedTuple):
+    """One emitted token's log-probability and the `SamplingParams.logprobs` most likely
+    tokens at its position, most likely first, as (token id, log-probability) pairs.
+    Log-probabilities are of the sampler's processed distribution
+    (`models.sampling.RequestSampler.log_probs`: after logit bias, penalties and the
+    grammar mask, before temperature and the top-p / min-p / top-k filters); a token
+    the grammar forbids has -inf."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 REPETITION_CONTEXT_SIZE = 20  # mlx-lm's default window for its repetition penalty
 
 
@@ -76,6 +89,8 @@ class SamplingParams:
       stream so far get -inf, and a draft it forbids ends the draft.
     Then the filters on the log-probabilities (mlx-lm's order: top_p, min_p, top_k;
     0 = off for top_k and min_p) and the draw at `temperature` (0 = argmax).
+    `logprobs`: report each emitted token's `TokenLogprob` with this many alternatives
+    (None: report nothing, and compute nothing).
     """
 
     max_tokens: int
@@ -91,6 +106,7 @@ class SamplingParams:
     repetition_context_size: int = REPETITION_CONTEXT_SIZE
     logit_bias: tuple[tuple[int, float], ...] = ()
     grammar: str | None = None
+    logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from scheduler.costs import TickCosts
-from scheduler.request import Request
+from scheduler.request import Request, TokenLogprob
 
 
 @dataclass
@@ -31,6 +31,17 @@ class TokenBatch:
     num_drafted: int = 0
     num_accepted: int = 0
     drafter: str = ""  # the kind of drafter the row's drafts came from ("ngram")
+    # One per token, for a request that asked (`SamplingParams.logprobs`); else None.
+    logprobs: list[TokenLogprob] | None = None
+
+    def extend(self, more: "TokenBatch") -> None:
+        """Append a later step's batch of the same row (a burst of steps)."""
+        self.token_ids += more.token_ids
+        if more.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + more.logprobs
+        self.finish_reason = more.finish_reason
+        self.num_drafted += more.num_drafted
+        self.num_accepted += more.num_accepted
 
 
 @dataclass
@@ -55,6 +66,7 @@ class RoundOutcome:
     seconds_per_token: float | None = None
     fused: bool = False  # the verify rode in the classic batch's forward (its time is shared)
     drafter: str = ""  # the slot drafter's kind ("draft_model", "ngram")
+    logprobs: list[TokenLogprob] | None = None  # one per token, for a request that asked
 
 
 class ModelRunner(Protocol):

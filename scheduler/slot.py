@@ -278,7 +278,7 @@ class SpecSlot:
         job.started = True
         job.slices_run += 1
         job.cancelled_in_prefill = request.cancel_requested
-        self.sink.tokens(request, batch.token_ids)
+        self.sink.tokens(request, batch.token_ids, batch.logprobs)
         if batch.finish_reason:
             self._end(job, batch.finish_reason)
         elif job.burst:
@@ -332,7 +332,7 @@ class SpecSlot:
         self.counters.accepted_tokens += outcome.num_accepted
         self.gate.record(outcome)
         self.policy.record_round(outcome)
-        self.sink.tokens(request, outcome.token_ids)
+        self.sink.tokens(request, outcome.token_ids, outcome.logprobs)
         if outcome.finish_reason:
             self._end(job, outcome.finish_reason)
             return False

@@ -59,6 +59,7 @@ class TextCodec:
         """`chat_template`: a jinja template used instead of the tokenizer's own."""
         self._tok = tokenizer
         self._chat_template = chat_template
+        self._token_texts: dict[int, str] = {}
 
     @classmethod
     def from_path(cls, model_path: str, chat_template: str | None = None) -> "TextCodec":
@@ -117,6 +118,13 @@ class TextCodec:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens spelled out (logprobs name every token)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
+        return text
 
     @property
     def vocab_size(self) -> int:

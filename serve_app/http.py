@@ -13,6 +13,7 @@ scheduler, whatever phase it is in.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -27,6 +28,7 @@ from serve_app.client import SCHEDULER_LOST, EngineClient, QueueFull
 from serve_app.codec import TextCodec
 from serve_app.config import ServeArgs
 from serve_app.errors import EXCEPTION_HANDLERS
+from serve_app.logprobs import LogprobFormat, LogprobTrail
 from serve_app.metrics import ReplicaMetrics, StreamTimes
 from serve_app.protocol import APIError, GenerationSpec, decode_json, parse_generation
 from serve_app.ready import health_body
@@ -54,6 +56,7 @@ class OpenAIService:
         if codec is not None:
             self._load_ended.set()
         self._background: set[asyncio.Task] = set()
+        self._started: set[str] = set()  # requests whose pieces are being read (`_abandon_unstarted`)
 
     @property
     def ready(self) -> bool:
@@ -160,7 +163,7 @@ class OpenAIService:
     async def _generate(self, http: HTTPRequest, chat: bool) -> Response:
         lane_cap = self._lane_cap(http)
         await self._wait_loaded()
-        times = StreamTimes(arrival=time.monotonic())  # TTFT and e2e start here
+        arrival = time.monotonic()  # TTFT and e2e start here
         spec = parse_generation(decode_json(await self._read_body(http)), chat)
         if spec.model is not None and spec.model != self.args.model_name:
             raise APIError(400, f"model '{spec.model[:64]}' is not served here; "
@@ -170,83 +173,149 @@ class OpenAIService:
         lane = Lane(max(parse_priority(http.headers.get("x-priority")), lane_cap))
         prefix = "chatcmpl-" if chat else "cmpl-"
         request_id = prefix + uuid.uuid4().hex
-        request = Request(request_id, prompt_ids, self._sampling(spec, max_tokens), lane=lane)
-        try:
-            events = await self.client.submit(request)
-        except QueueFull:
-            self.metrics.rejected.labels("503").inc()
-            raise APIError(503, "the server is at capacity; retry later", "server_error",
-                           code="queue_full", headers=self._retry()) from None
-        except Exception:  # scheduler dead or restarting: the replica recovers it
-            logger.warning("submitting %s failed", request_id, exc_info=True)
-            self.metrics.rejected.labels("503").inc()
-            raise APIError(503, "the scheduler is restarting; retry later", "server_error",
-                           code="scheduler_unavailable", headers=self._retry()) from None
-        fmt = ResponseFormat(request_id, self.args.model_name, chat, spec.output)
-        pieces = self._pieces(request, events, spec, len(prompt_ids), times)
+        # n choices are n engine requests; a seeded request's choices get seed, seed + 1, ...
+        requests = [Request(request_id if spec.n == 1 else f"{request_id}-{i}", prompt_ids,
+                            self._sampling(spec, max_tokens, i), lane=lane) for i in range(spec.n)]
+        streams = []
+        for request in requests:
+            try:
+                events = await self.client.submit(request)
+            except Exception as exc:
+                for submitted in requests[:len(streams)]:
+                    self._spawn(self._abandon(submitted.request_id, lane.name.lower()))
+                raise self._submit_error(request.request_id, exc) from None
+            streams.append(self._pieces(request, events, spec, len(prompt_ids), StreamTimes(arrival=arrival)))
+        logprobs = None if spec.logprobs is None else LogprobFormat(self.codec.token_text, chat)
+        fmt = ResponseFormat(request_id, self.args.model_name, chat, spec.output, logprobs)
         if spec.stream:
-            return StreamingResponse(self._sse(fmt, pieces, spec.include_usage),
+            return StreamingResponse(self._sse(fmt, streams, requests, spec.include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", **self._id_header()})
-        response = await self._collect(fmt, pieces)
+        response = await self._collect(fmt, streams, requests)
         response.headers.update(self._id_header())
         return response
+
+    def _submit_error(self, request_id: str, exc: Exception) -> APIError:
+        self.metrics.rejected.labels("503").inc()
+        if isinstance(exc, QueueFull):
+            return APIError(503, "the server is at capacity; retry later", "server_error",
+                            code="queue_full", headers=self._retry())
+        # scheduler dead or restarting: the replica recovers it
+        logger.warning("submitting %s failed", request_id, exc_info=exc)
+        return APIError(503, "the scheduler is restarting; retry later", "server_error",
+                        code="scheduler_unavailable", headers=self._retry())
 
     def _id_header(self) -> dict[str, str]:
         replica = self.identity.get("replica_id")
         return {"X-Specslot-Replica": replica} if replica else {}
 
-    async def _collect(self, fmt: ResponseFormat, pieces) -> Response:
+    async def _collect(self, fmt: ResponseFormat, streams: list, requests: list[Request]) -> Response:
+        """All choices, read concurrently; the first to fail fails the request and
+        cancels the others."""
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(self._collect_one(s)) for s in streams] if len(streams) > 1 else []
+        try:
+            results = await asyncio.gather(*tasks) if tasks else [await self._collect_one(streams[0])]
+        finally:
+            for task in tasks:
+                task.cancel()
+            self._abandon_unstarted(streams, requests)
+        choices = [fmt.choice(i, text, finish, entries) for i, (text, finish, _, entries) in enumerate(results)]
+        return JSONResponse(fmt.full(choices, Usage.of_choices([usage for _, _, usage, _ in results])))
+
+    @staticmethod
+    async def _collect_one(pieces) -> tuple:
+        """(text, finish_reason, usage, logprob entries or None) of one choice."""
         texts: list[str] = []
-        final = None
-        async for text, finish_reason, usage, error in pieces:  # ends after the final piece
+        entries: list | None = None
+        result = None
+        # read to the end: the generator releases the request's queue once it has returned
+        async for text, finish_reason, usage, error, released in pieces:  # ends after the final piece
             if error is not None:
                 raise APIError(500, error, "server_error", code="generation_failed")
             texts.append(text)
+            if released is not None:
+                entries = (entries or []) + released
             if finish_reason is not None:
-                final = JSONResponse(fmt.full("".join(texts), finish_reason, usage))
-        if final is None:
+                result = "".join(texts), finish_reason, usage, entries
+        if result is None:
             raise APIError(500, SCHEDULER_LOST, "server_error", code="generation_failed")
-        return final
+        return result
 
-    async def _sse(self, fmt: ResponseFormat, pieces, include_usage: bool):
-        yield sse(fmt.chunk("", None, first=True))
-        held: list[str] = []  # a reply that may be tool calls is sent once finished
-        async for text, finish_reason, usage, error in pieces:  # ends after the final piece
-            if error is not None:
-                yield sse(APIError(500, error, "server_error", code="generation_failed").body())
-                continue
-            if fmt.holds_back_stream:
-                held.append(text)
-            elif text:
-                yield sse(fmt.chunk(text, None))
-            if finish_reason is not None:
-                ending = (fmt.final_chunks("".join(held), finish_reason) if fmt.holds_back_stream
-                          else [fmt.chunk(None, finish_reason)])
-                for chunk in ending:
-                    yield sse(chunk)
-                if include_usage:
-                    yield sse(fmt.usage_chunk(usage))
+    async def _sse(self, fmt: ResponseFormat, streams: list, requests: list[Request], include_usage: bool):
+        try:
+            async with contextlib.aclosing(self._sse_body(fmt, streams, include_usage)) as body:
+                async for data in body:
+                    yield data
+        finally:
+            self._abandon_unstarted(streams, requests)
+
+    def _abandon_unstarted(self, streams: list, requests: list[Request]) -> None:
+        """Cancel the requests whose pieces were never read (a client gone before its
+        choice's first read): their own cleanup (`_pieces`) never runs."""
+        for request in requests:
+            if request.request_id not in self._started:
+                self._spawn(self._abandon(request.request_id, request.lane.name.lower()))
+        self._started.difference_update(r.request_id for r in requests)
+
+    async def _sse_body(self, fmt: ResponseFormat, streams: list, include_usage: bool):
+        for i in range(len(streams)):
+            yield sse(fmt.chunk("", None, first=True, index=i))
+        held: dict[int, list[str]] = {}  # a reply that may be tool calls is sent once finished
+        held_entries: dict[int, list] = {}
+        usages: list = []
+        async with contextlib.aclosing(_merged(streams)) as pieces:
+            async for i, (text, finish_reason, usage, error, released) in pieces:
+                if error is not None:  # one choice failed: the request ends (the others are cancelled)
+                    yield sse(APIError(500, error, "server_error", code="generation_failed").body())
+                    break
+                if fmt.holds_back_stream:
+                    held.setdefault(i, []).append(text)
+                    if released is not None:
+                        held_entries[i] = held_entries.get(i, []) + released
+                elif text:
+                    yield sse(fmt.chunk(text, None, index=i, entries=released))
+                    released = None
+                if finish_reason is not None:
+                    if fmt.holds_back_stream:
+                        ending = fmt.final_chunks("".join(held.pop(i, [])), finish_reason, i,
+                                                  held_entries.pop(i, None) if fmt.logprobs else None)
+                    else:
+                        ending = [fmt.chunk(None, finish_reason, index=i, entries=released or None)]
+                    for chunk in ending:
+                        yield sse(chunk)
+                    usages.append(usage)
+            else:
+                if include_usage and len(usages) == len(streams):
+                    yield sse(fmt.usage_chunk(Usage.of_choices(usages)))
         yield sse("[DONE]")
 
     async def _pieces(self, request: Request, events, spec: GenerationSpec, num_prompt: int,
                       times: StreamTimes):
-        """(text, finish_reason, usage, error) tuples of one request; cancels it if abandoned."""
+        """(text, finish_reason, usage, error, logprob entries) tuples of one request
+        (entries: those of the tokens whose text this piece begins, or on the final
+        piece every billed token's not given yet; None without logprobs); cancels the
+        request if abandoned."""
         rid, lane = request.request_id, request.lane.name.lower()
+        self._started.add(rid)
         decoder = self.codec.decoder(skip_ids=self.client.info.get("eos_token_ids") or ())
-        completion = CompletionText(decoder, spec.stop)
+        trail = None if spec.logprobs is None else LogprobTrail()
+        completion = CompletionText(decoder, spec.stop, per_token=trail is not None)
         done = False
         try:
             async for event in events:
                 if event.token_ids:
                     self.metrics.record_tokens(times, len(event.token_ids), num_prompt, time.monotonic())
                 text = completion.add(event.token_ids)
+                if trail is not None:
+                    trail.add(event.token_ids, event.logprobs)
                 if completion.stopped:
                     final = event if event.finish_reason else await self._cancel_and_drain(rid, events)
                     finish, error = "stop", None
                 elif event.finish_reason is None:
-                    if text:
-                        yield text, None, None, None
+                    released = None if trail is None else trail.release(completion.starts, completion.num_sent)
+                    if text or released:
+                        yield text, None, None, None, released
                     continue
                 elif event.finish_reason in ("stop", "length"):
                     text += completion.finish()
@@ -261,7 +330,8 @@ class OpenAIService:
                 cached = 0 if final is None else final.num_cached_tokens
                 self.metrics.record_finish(lane, finish, times, time.monotonic(), stats,
                                            None if final is None else final.times)
-                yield text, finish, Usage(num_prompt, completion.num_billed, stats, cached), error
+                released = None if trail is None else trail.release(completion.starts, 0, completion.num_billed)
+                yield text, finish, Usage(num_prompt, completion.num_billed, stats, cached), error, released
                 return
         finally:
             if not done:  # the client went away (or the response task was cancelled)
@@ -347,16 +417,57 @@ class OpenAIService:
                            code="context_length_exceeded")
         return spec.max_tokens
 
-    def _sampling(self, spec: GenerationSpec, max_tokens: int) -> SamplingParams:
+    def _sampling(self, spec: GenerationSpec, max_tokens: int, choice: int = 0) -> SamplingParams:
+        """The parameters of choice `choice` (of `spec.n`): a seeded request's choice i
+        has seed + i (wrapping at 2**64), so choices differ and each is reproducible."""
         fields = {**self.sampling_defaults, **spec.sampling}
         vocab = self.codec.vocab_size
         for token_id, _ in fields.get("logit_bias", ()):
             if token_id >= vocab:
                 raise APIError(400, f"logit_bias: token id {token_id} is outside the vocabulary "
                                f"({vocab} tokens)", param="logit_bias", code="invalid_value")
-        return SamplingParams(max_tokens=max_tokens, seed=spec.seed, grammar=spec.output.grammar,
+        seed = spec.seed
+        if seed is not None and choice:
+            seed = (seed + choice) % 2**64 if seed >= 0 else seed + choice
+        return SamplingParams(max_tokens=max_tokens, seed=seed, grammar=spec.output.grammar, logprobs=spec.logprobs,
                               stop_token_ids=tuple(self.client.info.get("eos_token_ids") or ()), **fields)
 
     def _retry(self) -> dict[str, str]:
         return {"Retry-After": str(self.args.retry_after_seconds)}
 
+
+
+async def _merged(streams: list):
+    """(choice index, piece) from every choice's pieces as they come. One choice reads
+    its stream directly; several are read by one task each, all cancelled when the
+    consumer stops (a client that went away, a failed choice), which cancels their
+    requests (`OpenAIService._pieces`)."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as pieces:  # a consumer that stops closes it
+            async for piece in pieces:
+                yield 0, piece
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, pieces) -> None:
+        try:
+            async for piece in pieces:
+                queue.put_nowait((index, piece))
+        except Exception:  # noqa: BLE001 - reported as the choice's failure
+            logger.exception("choice %d failed", index)
+            queue.put_nowait((index, ("", "error", None, SCHEDULER_LOST, None)))
+        finally:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.get_running_loop().create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, piece = await queue.get()
+            if piece is None:
+                running -= 1
+            else:
+                yield index, piece
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -5,7 +5,7 @@ Bodies are parsed strictly (unknown fields, wrong types and out-of-range values 
 into a scheduler `Request` once the prompt is tokenized. Error messages name the field
 as the client wrote it (`messages[1].content`) and never carry internal detail (paths,
 stack traces). Fields OpenAI defines that this server does not implement yet are
-accepted with the values that change nothing (`n: 1`, `logprobs: false`) and are a 400
+accepted with the values that change nothing (`echo: false`, `best_of: 1`) and are a 400
 `unsupported_parameter` naming the field otherwise. `response_format`, `tools` and
 `tool_choice` become an `OutputSpec` (`serve_app.structured`). Sampling fields a request omits stay
 unset here: their defaults depend on the deployment and the model
@@ -28,6 +28,7 @@ from serve_app.sampling_defaults import sampling_fields
 from serve_app.structured import OutputSpec, resolve
 
 _BODY = ConfigDict(extra="forbid", strict=True)
+MAX_CHOICES = 8  # `n`: independent completions of one prompt, each an engine request
 _TOKEN_ID = re.compile(r"[0-9]{1,12}")
 
 
@@ -56,7 +57,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
     # Typed here so a malformed value is a plain 400; `_NOT_YET` serves the neutral values.
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, Any] | None = None  # token id (as a string) -> bias in [-100, 100]
@@ -112,9 +113,7 @@ class ChatBody(_Common):
 
 # Fields this server does not implement yet, with the values that change nothing (served,
 # and ignored); any other value is a 400 naming the field.
-_NOT_YET: dict[str, tuple] = {
-    "n": (1,), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "suffix": (),
-}
+_NOT_YET: dict[str, tuple] = {"echo": (False,), "best_of": (1,), "suffix": ()}
 # Body fields that are `SamplingParams` fields of the same name.
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                     "repetition_penalty")
@@ -147,6 +146,9 @@ class GenerationSpec:
     stream: bool
     include_usage: bool
     output: OutputSpec = OutputSpec()  # structured output and tools (chat only)
+    # Report each token's log-probability and this many alternatives (None: no logprobs).
+    logprobs: int | None = None
+    n: int = 1  # independent choices
 
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
@@ -203,8 +205,20 @@ def parse_generation(body: dict, chat: bool) -> GenerationSpec:
         sampling=_sampling(parsed), stop=list(parsed.stop or []),
         seed=parsed.seed, stream=parsed.stream,
         include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
-        output=output,
+        output=output, logprobs=_logprobs(parsed, chat), n=parsed.n,
     )
+
+
+def _logprobs(parsed: BaseModel, chat: bool) -> int | None:
+    """How many alternatives each token reports, None for no logprobs: completions'
+    `logprobs` (0..5), chat's `top_logprobs` (0..20) once `logprobs` is true."""
+    if not chat:
+        return parsed.logprobs
+    if not parsed.logprobs:
+        if parsed.top_logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+        return None
+    return parsed.top_logprobs or 0
 
 
 def _sampling(parsed: _Common) -> dict:

@@ -168,12 +168,16 @@ def test_a_chat_template_file_is_read_when_the_app_is_built(tmp_path):
      200, None, None),
     ("chat/completions", {"messages": USER, "parallel_tool_calls": True}, 200, None, None),
     ("chat/completions", {"messages": USER, "tool_choice": "auto"}, 400, "tool_choice", "invalid_value"),
+    # logprobs and n (tests/serve/test_logprobs_http.py checks the replies)
+    ("chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": 2, "n": 2}, 200, None, None),
+    ("completions", {"prompt": "hi", "logprobs": 5, "n": 8}, 200, None, None),
+    ("chat/completions", {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),
+    ("chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
+     "invalid_value"),
+    ("completions", {"prompt": "hi", "logprobs": 6}, 400, "logprobs", "invalid_value"),
+    ("completions", {"prompt": "hi", "n": 9}, 400, "n", "invalid_value"),
     # not implemented yet: a 400 naming the field
-    ("chat/completions", {"messages": USER, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
-    ("chat/completions", {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", "unsupported_parameter"),
-    ("chat/completions", {"messages": USER, "n": 2}, 400, "n", "unsupported_parameter"),
     ("completions", {"prompt": "hi", "echo": True}, 400, "echo", "unsupported_parameter"),
-    ("completions", {"prompt": "hi", "logprobs": 1}, 400, "logprobs", "unsupported_parameter"),
     # malformed, named as the client wrote it
     ("completions", {"prompt": "hi", "n": 0}, 400, "n", "invalid_value"),
     ("completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty", "invalid_value"),

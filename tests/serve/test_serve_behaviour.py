@@ -63,7 +63,7 @@ BAD_BODIES = [
     ("completions", json.dumps({"prompt": "hi", "top_p": 0}).encode(), 400),
     ("completions", json.dumps({"prompt": "hi", "stop": [""]}).encode(), 400),
     ("completions", json.dumps({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}).encode(), 400),
-    ("completions", json.dumps({"prompt": "hi", "n": 2}).encode(), 400),
+    ("completions", json.dumps({"prompt": "hi", "n": 9}).encode(), 400),
     ("completions", json.dumps({"prompt": "hi", "bogus_field": 1}).encode(), 400),
     ("completions", json.dumps({"prompt": "hi", "model": "gpt-4"}).encode(), 400),
     ("completions", json.dumps({"prompt": "", "max_tokens": 3}).encode(), 400),
@@ -104,7 +104,7 @@ BAD_BODIES = [
     ("completions", j({**HI, "stop": 5}), 400),
     ("completions", j({**HI, "stop": ["x" * 300]}), 400),
     ("completions", j({**HI, "echo": True}), 400),
-    ("completions", j({**HI, "logprobs": 3}), 400),  # unknown / unsupported fields
+    ("completions", j({**HI, "logprobs": 6}), 400),  # out of OpenAI's range (0..5)
     ("completions", j({**HI, "presence_penalty": 2.5}), 400),  # out of OpenAI's range
     ("completions", j({**HI, "model": ""}), 400),
     ("completions", j({**HI, "user": "u" * 300}), 400),

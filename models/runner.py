@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import platform
 import time
 from typing import Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from models import bucketed, cache_rollback, prefix_cache, ragged, slab, tick_costs
-from models.batch_adapter import ClassicBatch
+from models import bucketed, cache_rollback, ragged, runner_build, slab, tick_costs
 from models.ragged_batch import RaggedBatch
 from models.drafter_kinds import DRAFTERS
 from models.drafters import Drafter, DrafterSlot
@@ -25,21 +23,15 @@ from models.grammar import Grammars
 from models.loader import LoadedModel, load_pair
 from models.sampling import supports_sampling
 from models.runner_config import RunnerConfig
-from models.session import PROBE_TOKENS, SpeculativeSession
-from scheduler.request import Request, SamplingParams
+from models.runner_build import hardware_name  # noqa: F401 (re-exported)
+from models.session import SpeculativeSession
+from scheduler.request import Request
 from scheduler.costs import TickCosts
 from scheduler.runner import RoundOutcome, TokenBatch
 
 log = logging.getLogger(__name__)
 
 SPEC_OFF_NO_ROLLBACK = "the target's cache cannot be rolled back"
-
-
-def hardware_name() -> str:
-    """e.g. "cpu-x86_64" or "gpu-arm64"."""
-    device = mx.default_device()
-    kind = getattr(getattr(device, "type", None), "name", None) or str(device)
-    return f"{kind}-{platform.machine()}"
 
 
 class MlxRunner:
@@ -54,7 +46,7 @@ class MlxRunner:
         config = dataclasses.replace(config or RunnerConfig(), **knobs)
         self.config = config
         num_draft_tokens, max_batch_size = config.num_draft_tokens, config.max_batch_size
-        fast_verify, prefill_chunk, ragged = config.fast_verify, config.prefill_chunk, config.ragged
+        fast_verify, prefill_chunk = config.fast_verify, config.prefill_chunk
         self.target = target
         self.tokenizer = target.tokenizer
         self.eos_token_ids: list[int] = sorted(self.tokenizer.eos_token_ids)
@@ -77,7 +69,6 @@ class MlxRunner:
         self._tick_costs: TickCosts | None = None
         self._classic_rows_cap = max_batch_size
         self._verifier = None
-        self._warm_session = config.warm_session
         # Why the verify cannot ride in the classic batch's forward (None: it can).
         self.fuse_blocker: str | None = self.spec_off_reason
         if fast_verify and self._slot is not None and bucketed.supports(target.model):
@@ -87,27 +78,9 @@ class MlxRunner:
             self.fuse_blocker = "the slot verifies through the compiled GPU path (fast_verify)"
         elif self.fuse_blocker is None:
             self.fuse_blocker = slab.check_support(target.model)
-        # Where the verify can ride in the batch's forward, classic rows and sessions
-        # share one slab (`models.ragged_batch`): moving a stream between them moves no keys.
-        if ragged and self.fuse_blocker is not None:
-            raise ValueError(f"a ragged batch needs a verify that rides in it: {self.fuse_blocker}")
-        batch_kind = RaggedBatch if self.fuse_blocker is None and ragged is not False else ClassicBatch
-        extra = {}
-        if batch_kind is RaggedBatch:
-            extra = dict(row_drafts=config.row_drafts and self._slot is not None, num_draft_tokens=num_draft_tokens,
-                         prefix_cache=_make_prefix_cache(config.prefix_cache_bytes))
-        elif config.prefix_cache_bytes != 0:
-            log.info("prefix cache off: it needs the slab batch (%s)", self.fuse_blocker)
-        self._classic = batch_kind(
-            target.model,
-            eos_token_ids=self.eos_token_ids,
-            max_batch_size=max_batch_size,
-            prefill_batch_size=config.prefill_batch_size,
-            solo_burst_s=config.classic_burst_ms / 1000.0,
-            grammars=self.grammars,
-            **extra,
-        )
-        if batch_kind is RaggedBatch and self._classic.row_drafts:
+        self._classic = runner_build.make_classic_batch(target.model, config, self.fuse_blocker, self._slot is not None,
+                                                        self.eos_token_ids, self.grammars)
+        if self._ragged and self._classic.row_drafts:
             self._classic.costs = self.tick_costs()  # what a verify position costs, at load
         if self._verifier is not None:
             warm_positions = config.warm_positions
@@ -125,49 +98,19 @@ class MlxRunner:
         return self._verifier is not None
 
     def warm(self, max_positions: int) -> int:
-        """Compile the fast path's shapes for contexts up to `max_positions`: verifies of
-        1 and K + 1 positions (logits for sampled requests, greedy tokens for greedy
-        ones), draft steps of 1 and 2, prefill chunks of target and draft. Returns the shape count. With `warm_session`, then also runs
-        throwaway requests through begin, a probe round and full rounds (greedy and
-        sampled), so what the shapes do not cover (library handles, kernels of the first
-        use, the sampler) is paid here and not by the first real request."""
+        """Compile the fast path's shapes for contexts up to `max_positions`
+        (`runner_build.warm_compiled`); returns the shape count. With `warm_session`, then
+        also runs throwaway requests through begin, a probe round and full rounds (greedy
+        and sampled), so what the shapes do not cover (library handles, kernels of the
+        first use, the sampler) is paid here and not by the first real request."""
         if self._verifier is None:
             return 0
-        tic = time.perf_counter()
-        log.info("warming the compiled verify for contexts up to %d positions (MLX compiles each shape once)",
-                 max_positions)
-        verify_widths = (1, self.num_draft_tokens + 1)  # 1: a request's last-token round
-        count = self._verifier.warm(verify_widths, max_positions)  # sampled requests
-        count += self._verifier.warm(verify_widths, max_positions, head="every")  # greedy ones
-        chunk = self._verifier.prefill_chunk
-        if chunk:
-            count += self._verifier.warm((chunk,), max_positions, head="last")
-        # The drafter's catch-up feeds: 1-2 tokens after a round, PROBE_TOKENS + 1-2 after a probe.
-        count += self._slot.drafter.warm((1, 2, PROBE_TOKENS + 1, PROBE_TOKENS + 2), max_positions)
-        log.info("compiled %d shapes in %.1f s", count, time.perf_counter() - tic)
-        if self._warm_session:
+        count = runner_build.warm_compiled(self._verifier, self._slot.drafter, self.num_draft_tokens, max_positions)
+        if self.config.warm_session:
             tic = time.perf_counter()
-            self._run_warm_requests()
+            runner_build.run_warm_requests(self)
             log.info("warm requests ran in %.1f s", time.perf_counter() - tic)
         return count
-
-    def _run_warm_requests(self) -> None:
-        if self._slot.holder is not None:  # only at load, before any request holds the slot
-            return
-        prompt = list(self.tokenizer.encode("def warm(x):\n    return x + 1\n"))[:16] or [1]
-        n = 2 * (self.num_draft_tokens + 1) + 2
-        for i, params in enumerate((SamplingParams(max_tokens=n),
-                                    SamplingParams(max_tokens=n, temperature=0.7, top_p=0.9, seed=0))):
-            request = Request(f"__warm{i}", prompt, params)
-            if not self.spec_supports(request):
-                return
-            try:
-                if self.spec_begin(request).finish_reason is None:
-                    reason = self.spec_round(request.request_id, probe=True).finish_reason
-                    while reason is None:
-                        reason = self.spec_round(request.request_id).finish_reason
-            finally:
-                self.spec_finish(request.request_id)
 
     @classmethod
     def from_paths(cls, target_path: str, *, drafter_kind: str | None = "draft_model",
@@ -394,11 +337,3 @@ class MlxRunner:
             self.spec_finish(request_id)
         self._classic.close()
 
-
-def _make_prefix_cache(budget_bytes: int | None) -> prefix_cache.PrefixCache | None:
-    """None when off (0); None as the budget: sized from the memory available now."""
-    if budget_bytes is None:
-        budget_bytes = prefix_cache.default_budget(prefix_cache.available_memory())
-        log.info("prefix cache: %.2f GiB (1/%d of the memory available, at most %d GiB)", budget_bytes / 2**30,
-                 prefix_cache.DEFAULT_BUDGET_SHARE, prefix_cache.DEFAULT_BUDGET_CAP >> 30)
-    return prefix_cache.PrefixCache(budget_bytes) if budget_bytes > 0 else None

@@ -8,7 +8,7 @@ deployment args import this module before any model is loaded.
 
 Where a default is computed: `prefix_cache_bytes` is 0 (off) here, so scripts and tests
 opt in, but a deployment leaves it None (`deploy_default`), which the runner sizes from
-the memory available once the model is loaded (`models.runner._make_prefix_cache`).
+the memory available once the model is loaded (`models.runner_build.make_prefix_cache`).
 """
 
 from __future__ import annotations

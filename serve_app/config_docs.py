@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 import sys
 import typing
-from pathlib import Path
 from typing import Any, Iterable, Literal
 
 from annotated_types import Ge, Le

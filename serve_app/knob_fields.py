@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from models.runner_config import RunnerConfig, deployed_runner_knobs
+from models.runner_config import deployed_runner_knobs
 from scheduler.config import SchedulerConfig
 from scheduler.knobs import KnobField, knob_fields, unwrap_optional
 

@@ -21,10 +21,10 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from models import bucketed, cache_rollback
 from models.bucketed import BucketedForward
+from models.rollback import draft_cache_trim
 
 if TYPE_CHECKING:
     from models.loader import LoadedModel
-from models.rollback import draft_cache_trim
 
 PREFILL_STEP = 2048
 
@@ -32,7 +32,8 @@ PREFILL_STEP = 2048
 class Drafter(Protocol):
     """What the slot, the sessions and the runner need of a drafter. Kinds are
     registered in `models.drafter_kinds.DRAFTERS`; capabilities are members here, never
-    found with isinstance."""
+    found with isinstance. (One is still optional: a drafter that drafts on the device
+    without a host sync has `propose_array`, which `models.session` looks for.)"""
 
     kind: str  # its key in `models.drafter_kinds.DRAFTERS`
     name: str  # for the policy key

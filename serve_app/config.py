@@ -47,8 +47,9 @@ class DrafterArgs(BaseModel):
         + f"; `{NO_DRAFTER}`: classic decode only.",
     )
     path: str | None = Field(
-        None, description="Draft model: a directory (mlx-lm format) or a Hugging Face hub id, "
-        "as for `model`; required for a drafter with weights (`draft_model`), forbidden otherwise.",
+        None, description="Draft model: a directory (mlx-lm format) or a Hugging Face hub id, as for "
+        "`model`; required for a kind with weights (" + ", ".join(
+            f"`{kind}`" for kind, entry in DRAFTERS.items() if entry.needs_weights) + "), forbidden otherwise.",
         json_schema_extra=_doc(values="directory or hub id"),
     )
 

@@ -21,10 +21,9 @@ def deployment_knobs() -> dict[str, KnobField]:
     """Every knob a deployment sets: the scheduler's, then the runner's it does not share."""
     fields = dict(knob_fields(SchedulerConfig))
     for name, field in deployed_runner_knobs().items():
-        if name in fields:
-            assert fields[name].knob is field.knob, f"{name} is declared twice with different specs"
-            continue
-        fields[name] = field
+        if name in fields and fields[name].knob is not field.knob:
+            raise TypeError(f"{name} is declared twice with different specs; share it with `same_as`")
+        fields.setdefault(name, field)
     return fields
 
 

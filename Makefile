@@ -10,7 +10,7 @@ else
 endif
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-fast bench-quick bench clean
+.PHONY: install serve test test-fast docs bench-quick bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -m "not serve"
+
+# docs/configuration.md's key tables, from the configs that declare each key
+docs: $(STAMP)
+	$(BIN)/python -m serve_app.config_docs
 
 bench-quick: $(STAMP)
 	$(BIN)/python -m scripts.bench_all --quick --out results/quick

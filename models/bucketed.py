@@ -38,10 +38,11 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from models.runner_config import RunnerConfig
 from models.sampling import log_probs
 
 DEFAULT_BUCKET = 256
-DEFAULT_PREFILL_CHUNK = 128
+DEFAULT_PREFILL_CHUNK = RunnerConfig.prefill_chunk
 
 
 class _BufferView:

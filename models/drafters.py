@@ -13,22 +13,37 @@ compares each draft token with the target's own sample at that position (see
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from models import cache_rollback
+from models import bucketed, cache_rollback
 from models.bucketed import BucketedForward
 from models.rollback import draft_cache_trim
+
+if TYPE_CHECKING:
+    from models.loader import LoadedModel
 
 PREFILL_STEP = 2048
 
 
 class Drafter(Protocol):
-    kind: str  # "draft_model" | "ngram"
+    """What the slot, the sessions and the runner need of a drafter. Kinds are
+    registered in `models.drafter_kinds.DRAFTERS`; capabilities are members here, never
+    found with isinstance. (One is still optional: a drafter that drafts on the device
+    without a host sync has `propose_array`, which `models.session` looks for.)"""
+
+    kind: str  # its key in `models.drafter_kinds.DRAFTERS`
     name: str  # for the policy key
+    # Its drafts are the n-gram lookup classic rows verify themselves (`NgramIndex`), so a
+    # holder beside drafting rows may speculate on as a row.
+    drafts_like_rows: bool
+
+    @classmethod
+    def load(cls, draft: LoadedModel | None) -> "Drafter":
+        """Build one from the loaded draft model (None for a kind without weights)."""
 
     def new_state(self, prompt_ids: Sequence[int]) -> object:
         """A session's fresh draft state for this prompt (prefilled where it has a cache)."""
@@ -38,6 +53,14 @@ class Drafter(Protocol):
 
     def rollback(self, state: object, num_drafted: int, num_accepted: int) -> None:
         """Forget what followed the accepted drafts of the round just verified."""
+
+    def compile_forwards(self, prefill_chunk: int) -> None:
+        """With fast_verify: draft through compiled shape-stable forwards where it has a
+        model (`models.bucketed`); a no-op for a kind without one."""
+
+    def warm(self, feed_lengths: tuple[int, ...], max_positions: int) -> int:
+        """Compile the compiled forwards' shapes for these feed lengths and contexts up
+        to `max_positions`; returns the shape count (0 without compiled forwards)."""
 
 
 @dataclass
@@ -60,6 +83,7 @@ class DraftModelDrafter:
     """
 
     kind = "draft_model"
+    drafts_like_rows = False
 
     def __init__(self, model: nn.Module, name: str, fast: BucketedForward | None = None):
         """`fast`: compiled shape-stable forwards of `model` (GPU path), used by
@@ -72,6 +96,20 @@ class DraftModelDrafter:
             raise ValueError(f"draft model {name!r} has a cache that cannot be rolled back "
                              "(state-space or recurrent layers); use another draft or ngram")
         self._rings = cache_rollback.has_ring(cache)
+
+    @classmethod
+    def load(cls, draft: LoadedModel | None) -> "DraftModelDrafter":
+        return cls(draft.model, draft.name)
+
+    def compile_forwards(self, prefill_chunk: int) -> None:
+        if self.fast is None and bucketed.supports(self.model):
+            self.fast = BucketedForward(self.model, prefill_chunk=prefill_chunk)
+
+    def warm(self, feed_lengths: tuple[int, ...], max_positions: int) -> int:
+        if self.fast is None:
+            return 0
+        chunk = (self.fast.prefill_chunk,) if self.fast.prefill_chunk else ()
+        return self.fast.warm(feed_lengths + chunk, max_positions, head="last")
 
     def new_state(self, prompt_ids: Sequence[int]) -> DraftModelState:
         cache = make_prompt_cache(self.model)
@@ -148,11 +186,22 @@ class NgramDrafter:
     """
 
     kind = "ngram"
+    drafts_like_rows = True
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.name = f"n{min_ngram}-{max_ngram}"
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+
+    @classmethod
+    def load(cls, draft: LoadedModel | None) -> "NgramDrafter":
+        return cls()
+
+    def compile_forwards(self, prefill_chunk: int) -> None:
+        return None
+
+    def warm(self, feed_lengths: tuple[int, ...], max_positions: int) -> int:
+        return 0
 
     def new_state(self, prompt_ids: Sequence[int]) -> None:
         return None

@@ -7,87 +7,47 @@ Classic rows go through `models.batch_adapter.ClassicBatch`; speculative request
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import platform
 import time
 from typing import Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from models import bucketed, cache_rollback, prefix_cache, ragged, slab, tick_costs
+from models import bucketed, cache_rollback, ragged, runner_build, slab, tick_costs
 from models.replica_index import ReplicaIndex
-from models.batch_adapter import ClassicBatch
 from models.ragged_batch import RaggedBatch
-from models.drafters import Drafter, DraftModelDrafter, DrafterSlot, NgramDrafter
+from models.drafter_kinds import DRAFTERS
+from models.drafters import Drafter, DrafterSlot
 from models.grammar import Grammars
 from models.loader import LoadedModel, load_pair
 from models.sampling import supports_sampling
-from models.session import PROBE_TOKENS, SpeculativeSession
-from scheduler.request import Request, SamplingParams
+from models.runner_config import RunnerConfig
+from models.runner_build import hardware_name  # noqa: F401 (re-exported)
+from models.session import SpeculativeSession
+from scheduler.request import Request
 from scheduler.costs import TickCosts
 from scheduler.runner import RoundOutcome, TokenBatch
 
 log = logging.getLogger(__name__)
 
-DRAFTER_KINDS = ("draft_model", "ngram")
 SPEC_OFF_NO_ROLLBACK = "the target's cache cannot be rolled back"
-# Per-tick time a lone classic row may keep decoding: on an H200 a bundled-model step is
-# ~1.4 ms and an engine tick's own work ~0.05-0.1 ms, so ~3 steps per tick make that
-# overhead a few percent; on CPU a step takes longer than this and a tick stays one step.
-DEFAULT_CLASSIC_BURST_MS = 4.0
-
-
-def hardware_name() -> str:
-    """e.g. "cpu-x86_64" or "gpu-arm64"."""
-    device = mx.default_device()
-    kind = getattr(getattr(device, "type", None), "name", None) or str(device)
-    return f"{kind}-{platform.machine()}"
 
 
 class MlxRunner:
-    def __init__(
-        self,
-        target: LoadedModel,
-        drafter: Drafter | None,
-        *,
-        num_draft_tokens: int = 4,
-        max_batch_size: int = 16,
-        prefill_batch_size: int = 8,
-        fast_verify: bool = False,
-        warm_positions: int | None = None,
-        prefill_chunk: int = bucketed.DEFAULT_PREFILL_CHUNK,
-        warm_session: bool = True,
-        classic_burst_ms: float = DEFAULT_CLASSIC_BURST_MS,
-        draft_fingerprint: str = "",
-        ragged: bool | None = None,
-        row_drafts: bool = True,
-        prefix_cache_bytes: int | None = 0,
-    ):
-        """`fast_verify`: speculative rounds through `models.bucketed` (shape-stable,
-        compiled forwards; one host sync per round): the fastest lone stream on a GPU,
-        but its verify cannot ride in the batch's forward, so classic rows stall behind
-        it (mlx-lm's `BatchGenerator` and the alternating tick). Off by default: the
-        slab's grid forwards keep shapes stable on a GPU too (docs/gpu.md).
-        `warm_positions`: with fast_verify, compile the shapes of contexts up to this
-        many positions at load (None = min(max_context, 2048); 0 = lazily).
-        `prefill_chunk`: with fast_verify, a session's prefill (target and draft model)
-        runs in compiled chunks of this many positions (0 = plain mlx-lm prefill).
-        `warm_session`: `warm` also runs throwaway requests end to end (see there).
-        `classic_burst_ms`: a classic row decoding alone keeps stepping within one
-        `classic_decode` call until this much time has passed (several tokens per tick
-        when steps are fast; 0 = one token per call). `draft_fingerprint`: the draft
-        model's content hash (`LoadedModel.fingerprint`), naming it in `policy_key`.
-        `ragged`: classic rows and sessions in one slab (`models.ragged_batch`); None =
-        whenever the verify can ride in the batch's forward (`fuse_blocker` is None),
-        False = mlx-lm's `BatchGenerator` (`models.batch_adapter`) in every case.
-        `row_drafts`: in a ragged batch, classic rows verify their own n-gram drafts
-        where the measured costs say they pay (on only with a drafter configured).
-        `prefix_cache_bytes`: budget of the KV prefix cache that classic rows and
-        sessions of the ragged batch start from (`models.prefix_cache`); 0 = off (the
-        default here, so scripts opt in), None = sized from the memory available now."""
-        if num_draft_tokens < 1:
-            raise ValueError("num_draft_tokens must be >= 1")
+    def __init__(self, target: LoadedModel, drafter: Drafter | None, config: RunnerConfig | None = None, *,
+                 draft_fingerprint: str = "", **knobs):
+        """`config` (`models.runner_config.RunnerConfig`, which documents each knob), with
+        `knobs` (its field names) overriding it: `MlxRunner(target, drafter,
+        num_draft_tokens=3)`. `draft_fingerprint`: the draft model's content hash
+        (`LoadedModel.fingerprint`), naming it in `policy_key`. `fast_verify` puts the
+        speculative rounds through `models.bucketed`; with `ragged` None classic rows and
+        sessions share one slab whenever the verify can ride in the batch's forward."""
+        config = dataclasses.replace(config or RunnerConfig(), **knobs)
+        self.config = config
+        num_draft_tokens, max_batch_size = config.num_draft_tokens, config.max_batch_size
+        fast_verify, prefill_chunk = config.fast_verify, config.prefill_chunk
         self.target = target
         self.tokenizer = target.tokenizer
         self.eos_token_ids: list[int] = sorted(self.tokenizer.eos_token_ids)
@@ -111,41 +71,24 @@ class MlxRunner:
         self._tick_costs: TickCosts | None = None
         self._classic_rows_cap = max_batch_size
         self._verifier = None
-        self._warm_session = warm_session
         # Why the verify cannot ride in the classic batch's forward (None: it can).
         self.fuse_blocker: str | None = self.spec_off_reason
         if fast_verify and self._slot is not None and bucketed.supports(target.model):
             self._verifier = bucketed.BucketedForward(target.model, prefill_chunk=prefill_chunk)
-            if isinstance(drafter, DraftModelDrafter) and drafter.fast is None:
-                if bucketed.supports(drafter.model):
-                    drafter.fast = bucketed.BucketedForward(drafter.model, prefill_chunk=prefill_chunk)
+            drafter.compile_forwards(prefill_chunk)
         if self._verifier is not None:
             self.fuse_blocker = "the slot verifies through the compiled GPU path (fast_verify)"
         elif self.fuse_blocker is None:
             self.fuse_blocker = slab.check_support(target.model)
-        # Where the verify can ride in the batch's forward, classic rows and sessions
-        # share one slab (`models.ragged_batch`): moving a stream between them moves no keys.
-        if ragged and self.fuse_blocker is not None:
-            raise ValueError(f"a ragged batch needs a verify that rides in it: {self.fuse_blocker}")
-        batch_kind = RaggedBatch if self.fuse_blocker is None and ragged is not False else ClassicBatch
-        extra = {}
-        if batch_kind is RaggedBatch:
-            extra = dict(row_drafts=row_drafts and self._slot is not None, num_draft_tokens=num_draft_tokens,
-                         prefix_cache=_make_prefix_cache(prefix_cache_bytes))
-        elif prefix_cache_bytes != 0:
-            log.info("prefix cache off: it needs the slab batch (%s)", self.fuse_blocker)
-        self._classic = batch_kind(
-            target.model,
-            eos_token_ids=self.eos_token_ids,
-            max_batch_size=max_batch_size,
-            prefill_batch_size=prefill_batch_size,
-            solo_burst_s=classic_burst_ms / 1000.0,
-            grammars=self.grammars,
-            **extra,
-        )
-        if batch_kind is RaggedBatch and self._classic.row_drafts:
+        self._classic = runner_build.make_classic_batch(target.model, config, self.fuse_blocker, self._slot is not None,
+                                                        self.eos_token_ids, self.grammars)
+        if self._ragged and self._classic.row_drafts:
             self._classic.costs = self.tick_costs()  # what a verify position costs, at load
+            self.replica_drafts = config.replica_drafts
+        elif config.replica_drafts:
+            log.info("replica drafts off: rows do not draft here (%s)", self.fuse_blocker or "no drafter")
         if self._verifier is not None:
+            warm_positions = config.warm_positions
             if warm_positions is None:
                 warm_positions = min(self.max_context, 2048)
             if warm_positions > 0:
@@ -175,96 +118,35 @@ class MlxRunner:
             self._classic.replica_index = ReplicaIndex() if on else None
 
     def warm(self, max_positions: int) -> int:
-        """Compile the fast path's shapes for contexts up to `max_positions`: verifies of
-        1 and K + 1 positions (logits for sampled requests, greedy tokens for greedy
-        ones), draft steps of 1 and 2, prefill chunks of target and draft. Returns the shape count. With `warm_session`, then also runs
-        throwaway requests through begin, a probe round and full rounds (greedy and
-        sampled), so what the shapes do not cover (library handles, kernels of the first
-        use, the sampler) is paid here and not by the first real request."""
+        """Compile the fast path's shapes for contexts up to `max_positions`
+        (`runner_build.warm_compiled`); returns the shape count. With `warm_session`, then
+        also runs throwaway requests through begin, a probe round and full rounds (greedy
+        and sampled), so what the shapes do not cover (library handles, kernels of the
+        first use, the sampler) is paid here and not by the first real request."""
         if self._verifier is None:
             return 0
-        tic = time.perf_counter()
-        log.info("warming the compiled verify for contexts up to %d positions (MLX compiles each shape once)",
-                 max_positions)
-        verify_widths = (1, self.num_draft_tokens + 1)  # 1: a request's last-token round
-        count = self._verifier.warm(verify_widths, max_positions)  # sampled requests
-        count += self._verifier.warm(verify_widths, max_positions, head="every")  # greedy ones
-        chunk = self._verifier.prefill_chunk
-        if chunk:
-            count += self._verifier.warm((chunk,), max_positions, head="last")
-        drafter = self._slot.drafter
-        if isinstance(drafter, DraftModelDrafter) and drafter.fast is not None:
-            # Catch-up feeds: 1-2 tokens after a round, PROBE_TOKENS + 1-2 after a probe.
-            lengths = (1, 2, PROBE_TOKENS + 1, PROBE_TOKENS + 2)
-            lengths += (drafter.fast.prefill_chunk,) if drafter.fast.prefill_chunk else ()
-            count += drafter.fast.warm(lengths, max_positions, head="last")
-        log.info("compiled %d shapes in %.1f s", count, time.perf_counter() - tic)
-        if self._warm_session:
+        count = runner_build.warm_compiled(self._verifier, self._slot.drafter, self.num_draft_tokens, max_positions)
+        if self.config.warm_session:
             tic = time.perf_counter()
-            self._run_warm_requests()
+            runner_build.run_warm_requests(self)
             log.info("warm requests ran in %.1f s", time.perf_counter() - tic)
         return count
 
-    def _run_warm_requests(self) -> None:
-        if self._slot.holder is not None:  # only at load, before any request holds the slot
-            return
-        prompt = list(self.tokenizer.encode("def warm(x):\n    return x + 1\n"))[:16] or [1]
-        n = 2 * (self.num_draft_tokens + 1) + 2
-        for i, params in enumerate((SamplingParams(max_tokens=n),
-                                    SamplingParams(max_tokens=n, temperature=0.7, top_p=0.9, seed=0))):
-            request = Request(f"__warm{i}", prompt, params)
-            if not self.spec_supports(request):
-                return
-            try:
-                if self.spec_begin(request).finish_reason is None:
-                    reason = self.spec_round(request.request_id, probe=True).finish_reason
-                    while reason is None:
-                        reason = self.spec_round(request.request_id).finish_reason
-            finally:
-                self.spec_finish(request.request_id)
-
     @classmethod
-    def from_paths(
-        cls,
-        target_path: str,
-        *,
-        drafter_kind: str | None = "draft_model",
-        drafter_path: str | None = None,
-        num_draft_tokens: int = 4,
-        max_batch_size: int = 16,
-        prefill_batch_size: int = 8,
-        fast_verify: bool = False,
-        warm_positions: int | None = None,
-        classic_burst_ms: float = DEFAULT_CLASSIC_BURST_MS,
-        ragged: bool | None = None,
-        row_drafts: bool = True,
-        prefix_cache_bytes: int | None = 0,
-    ) -> "MlxRunner":
-        """Load models and build the runner; raises `ModelLoadError` / `ValueError`."""
-        if drafter_kind not in (None, *DRAFTER_KINDS):
-            raise ValueError(f"drafter_kind must be one of {DRAFTER_KINDS} or None, got {drafter_kind!r}")
-        if drafter_kind == "draft_model" and not drafter_path:
-            raise ValueError("drafter_kind 'draft_model' needs drafter_path")
-        target, draft = load_pair(target_path, drafter_path if drafter_kind == "draft_model" else None)
-        drafter: Drafter | None = None
-        if drafter_kind == "draft_model":
-            drafter = DraftModelDrafter(draft.model, draft.name)
-        elif drafter_kind == "ngram":
-            drafter = NgramDrafter()
-        return cls(
-            target,
-            drafter,
-            num_draft_tokens=num_draft_tokens,
-            max_batch_size=max_batch_size,
-            prefill_batch_size=prefill_batch_size,
-            fast_verify=fast_verify,
-            warm_positions=warm_positions,
-            classic_burst_ms=classic_burst_ms,
-            draft_fingerprint=draft.fingerprint if draft is not None else "",
-            ragged=ragged,
-            row_drafts=row_drafts,
-            prefix_cache_bytes=prefix_cache_bytes,
-        )
+    def from_paths(cls, target_path: str, *, drafter_kind: str | None = "draft_model",
+                   drafter_path: str | None = None, **knobs) -> "MlxRunner":
+        """Load models and build the runner: `drafter_kind` is a key of
+        `models.drafter_kinds.DRAFTERS` (None: no drafter), `knobs` are `RunnerConfig`'s
+        fields. Raises `ModelLoadError` / `ValueError`."""
+        config = RunnerConfig(**knobs)
+        kind = None if drafter_kind is None else DRAFTERS.get(drafter_kind)
+        if drafter_kind is not None and kind is None:
+            raise ValueError(f"drafter_kind must be one of {tuple(DRAFTERS)} or None, got {drafter_kind!r}")
+        if kind is not None and kind.needs_weights and not drafter_path:
+            raise ValueError(f"drafter_kind {drafter_kind!r} needs drafter_path")
+        target, draft = load_pair(target_path, drafter_path if kind is not None and kind.needs_weights else None)
+        drafter: Drafter | None = None if kind is None else kind.load_class().load(draft)
+        return cls(target, drafter, config, draft_fingerprint=draft.fingerprint if draft is not None else "")
 
     # -- classic --------------------------------------------------------------------
     def classic_prefill(self, requests: Sequence[Request]) -> list[TokenBatch]:
@@ -351,7 +233,7 @@ class MlxRunner:
 
     def rows_draft_like_slot(self) -> bool:
         return (self._ragged and self._classic.row_drafts
-                and isinstance(self._slot.drafter, NgramDrafter))
+                and self._slot.drafter.drafts_like_rows)
 
     def tick_costs(self) -> TickCosts | None:
         """Decode and fused forward costs on this machine (`models.tick_costs`),
@@ -482,11 +364,3 @@ class MlxRunner:
             self.spec_finish(request_id)
         self._classic.close()
 
-
-def _make_prefix_cache(budget_bytes: int | None) -> prefix_cache.PrefixCache | None:
-    """None when off (0); None as the budget: sized from the memory available now."""
-    if budget_bytes is None:
-        budget_bytes = prefix_cache.default_budget(prefix_cache.available_memory())
-        log.info("prefix cache: %.2f GiB (1/%d of the memory available, at most %d GiB)", budget_bytes / 2**30,
-                 prefix_cache.DEFAULT_BUDGET_SHARE, prefix_cache.DEFAULT_BUDGET_CAP >> 30)
-    return prefix_cache.PrefixCache(budget_bytes) if budget_bytes > 0 else None

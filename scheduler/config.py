@@ -1,8 +1,10 @@
 """The scheduler's typed configuration (frozen, validated on construction).
 
-Env overrides are resolved once, where a config is built (`env_defaults`), never in
-decision code. Live changes go through `SchedulerConfig.replace`, restricted to the
-`RECONFIGURABLE` fields; the scheduler reads them at the next grant.
+Each field is a `knob` (scheduler.knobs): its default, range and description live here
+only; the deployment args, the live `user_config` and docs/configuration.md are derived
+from them. Env overrides are resolved once, where a config is built (`env_defaults`),
+never in decision code. Live changes go through `SchedulerConfig.replace`, restricted to
+the `RECONFIGURABLE` (live) fields; the scheduler reads them at the next grant.
 """
 
 from __future__ import annotations
@@ -11,39 +13,83 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from scheduler import knobs
+from scheduler.knobs import knob
 from scheduler.policy import DEFAULT_GRANT_ROUNDS, parse_grant_budget, parse_tick_slice
 
 ENV_GRANT_ROUNDS = "SPECSLOT_SLICE_GRANT_ROUNDS"
 ENV_TICK_SLICE = "SPECSLOT_TICK_SLICE"
 B1_POLICY_MODES = ("auto", "on", "off")
 TICK_MODES = ("fused", "alternate")
-RECONFIGURABLE = frozenset({"grant_rounds", "skip_cap", "tick_slice", "backlog_cap", "tick_mode", "row_drafts"})
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    tick_slice: bool = True  # one speculative slice per tick (off = legacy burst)
-    # "fused": the slot holder's verify rides in the classic batch's decode forward (one
-    # forward per tick); "alternate": the seed's strict alternation of the two.
-    tick_mode: str = "fused"
-    # Classic rows verify their own n-gram drafts in their decode steps where the runner
-    # can (`ModelRunner.classic_decode(drafts=...)`); off with b1_policy "off" too.
-    row_drafts: bool = True
-    grant_rounds: int = DEFAULT_GRANT_ROUNDS  # slices per grant; 0 = no rotation
-    skip_cap: int = 2  # grant decisions an entry may be skipped before it is overdue
-    backlog_cap: int = 2  # grant ring entries (parked jobs + waiters)
-    # A new request goes classic when this many other requests are live; 0 = never
-    # (see policy.batch_allows_speculation).
-    speculative_disable_by_batch_size: int = 0
-    num_draft_tokens: int = 4
-    b1_policy: str = "auto"  # "auto" | "on" | "off"
-    b1_default_enabled: bool = True  # verdict when the speedup is between 1.0 and 1.5
-    b1_profile_requests: int = 3
-    b1_probe_rounds: int = 2
-    max_batch_size: int = 16  # classic rows
-    prefill_batch_size: int = 8
-    max_queue_depth: int = 256  # unfinished requests per engine
-    policy_cache_dir: str | None = None  # None = verdicts are not persisted
+    tick_slice: bool = knob(
+        True, "One speculative slice per tick; false = legacy burst (whole generation in one tick).",
+        live=True, env=ENV_TICK_SLICE, parse_env=parse_tick_slice)
+    tick_mode: str = knob(
+        "fused",
+        "`fused`: the slot holder's verify rides in the classic batch's decode forward (one forward "
+        "per tick; ring entries decode as classic rows while they wait; with `b1_policy: auto` a "
+        "measured-cost gate decides per request and tick whether speculating pays, see "
+        "docs/CONTINUOUS_BATCHING.md \"The fused tick\"); `alternate`: the seed's strict alternation "
+        "of rounds and decode steps. Models the slab cannot serve, and `fast_verify`, run `alternate` "
+        "whatever this says (logged at load).",
+        choices=TICK_MODES, live=True)
+    row_drafts: bool = knob(
+        True,
+        "Every greedy classic row also verifies its own n-gram (prompt lookup) drafts in its decode "
+        "step, as many (0–`num_draft_tokens`) as its running acceptance pays for at the current batch "
+        "size, judged against the forward costs measured at load; beside such rows an n-gram slot "
+        "holder speculates on as a row (the slot is then for lone requests and for a draft model). "
+        "Needs the slab batch (models the packed forward serves, on the plain verify path; "
+        "`fuse_blocker` in `/v1/internal/scheduler`), a configured drafter, and `b1_policy` other "
+        "than `off`. See docs/CONTINUOUS_BATCHING.md \"Rows that draft\".",
+        live=True)
+    grant_rounds: int = knob(
+        DEFAULT_GRANT_ROUNDS,
+        "Slices per slot grant; **0 disables rotation** (whole-generation hold, concurrent requests "
+        "fall back to classic).",
+        ge=0, le=1_000_000, live=True, env=ENV_GRANT_ROUNDS, parse_env=parse_grant_budget)
+    skip_cap: int = knob(2, "Grant decisions an entry may be skipped before it must win.",
+                         ge=1, le=1000, live=True)
+    backlog_cap: int = knob(2, "Grant-backlog entries (parked + waiting); peak live sessions = 1 + cap.",
+                            ge=0, le=64, live=True)
+    speculative_disable_by_batch_size: int = knob(
+        0,
+        "A new request skips the speculative slot and its ring (classic decode) when this many "
+        "*other* requests are live (classic rows, queued, slot holder, ring entries, same-drain "
+        "arrivals); also checked when a waiter is promoted, and for the slot holder at each slice "
+        "boundary and a parked job at promotion: a live session that fails it is moved into the "
+        "classic batch (`demotions` counter; nothing recomputed, see docs/CONTINUOUS_BATCHING.md); "
+        "**0 = never** (every concurrent request may rotate through the slot). `configs/local.yaml` "
+        "leaves it at 0: the fused tick's cost gate keeps the default at or above plain batching at "
+        "every concurrency without it (docs/benchmarks.md, scenario 6).",
+        ge=0, le=1_000_000)
+    num_draft_tokens: int = knob(4, "K, tokens drafted per speculative round.", ge=1, le=16)
+    b1_policy: str = knob(
+        "auto",
+        "In the fused tick, `auto` is the cost gate (measured forward costs, per-request "
+        "acceptance) and the B=1 profile below is not used; in the alternating tick, `auto` "
+        "profiles the first requests and persists a verdict. `on` always speculates, `off` never.",
+        choices=B1_POLICY_MODES)
+    b1_default_enabled: bool = knob(True, "Verdict when the measured speedup is between 1.0 and 1.5.")
+    b1_profile_requests: int = knob(3, "Speculative requests `auto` profiles before its verdict.",
+                                    ge=1, le=1000)
+    b1_probe_rounds: int = knob(
+        2, "Probe rounds (bursts of up to 8 pipelined classic steps: the classic time per token) "
+        "per profiled request.", ge=1, le=100)
+    max_batch_size: int = knob(16, "Classic continuous-batching rows.", ge=1, le=1024)
+    prefill_batch_size: int = knob(8, "Requests prefilled in one classic prefill.", ge=1, le=1024)
+    max_queue_depth: int = knob(256, "Unfinished requests per replica; beyond it 503 + `Retry-After`.",
+                                ge=1, le=1_000_000)
+    policy_cache_dir: str | None = knob(
+        None,
+        "Directory for adaptive-policy verdicts (persisted across restarts); unset = profile after "
+        "every start. Verdicts are keyed by model content (a hash of config.json and the weight "
+        "index or weight file names and sizes), so a copied or renamed model keeps its verdict and "
+        "a changed one is profiled again.")
 
     @property
     def rows_draft(self) -> bool:
@@ -52,31 +98,7 @@ class SchedulerConfig:
         return self.row_drafts and self.b1_policy != "off"
 
     def __post_init__(self) -> None:
-        for name in ("tick_slice", "b1_default_enabled", "row_drafts"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        minimums = {
-            "grant_rounds": 0,
-            "skip_cap": 1,
-            "backlog_cap": 0,
-            "speculative_disable_by_batch_size": 0,
-            "num_draft_tokens": 1,
-            "b1_profile_requests": 1,
-            "b1_probe_rounds": 1,
-            "max_batch_size": 1,
-            "prefill_batch_size": 1,
-            "max_queue_depth": 1,
-        }
-        for name, minimum in minimums.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-        if self.tick_mode not in TICK_MODES:
-            raise ValueError(f"tick_mode must be one of {TICK_MODES}, got {self.tick_mode!r}")
-        if self.b1_policy not in B1_POLICY_MODES:
-            raise ValueError(f"b1_policy must be one of {B1_POLICY_MODES}, got {self.b1_policy!r}")
-        if self.policy_cache_dir is not None and not isinstance(self.policy_cache_dir, str):
-            raise ValueError(f"policy_cache_dir must be a path string or None, got {self.policy_cache_dir!r}")
+        knobs.check_knobs(self)
 
     def replace(self, **changes: Any) -> "SchedulerConfig":
         """A copy with live-reconfigurable fields changed (validated)."""
@@ -89,11 +111,11 @@ class SchedulerConfig:
         return dataclasses.asdict(self)
 
 
+RECONFIGURABLE = frozenset(f.name for f in knobs.knob_fields(SchedulerConfig).values() if f.knob.live)
+
+
 def env_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
     """Process-wide defaults from the environment, with the seed's semantics: garbage
     falls back to the built-in default, `0` disables. Use them only for fields the
     deployment config leaves unset."""
-    return {
-        "grant_rounds": parse_grant_budget(environ.get(ENV_GRANT_ROUNDS)),
-        "tick_slice": parse_tick_slice(environ.get(ENV_TICK_SLICE)),
-    }
+    return knobs.env_defaults(SchedulerConfig, environ)

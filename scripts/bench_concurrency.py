@@ -37,6 +37,7 @@ import random
 import statistics
 
 import models  # noqa: F401  (fast BLAS before mlx)
+from models.drafter_kinds import DRAFTERS
 from scheduler.config import SchedulerConfig
 from scripts import bench_util, metrics
 from scripts.bench_engine import Arrival, drive, load_runner
@@ -181,7 +182,7 @@ def plot(result: dict, path: str) -> None:
 
 def main(argv=None) -> int:
     ap = bench_util.scenario_args(__doc__.split("\n\n")[0], "results/concurrency")
-    ap.add_argument("--drafter", choices=["draft_model", "ngram"], default="ngram",
+    ap.add_argument("--drafter", choices=list(DRAFTERS), default="ngram",
                     help="default: what configs/local.yaml ships")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 2 quick, 3 full)")
     ap.add_argument("--waves", type=int, default=None, help="requests per concurrency slot (default 3 quick, 4 full)")

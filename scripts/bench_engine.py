@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 import models  # noqa: F401  (fast BLAS before mlx)
+from models.drafter_kinds import DRAFTERS, NO_DRAFTER
 from models.runner import MlxRunner
 from scheduler.config import SchedulerConfig
 from scheduler.core import Scheduler
@@ -34,7 +35,8 @@ DRAFT = "models/bundled/draft"
 def load_runner(target: str = TARGET, drafter: str | None = "draft_model", draft_path: str = DRAFT,
                 num_draft_tokens: int = 4, max_batch_size: int = 16, ragged: bool | None = None) -> MlxRunner:
     return MlxRunner.from_paths(
-        target, drafter_kind=drafter, drafter_path=draft_path if drafter == "draft_model" else None,
+        target, drafter_kind=drafter,
+        drafter_path=draft_path if drafter in DRAFTERS and DRAFTERS[drafter].needs_weights else None,
         num_draft_tokens=num_draft_tokens, max_batch_size=max_batch_size,
         prefill_batch_size=min(8, max_batch_size), ragged=ragged)
 
@@ -195,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=TARGET)
     ap.add_argument("--draft", default=DRAFT)
-    ap.add_argument("--drafter", choices=["draft_model", "ngram", "none"], default="draft_model")
+    ap.add_argument("--drafter", choices=[*DRAFTERS, NO_DRAFTER], default="draft_model")
     ap.add_argument("--num-draft-tokens", type=int, default=4)
     ap.add_argument("--streams", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -208,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the JSON result here")
     args = ap.parse_args(argv)
-    runner = load_runner(args.target, None if args.drafter == "none" else args.drafter, args.draft,
+    runner = load_runner(args.target, None if args.drafter == NO_DRAFTER else args.drafter, args.draft,
                          args.num_draft_tokens)
     config = SchedulerConfig(grant_rounds=args.grant_rounds, b1_policy=args.b1_policy,
                              num_draft_tokens=args.num_draft_tokens, backlog_cap=args.backlog_cap,

@@ -42,19 +42,14 @@ def build_engine(args: ServeArgs):
         from models.runner import MlxRunner, hardware_name
 
         drafter = args.drafter
-        draft_note = f", draft {drafter.path}" if drafter.kind == "draft_model" else f", drafter {drafter.kind}"
+        draft_note = f", draft {drafter.path}" if drafter.needs_weights else f", drafter {drafter.kind}"
         logger.info("loading target %s%s", args.model, draft_note)
         tic = time.perf_counter()
         runner = MlxRunner.from_paths(
             args.model,
-            drafter_kind=None if drafter.kind == "none" else drafter.kind,
+            drafter_kind=drafter.kind if args.speculative else None,
             drafter_path=drafter.path,
-            num_draft_tokens=args.num_draft_tokens,
-            max_batch_size=args.max_batch_size,
-            prefill_batch_size=args.prefill_batch_size,
-            classic_burst_ms=args.classic_burst_ms,
-            fast_verify=args.fast_verify,
-            prefix_cache_bytes=args.prefix_cache_bytes,
+            **args.runner_knobs(),
         )
         logger.info("loaded in %.1f s (device %s, %s batch)", time.perf_counter() - tic, hardware_name(),
                     "slab" if runner.fuse_blocker is None else "BatchGenerator")

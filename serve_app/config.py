@@ -2,53 +2,67 @@
 
 `ServeArgs` validates what a YAML config's `args` (or `build_app(args)`) supplies: unknown
 keys, wrong types and out-of-range values are rejected with a message naming the field.
-`scheduler_config()` resolves the two process-wide env overrides exactly once, here, so no
-decision code reads the environment. `LiveConfig` is the subset Serve's `user_config`
-may change on a running replica.
+Its scheduler and runner knobs are derived from `SchedulerConfig` and `RunnerConfig`
+(`serve_app.knob_fields`), where each is declared once; the fields written here are the
+serve layer's own. `scheduler_config()` resolves the process-wide env overrides exactly
+once, here, so no decision code reads the environment. `LiveConfig` is the subset Serve's
+`user_config` may change on a running replica (the live knobs).
 """
 
 from __future__ import annotations
 
-import difflib
 import os
-import typing
 from pathlib import Path
 from typing import Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
+from models.drafter_kinds import DRAFTERS, NO_DRAFTER
 from models.hub import is_repo_id
 from scheduler.request import Lane
+from serve_app import knob_fields
+from serve_app.config_errors import ConfigError, format_validation_error  # noqa: F401 (re-exported)
+from serve_app.config_paths import (REPO_ROOT, is_template_path, read_chat_template,  # noqa: F401 (re-exported)
+                                    resolve_path)
 from serve_app.sampling_defaults import SamplingDefaults
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-ENV_GRANT_ROUNDS = "SPECSLOT_SLICE_GRANT_ROUNDS"
-ENV_TICK_SLICE = "SPECSLOT_TICK_SLICE"
 
 LaneName = Literal["high", "normal", "low"]
 
 _STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
+def _doc(values: str | None = None, default: str | None = None, expand: bool = False) -> dict:
+    """Docs-table extras of a field written here (see serve_app.config_docs)."""
+    extra = {"values": values, "default_doc": default, "expand": expand or None}
+    return {k: v for k, v in extra.items() if v is not None}
+
+
 class DrafterArgs(BaseModel):
     model_config = _STRICT
 
-    kind: Literal["draft_model", "ngram", "none"] = Field(
+    kind: Literal[(*DRAFTERS, NO_DRAFTER)] = Field(
         "draft_model",
-        description="Drafter for the speculative slot: a small `draft_model` sharing the "
-        "target's vocabulary, `ngram` prompt lookup (no weights), or `none` (classic only).",
+        description="Drafter for the speculative slot: " + "; ".join(
+            f"`{kind}`, {entry.description}" for kind, entry in DRAFTERS.items())
+        + f"; `{NO_DRAFTER}`: classic decode only.",
     )
     path: str | None = Field(
-        None, description="Draft model: a directory (mlx-lm format) or a Hugging Face hub id, "
-        "as for `model`; required for draft_model."
+        None, description="Draft model: a directory (mlx-lm format) or a Hugging Face hub id, as for "
+        "`model`; required for a kind with weights (" + ", ".join(
+            f"`{kind}`" for kind, entry in DRAFTERS.items() if entry.needs_weights) + "), forbidden otherwise.",
+        json_schema_extra=_doc(values="directory or hub id"),
     )
+
+    @property
+    def needs_weights(self) -> bool:
+        """Whether `path` names a draft model to load."""
+        return self.kind in DRAFTERS and DRAFTERS[self.kind].needs_weights
 
     @model_validator(mode="after")
     def _path_matches_kind(self) -> "DrafterArgs":
-        if self.kind == "draft_model" and not self.path:
-            raise ValueError("drafter.path is required when drafter.kind is 'draft_model'")
-        if self.kind != "draft_model" and self.path:
+        if self.needs_weights and not self.path:
+            raise ValueError(f"drafter.path is required when drafter.kind is '{self.kind}'")
+        if not self.needs_weights and self.path:
             raise ValueError(f"drafter.path must be empty when drafter.kind is '{self.kind}'")
         return self
 
@@ -62,152 +76,107 @@ class ApiKeyArgs(BaseModel):
     )
 
 
-class ServeArgs(BaseModel):
-    """Everything one specslot deployment needs; see docs/configuration.md."""
+class _ServeArgsBase(BaseModel):
+    """The serve layer's own deployment args and ServeArgs' methods; `ServeArgs` adds
+    the scheduler's and the runner's knobs."""
 
     model_config = _STRICT
 
     model: str = Field(
         ..., min_length=1,
-        description="Target model: a directory (mlx-lm / HF format; relative paths resolve "
-        "against the working directory, then the specslot checkout), or a Hugging Face hub id "
-        "(`org/name`) found in the local Hugging Face cache.",
+        description="Target model: a directory (mlx-lm / HF format; relative paths resolve against "
+        "the working directory, then the specslot checkout), or a Hugging Face hub id (`org/name`, "
+        "e.g. `mlx-community/Qwen2.5-0.5B-Instruct-4bit`) in the local Hugging Face cache, when no "
+        "such directory exists.",
+        json_schema_extra=_doc(values="directory or hub id"),
     )
     served_model_name: str | None = Field(
         None, min_length=1,
-        description="Model id clients send and /v1/models lists; default: the model directory "
-        "name, or the hub id.",
+        description="Model id clients send and /v1/models lists; requests naming another model "
+        "get 400 `model_not_found`.",
+        json_schema_extra=_doc(values="non-empty string", default="the model directory name, or the hub id"),
     )
     allow_download: bool = Field(
-        False, description="Download a hub id (`model`, `drafter.path`) missing from the local "
-        "Hugging Face cache into it; false: fail with the command that downloads it.",
+        False, description="A hub id (`model`, `drafter.path`) missing from the local Hugging Face "
+        "cache is downloaded into it, by `build_app` and by a replica whose node lacks it (needs the "
+        "hub reachable; `HF_TOKEN` for gated repos); false: the id must be cached, else the deploy "
+        "fails with the command that downloads it.",
     )
     drafter: DrafterArgs = Field(
         default_factory=lambda: DrafterArgs(kind="ngram"),
         description="Drafter kind and path; `kind: none` disables speculation.",
-    )
-    num_draft_tokens: int = Field(4, ge=1, le=16, description="Tokens drafted per speculative round (K).")
-    tick_slice: bool | None = Field(
-        None,
-        description="Run one speculative slice per tick (true) or the whole generation in one "
-        f"tick (false). Unset: {ENV_TICK_SLICE}, else true.",
-    )
-    tick_mode: Literal["fused", "alternate"] = Field(
-        "fused",
-        description="fused: the slot holder's verify rides in the classic batch's decode forward, "
-        "so classic rows never wait for a speculative round; alternate: the seed's strict "
-        "alternation (a tick runs either the round or the decode step).",
-    )
-    fast_verify: bool = Field(
-        False,
-        description="The slot verifies through compiled, shape-bucketed per-session forwards "
-        "(models/bucketed.py): the fastest lone stream on a GPU, but its verify cannot ride in the "
-        "batch's forward, so the alternating tick and mlx-lm's BatchGenerator run instead of the slab.",
-    )
-    row_drafts: bool = Field(
-        True,
-        description="Classic rows verify their own n-gram (prompt lookup) drafts in their decode "
-        "steps, each as many as its acceptance pays for at the current batch size (greedy rows, "
-        "fused tick); b1_policy off turns them off too.",
-    )
-    grant_rounds: int | None = Field(
-        None, ge=0, le=1_000_000,
-        description="Slices a slot grant lasts before the job parks when others wait; 0 disables "
-        f"rotation (whole-generation hold). Unset: {ENV_GRANT_ROUNDS}, else 8.",
-    )
-    skip_cap: int = Field(2, ge=1, le=1000, description="Grant decisions an entry may be skipped before it must win.")
-    backlog_cap: int = Field(2, ge=0, le=64, description="Grant backlog entries (parked + waiting) beyond the slot.")
-    speculative_disable_by_batch_size: int = Field(
-        0, ge=0, le=1_000_000,
-        description="A new request skips the speculative slot (and its ring) and decodes in the "
-        "classic batch when this many other requests are live; 0 = never.",
-    )
-    b1_policy: Literal["auto", "on", "off"] = Field(
-        "auto", description="Adaptive B=1 policy: profile and decide (auto), always (on), never (off)."
-    )
-    b1_default_enabled: bool = Field(
-        True, description="Verdict when the measured speedup is between 1.0 and 1.5."
-    )
-    b1_profile_requests: int = Field(
-        3, ge=1, le=1000, description="Speculative requests b1_policy=auto profiles before it decides."
-    )
-    b1_probe_rounds: int = Field(
-        2, ge=1, le=100,
-        description="Probe rounds (bursts of pipelined classic steps: the classic time per token) per profiled request.",
-    )
-    max_batch_size: int = Field(16, ge=1, le=1024, description="Classic continuous-batching rows.")
-    prefill_batch_size: int = Field(8, ge=1, le=1024, description="Requests prefilled in one classic prefill.")
-    classic_burst_ms: float = Field(
-        4.0, ge=0.0, le=1000.0,
-        description="A classic row decoding alone keeps stepping for up to this long per engine tick "
-        "(several tokens per tick when steps are fast); 0 = one token per tick.",
-    )
-    prefix_cache_bytes: int | None = Field(
-        None, ge=0, le=1 << 42,
-        description="Bytes of KV the replica's prefix cache may hold: finished requests' prompt and "
-        "output, reused by later prompts that start with the same tokens (multi-turn chat, agents); "
-        "0 = off. Unset: an eighth of the memory available once the model is loaded, at most 4 GiB.",
+        json_schema_extra=_doc(expand=True),
     )
     affinity_routing: bool = Field(
         True,
-        description="Serve routes the requests of one session (Serve's X-Session-Id header) to "
-        "one replica, where its prefix cache is, unless that replica's queue is longer than the "
-        "least loaded one's by more than affinity_load_margin; false: Serve's default router.",
+        description="Serve's router for this deployment is `serve_app.router.PrefixAffinityRouter`: "
+        "requests carrying a session id (Serve's `X-Session-Id` header) go to one replica per "
+        "session, where the session's prefix cache is, unless that replica has more than "
+        "`affinity_load_margin` ongoing requests beyond the least loaded replica (then the least "
+        "loaded one); requests without a session id go to the shorter queue of two random replicas, "
+        "as with Serve's default router. With one replica it changes nothing. false: Serve's "
+        "default router. See \"Prefix cache\" below.",
     )
     affinity_load_margin: int = Field(
         4, ge=0, le=1_000_000,
-        description="Ongoing requests a session's replica may have beyond the least loaded "
-        "replica before its request goes to the least loaded one instead.",
+        description="Ongoing requests a session's replica may have beyond the least loaded replica "
+        "before a request of that session goes to the least loaded one; 0 = any imbalance moves it.",
     )
-    max_queue_depth: int = Field(
-        256, ge=1, le=1_000_000, description="Pending requests per replica before 503 + Retry-After."
-    )
+    retry_after_seconds: int = Field(1, ge=1, le=3600, description="The `Retry-After` value sent with 503.")
     max_tokens_limit: int = Field(
-        4096, ge=1, le=1_000_000, description="Largest max_tokens a request may ask for."
+        4096, ge=1, le=1_000_000, description="Largest `max_tokens` a request may ask for; larger gets 400."
     )
     default_max_tokens: int = Field(
-        256, ge=1, le=1_000_000, description="max_tokens when a request omits it (clipped to the context)."
+        256, ge=1, le=1_000_000,
+        description="`max_tokens` when a request omits it (clipped to the context left); at most "
+        "`max_tokens_limit`.",
     )
     max_body_bytes: int = Field(
-        1 << 20, ge=1024, le=1 << 30, description="Largest accepted HTTP request body; larger gets 413."
+        1 << 20, ge=1024, le=1 << 30, description="Largest accepted HTTP request body; larger bodies get 413."
     )
     max_lane_unauthenticated: LaneName = Field(
         "high",
-        description="Highest X-Priority lane for requests without a (configured) API key; "
-        "with api_keys set, requests without a valid key are rejected with 401.",
+        description="Highest `X-Priority` lane a request may claim (higher claims are lowered to "
+        "it); with `api_keys` set, requests without a valid key are rejected with 401.",
     )
     api_keys: list[ApiKeyArgs] = Field(
-        default_factory=list, description="Optional Bearer API keys for the /v1 routes, each with its lane cap."
+        default_factory=list,
+        description="When set, `/v1/*` requires `Authorization: Bearer <key>` (401 otherwise) and "
+        "each key has its own lane cap; `/health` and `/metrics` stay public.",
+        json_schema_extra=_doc(values="list of `{key (≥ 8 chars), max_lane}`", default="none"),
     )
-    policy_cache_dir: str | None = Field(
-        None, description="Directory persisting adaptive-policy verdicts across restarts; unset: none."
-    )
-    actor_num_gpus: float = Field(
-        0.0, ge=0.0, le=8.0,
-        description="GPUs the scheduler actor reserves (CUDA nodes); 0 on CPU and Apple silicon.",
-    )
-    retry_after_seconds: int = Field(1, ge=1, le=3600, description="Retry-After sent with 503 on a full queue.")
     chat_template: str | None = Field(
         None, min_length=1,
-        description="Chat template for /v1/chat/completions, used instead of the tokenizer's "
-        "own (or where it has none): a jinja template, or a path to a .jinja file, read when "
-        "the app is built. Unset: the tokenizer's template; without one, chat is a 400.",
+        description="A jinja chat template, or a path to a `.jinja` file (a value on one line, "
+        "without braces, ending in `.jinja`; a relative path resolves as `model`'s does). "
+        "`build_app` reads the file and ships its text to the replicas; an unreadable or empty file "
+        "fails the deploy naming `args.chat_template`. Used for `/v1/chat/completions` instead of "
+        "the tokenizer's template, or where the tokenizer has none; without either, chat requests "
+        "get 400 `no_chat_template` (completions still work).",
+        json_schema_extra=_doc(values="template or `.jinja` path", default="the tokenizer's own"),
     )
     use_generation_config: bool = Field(
         True,
-        description="Requests that omit temperature, top_p, top_k, min_p or repetition_penalty "
-        "take the values in the model's generation_config.json, where it has one; false: "
-        "OpenAI's defaults (temperature 1, top_p 1, the rest off).",
+        description="Requests that omit `temperature`, `top_p`, `top_k`, `min_p` or "
+        "`repetition_penalty` take the value in the model's `generation_config.json`, where it has "
+        "one (as vLLM's `--generation-config auto`; `do_sample` and the other keys are not read; an "
+        "out-of-range value there is ignored with a warning at load); false: OpenAI's defaults "
+        "(temperature 1, top_p 1, the rest off). See \"Sampling\" below.",
     )
     sampling_defaults: SamplingDefaults = Field(
         default_factory=SamplingDefaults,
-        description="Defaults for sampling fields a request omits (temperature, top_p, top_k, "
-        "min_p, repetition_penalty, presence_penalty, frequency_penalty); each one set here "
-        "overrides generation_config.json's.",
+        description="The default for a request that omits the field, over "
+        "`generation_config.json`'s value; each optional, ranges as the request fields.",
+        json_schema_extra=_doc(values="`{temperature, top_p, top_k, min_p, repetition_penalty, "
+                               "presence_penalty, frequency_penalty}`", default="none set"),
+    )
+    actor_num_gpus: float = Field(
+        0.0, ge=0.0, le=8.0,
+        description="GPUs the scheduler actor reserves (CUDA nodes; 0 on CPU and Apple silicon).",
     )
 
     @model_validator(mode="after")
-    def _consistent(self) -> "ServeArgs":
+    def _consistent(self) -> "_ServeArgsBase":
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("default_max_tokens must not exceed max_tokens_limit")
         keys = [k.key for k in self.api_keys]
@@ -225,7 +194,7 @@ class ServeArgs(BaseModel):
 
     @property
     def speculative(self) -> bool:
-        return self.drafter.kind != "none"
+        return self.drafter.kind != NO_DRAFTER
 
     def with_resolved_paths(self, cwd: Path | None = None) -> "ServeArgs":
         """A copy whose local model paths are absolute and whose `chat_template` file has
@@ -245,7 +214,7 @@ class ServeArgs(BaseModel):
         from models.hub import resolve_model_dir
 
         target = resolve_model_dir(self.model, "target", self.allow_download)
-        if self.drafter.kind != "draft_model":
+        if not self.drafter.needs_weights:
             return target, None
         return target, resolve_model_dir(self.drafter.path, "draft", self.allow_download)
 
@@ -254,26 +223,13 @@ class ServeArgs(BaseModel):
         from scheduler.config import SchedulerConfig, env_defaults
 
         defaults = env_defaults(os.environ if env is None else env)
-        grant_rounds = defaults["grant_rounds"] if self.grant_rounds is None else self.grant_rounds
-        tick_slice = defaults["tick_slice"] if self.tick_slice is None else self.tick_slice
-        return SchedulerConfig(
-            tick_slice=tick_slice,
-            tick_mode=self.tick_mode,
-            row_drafts=self.row_drafts,
-            grant_rounds=grant_rounds,
-            skip_cap=self.skip_cap,
-            backlog_cap=self.backlog_cap,
-            speculative_disable_by_batch_size=self.speculative_disable_by_batch_size,
-            num_draft_tokens=self.num_draft_tokens,
-            b1_policy=self.b1_policy,
-            b1_default_enabled=self.b1_default_enabled,
-            b1_profile_requests=self.b1_profile_requests,
-            b1_probe_rounds=self.b1_probe_rounds,
-            max_batch_size=self.max_batch_size,
-            prefill_batch_size=self.prefill_batch_size,
-            max_queue_depth=self.max_queue_depth,
-            policy_cache_dir=self.policy_cache_dir,
-        )
+        values = {name: getattr(self, name) for name in knob_fields.scheduler_knob_names()}
+        return SchedulerConfig(**{name: defaults[name] if value is None and name in defaults else value
+                                  for name, value in values.items()})
+
+    def runner_knobs(self) -> dict:
+        """The `RunnerConfig` fields this deployment sets, for `MlxRunner.from_paths`."""
+        return {name: getattr(self, name) for name in knob_fields.runner_knob_names()}
 
     def lane_cap_for(self, api_key: str | None) -> Lane | None:
         """Highest lane a client may claim; None when the key is required and wrong."""
@@ -285,98 +241,22 @@ class ServeArgs(BaseModel):
         return Lane[self.max_lane_unauthenticated.upper()]
 
 
-class LiveConfig(BaseModel):
-    """Fields Serve's `user_config` may change on a running replica (next grant)."""
+ServeArgs = create_model(
+    "ServeArgs", __base__=_ServeArgsBase, __module__=__name__,
+    __doc__="Everything one specslot deployment needs; see docs/configuration.md.",
+    **knob_fields.deployment_fields(),
+)
 
+
+class _LiveFields(BaseModel):
     model_config = _STRICT
-
-    grant_rounds: int | None = Field(None, ge=0, le=1_000_000, description="See ServeArgs.grant_rounds.")
-    skip_cap: int | None = Field(None, ge=1, le=1000, description="See ServeArgs.skip_cap.")
-    tick_slice: bool | None = Field(None, description="See ServeArgs.tick_slice.")
-    backlog_cap: int | None = Field(None, ge=0, le=64, description="See ServeArgs.backlog_cap.")
-    tick_mode: Literal["fused", "alternate"] | None = Field(None, description="See ServeArgs.tick_mode.")
-    row_drafts: bool | None = Field(None, description="See ServeArgs.row_drafts.")
 
     def changes(self) -> dict:
         return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
-class ConfigError(ValueError):
-    """Deployment args or user_config failed validation (message lists every problem)."""
-
-
-def is_template_path(value: str) -> bool:
-    """Whether a `chat_template` value names a file: one line ending in `.jinja`, no braces."""
-    return "\n" not in value and "{" not in value and value.strip().endswith(".jinja")
-
-
-def read_chat_template(value: str | None, cwd: Path | None = None) -> str | None:
-    """The template a `chat_template` value means: itself, or its file's text (a relative
-    path resolves as a model path does)."""
-    if value is None or not is_template_path(value):
-        return value
-    path = resolve_path(value.strip(), cwd)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ConfigError(f"invalid specslot config:\n  args.chat_template: cannot read "
-                          f"{path!r}: {reason}") from None
-    if not text.strip():
-        raise ConfigError(f"invalid specslot config:\n  args.chat_template: {path!r} is empty")
-    return text
-
-
-def resolve_path(path: str, cwd: Path | None = None) -> str:
-    """Absolute path: as given if absolute, else under `cwd` if it exists there, else
-    under the repo if it exists there. Otherwise a hub id (`org/name`) stays as it is, and
-    any other path resolves under the repo (so the error names a full path)."""
-    p = Path(path).expanduser()
-    if p.is_absolute():
-        return str(p)
-    here = (cwd or Path.cwd()) / p
-    if here.exists():
-        return str(here.resolve())
-    in_repo = REPO_ROOT / p
-    if not in_repo.exists() and is_repo_id(path):
-        return path
-    return str(in_repo.resolve())
-
-
-def format_validation_error(err: ValidationError, prefix: str = "args",
-                            schema: type[BaseModel] | None = None) -> str:
-    """One line per problem, `args.field: message`, for operators reading a failed deploy.
-
-    With `schema` (the model validated), an unknown key names its closest known
-    sibling: `args.grant_round: unknown key (did you mean 'grant_rounds'?)`.
-    """
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"])
-        where = f"{prefix}.{loc}" if loc else prefix
-        msg = e["msg"]
-        if e["type"] == "extra_forbidden":
-            msg = "unknown key"
-            close = difflib.get_close_matches(str(e["loc"][-1]), _keys_at(schema, e["loc"][:-1]), n=1)
-            if close:
-                msg += f" (did you mean '{close[0]}'?)"
-        lines.append(f"{where}: {msg}")
-    return "invalid specslot config:\n  " + "\n  ".join(lines)
-
-
-def _keys_at(schema: type[BaseModel] | None, loc: tuple) -> list[str]:
-    """Field names of the (nested) model at `loc`, e.g. ("drafter",) -> DrafterArgs'."""
-    for part in loc:
-        if schema is None or isinstance(part, int):  # list index: same item model
-            continue
-        field = schema.model_fields.get(part)
-        schema = _model_in(field.annotation) if field else None
-    return list(schema.model_fields) if schema else []
-
-
-def _model_in(annotation) -> type[BaseModel] | None:
-    """The pydantic model an annotation holds: `DrafterArgs`, `list[ApiKeyArgs]`, ...."""
-    for candidate in (annotation, *typing.get_args(annotation)):
-        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
-            return candidate
-    return None
+LiveConfig = create_model(
+    "LiveConfig", __base__=_LiveFields, __module__=__name__,
+    __doc__="Fields Serve's `user_config` may change on a running replica (next grant).",
+    **knob_fields.live_fields(),
+)

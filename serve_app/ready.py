@@ -17,9 +17,9 @@ _EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception): (.+)$")
 
 def drafter_label(args: ServeArgs) -> str:
     """e.g. "ngram", "none", "draft_model draft" (the draft directory's name, or its hub id)."""
-    if args.drafter.kind == "draft_model":
+    if args.drafter.needs_weights:
         path = args.drafter.path or ""
-        return f"draft_model {path if is_repo_id(path) else os.path.basename(os.path.normpath(path))}"
+        return f"{args.drafter.kind} {path if is_repo_id(path) else os.path.basename(os.path.normpath(path))}"
     return args.drafter.kind
 
 

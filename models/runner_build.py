@@ -1,0 +1,101 @@
+"""What `MlxRunner` is built from: its classic batch, its prefix cache, its warm-up.
+
+Functions over plain arguments (or the runner's public methods), so the runner's own
+module keeps to the ModelRunner protocol.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from models import prefix_cache
+from models.batch_adapter import ClassicBatch
+from models.bucketed import BucketedForward
+from models.drafters import Drafter
+from models.grammar import Grammars
+from models.ragged_batch import RaggedBatch
+from models.runner_config import RunnerConfig
+from models.session import PROBE_TOKENS
+from scheduler.request import Request, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def hardware_name() -> str:
+    """e.g. "cpu-x86_64" or "gpu-arm64"."""
+    device = mx.default_device()
+    kind = getattr(getattr(device, "type", None), "name", None) or str(device)
+    return f"{kind}-{platform.machine()}"
+
+
+def make_classic_batch(model: nn.Module, config: RunnerConfig, fuse_blocker: str | None, has_slot: bool,
+                       eos_token_ids: list[int], grammars: Grammars) -> ClassicBatch | RaggedBatch:
+    """Where the verify can ride in the batch's forward (`fuse_blocker` None), classic
+    rows and sessions share one slab (`models.ragged_batch`): moving a stream between
+    them moves no keys. Otherwise, or with `config.ragged` False, mlx-lm's
+    `BatchGenerator` (`models.batch_adapter`); `config.ragged` True demands the slab."""
+    if config.ragged and fuse_blocker is not None:
+        raise ValueError(f"a ragged batch needs a verify that rides in it: {fuse_blocker}")
+    common = dict(eos_token_ids=eos_token_ids, max_batch_size=config.max_batch_size,
+                  prefill_batch_size=config.prefill_batch_size, solo_burst_s=config.classic_burst_ms / 1000.0,
+                  grammars=grammars)
+    if fuse_blocker is None and config.ragged is not False:
+        return RaggedBatch(model, row_drafts=config.row_drafts and has_slot, num_draft_tokens=config.num_draft_tokens,
+                           prefix_cache=make_prefix_cache(config.prefix_cache_bytes), **common)
+    if config.prefix_cache_bytes != 0:
+        log.info("prefix cache off: it needs the slab batch (%s)", fuse_blocker)
+    return ClassicBatch(model, **common)
+
+
+def make_prefix_cache(budget_bytes: int | None) -> prefix_cache.PrefixCache | None:
+    """None when off (0); None as the budget: sized from the memory available now (a
+    deployment's default, `RunnerConfig.prefix_cache_bytes`)."""
+    if budget_bytes is None:
+        budget_bytes = prefix_cache.default_budget(prefix_cache.available_memory())
+        log.info("prefix cache: %.2f GiB (1/%d of the memory available, at most %d GiB)", budget_bytes / 2**30,
+                 prefix_cache.DEFAULT_BUDGET_SHARE, prefix_cache.DEFAULT_BUDGET_CAP >> 30)
+    return prefix_cache.PrefixCache(budget_bytes) if budget_bytes > 0 else None
+
+
+def warm_compiled(verifier: BucketedForward, drafter: Drafter, num_draft_tokens: int, max_positions: int) -> int:
+    """Compile the fast path's shapes for contexts up to `max_positions`: verifies of 1
+    and K + 1 positions (logits for sampled requests, greedy tokens for greedy ones),
+    the drafter's catch-up feeds, prefill chunks of target and draft. Returns the shape count."""
+    tic = time.perf_counter()
+    log.info("warming the compiled verify for contexts up to %d positions (MLX compiles each shape once)",
+             max_positions)
+    verify_widths = (1, num_draft_tokens + 1)  # 1: a request's last-token round
+    count = verifier.warm(verify_widths, max_positions)  # sampled requests
+    count += verifier.warm(verify_widths, max_positions, head="every")  # greedy ones
+    if verifier.prefill_chunk:
+        count += verifier.warm((verifier.prefill_chunk,), max_positions, head="last")
+    # The drafter catches up on 1-2 tokens after a round, PROBE_TOKENS + 1-2 after a probe.
+    count += drafter.warm((1, 2, PROBE_TOKENS + 1, PROBE_TOKENS + 2), max_positions)
+    log.info("compiled %d shapes in %.1f s", count, time.perf_counter() - tic)
+    return count
+
+
+def run_warm_requests(runner) -> None:
+    """Throwaway requests, greedy and sampled, through an `MlxRunner`'s slot: begin, a
+    probe round, full rounds to the end. Only at load, before any request holds the slot."""
+    if runner._slot.holder is not None:
+        return
+    prompt = list(runner.tokenizer.encode("def warm(x):\n    return x + 1\n"))[:16] or [1]
+    n = 2 * (runner.num_draft_tokens + 1) + 2
+    for i, params in enumerate((SamplingParams(max_tokens=n),
+                                SamplingParams(max_tokens=n, temperature=0.7, top_p=0.9, seed=0))):
+        request = Request(f"__warm{i}", prompt, params)
+        if not runner.spec_supports(request):
+            return
+        try:
+            if runner.spec_begin(request).finish_reason is None:
+                reason = runner.spec_round(request.request_id, probe=True).finish_reason
+                while reason is None:
+                    reason = runner.spec_round(request.request_id).finish_reason
+        finally:
+            runner.spec_finish(request.request_id)

@@ -1,0 +1,87 @@
+"""The runner's typed configuration: what `MlxRunner` is built with besides its models.
+
+Each field is a `knob` (scheduler.knobs), declared here only; the deployment args
+(`serve_app.config.ServeArgs`) take the `deployed` ones, and build_engine passes them
+through `MlxRunner.from_paths(**...)`. Knobs the scheduler reads too (K, batch sizes,
+`row_drafts`) are `SchedulerConfig`'s, declared again with `same_as`. No mlx here: the
+deployment args import this module before any model is loaded.
+
+Where a default is computed: `prefix_cache_bytes` is 0 (off) here, so scripts and tests
+opt in, but a deployment leaves it None (`deploy_default`), which the runner sizes from
+the memory available once the model is loaded (`models.runner_build.make_prefix_cache`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler import knobs
+from scheduler.config import SchedulerConfig
+from scheduler.knobs import knob, same_as
+
+_SCHEDULER = knobs.knob_fields(SchedulerConfig)
+# Per-tick time a lone classic row may keep decoding: on an H200 a bundled-model step is
+# ~1.4 ms and an engine tick's own work ~0.05-0.1 ms, so ~3 steps per tick make that
+# overhead a few percent; on CPU a step takes longer than this and a tick stays one step.
+DEFAULT_CLASSIC_BURST_MS = 4.0
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    num_draft_tokens: int = same_as(_SCHEDULER["num_draft_tokens"])
+    max_batch_size: int = same_as(_SCHEDULER["max_batch_size"])
+    prefill_batch_size: int = same_as(_SCHEDULER["prefill_batch_size"])
+    row_drafts: bool = same_as(_SCHEDULER["row_drafts"])
+    fast_verify: bool = knob(
+        False,
+        "The slot verifies through compiled, shape-bucketed per-session forwards "
+        "(`models/bucketed.py`): the fastest lone stream on a GPU (docs/gpu.md), but that verify "
+        "cannot ride in the batch's forward, so mlx-lm's `BatchGenerator` and the alternating tick "
+        "run instead of the slab; for single-stream deployments. Off: the slab serves on CPU and GPU "
+        "alike (on a GPU its forwards run as grids with bucketed shapes, docs/gpu.md \"Concurrency "
+        "on the H200\").")
+    classic_burst_ms: float = knob(
+        DEFAULT_CLASSIC_BURST_MS,
+        "Milliseconds a classic row decoding *alone* keeps stepping within one engine tick, so a "
+        "tick returns several tokens when steps are fast (on an H200 a bundled-model step is "
+        "~1.4 ms and a tick's own work ~0.05–0.1 ms); a new arrival waits at most this long for its "
+        "prefill; 0 = one token per tick. Rows sharing the batch always step once per tick.",
+        ge=0.0, le=1000.0)
+    prefix_cache_bytes: int | None = knob(
+        0,
+        "Bytes of KV the replica's prefix cache may hold; **0 = off**. A classic row or a "
+        "speculative session's target cache starts from the longest cached prefix of its prompt "
+        "(at least 64 tokens, never the last prompt token) and prefills only the rest; a stream "
+        "that finishes or is cancelled stores its prompt and output, least recently used entries "
+        "are evicted to stay within the budget. Needs the slab batch (`fuse_blocker` unset in "
+        "`/v1/internal/scheduler`); the draft model's own cache is still prefilled in full. See "
+        "\"Prefix cache\" below.",
+        ge=0, le=1 << 42, deploy_default=None,
+        default_doc="an eighth of the memory available once the model is loaded, at most 4 GiB")
+    replica_drafts: bool = knob(
+        False,
+        "Classic rows that draft (`row_drafts`) also draft from the replica's past outputs: the "
+        "outputs of rows that left the batch, held up to 16,384 tokens (`models/replica_index.py`); "
+        "a row whose last 4-8 tokens occurred in one drafts what followed, else its own prompt "
+        "lookup. For agents that re-ask and edits that return most of an earlier answer. Needs the "
+        "slab batch.")
+    warm_positions: int | None = knob(
+        None, "With fast_verify, compile the shapes of contexts up to this many positions at load "
+        "(None = min(max_context, 2048); 0 = lazily).", ge=0, deployed=False)
+    prefill_chunk: int = knob(
+        128, "With fast_verify, a session's prefill (target and draft model) runs in compiled "
+        "chunks of this many positions (0 = plain mlx-lm prefill).", ge=0, deployed=False)
+    warm_session: bool = knob(
+        True, "With fast_verify, warming also runs throwaway requests end to end.", deployed=False)
+    ragged: bool | None = knob(
+        None, "Classic rows and sessions in one slab (`models.ragged_batch`); None = whenever the "
+        "verify can ride in the batch's forward, False = mlx-lm's `BatchGenerator` in every case.",
+        deployed=False)
+
+    def __post_init__(self) -> None:
+        knobs.check_knobs(self)
+
+
+def deployed_runner_knobs() -> dict[str, knobs.KnobField]:
+    """The runner knobs a deployment sets (ServeArgs fields), by name."""
+    return {name: f for name, f in knobs.knob_fields(RunnerConfig).items() if f.knob.deployed}

@@ -182,7 +182,9 @@ class NgramDrafter:
 
     Looks for the last `n` tokens of the history (n from `max_ngram` down to
     `min_ngram`) earlier in the history and proposes what followed its most recent
-    earlier occurrence. No weights and no per-session state.
+    earlier occurrence. No weights and no per-session state. With `replica` (the
+    runner's `replica_drafts`), a match of the history's tail in the replica's past
+    outputs comes first, as for classic rows.
     """
 
     kind = "ngram"
@@ -192,6 +194,7 @@ class NgramDrafter:
         self.name = f"n{min_ngram}-{max_ngram}"
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.replica = None  # a `models.replica_index.ReplicaIndex`, shared with the batch's rows
 
     @classmethod
     def load(cls, draft: LoadedModel | None) -> "NgramDrafter":
@@ -207,7 +210,8 @@ class NgramDrafter:
         return None
 
     def propose(self, state: None, history: Sequence[int], k: int) -> list[int]:
-        return ngram_lookup(history, k, self.max_ngram, self.min_ngram)
+        drafts = self.replica.propose(history, k) if self.replica is not None else []
+        return drafts or ngram_lookup(history, k, self.max_ngram, self.min_ngram)
 
     def rollback(self, state: None, num_drafted: int, num_accepted: int) -> None:
         return None

@@ -104,9 +104,13 @@ class MlxRunner:
 
     @property
     def replica_drafts(self) -> bool:
-        """Whether classic rows may draft from the replica's past outputs
-        (`models.replica_index`; a slab batch whose rows draft only)."""
-        return getattr(self._classic, "replica_index", None) is not None
+        """Whether classic rows (and an n-gram slot holder) may draft from the replica's
+        past outputs (`models.replica_index`; a slab batch whose rows draft only)."""
+        return self._replica_index is not None
+
+    @property
+    def _replica_index(self) -> ReplicaIndex | None:
+        return getattr(self._classic, "replica_index", None)
 
     @replica_drafts.setter
     def replica_drafts(self, on: bool) -> None:
@@ -115,7 +119,10 @@ class MlxRunner:
                 raise ValueError("replica drafts need the slab batch with row drafts")
             return
         if on != self.replica_drafts:
-            self._classic.replica_index = ReplicaIndex() if on else None
+            index = ReplicaIndex() if on else None
+            self._classic.replica_index = index
+            if self._slot is not None and self._slot.drafter.drafts_like_rows:
+                self._slot.drafter.replica = index
 
     def warm(self, max_positions: int) -> int:
         """Compile the fast path's shapes for contexts up to `max_positions`
@@ -319,6 +326,8 @@ class MlxRunner:
         if session is not None:
             if self._ragged and session.cache is not None:
                 self._classic.release(session.cache, session.history)
+            if self._replica_index is not None and session.num_emitted:
+                self._replica_index.add(session.history[-session.num_emitted:])
             session.finish()
         if self._slot is not None:
             self._slot.return_(request_id)

@@ -113,3 +113,31 @@ def test_a_row_drafts_from_the_replicas_past_outputs(loaded, prompt_ids):
     (_, _, plain), (_, drafted, with_index) = results[False]["again"], results[True]["again"]
     assert with_index >= len(classic) // 2 and with_index > plain  # the first answer, drafted back
     assert results[True]["first"][1:] == results[False]["first"][1:]  # nothing stored yet: the same drafts
+
+
+def test_the_slot_holder_drafts_from_the_replicas_past_outputs_too():
+    """With replica_drafts an n-gram holder drafts a finished session's answer back."""
+    from .test_fused_real import bundled_runner
+
+    runner = bundled_runner("ngram")
+    try:
+        prompt = runner.tokenizer.encode("def parse_header(line):\n    name, _, value = line.partition(':')\n")
+        runs = {}
+        for on in (False, True):
+            runner.replica_drafts = False  # a fresh index
+            runner.replica_drafts = on
+            for rid in ("first", "again"):
+                first = runner.spec_begin(Request(f"{rid}-{on}", prompt, SamplingParams(max_tokens=48)))
+                out, accepted, reason = list(first.token_ids), 0, first.finish_reason
+                while reason is None:
+                    outcome = runner.spec_round(f"{rid}-{on}")
+                    out += outcome.token_ids
+                    accepted += outcome.num_accepted
+                    reason = outcome.finish_reason
+                runner.spec_finish(f"{rid}-{on}")
+                runs[(rid, on)] = (out, accepted)
+        assert len({tuple(out) for out, _ in runs.values()}) == 1
+        assert runs[("again", True)][1] > runs[("again", False)][1]
+        assert runs[("again", True)][1] >= len(runs[("again", True)][0]) // 2
+    finally:
+        runner.close()

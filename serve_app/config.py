@@ -151,7 +151,8 @@ class ServeArgs(BaseModel):
     affinity_routing: bool = Field(
         True,
         description="Serve routes the requests of one session (Serve's X-Session-Id header) to "
-        "one replica, where its prefix cache is, unless that replica's queue is longer than the "
+        "one replica, where its prefix cache is (a new session goes to the replica with the fewest "
+        "sessions), unless that replica's queue is longer than the "
         "least loaded one's by more than affinity_load_margin; false: Serve's default router.",
     )
     affinity_load_margin: int = Field(

@@ -29,6 +29,7 @@ from serve_app.codec import TextCodec
 from serve_app.config import (ConfigError, LiveConfig, ServeArgs, format_validation_error,
                               read_chat_template)
 from serve_app.http import OpenAIService
+from serve_app.ingress import SpecslotIngress, run_asgi
 from serve_app.ready import last_error_line
 from serve_app.sampling_defaults import read_generation_config
 
@@ -68,11 +69,20 @@ class SpecslotServer:
                              name_prefix=f"scheduler-{identity['replica_id']}")
         self.client = EngineClient(source)
         self.service = OpenAIService(self.client, None, self.args, identity=identity)
+        self._forwarded_app = None
         # Not awaited: the replica must answer /health (503, loading) while this runs.
         self._loading = asyncio.get_running_loop().create_task(load_replica(self.service))
 
     def __serve_build_asgi_app__(self):
         return self.service.app()
+
+    async def forward_http(self, scope: dict, body: bytes):
+        """One HTTP request forwarded by `SpecslotIngress` (`affinity_key: prompt`): the
+        same app as behind Serve's proxy; yields the ASGI messages it sends."""
+        if self._forwarded_app is None:
+            self._forwarded_app = self.service.app()
+        async for message in run_asgi(self._forwarded_app, scope, body):
+            yield message
 
     async def reconfigure(self, user_config: dict) -> None:
         """Live `grant_rounds` / `skip_cap` / `tick_slice` / `backlog_cap`; next grant."""
@@ -121,7 +131,8 @@ def _identity() -> dict:
 
 
 def build_app(args: dict) -> Application:
-    """The application a YAML config's `import_path` names. Validates `args` and finds
+    """The application a YAML config's `import_path` names: `SpecslotServer`, behind
+    `SpecslotIngress` when `affinity_key` is `prompt`. Validates `args` and finds
     the models first (raises ConfigError / ModelLoadError), so a bad path, an unreadable
     chat template file or a hub id missing from the cache fails here, once, and not in
     every replica; with `allow_download` a missing hub id is downloaded here."""
@@ -130,7 +141,11 @@ def build_app(args: dict) -> Application:
     deployment = SpecslotServer
     if serve_args.affinity_routing:
         deployment = SpecslotServer.options(request_router_config=affinity_router_config(serve_args))
-    return deployment.bind(serve_args.model_dump(mode="json"))
+    server = deployment.bind(serve_args.model_dump(mode="json"))
+    if serve_args.affinity_routing and serve_args.affinity_key == "prompt":
+        # The proxy routes before the body is read: a front deployment reads it and keys it.
+        return SpecslotIngress.bind(server, serve_args.max_body_bytes)
+    return server
 
 
 def affinity_router_config(args: ServeArgs) -> RequestRouterConfig:

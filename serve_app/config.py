@@ -155,6 +155,13 @@ class ServeArgs(BaseModel):
         "sessions), unless that replica's queue is longer than the "
         "least loaded one's by more than affinity_load_margin; false: Serve's default router.",
     )
+    affinity_key: Literal["session", "prompt"] = Field(
+        "session",
+        description="What affinity_routing keys on. session: Serve's session header only (the HTTP "
+        "proxy routes; requests without one are spread). prompt: a front deployment, SpecslotIngress, "
+        "reads each request and keys it on its session header or, without one, on a hash of the "
+        "prompt's leading messages (the same for every turn of a conversation); one more hop per request.",
+    )
     affinity_load_margin: int = Field(
         4, ge=0, le=1_000_000,
         description="Ongoing requests a session's replica may have beyond the least loaded "

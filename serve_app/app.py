@@ -52,7 +52,7 @@ def validate_user_config(user_config: dict | None) -> LiveConfig:
         raise ConfigError(format_validation_error(err, prefix="user_config", schema=LiveConfig)) from None
 
 
-@serve.deployment(
+DEPLOYMENT_OPTIONS = dict(
     name=DEPLOYMENT_NAME,
     # Serve's router is priority-blind: let requests through so they wait in our lanes.
     max_ongoing_requests=1024,
@@ -60,8 +60,14 @@ def validate_user_config(user_config: dict | None) -> LiveConfig:
     health_check_period_s=5,
     graceful_shutdown_timeout_s=5,
 )
-@serve.ingress()
-class SpecslotServer:
+
+
+class SpecslotReplica:
+    """One replica: a scheduler actor and the OpenAI app over it. Deployed as
+    `SpecslotServer`, Serve's HTTP ingress, or behind `SpecslotIngress` as
+    `SpecslotBackend` (same deployment name; an application has one ASGI ingress), which
+    serves HTTP only through `forward_http`."""
+
     async def __init__(self, args: dict) -> None:
         self.args = validate_args(args)
         identity = _identity()
@@ -104,6 +110,10 @@ class SpecslotServer:
             await self.client.close()
 
 
+SpecslotServer = serve.deployment(**DEPLOYMENT_OPTIONS)(serve.ingress()(SpecslotReplica))
+SpecslotBackend = serve.deployment(**DEPLOYMENT_OPTIONS)(SpecslotReplica)
+
+
 async def load_replica(service: OpenAIService) -> None:
     """Find the models, load the tokenizer, start the scheduler; then mark the service
     ready, or record the error (one log line) for /health and check_health."""
@@ -131,19 +141,21 @@ def _identity() -> dict:
 
 
 def build_app(args: dict) -> Application:
-    """The application a YAML config's `import_path` names: `SpecslotServer`, behind
-    `SpecslotIngress` when `affinity_key` is `prompt`. Validates `args` and finds
+    """The application a YAML config's `import_path` names: `SpecslotServer`, or
+    `SpecslotIngress` in front of `SpecslotBackend` when `affinity_key` is `prompt` (a
+    YAML `deployments` entry named SpecslotServer configures either). Validates `args` and finds
     the models first (raises ConfigError / ModelLoadError), so a bad path, an unreadable
     chat template file or a hub id missing from the cache fails here, once, and not in
     every replica; with `allow_download` a missing hub id is downloaded here."""
     serve_args = validate_args(args).with_resolved_paths(Path.cwd())
     serve_args.model_dirs()
-    deployment = SpecslotServer
+    # The proxy routes before the body is read: for prompt keys a front deployment reads it.
+    prompt_keyed = serve_args.affinity_routing and serve_args.affinity_key == "prompt"
+    deployment = SpecslotBackend if prompt_keyed else SpecslotServer
     if serve_args.affinity_routing:
-        deployment = SpecslotServer.options(request_router_config=affinity_router_config(serve_args))
+        deployment = deployment.options(request_router_config=affinity_router_config(serve_args))
     server = deployment.bind(serve_args.model_dump(mode="json"))
-    if serve_args.affinity_routing and serve_args.affinity_key == "prompt":
-        # The proxy routes before the body is read: a front deployment reads it and keys it.
+    if prompt_keyed:
         return SpecslotIngress.bind(server, serve_args.max_body_bytes)
     return server
 

@@ -73,7 +73,7 @@ async def read_body(receive, limit: int) -> bytes:
 
 class Forwarder:
     """The front door's ASGI app: read the body, key the request, forward it through
-    `server` (a handle to `SpecslotServer.forward_http`, streaming) and send back what
+    `server` (a handle to the replicas' `forward_http`, streaming) and send back what
     the replica's app sends. No Serve here: `server` is any handle-like object."""
 
     def __init__(self, server, max_body_bytes: int, session_header: str) -> None:

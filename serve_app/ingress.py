@@ -97,10 +97,11 @@ class Forwarder:
         forwarded = {k: scope[k] for k in SCOPE_KEYS if k in scope}
         responses = handle.remote(forwarded, body)
         gone = asyncio.ensure_future(_wait_disconnect(receive))
-        started = False
+        started = finished = False
         try:
             async for message in _until(responses, gone):
                 started = started or message["type"] == "http.response.start"
+                finished = message["type"] == "http.response.body" and not message.get("more_body", False)
                 await send(message)
         except Exception as exc:  # noqa: BLE001 - the replica died or refused: answer what we can
             logger.warning("forwarding %s %s failed: %r", scope.get("method"), scope.get("path"), exc)
@@ -109,10 +110,9 @@ class Forwarder:
             else:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            if gone.done():  # the client left: stop the replica's work on it
+            gone.cancel()
+            if not finished:  # the client left (or this task was cancelled): stop the replica's work
                 responses.cancel()
-            else:
-                gone.cancel()
 
 
 @serve.deployment(name=INGRESS_NAME, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0},

@@ -63,4 +63,25 @@ def test_conversations_without_a_session_id_keep_their_replica(ray_cluster, tiny
     import httpx
     bad = httpx.post(f"{base}/v1/chat/completions", json={"model": MODEL, "messages": "nope"}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+    # A client that leaves mid-stream cancels its request on the replica (the session id
+    # sends the streams and the probes to one replica).
+    pinned = {"X-Session-Id": "leaver"}
+
+    def disconnects():
+        text = httpx.get(f"{base}/metrics", headers=pinned, timeout=30).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("specslot_requests_total") and 'finish_reason="disconnected"' in line)
+
+    before = disconnects()
+    for _ in range(3):
+        with httpx.stream("POST", f"{base}/v1/completions", headers=pinned, timeout=30,
+                          json={"prompt": "def f(x):", "max_tokens": 300, "temperature": 0, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert any(next(lines).startswith("data: {") for _ in range(6))
+
+    def drained():
+        state = httpx.get(f"{base}/v1/internal/scheduler", headers=pinned, timeout=30).json()
+        return state["unfinished"] == 0 and disconnects() - before >= 3
+
+    wait_until(drained, 30)
     serve.delete("prompt_keyed")

@@ -135,6 +135,21 @@ def test_a_client_that_leaves_cancels_the_forwarded_call():
     assert sent == [START] and responses.cancelled
 
 
+def test_a_cancelled_forward_cancels_the_forwarded_call():
+    responses = FakeResponses([START], hang=True)
+    receive, send, sent = client()
+
+    async def cancel_soon():
+        task = asyncio.ensure_future(make_ingress(responses)(scope(), receive, send))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_soon())
+    assert sent == [START] and responses.cancelled
+
+
 def test_a_finished_request_cancels_nothing():
     responses = FakeResponses([START, {"type": "http.response.body", "body": b"", "more_body": False}])
     forward(make_ingress(responses), scope())

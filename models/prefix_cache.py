@@ -19,6 +19,12 @@ Memory: entries hold copies, never views of live rows (a row keeps changing, an 
 must not; a view would also keep the row's whole buffer alive). Entry bytes are
 counted against `budget_bytes`; a store evicts least recently used entries until the
 new one fits, and an entry whose tokens are a prefix of a new one is replaced by it.
+
+Live and parked streams: nothing here is ever a stream's state. A hit is copied into
+the row of the classic stream or speculative session that starts from it; a parked
+session keeps its own row (the slot takes only the drafter back, and the draft state
+stays with the session) until it finishes and its stream is stored. Evicting any
+entry therefore never reaches a running or parked stream.
 """
 
 from __future__ import annotations

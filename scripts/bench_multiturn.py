@@ -1,7 +1,7 @@
 """Scenario 7: multi-turn chat, TTFT per turn with the prefix cache on and off.
 
     python -m scripts.bench_multiturn [--quick] [--out results/multiturn] [--peer | --no-peer] [--repeats N]
-        [--replicas N]
+        [--replicas N [--prompt-key]]
 
 Conversations resend their whole history every turn, as chat clients and agents do: a
 first user message of `first_tokens` tokens, then per turn the assistant's reply
@@ -20,7 +20,10 @@ conversations (an idle server uses no CPU):
   `--peer`, off with `--no-peer`;
 - `cache_on_xN` with `--replicas N`: configs/local.yaml with N replicas; each
   conversation sends its own `X-Session-Id`, so affinity routing keeps it on one
-  replica; reports the share of turns that stayed and the requests per replica.
+  replica; reports the share of turns that stayed and the requests per replica;
+- `cache_on_xN_prompt` with `--replicas N --prompt-key`: the same with
+  `affinity_key: prompt`, and the conversations send no session id (affinity from the
+  prompt's leading messages, through `SpecslotIngress`).
 Every repeat (`--repeats`, default 1) uses fresh conversations (its own seed), so no
 server reuses a previous run's cache. TTFT is the time to the first streamed content chunk. Peak RSS is each
 server's largest process (VmHWM from /proc: the scheduler actor for ours) when the run
@@ -58,16 +61,17 @@ def user_texts(tokenizer, num_conversations: int, num_turns: int, first_tokens: 
             for _ in range(num_conversations)]
 
 
-async def stream_chat(session, base_url: str, messages: list[dict], max_tokens: int, session_id: str) -> dict:
+async def stream_chat(session, base_url: str, messages: list[dict], max_tokens: int, session_id: str | None) -> dict:
     """One streamed chat completion: TTFT, the reply's text, what usage reports and which
-    replica answered. `session_id` goes in Serve's session header (replica affinity)."""
+    replica answered. `session_id` goes in Serve's session header (replica affinity);
+    None sends none."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
     tic = time.perf_counter()
     rec = {"ttft_s": None, "text": "", "prompt_tokens": None, "cached_tokens": None, "error": None,
            "replica": None}
-    async with session.post(base_url + "/v1/chat/completions", json=body,
-                            headers={"X-Session-Id": session_id}) as resp:
+    headers = {"X-Session-Id": session_id} if session_id else {}
+    async with session.post(base_url + "/v1/chat/completions", json=body, headers=headers) as resp:
         rec["replica"] = resp.headers.get("X-Specslot-Replica")
         if resp.status >= 400:
             rec["error"] = f"HTTP {resp.status}: {(await resp.text())[:300]}"
@@ -91,9 +95,10 @@ async def stream_chat(session, base_url: str, messages: list[dict], max_tokens: 
 
 
 async def run_conversations(base_url: str, conversations: list[list[str]], concurrency: int,
-                            max_tokens: int, run_id: str = "run") -> list[dict]:
+                            max_tokens: int, run_id: str = "run", session_ids: bool = True) -> list[dict]:
     """Every conversation's turns in order, `concurrency` conversations at a time; one
-    record per turn, with its conversation and turn index."""
+    record per turn, with its conversation and turn index. `session_ids`: each
+    conversation sends its own X-Session-Id."""
     import aiohttp
 
     records: list[dict] = []
@@ -106,7 +111,8 @@ async def run_conversations(base_url: str, conversations: list[list[str]], concu
                 history: list[dict] = []
                 for turn, text in enumerate(user_messages):
                     history.append({"role": "user", "content": text})
-                    rec = await stream_chat(session, base_url, history, max_tokens, f"{run_id}-{index}")
+                    rec = await stream_chat(session, base_url, history, max_tokens,
+                                            f"{run_id}-{index}" if session_ids else None)
                     records.append({"conversation": index, "turn": turn + 1, **rec})
                     history.append({"role": "assistant", "content": rec["text"]})
 
@@ -183,7 +189,8 @@ def columns(names: list[str]) -> list[tuple[str, str]]:
 
 
 def run(quick: bool, target: str, seed: int = 0, out_dir: str = "results/multiturn", base_port: int = 8160,
-        with_peer: bool | None = None, repeats: int | None = None, replicas: int = 0) -> dict:
+        with_peer: bool | None = None, repeats: int | None = None, replicas: int = 0,
+        prompt_key: bool = False) -> dict:
     from transformers import AutoTokenizer
 
     size = {**sizes(quick), **({"repeats": repeats} if repeats else {})}
@@ -196,21 +203,30 @@ def run(quick: bool, target: str, seed: int = 0, out_dir: str = "results/multitu
     if replicas > 1:
         fleet.append(servers.ours(base_port + 3, out_dir, name=f"cache_on_x{replicas}",
                                   deployment={"num_replicas": replicas}))
+        if prompt_key:
+            fleet.append(servers.ours(base_port + 4, out_dir, name=f"cache_on_x{replicas}_prompt",
+                                      args={"affinity_key": "prompt"}, deployment={"num_replicas": replicas}))
+    without_session = {server.name for server in fleet if server.name.endswith("_prompt")}
     tokenizer = AutoTokenizer.from_pretrained(target)
     records, rss = [], {}
     try:
         for server in fleet:
             server.start("/v1/models")
-        warm = user_texts(tokenizer, 1, 2, 64, 16, seed + 999)
-        for server in fleet:  # first-call costs out of the measured runs
-            asyncio.run(run_conversations(server.base_url, warm, 1, 4))
+        # First-call costs out of the measured runs: one short conversation per replica
+        # (affinity places each on a replica of its own, so every replica warms up and
+        # each holds one session when the measured ones arrive).
+        warm = user_texts(tokenizer, max(1, replicas), 2, 64, 16, seed + 999)
+        for server in fleet:
+            asyncio.run(run_conversations(server.base_url, warm, 1, 4, run_id="warm",
+                                          session_ids=server.name not in without_session))
         for rep in range(size["repeats"]):
             conversations = user_texts(tokenizer, size["num_conversations"], size["num_turns"],
                                        size["first_tokens"], size["turn_tokens"], seed + rep)
             for server in fleet:
                 tic = time.perf_counter()
-                run_records = asyncio.run(run_conversations(server.base_url, conversations, size["concurrency"],
-                                                            size["max_tokens"], run_id=f"rep{rep}"))
+                run_records = asyncio.run(run_conversations(
+                    server.base_url, conversations, size["concurrency"], size["max_tokens"], run_id=f"rep{rep}",
+                    session_ids=server.name not in without_session))
                 records += [{"server": server.name, "repeat": rep, **r} for r in run_records]
                 errors = [r["error"] for r in run_records if r["error"]]
                 print(f"rep={rep} {server.name:<10} {len(run_records)} turns in {time.perf_counter() - tic:.1f} s"
@@ -266,9 +282,11 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=None, help="runs of the whole workload per server (default 1)")
     ap.add_argument("--replicas", type=int, default=0,
                     help="also run the cached service with this many replicas (affinity routing)")
+    ap.add_argument("--prompt-key", action="store_true",
+                    help="with --replicas: also run it with affinity_key: prompt, sending no session ids")
     args = ap.parse_args(argv)
     result = run(args.quick, args.target, args.seed, out_dir=args.out, with_peer=args.with_peer,
-                 repeats=args.repeats, replicas=args.replicas)
+                 repeats=args.repeats, replicas=args.replicas, prompt_key=args.prompt_key)
     bench_util.publish(args, "multiturn", result, render(result), plot)
     return 1 if result["num_errors"] else 0
 

@@ -29,6 +29,7 @@ from serve_app.codec import TextCodec
 from serve_app.config import (ConfigError, LiveConfig, ServeArgs, format_validation_error,
                               read_chat_template)
 from serve_app.http import OpenAIService
+from serve_app.ingress import SpecslotIngress, run_asgi
 from serve_app.ready import last_error_line
 from serve_app.sampling_defaults import read_generation_config
 
@@ -51,7 +52,7 @@ def validate_user_config(user_config: dict | None) -> LiveConfig:
         raise ConfigError(format_validation_error(err, prefix="user_config", schema=LiveConfig)) from None
 
 
-@serve.deployment(
+DEPLOYMENT_OPTIONS = dict(
     name=DEPLOYMENT_NAME,
     # Serve's router is priority-blind: let requests through so they wait in our lanes.
     max_ongoing_requests=1024,
@@ -59,8 +60,14 @@ def validate_user_config(user_config: dict | None) -> LiveConfig:
     health_check_period_s=5,
     graceful_shutdown_timeout_s=5,
 )
-@serve.ingress()
-class SpecslotServer:
+
+
+class SpecslotReplica:
+    """One replica: a scheduler actor and the OpenAI app over it. Deployed as
+    `SpecslotServer`, Serve's HTTP ingress, or behind `SpecslotIngress` as
+    `SpecslotBackend` (same deployment name; an application has one ASGI ingress), which
+    serves HTTP only through `forward_http`."""
+
     async def __init__(self, args: dict) -> None:
         self.args = validate_args(args)
         identity = _identity()
@@ -68,11 +75,20 @@ class SpecslotServer:
                              name_prefix=f"scheduler-{identity['replica_id']}")
         self.client = EngineClient(source)
         self.service = OpenAIService(self.client, None, self.args, identity=identity)
+        self._forwarded_app = None
         # Not awaited: the replica must answer /health (503, loading) while this runs.
         self._loading = asyncio.get_running_loop().create_task(load_replica(self.service))
 
     def __serve_build_asgi_app__(self):
         return self.service.app()
+
+    async def forward_http(self, scope: dict, body: bytes):
+        """One HTTP request forwarded by `SpecslotIngress` (`affinity_key: prompt`): the
+        same app as behind Serve's proxy; yields the ASGI messages it sends."""
+        if self._forwarded_app is None:
+            self._forwarded_app = self.service.app()
+        async for message in run_asgi(self._forwarded_app, scope, body):
+            yield message
 
     async def reconfigure(self, user_config: dict) -> None:
         """Live `grant_rounds` / `skip_cap` / `tick_slice` / `backlog_cap`; next grant."""
@@ -92,6 +108,10 @@ class SpecslotServer:
         if getattr(self, "client", None) is not None:
             self._loading.cancel()
             await self.client.close()
+
+
+SpecslotServer = serve.deployment(**DEPLOYMENT_OPTIONS)(serve.ingress()(SpecslotReplica))
+SpecslotBackend = serve.deployment(**DEPLOYMENT_OPTIONS)(SpecslotReplica)
 
 
 async def load_replica(service: OpenAIService) -> None:
@@ -121,16 +141,23 @@ def _identity() -> dict:
 
 
 def build_app(args: dict) -> Application:
-    """The application a YAML config's `import_path` names. Validates `args` and finds
+    """The application a YAML config's `import_path` names: `SpecslotServer`, or
+    `SpecslotIngress` in front of `SpecslotBackend` when `affinity_key` is `prompt` (a
+    YAML `deployments` entry named SpecslotServer configures either). Validates `args` and finds
     the models first (raises ConfigError / ModelLoadError), so a bad path, an unreadable
     chat template file or a hub id missing from the cache fails here, once, and not in
     every replica; with `allow_download` a missing hub id is downloaded here."""
     serve_args = validate_args(args).with_resolved_paths(Path.cwd())
     serve_args.model_dirs()
-    deployment = SpecslotServer
+    # The proxy routes before the body is read: for prompt keys a front deployment reads it.
+    prompt_keyed = serve_args.affinity_routing and serve_args.affinity_key == "prompt"
+    deployment = SpecslotBackend if prompt_keyed else SpecslotServer
     if serve_args.affinity_routing:
-        deployment = SpecslotServer.options(request_router_config=affinity_router_config(serve_args))
-    return deployment.bind(serve_args.model_dump(mode="json"))
+        deployment = deployment.options(request_router_config=affinity_router_config(serve_args))
+    server = deployment.bind(serve_args.model_dump(mode="json"))
+    if prompt_keyed:
+        return SpecslotIngress.bind(server, serve_args.max_body_bytes)
+    return server
 
 
 def affinity_router_config(args: ServeArgs) -> RequestRouterConfig:

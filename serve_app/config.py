@@ -110,12 +110,25 @@ class _ServeArgsBase(BaseModel):
     affinity_routing: bool = Field(
         True,
         description="Serve's router for this deployment is `serve_app.router.PrefixAffinityRouter`: "
-        "requests carrying a session id (Serve's `X-Session-Id` header) go to one replica per "
-        "session, where the session's prefix cache is, unless that replica has more than "
-        "`affinity_load_margin` ongoing requests beyond the least loaded replica (then the least "
-        "loaded one); requests without a session id go to the shorter queue of two random replicas, "
-        "as with Serve's default router. With one replica it changes nothing. false: Serve's "
-        "default router. See \"Prefix cache\" below.",
+        "the requests of one session (Serve's `X-Session-Id` header, or with `affinity_key: prompt` "
+        "a hash of the prompt's leading messages) go to one replica, where the session's prefix "
+        "cache is; a new session goes to the replica holding the fewest sessions; a session whose "
+        "replica has more than `affinity_load_margin` ongoing requests beyond the least loaded "
+        "replica moves to the least loaded one. Requests without a key go to the shorter queue of "
+        "two random replicas, as with Serve's default router. With one replica it changes nothing. "
+        "false: Serve's default router. See \"Prefix cache\" below.",
+    )
+    affinity_key: Literal["session", "prompt"] = Field(
+        "session",
+        description="What `affinity_routing` keys on. `session`: Serve's session header only; the HTTP "
+        "proxy routes, and requests without a session id are spread as by Serve's default router. "
+        "`prompt`: a front deployment, `SpecslotIngress` (`serve_app/ingress.py`, one replica unless a "
+        "`deployments` entry of that name says otherwise), reads each request's body and keys it on "
+        "its session header or, without one, on a hash of the prompt's leading text, the same for "
+        "every turn of a conversation (`serve_app/prompt_key.py`; exactly what is hashed is under "
+        "\"Prefix cache\" below); it then forwards the request to `SpecslotServer` through a "
+        "deployment handle. Costs one more hop per request and per streamed chunk. Ignored when "
+        "`affinity_routing` is false.",
     )
     affinity_load_margin: int = Field(
         4, ge=0, le=1_000_000,

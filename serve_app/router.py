@@ -1,11 +1,24 @@
 """Serve's request router for specslot: a conversation stays on the replica holding its
 prefix cache, within a load bound (the policy is `serve_app.affinity`).
 
-Serve runs this router where requests enter (the HTTP proxy) before the body has been
-read, so the affinity key is the request's session id: Serve's session header
-(`X-Session-Id`, renamed with `RAY_SERVE_SESSION_ID_HEADER_KEY`). Requests without one
+The affinity key is the request's Serve session id (`metadata.session_id`). Where
+requests enter through Serve's HTTP proxy (`affinity_key: session`), the router runs
+before the body is read, so that is Serve's session header (`X-Session-Id`, renamed
+with `RAY_SERVE_SESSION_ID_HEADER_KEY`). Behind `SpecslotIngress` (`affinity_key:
+prompt`, `serve_app.ingress`), the ingress reads the body and sets the session id of
+its handle call to the session header when there is one, else to the prompt's key
+(`serve_app.prompt_key`): "prompt:" + blake2b of the canonical JSON of a chat request's
+messages up to and including the first user message, with its tools; or of a
+completions prompt's first 256 characters (64 token ids). Every turn of a conversation
+resends those leading messages, so all its turns share one key. Requests without a key
 go to the shorter queue of two random replicas, as with Serve's default router. Queue
 lengths are Serve's ongoing-request counts per replica: cached where fresh, else probed.
+
+The router remembers which replica each session is pinned to (`SessionPins`, an LRU of
+`max_pins` sessions) and places a new session on the replica with the fewest pins.
+Each router instance (one per HTTP proxy, that is per node, or one per `SpecslotIngress`
+replica) keeps its own pins: a session whose requests enter through two of them may be
+pinned once in each.
 """
 
 from __future__ import annotations
@@ -16,7 +29,7 @@ import random
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from serve_app.affinity import rank_replicas
+from serve_app.affinity import DEFAULT_MAX_PINS, SessionPins, rank_replicas
 
 logger = logging.getLogger("ray.serve")
 
@@ -27,10 +40,11 @@ PROBE_DEADLINE_S = 0.1
 class PrefixAffinityRouter(RequestRouter):
     load_margin = 4
 
-    def initialize_state(self, load_margin: int = 4, **kwargs) -> None:
+    def initialize_state(self, load_margin: int = 4, max_pins: int = DEFAULT_MAX_PINS, **kwargs) -> None:
         if not isinstance(load_margin, int) or load_margin < 0:
             raise ValueError(f"load_margin must be a non-negative int, got {load_margin!r}")
         self.load_margin = load_margin
+        self.pins = SessionPins(max_pins)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -46,7 +60,10 @@ class PrefixAffinityRouter(RequestRouter):
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         queue_lens = await self._queue_lens(candidate_replicas)
-        ranked = rank_replicas(key, queue_lens, self.load_margin)
+        # No await from here on: concurrent new sessions see each other's pins.
+        ranked = rank_replicas(key, queue_lens, self.load_margin, self.pins.get(key),
+                               self.pins.counts(list(queue_lens)))
+        self.pins.pin(key, ranked[0])
         return [[by_id[rid]] for rid in ranked]
 
     async def _queue_lens(self, replicas: list[RunningReplica]) -> dict[str, int]:
@@ -65,7 +82,8 @@ class PrefixAffinityRouter(RequestRouter):
 
 
 def affinity_key(pending_request: PendingRequest | None) -> str | None:
-    """The session id Serve's proxy read from the session header; None without one."""
+    """The request's Serve session id (the session header, or the ingress's prompt key);
+    None without one."""
     if pending_request is None:
         return None
     return pending_request.metadata.session_id or None

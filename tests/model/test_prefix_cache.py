@@ -401,6 +401,60 @@ def test_a_session_starts_from_the_cache_and_stores_its_stream(loaded, base, kin
 
 
 @pytest.mark.parametrize("kind", ["draft_model", "ngram"])
+def test_a_parked_session_keeps_its_state_while_the_cache_evicts_its_prefix(loaded, base, kind):
+    """A parked session's target KV is its own slab row (a hit was copied in at begin)
+    and its draft state is the session's: the cache holds neither, so evicting the
+    entry the session started from, while it is parked, changes nothing it resumes with."""
+    from models.runner import MlxRunner
+
+    target = loaded[0]
+    eos = sorted(target.tokenizer.eos_token_ids)
+    runner = MlxRunner(target, make_drafter(kind, loaded), num_draft_tokens=3, prefix_cache_bytes=64 << 20)
+    cache = runner._classic.prefix_cache
+    cache.budget_bytes = 260 * runner._classic.slab.bytes_per_position  # room for one conversation
+
+    def run(request, rounds=None):
+        tokens = list(runner.spec_begin(request).token_ids)
+        for _ in range(rounds or 10_000):
+            outcome = runner.spec_round(request.request_id)
+            tokens += outcome.token_ids
+            if outcome.finish_reason:
+                runner.spec_finish(request.request_id)
+                break
+        return tokens
+
+    def row_matches_history(session):
+        row = session.cache[0].row
+        keys, values = runner._classic.slab.copy_prefix(row, row.length)
+        want = reference_kv(target.model, session.history[:row.length])
+        return all(np.abs(np.array(g) - w).max() < KV_ATOL for g, w in zip(keys + values, want))
+
+    first = make_request("t1", base, 20)
+    out1 = run(first)
+    second = make_request("t2", base + out1 + fresh_tokens(5, 50), 30)
+    out2 = run(second, rounds=2)
+    assert second.num_cached_tokens == len(base) + len(out1) - 1  # started from t1's entry
+    runner.spec_park("t2")
+    parked = runner.session("t2")
+    assert row_matches_history(parked)
+    evictions = cache.num_evictions
+    other = make_request("o1", fresh_tokens(200, 51), 20)
+    run(other)  # another session takes the drafter, finishes, and its stream evicts t1's entry
+    assert cache.num_evictions > evictions and cache.lookup(second.prompt_ids) is None
+    assert row_matches_history(parked)
+    runner.spec_resume("t2")
+    for _ in range(10_000):
+        outcome = runner.spec_round("t2")
+        out2 += outcome.token_ids
+        if outcome.finish_reason:
+            runner.spec_finish("t2")
+            break
+    assert out2 == isolated(target.model, second, eos)
+    assert runner.num_live_sessions() == 0 and cache.num_bytes <= cache.budget_bytes
+    runner.close()
+
+
+@pytest.mark.parametrize("kind", ["draft_model", "ngram"])
 def test_conversations_through_the_scheduler_match_isolated_decode(loaded, base, kind):
     """Three conversations of two turns through the fused tick, the slot rotating:
     second turns start from the cache, as classic rows and as sessions."""

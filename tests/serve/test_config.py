@@ -82,6 +82,33 @@ def test_affinity_routing_sets_the_request_router(extra, router, margin):
         assert config.request_router_kwargs == {"load_margin": margin}
 
 
+@pytest.mark.parametrize("extra, graph", [
+    ({"affinity_key": "prompt"}, ["SpecslotIngress", "SpecslotServer"]),
+    ({"affinity_key": "prompt", "affinity_routing": False}, ["SpecslotServer"]),
+    ({"affinity_key": "session"}, ["SpecslotServer"]),
+])
+def test_prompt_keys_put_the_ingress_in_front(extra, graph):
+    from ray.serve._private.http_util import ASGIAppReplicaWrapper
+
+    deployments = app_deployments(build_app({"model": "models/bundled/target", **extra}))
+    assert [d.name for d in deployments] == graph
+    # One ASGI ingress per application (Serve's rule): the first, and only it.
+    assert [issubclass(d.func_or_class, ASGIAppReplicaWrapper) for d in deployments] == [
+        i == 0 for i in range(len(graph))]
+    router = str(deployments[-1]._deployment_config.request_router_config.request_router_class)
+    assert ("PrefixAffinityRouter" in router) == extra.get("affinity_routing", True)
+
+
+def app_deployments(app):
+    """The application's deployments, ingress first, following the bound arguments."""
+    out, deployment = [], app._bound_deployment
+    while deployment is not None:
+        out.append(deployment)
+        children = [a for a in deployment.init_args if hasattr(a, "_bound_deployment")]
+        deployment = children[0]._bound_deployment if children else None
+    return out
+
+
 @pytest.mark.parametrize("bad, fragment", [
     ({"model": "m", "grant_rounds": -1}, "args.grant_rounds: Input should be greater than or equal to 0"),
     ({"model": "m", "grant_round": 3}, "args.grant_round: unknown key"),

@@ -2,7 +2,8 @@
 
 import pytest
 
-from serve_app.affinity import choose_replica, least_loaded, preferred_replica, rank_replicas
+from serve_app.affinity import (SessionPins, choose_replica, least_loaded, place_key, preferred_replica,
+                                rank_replicas)
 
 REPLICAS = ["r0", "r1", "r2", "r3"]
 
@@ -17,7 +18,7 @@ def key_preferring(replica_id, replica_ids=REPLICAS):
                 if preferred_replica(k, replica_ids) == replica_id)
 
 
-def test_a_key_always_prefers_the_same_replica():
+def test_a_new_key_on_idle_replicas_goes_where_it_hashes():
     for i in range(50):
         key = f"conversation-{i}"
         assert len({choose_replica(key, idle(), 4) for _ in range(5)}) == 1
@@ -54,10 +55,29 @@ def test_a_key_moves_only_when_its_replica_leaves():
     (100, 98, 4, True),
 ])
 def test_load_bound(preferred_len, least_len, margin, stays):
-    key = key_preferring("r2")
     queue_lens = {"r0": least_len + 1, "r1": least_len, "r2": preferred_len, "r3": least_len + 2}
     expected = "r2" if stays else "r1"
-    assert choose_replica(key, queue_lens, margin) == expected
+    assert choose_replica("k", queue_lens, margin, pinned="r2") == expected
+
+
+def test_a_pin_wins_over_the_hash_and_the_pin_counts():
+    key = key_preferring("r0")
+    assert choose_replica(key, idle(), 4, pinned="r3", pin_counts={"r3": 9}) == "r3"
+
+
+def test_a_pin_to_a_replica_that_left_is_placed_anew():
+    assert choose_replica("k", {"r0": 0, "r1": 0}, 4, pinned="gone", pin_counts={"r0": 2, "r1": 1}) == "r1"
+
+
+@pytest.mark.parametrize("pin_counts, queue_lens, expected", [
+    ({"r0": 3, "r1": 2}, {"r0": 0, "r1": 3}, "r1"),   # fewest pins first, even on a longer queue
+    ({"r0": 2, "r1": 2}, {"r0": 1, "r1": 0}, "r1"),   # equal pins: the shorter queue
+    ({}, {"r0": 0, "r1": 0}, None),                    # all equal: the key's hash decides
+])
+def test_a_new_key_goes_to_the_fewest_pins(pin_counts, queue_lens, expected):
+    key = key_preferring("r0", ["r0", "r1"])
+    assert place_key(key, pin_counts, queue_lens) == (expected or "r0")
+    assert choose_replica(key, queue_lens, 4, pin_counts=pin_counts) == (expected or "r0")
 
 
 @pytest.mark.parametrize("queue_lens, expected", [
@@ -84,5 +104,21 @@ def test_no_replica_is_an_error():
     (9, ["r1", "r0", "r3", "r2"]),   # over the bound: least loaded first
 ])
 def test_rank_replicas(preferred_len, expected):
-    key = key_preferring("r2")
-    assert rank_replicas(key, {"r0": 2, "r1": 1, "r2": preferred_len, "r3": 3}, 4) == expected
+    assert rank_replicas("k", {"r0": 2, "r1": 1, "r2": preferred_len, "r3": 3}, 4, pinned="r2") == expected
+
+
+def test_pins_are_an_lru_with_counts():
+    pins = SessionPins(capacity=3)
+    for key, replica in [("a", "r0"), ("b", "r1"), ("c", "r0")]:
+        pins.pin(key, replica)
+    assert pins.get("a") == "r0"          # "a" is now the most recently used
+    pins.pin("d", "r1")                   # forgets "b", the least recently used
+    assert (pins.get("b"), len(pins)) == (None, 3)
+    assert pins.counts(["r0", "r1", "r2"]) == {"r0": 2, "r1": 1, "r2": 0}
+    pins.pin("a", "r1")                   # a move counts once, on its new replica
+    assert pins.counts(["r0", "r1"]) == {"r0": 1, "r1": 2}
+
+
+def test_pins_need_room_for_one():
+    with pytest.raises(ValueError):
+        SessionPins(capacity=0)

@@ -46,13 +46,19 @@ def verify_drafts(p: mx.array, q: mx.array, drafts: mx.array, key: mx.array) -> 
         m = mx.cumprod(accepted).sum()
     else:
         m = mx.array(0, dtype=mx.int32)
-    residual = mx.maximum(mx.take(p, m, axis=0) - mx.take(q, m, axis=0), 0.0)
-    # A rejection implies mass where p > q; an all-zero residual is rounding only.
-    residual = mx.where(residual.sum() > 0, residual, mx.take(p, m, axis=0))
-    last = mx.random.categorical(mx.log(residual), key=draw_key).astype(mx.int32)
+    last = mx.random.categorical(mx.log(residual(mx.take(p, m, axis=0), mx.take(q, m, axis=0))),
+                                 key=draw_key).astype(mx.int32)
     padded = mx.concatenate([drafts.astype(mx.int32), mx.zeros((1,), mx.int32)])
     tokens = mx.where(mx.arange(n + 1) < m, padded, last)
     return tokens, m
+
+
+def residual(p: mx.array, q: mx.array) -> mx.array:
+    """max(0, p - q) (V,), unnormalised (a draw normalises): p itself where q is the
+    bonus position's zero row."""
+    out = mx.maximum(p - q, 0.0)
+    # A rejection implies mass where p > q; an all-zero residual is rounding only.
+    return mx.where(out.sum() > 0, out, p)
 
 
 def with_bonus_row(q: mx.array, num_drafts: int) -> mx.array:

@@ -73,6 +73,7 @@ class Arrival:
     lane: Lane = Lane.NORMAL
     after_tokens: int = 0  # submit once this many tokens were emitted in total
     after_request: str | None = None  # ... and this request finished
+    sampling: dict = field(default_factory=dict)  # SamplingParams fields besides max_tokens (greedy: none)
 
 
 @dataclass
@@ -110,7 +111,7 @@ def drive(runner, config: SchedulerConfig, arrivals: list[Arrival], max_ticks: i
                 "lane": a.lane.name.lower(), "arrival_s": now - t0, "first_token_s": None,
                 "chunks": [], "finish_s": None, "prompt_tokens": len(a.prompt_ids),
                 "output_tokens": 0, "speculative": None, "error": None, "finish_reason": None}
-            scheduler.submit(Request(a.request_id, list(a.prompt_ids), SamplingParams(max_tokens=a.max_tokens),
+            scheduler.submit(Request(a.request_id, list(a.prompt_ids), SamplingParams(max_tokens=a.max_tokens, **a.sampling),
                                      lane=a.lane, arrival_time=now))
         if not scheduler.has_work():
             if not pending:

@@ -65,9 +65,9 @@ class BiasedTarget:
 
 
 def speculative_paths(loaded, prompt, rule, target_paths=None):
-    if rule == "rejection":  # bonus 0.1 at temperature 0.05: x e^2 in the draft's odds
+    if rule == "rejection":  # bonus 0.2 at temperature 0.05: x e^4 in the draft's odds
         likeliest = max(target_paths, key=target_paths.get)[1]  # the first draft is token 2
-        drafter = DraftModelDrafter(BiasedTarget(loaded[0].model, likeliest, 0.1), "biased", sample_drafts=True)
+        drafter = DraftModelDrafter(BiasedTarget(loaded[0].model, likeliest, 0.2), "biased", sample_drafts=True)
     else:
         drafter = DraftModelDrafter(loaded[1].model, loaded[1].name, sample_drafts=False)
     paths, drafted, accepted = collections.Counter(), 0, 0

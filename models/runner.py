@@ -160,7 +160,7 @@ class MlxRunner:
     def warm(self, max_positions: int) -> int:
         """Compile the fast path's shapes for contexts up to `max_positions`: verifies of
         1 and K + 1 positions (logits for sampled requests, greedy tokens for greedy
-        ones), draft steps of 1 and 2, prefill chunks of target and draft. Returns the shape count. With `warm_session`, then also runs
+        ones), draft steps (greedy tokens, and logits for sampled drafts), prefill chunks of target and draft. Returns the shape count. With `warm_session`, then also runs
         throwaway requests through begin, a probe round and full rounds (greedy and
         sampled), so what the shapes do not cover (library handles, kernels of the first
         use, the sampler) is paid here and not by the first real request."""
@@ -179,6 +179,8 @@ class MlxRunner:
         if isinstance(drafter, DraftModelDrafter) and drafter.fast is not None:
             # Catch-up feeds: 1-2 tokens after a round, PROBE_TOKENS + 1-2 after a probe.
             lengths = (1, 2, PROBE_TOKENS + 1, PROBE_TOKENS + 2)
+            if drafter.sample_drafts:  # sampled requests draft from the logits
+                count += drafter.fast.warm(lengths, max_positions)
             lengths += (drafter.fast.prefill_chunk,) if drafter.fast.prefill_chunk else ()
             count += drafter.fast.warm(lengths, max_positions, head="last")
         log.info("compiled %d shapes in %.1f s", count, time.perf_counter() - tic)

@@ -163,8 +163,9 @@ def test_runner_fast_verify_on_cpu(tiny_pair, loaded, prompt_ids, classic_output
                                   num_draft_tokens=3, fast_verify=True, warm_positions=0)
     assert runner.fast_verify
     # one 256-position bucket: verify 1 and 4 (logits and greedy heads) + prefill chunk 128;
-    # draft 1, 2, the two catch-up lengths after a probe (PROBE_TOKENS + 1, + 2) and 128
-    assert runner.warm(256) == 5 + 5
+    # draft 1, 2, the two catch-up lengths after a probe (PROBE_TOKENS + 1, + 2) and 128,
+    # and the first four again for sampled drafts (logits)
+    assert runner.warm(256) == 5 + 5 + 4
     # the throwaway warm requests leave nothing behind
     assert runner.num_live_sessions() == 0 and runner._slot.holder is None
     try:

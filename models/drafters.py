@@ -33,6 +33,10 @@ PREFILL_STEP = 2048
 
 
 class Drafter(Protocol):
+    """What every drafter does. A drafter that can give a distribution also has
+    `sample_drafts` and `propose_sampled` (`DraftModelDrafter`); sessions use them at
+    temperature > 0."""
+
     kind: str  # "draft_model" | "ngram"
     name: str  # for the policy key
 

@@ -5,9 +5,13 @@ draft model: its own KV cache) belongs to one session and lives in it, so a park
 session keeps its draft cache and resumes exactly. The worker holds ONE handle in a
 `DrafterSlot`; `take` binds it to a session, `return_` clears only that binding.
 
-Drafts are always greedy, also when the request samples at temperature > 0: acceptance
-compares each draft token with the target's own sample at that position (see
-`models.session`), so the draft only affects speed, never the output distribution.
+At temperature 0 drafts are greedy and a draft is accepted when it equals the target's
+argmax. At temperature > 0 a drafter that gives a distribution (the draft model,
+`propose_sampled`) samples each draft from its processed distribution q and the target
+accepts it by rejection sampling (`models.rejection`); one that gives none (n-gram)
+proposes greedily and a draft is accepted when it equals the target's own sample
+(`models.session`). Either way the draft only affects speed, never the output
+distribution.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from models import bucketed, cache_rollback
 from models.bucketed import BucketedForward
+from models.rejection import fit_vocab
 from models.rollback import draft_cache_trim
+from models.sampling import RequestSampler, log_probs
 
 if TYPE_CHECKING:
     from models.loader import LoadedModel
@@ -32,8 +38,10 @@ PREFILL_STEP = 2048
 class Drafter(Protocol):
     """What the slot, the sessions and the runner need of a drafter. Kinds are
     registered in `models.drafter_kinds.DRAFTERS`; capabilities are members here, never
-    found with isinstance. (One is still optional: a drafter that drafts on the device
-    without a host sync has `propose_array`, which `models.session` looks for.)"""
+    found with isinstance. Optional, found by attribute in `models.session`: a drafter
+    that drafts on the device without a host sync has `propose_array`; one that can give
+    a distribution has `sample_drafts` and `propose_sampled` (`DraftModelDrafter`),
+    which sessions use at temperature > 0."""
 
     kind: str  # its key in `models.drafter_kinds.DRAFTERS`
     name: str  # for the policy key
@@ -85,12 +93,16 @@ class DraftModelDrafter:
     kind = "draft_model"
     drafts_like_rows = False
 
-    def __init__(self, model: nn.Module, name: str, fast: BucketedForward | None = None):
+    def __init__(self, model: nn.Module, name: str, fast: BucketedForward | None = None,
+                 sample_drafts: bool = True):
         """`fast`: compiled shape-stable forwards of `model` (GPU path), used by
-        `propose_array`; None drafts with the plain forward."""
+        `propose_array`; None drafts with the plain forward. `sample_drafts`: at
+        temperature > 0, sample drafts for rejection sampling (False: greedy drafts
+        checked by token equality, as the n-gram drafter's are; for comparisons)."""
         self.model = model
         self.name = name
         self.fast = fast
+        self.sample_drafts = sample_drafts
         cache = make_prompt_cache(model)
         if not cache_rollback.can_roll_back(cache):
             raise ValueError(f"draft model {name!r} has a cache that cannot be rolled back "
@@ -108,8 +120,10 @@ class DraftModelDrafter:
     def warm(self, feed_lengths: tuple[int, ...], max_positions: int) -> int:
         if self.fast is None:
             return 0
+        # Sampled requests draft from the logits (`propose_sampled`), greedy ones from the last head.
+        count = self.fast.warm(feed_lengths, max_positions) if self.sample_drafts else 0
         chunk = (self.fast.prefill_chunk,) if self.fast.prefill_chunk else ()
-        return self.fast.warm(feed_lengths + chunk, max_positions, head="last")
+        return count + self.fast.warm(feed_lengths + chunk, max_positions, head="last")
 
     def new_state(self, prompt_ids: Sequence[int]) -> DraftModelState:
         cache = make_prompt_cache(self.model)
@@ -160,6 +174,35 @@ class DraftModelDrafter:
             drafts.append(token)
         state.num_cached = len(history) + k - 1
         return mx.concatenate(drafts)
+
+    def propose_sampled(self, state: DraftModelState, history: Sequence[int], k: int,
+                        sampler: RequestSampler, vocab: int | None = None) -> tuple[mx.array, mx.array]:
+        """Exactly `k` (>= 1) drafts sampled at the request's temperature > 0, lazily:
+        tokens (k,) int32 and q (k, V) float32, row j the distribution draft j was drawn
+        from (the draft's logits, cut or padded to the target's `vocab`, through
+        `sampler.draft_logits` after the drafts before it, then its filters and
+        temperature). The draws split the sampler's key once per call."""
+        keys = mx.random.split(sampler.next_key(), k)
+        if self.fast is not None:
+            def logits_of(tokens):
+                return self.fast.logits(state.cache, tokens)[0, -1:]
+        else:
+            def logits_of(tokens):
+                return self.model(tokens, cache=state.cache)[0, -1:]
+        logits = logits_of(mx.array([list(history[state.num_cached :])], dtype=mx.int32))
+        self._before_steps(state)
+        drafts, rows = [], []
+        for j in range(k):
+            if j:
+                mx.async_eval(drafts[-1])
+                logits = logits_of(drafts[-1].reshape(1, 1))
+            before = mx.concatenate(drafts) if drafts else ()
+            logits = fit_vocab(logits.astype(mx.float32), vocab)
+            scaled = sampler.scaled(log_probs(sampler.draft_logits(logits, before)))
+            rows.append(mx.softmax(scaled, axis=-1))
+            drafts.append(mx.random.categorical(scaled, key=keys[j]).astype(mx.int32))
+        state.num_cached = len(history) + k - 1
+        return mx.concatenate(drafts), mx.concatenate(rows)
 
     def _before_steps(self, state: DraftModelState) -> None:
         # The cache now holds the history up to the pending token, all of it kept.

@@ -286,6 +286,11 @@ class RequestSampler:
         `make_sampler` order) and one draw per row from one fresh subkey."""
         if self.is_greedy:
             return mx.argmax(logprobs, axis=-1)
+        return mx.random.categorical(self.scaled(logprobs), key=self.next_key())
+
+    def scaled(self, logprobs: mx.array) -> mx.array:
+        """The unnormalised log-probabilities a draw at temperature > 0 samples from:
+        the filters, then 1 / temperature."""
         p = self.params
         if 0.0 < p.top_p < 1.0:
             logprobs = apply_top_p(logprobs, p.top_p)
@@ -293,8 +298,33 @@ class RequestSampler:
             logprobs = apply_min_p(logprobs, p.min_p)
         if 0 < p.top_k < logprobs.shape[-1]:
             logprobs = apply_top_k(logprobs, p.top_k)
+        return logprobs * (1.0 / self.temperature)
+
+    def probs(self, logits: mx.array, drafts: Tokens = ()) -> mx.array:
+        """(n, V) float32: the distribution `sample` draws each of the n positions from
+        (temperature > 0), for speculative rejection sampling (`models.rejection`)."""
+        return mx.softmax(self.scaled(self.log_probs(logits.astype(mx.float32), drafts)), axis=-1)
+
+    def draft_logits(self, logits: mx.array, drafts: Tokens = ()) -> mx.array:
+        """A draft model's logits (1, V) at the position after the stream plus `drafts`,
+        through the request's processors but not its grammar (a draft the grammar
+        forbids is cut afterwards, `allowed_drafts`): the draft samples from what the
+        target would, had it the draft's logits."""
+        if not self.params.has_processors:
+            return logits
+        recent, counts = self._recent, self._output_counts(logits.shape[-1])
+        ids = _token_array(drafts)
+        if ids.size:
+            if recent is not None:
+                recent = mx.concatenate([recent, ids])[-self.params.repetition_context_size:]
+            if counts is not None:
+                counts = counts.at[ids].add(1.0)
+        return penalized_logits(logits, self.params, recent, counts)
+
+    def next_key(self) -> mx.array:
+        """A fresh subkey of the request's stream (the key advances)."""
         self._key, subkey = mx.random.split(self._key)
-        return mx.random.categorical(logprobs * (1.0 / self.temperature), key=subkey)
+        return subkey
 
 
 def supports_sampling(params: SamplingParams) -> bool:

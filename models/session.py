@@ -6,15 +6,19 @@ emitted; the last is the pending token), counters, per-round timings and the sto
 conditions. Nothing lives in a suspended generator, so any number of other sessions'
 rounds may run between two `step()` calls.
 
-Acceptance at temperature > 0 is token equality against the target's own sample: each
-verify position draws the target's token from the target distribution (with the
-request's seeded stream, `models.sampling`), and a draft token is accepted only if it
-equals that draw. Every emitted token is therefore a target sample given the emitted
-prefix, so the output distribution is exactly the target's (the draft only changes how
-many positions one forward covers). At temperature 0 the draw is the argmax, which
+Acceptance at temperature > 0 depends on the drafter. A drafter that samples its drafts
+(the draft model, `propose_sampled`) hands over the distribution q each was drawn from,
+and the target accepts by rejection sampling against its own distribution p
+(`models.rejection`: accept with min(1, p/q), else draw from the residual). A drafter
+that gives no distribution (n-gram) is checked by token equality: each verify position
+draws the target's token, and a draft is accepted only if it equals that draw. Either
+way every emitted token is distributed as a target sample given the emitted prefix, and
+the draws come from the request's seeded stream (`models.sampling`), so a seeded request
+is reproducible. At temperature 0 the draw is the argmax and drafts are greedy, which
 makes the stream identical to classic greedy decoding. A request that asked for
 logprobs gets each emitted token's from the verify position that produced it (the
-same processed log-probabilities the draw read), so they match classic decode's too.
+same processed log-probabilities the target's draw reads), so they match classic
+decode's too.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from models.bucketed import BucketedForward
 from models.cache_rollback import trim_exact
 from models.drafters import Drafter
 from models.grammar import Grammars
+from models.rejection import verify_drafts, with_bonus_row
 from models.rollback import accept_count, clip_tokens, draft_budget, target_cache_trim
 from models.sampling import RequestSampler, stop_token_ids
 from models.solo import SoloRow
@@ -107,6 +112,9 @@ class SpeculativeSession:
         # Drafts the drafter proposed this round (more than the verify checks when the
         # grammar cut them): the drafter rolls back all it proposed.
         self._num_proposed = 0
+        # The rows q of this round's sampled drafts (`models.rejection`); None: equality.
+        self._draft_probs: mx.array | None = None
+        self._vocab = getattr(getattr(target, "args", None), "vocab_size", None)
 
     @classmethod
     def from_live(cls, request_id: str, target: nn.Module, prompt_ids: Sequence[int], output_ids: Sequence[int],
@@ -237,9 +245,16 @@ class SpeculativeSession:
             raise RuntimeError(f"session {self.request_id!r} does not hold the drafter")
         t0 = time.perf_counter()
         k = self._draft_budget()
-        proposed = self.drafter.propose(self.draft_state, self.history, k) if k else []
+        q = None
+        if k and self._samples_drafts():
+            drafts, q = self.drafter.propose_sampled(self.draft_state, self.history, k, self.sampler, self._vocab)
+            proposed = drafts.tolist()
+        else:
+            proposed = self.drafter.propose(self.draft_state, self.history, k) if k else []
         self._num_proposed = len(proposed)
         draft = self.sampler.allowed_drafts(proposed)
+        # A cut keeps the cut draft's row: that draft counts as rejected (p masks it).
+        self._draft_probs = None if q is None else with_bonus_row(q, len(draft))
         self.counters.phase_seconds["draft"] += time.perf_counter() - t0
         return [self.history[-1]] + draft
 
@@ -249,14 +264,38 @@ class SpeculativeSession:
         `tic` is when the round began (its wall time is reported)."""
         phases = self.counters.phase_seconds
         t2 = time.perf_counter()
-        verified, logprobs = self._sample(logits, tokens[1:])
+        num_accepted, logprobs = None, None
+        if self._draft_probs is not None:
+            drafts = tokens[1:]
+            target, accepted = self._verify_sampled(logits, mx.array(drafts, dtype=mx.int32), self._draft_probs)
+            report = self.sampler.report(self.sampler.log_probs(logits[: len(drafts) + 1], drafts), target)
+            mx.eval(target, accepted, *(() if report is None else report.arrays()))
+            verified, num_accepted = target.tolist(), accepted.item()
+            logprobs = None if report is None else report.tolist()
+        else:
+            verified, logprobs = self._sample(logits, tokens[1:])
         phases["sync"] += time.perf_counter() - t2
-        return self._finish_round(tokens[1:], verified, len(tokens) - 1, tic, self._num_proposed, logprobs)
+        return self._finish_round(tokens[1:], verified, len(tokens) - 1, tic, self._num_proposed, num_accepted,
+                                  logprobs)
+
+    def _samples_drafts(self) -> bool:
+        """Whether this round's drafts are sampled and accepted by rejection sampling."""
+        return (not self.sampler.is_greedy and getattr(self.drafter, "sample_drafts", False)
+                and hasattr(self.drafter, "propose_sampled"))
+
+    def _verify_sampled(self, logits: mx.array, drafts: mx.array, q: mx.array) -> tuple[mx.array, mx.array]:
+        """Rejection sampling (lazy) of the n = len(drafts) sampled drafts against the
+        target's distribution at `logits`' first n + 1 positions; `q` as
+        `models.rejection.verify_drafts` takes it."""
+        n = drafts.shape[0]
+        p = self.sampler.probs(logits[: n + 1], drafts)
+        return verify_drafts(p, q, drafts, self.sampler.next_key())
 
     def _step_bucketed(self) -> RoundResult:
         tic = time.perf_counter()
-        draft, verified, width, logprobs = self._verify_bucketed(self._draft_budget(), self.counters.phase_seconds)
-        return self._finish_round(draft, verified, width, tic, logprobs=logprobs)
+        draft, verified, width, num_accepted, logprobs = self._verify_bucketed(self._draft_budget(),
+                                                                               self.counters.phase_seconds)
+        return self._finish_round(draft, verified, width, tic, num_accepted=num_accepted, logprobs=logprobs)
 
     def _draft_budget(self) -> int:
         """Drafts this round may propose; builds the draft state on the first round
@@ -268,12 +307,17 @@ class SpeculativeSession:
         return k
 
     def _finish_round(self, draft: list[int], verified: list[int], width: int, tic: float,
-                      num_proposed: int | None = None, logprobs: list[TokenLogprob] | None = None) -> RoundResult:
+                      num_proposed: int | None = None, num_accepted: int | None = None,
+                      logprobs: list[TokenLogprob] | None = None) -> RoundResult:
         """The verify added `width` positions after the pending token (the drafts, and
         on the bucketed path their padding): roll back all but the accepted ones and the
-        drafter (`num_proposed` drafts, default `len(draft)`), emit, count. `logprobs`:
-        each verify position's, where the request asked (the emitted tokens' are kept)."""
-        num_drafted, num_accepted = len(draft), accept_count(draft, verified)
+        drafter (`num_proposed` drafts, default `len(draft)`), emit, count.
+        `num_accepted`: decided by rejection sampling (None: the equality rule).
+        `logprobs`: each verify position's, where the request asked (the emitted tokens'
+        are kept)."""
+        num_drafted = len(draft)
+        if num_accepted is None:
+            num_accepted = accept_count(draft, verified)
         trim = target_cache_trim(width, num_accepted)  # padding is rejected like a draft
         t3 = time.perf_counter()
         # The verify appended its 1 + K positions in one multi-token update, which every
@@ -329,9 +373,11 @@ class SpeculativeSession:
             return tokens, (reads[-1] - reads[0]) / (len(reads) - 1), logprobs
         return tokens, reads[0] - tic, logprobs
 
-    def _verify_bucketed(self, k: int, phases: dict) -> tuple[list[int], list[int], int, list[TokenLogprob] | None]:
+    def _verify_bucketed(self, k: int, phases: dict) -> tuple[list[int], list[int], int, int | None,
+                                                           list[TokenLogprob] | None]:
         """Draft and verify with one host sync: (drafts, target tokens, positions added,
-        each position's logprobs where the request asked).
+        drafts accepted by rejection sampling or None for the equality rule, each
+        position's logprobs where the request asked).
 
         The verify covers 1 + K positions whenever k > 0 (K = num_draft_tokens; a
         shorter draft, e.g. near max_tokens or from the n-gram drafter, is padded and the
@@ -343,9 +389,13 @@ class SpeculativeSession:
         """
         t0 = time.perf_counter()
         width = self.num_draft_tokens if k > 0 else 0
+        sampled = k > 0 and self._samples_drafts()
         lazy = k > 0 and hasattr(self.drafter, "propose_array")
-        if lazy:
+        if sampled:
+            drafts, q = self.drafter.propose_sampled(self.draft_state, self.history, k, self.sampler, self._vocab)
+        elif lazy:
             drafts = self.drafter.propose_array(self.draft_state, self.history, k)
+        if lazy or sampled:
             parts = [mx.array([self.history[-1]], dtype=mx.int32), drafts]
             if width > k:
                 parts.append(mx.zeros((width - k,), dtype=mx.int32))
@@ -360,17 +410,25 @@ class SpeculativeSession:
             target = self.verifier.greedy_every(self.cache, tokens[None])[0]
         else:
             logits = self.verifier.logits(self.cache, tokens[None])[0]
-            target, report = self.sampler.sample_with_logprobs(logits, tokens[1:])
+            if sampled:  # positions past the k drafts are padding
+                target, accepted = self._verify_sampled(logits, drafts, with_bonus_row(q, k))
+                report = self.sampler.report(self.sampler.log_probs(logits[: k + 1], tokens[1:k + 1]), target)
+            else:
+                target, report = self.sampler.sample_with_logprobs(logits, tokens[1:])
         t2 = time.perf_counter()
-        mx.eval(target, *([drafts] if lazy else []), *([] if report is None else report.arrays()))  # one sync
-        if lazy:
+        num_accepted = None
+        mx.eval(target, *([drafts] if lazy or sampled else []), *([accepted] if sampled else []),
+                *([] if report is None else report.arrays()))  # one sync
+        if sampled:
+            num_accepted = accepted.item()
+        if lazy or sampled:
             draft = drafts.tolist()
         verified = target.tolist()
         logprobs = None if report is None else report.tolist()
         phases["draft"] += t1 - t0
         phases["verify"] += t2 - t1
         phases["sync"] += time.perf_counter() - t2
-        return draft, verified, width, logprobs
+        return draft, verified, width, num_accepted, logprobs
 
     def finish(self) -> None:
         """Release caches and draft state. Idempotent."""

@@ -65,7 +65,7 @@ def one_run(runner, name: str, prompts: list[list[int]], concurrency: int, max_t
         runner.replica_drafts = name in REPLICA
     lengths = random.Random(len(prompts)).choices(range(max_tokens // 2, 3 * max_tokens // 2 + 1), k=len(prompts))
     arrivals = [Arrival(f"s{i}", p, n, after_request=f"s{i - concurrency}" if i >= concurrency else None,
-                        temperature=temperature, seed=i if temperature else None)
+                        sampling=dict(temperature=temperature, seed=i) if temperature else {})
                 for i, (p, n) in enumerate(zip(prompts, lengths))]
     result = drive(runner, config, arrivals)
     records = list(result.records.values())

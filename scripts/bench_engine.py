@@ -75,8 +75,7 @@ class Arrival:
     lane: Lane = Lane.NORMAL
     after_tokens: int = 0  # submit once this many tokens were emitted in total
     after_request: str | None = None  # ... and this request finished
-    temperature: float = 0.0
-    seed: int | None = None
+    sampling: dict = field(default_factory=dict)  # SamplingParams fields besides max_tokens (greedy: none)
 
 
 @dataclass
@@ -114,8 +113,8 @@ def drive(runner, config: SchedulerConfig, arrivals: list[Arrival], max_ticks: i
                 "lane": a.lane.name.lower(), "arrival_s": now - t0, "first_token_s": None,
                 "chunks": [], "finish_s": None, "prompt_tokens": len(a.prompt_ids),
                 "output_tokens": 0, "speculative": None, "error": None, "finish_reason": None}
-            sampling = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed)
-            scheduler.submit(Request(a.request_id, list(a.prompt_ids), sampling, lane=a.lane, arrival_time=now))
+            scheduler.submit(Request(a.request_id, list(a.prompt_ids), SamplingParams(max_tokens=a.max_tokens, **a.sampling),
+                                     lane=a.lane, arrival_time=now))
         if not scheduler.has_work():
             if not pending:
                 break

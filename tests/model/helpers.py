@@ -1,5 +1,7 @@
 """Drivers shared by the model tests: classic decode through the adapter, and
-speculative sessions run to completion."""
+speculative sessions run to completion; chi-square helpers for distribution tests."""
+
+import math
 
 from models.batch_adapter import ClassicBatch
 from models.drafters import DraftModelDrafter, NgramDrafter
@@ -92,3 +94,21 @@ def stepwise_greedy(model, prompt_ids, max_tokens, stop_ids, pick):
             return out, "stop"
         logits = model(mx.array([[token]]), cache=cache)[0, -1]
     return out, "length"
+
+
+Z_999 = 3.0902  # standard normal quantile for alpha = 0.001
+
+
+def chi2_critical(df: int, z: float = Z_999) -> float:
+    """Wilson–Hilferty approximation of the chi-square upper quantile."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def homogeneity_chi2(a, b, min_count: int = 10):
+    """(statistic, degrees of freedom) of two equal-size samples (Counters); rare
+    outcomes pooled."""
+    keys = [k for k in set(a) | set(b) if a[k] + b[k] >= min_count]
+    rows = [(a[k], b[k]) for k in keys]
+    rows.append((sum(a.values()) - sum(r[0] for r in rows), sum(b.values()) - sum(r[1] for r in rows)))
+    stat = sum((x - y) ** 2 / (x + y) for x, y in rows if x + y > 0)
+    return stat, len(rows) - 1

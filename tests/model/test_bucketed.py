@@ -108,12 +108,13 @@ def test_propose_array_equals_propose(loaded, prompt_ids):
             history += want[:1] + [17]
 
 
-def _run_fast(loaded, request, k, drafter, prefill_chunk=4):
+def _run_fast(loaded, request, k, drafter, prefill_chunk=4, fast=True):
+    """`fast` = False: the same rounds (probes included) on the plain path."""
     target = loaded[0]
     session = SpeculativeSession(
         request.request_id, target.model, request.prompt_ids, request.sampling,
         num_draft_tokens=k, eos_token_ids=sorted(target.tokenizer.eos_token_ids),
-        verifier=BucketedForward(target.model, bucket=16, prefill_chunk=prefill_chunk),
+        verifier=BucketedForward(target.model, bucket=16, prefill_chunk=prefill_chunk) if fast else None,
     )
     session.bind(drafter)
     first = session.begin()
@@ -162,8 +163,9 @@ def test_runner_fast_verify_on_cpu(tiny_pair, loaded, prompt_ids, classic_output
                                   num_draft_tokens=3, fast_verify=True, warm_positions=0)
     assert runner.fast_verify
     # one 256-position bucket: verify 1 and 4 (logits and greedy heads) + prefill chunk 128;
-    # draft 1, 2, the two catch-up lengths after a probe (PROBE_TOKENS + 1, + 2) and 128
-    assert runner.warm(256) == 5 + 5
+    # draft 1, 2, the two catch-up lengths after a probe (PROBE_TOKENS + 1, + 2) and 128,
+    # and the first four again for sampled drafts (logits)
+    assert runner.warm(256) == 5 + 5 + 4
     # the throwaway warm requests leave nothing behind
     assert runner.num_live_sessions() == 0 and runner._slot.holder is None
     try:
@@ -275,3 +277,19 @@ def test_fused_decoder_that_disagrees_with_the_model_is_dropped(monkeypatch):
     fast.prefill(cache, [1, 2])
     model(mx.array([[1, 2]]), cache=plain)
     assert mx.allclose(fast.logits(cache, step), model(step, cache=plain), atol=1e-5).item()
+
+
+def test_sampled_fast_session_equals_the_plain_session(loaded, prompt_ids):
+    """At temperature > 0 the compiled verify samples the draft model's drafts and
+    accepts them by rejection sampling from the same seeded draws as the plain path (the
+    two forwards agree to float rounding): same streams, drafts accepted."""
+    draft = loaded[1].model
+    accepted = 0
+    for i in (0, 5, 9):
+        req = make_request(f"r{i}", prompt_ids[i], MAX_TOKENS, temperature=0.8, top_k=40, seed=i)
+        want = _run_fast(loaded, req, 3, DraftModelDrafter(draft, "d"), fast=False)[0]
+        for fast in (None, BucketedForward(draft, 16, prefill_chunk=4)):
+            out, _, a = _run_fast(loaded, req, 3, DraftModelDrafter(draft, "d", fast=fast))
+            assert out == want, (i, fast)
+            accepted += a
+    assert accepted > 0

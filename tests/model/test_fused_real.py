@@ -146,3 +146,32 @@ def test_penalized_streams_match_isolated_classic_decode(runner, prompts, isolat
         streams, requests, scheduler, _ = drive(runner, prompts, sampling=PENALIZED, **overrides)
         assert streams == alone, overrides
         assert sum(r.spec.num_rounds > 0 for r in requests) >= 2 and sum(r.spec.num_accepted for r in requests) > 0
+
+
+SAMPLED = dict(temperature=0.8, top_p=0.95, presence_penalty=0.3, seed=5)
+
+
+def test_a_sampled_round_is_the_same_fused_or_alone(runner, prompts):
+    """At temperature > 0 the fused tick's round (the verify riding in the classic
+    batch's forward) decides acceptance by the same rule as a round alone (rejection
+    sampling for the draft model, equality for n-gram), from the same seeded draws: the
+    holder's stream and per-round acceptance are the same, and drafts are accepted."""
+    def holder_rounds(fused):
+        if fused:
+            runner.classic_prefill([make_request("row", prompts[1], max_tokens=200)])
+        tokens = list(runner.spec_begin(make_request("a", prompts[0], MAX_TOKENS, **SAMPLED)).token_ids)
+        rounds = []
+        while True:
+            outcome = runner.spec_round_with_decode("a")[0] if fused else runner.spec_round("a")
+            tokens += outcome.token_ids
+            rounds.append((outcome.num_drafted, outcome.num_accepted))
+            if outcome.finish_reason is not None:
+                break
+        runner.spec_finish("a")
+        if fused:
+            runner.classic_remove("row")
+        return tokens, rounds
+
+    alone, fused = holder_rounds(False), holder_rounds(True)
+    assert fused == alone
+    assert sum(a for _, a in alone[1]) > 0

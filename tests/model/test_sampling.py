@@ -1,42 +1,39 @@
-"""At temperature > 0, token-equality acceptance keeps the target's distribution.
+"""At temperature > 0, speculation keeps the target's distribution, under both accept
+rules: token equality (greedy drafts, as the n-gram drafter gives) and rejection
+sampling (drafts sampled from the draft model's distribution, `models.rejection`).
 
 Two-sample chi-square test on the joint distribution of the first three tokens:
 speculative sessions (K = 2, so each run has one verify round with a draft that is
 sometimes accepted and sometimes rejected) against classic decode, each with its own
-per-request seeds. Seeds are fixed, so the test is deterministic; the same statistic
-separates the target from its draft model, which shows the test has power.
+per-request seeds. Seeds are fixed, so the test is deterministic. Each rule's typical
+bug (equality: accepting every draft; rejection: drawing the correction from p instead
+of the residual) fails the same check, which shows the test has power.
+
+Rejection sampling is checked with a draft that is the target plus a logit bonus for
+the target's likeliest second token (the first one drafted): q overlaps p a lot but
+overweights that token, so a correction drawn from p instead of the residual shows at
+once (the tiny random draft model overlaps the target too little for that bug to show
+in 600 runs).
 """
 
 import collections
-import math
 
+import mlx.core as mx
 import pytest
 
+import models.rejection
+from models.drafters import DraftModelDrafter
 from models.sampling import RequestSampler
 from scheduler.request import SamplingParams
 
 from .conftest import make_request
-from .helpers import make_drafter, run_classic, run_session
+from .helpers import chi2_critical, homogeneity_chi2, run_classic, run_session
 
 pytestmark = pytest.mark.model
 
 N = 600
 TEMPERATURE = 0.05  # the tiny models' logits are flat; this gives ~40 likely 3-token paths
-Z_999 = 3.0902  # standard normal quantile for alpha = 0.001
-
-
-def chi2_critical(df: int, z: float = Z_999) -> float:
-    """Wilson–Hilferty approximation of the chi-square upper quantile."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def homogeneity_chi2(a: collections.Counter, b: collections.Counter, min_count: int = 10):
-    """(statistic, degrees of freedom) for equal-size samples; rare paths pooled."""
-    keys = [k for k in set(a) | set(b) if a[k] + b[k] >= min_count]
-    rows = [(a[k], b[k]) for k in keys]
-    rows.append((sum(a.values()) - sum(r[0] for r in rows), sum(b.values()) - sum(r[1] for r in rows)))
-    stat = sum((x - y) ** 2 / (x + y) for x, y in rows if x + y > 0)
-    return stat, len(rows) - 1
+RULES = {"equality": False, "rejection": True}  # DraftModelDrafter's sample_drafts
 
 
 def classic_paths(model, prompt, seed_base):
@@ -55,21 +52,37 @@ def target_paths(loaded, prompt):
     return classic_paths(loaded[0].model, prompt, seed_base=0)
 
 
-def speculative_paths(loaded):
-    drafter = make_drafter("draft_model", loaded)
+class BiasedTarget:
+    """A draft model: the target's logits plus `bonus` on one token."""
+
+    def __init__(self, target, token: int, bonus: float):
+        self.target = target
+        self.layers = target.layers
+        self.bias = mx.zeros((target.args.vocab_size,)).at[token].add(bonus)
+
+    def __call__(self, inputs, cache=None):
+        return self.target(inputs, cache=cache) + self.bias
+
+
+def speculative_paths(loaded, prompt, rule, target_paths=None):
+    if rule == "rejection":  # bonus 0.2 at temperature 0.05: x e^4 in the draft's odds
+        likeliest = max(target_paths, key=target_paths.get)[1]  # the first draft is token 2
+        drafter = DraftModelDrafter(BiasedTarget(loaded[0].model, likeliest, 0.2), "biased", sample_drafts=True)
+    else:
+        drafter = DraftModelDrafter(loaded[1].model, loaded[1].name, sample_drafts=False)
     paths, drafted, accepted = collections.Counter(), 0, 0
-    prompt = loaded[2]
     for i in range(N):
         req = make_request(f"s{i}", prompt, 3, temperature=TEMPERATURE, seed=10_000 + i)
-        tokens, _, rounds = run_session(loaded[:2], req, 2, drafter)
+        tokens, _, rounds = run_session(loaded, req, 2, drafter)
         paths[tuple(tokens)] += 1
         drafted += sum(r[1] for r in rounds)
         accepted += sum(r[2] for r in rounds)
     return paths, drafted, accepted
 
 
-def test_speculative_sampling_matches_classic(loaded, prompt, target_paths):
-    spec, drafted, accepted = speculative_paths((*loaded, prompt))
+@pytest.mark.parametrize("rule", RULES)
+def test_speculative_sampling_matches_classic(loaded, prompt, target_paths, rule):
+    spec, drafted, accepted = speculative_paths(loaded, prompt, rule, target_paths)
     assert 0.2 * drafted < accepted < 0.95 * drafted  # both outcomes well represented
     stat, df = homogeneity_chi2(spec, target_paths)
     assert df >= 10
@@ -78,12 +91,17 @@ def test_speculative_sampling_matches_classic(loaded, prompt, target_paths):
     assert tv < 0.15
 
 
-def test_the_statistic_catches_biased_acceptance(loaded, prompt, target_paths, monkeypatch):
-    """Accepting every draft token (a classic bug) must fail the same check."""
+@pytest.mark.parametrize("rule", RULES)
+def test_the_statistic_catches_a_biased_rule(loaded, prompt, target_paths, monkeypatch, rule):
+    """Equality: accepting every draft (a classic bug); rejection: drawing the
+    correction from p, not from the residual max(0, p - q)."""
     import models.session
 
-    monkeypatch.setattr(models.session, "accept_count", lambda draft, target: len(draft))
-    spec, _, _ = speculative_paths((*loaded, prompt))
+    if rule == "equality":
+        monkeypatch.setattr(models.session, "accept_count", lambda draft, target: len(draft))
+    else:
+        monkeypatch.setattr(models.rejection, "residual", lambda p, q: p)
+    spec, _, _ = speculative_paths(loaded, prompt, rule, target_paths)
     stat, df = homogeneity_chi2(spec, target_paths)
     assert stat > chi2_critical(df), f"chi2={stat:.1f} df={df}"
 

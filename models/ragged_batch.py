@@ -118,6 +118,8 @@ class RaggedBatch:
         # Steps a row with drafts may be left out of the step's draft budget before it
         # goes first (the scheduler sets its `skip_cap`, as for grants).
         self.skip_cap = 2
+        # The share of a plain step's time the rows' drafts may add (0: no limit).
+        self.draft_step_share = 0.0
         # Past outputs of this batch's rows to draft from (`models.replica_index`; None: off).
         self.replica_index: ReplicaIndex | None = None
         self.num_pipelined = 0  # steps whose tokens a queued step had drawn
@@ -431,7 +433,8 @@ class RaggedBatch:
         for s in streams:
             k = 0 if s.index is None else self._budget(s.acceptance.alpha, len(streams), s.max_tokens - s.num_emitted)
             out.append(s.sampler.allowed_drafts(self._propose(s, k)) if k else [])
-        budget = None if self._fit is None else step_draft_budget(len(streams), self._fit)
+        budget = (step_draft_budget(len(streams), self._fit, self.draft_step_share)
+                  if self._fit is not None and self.draft_step_share > 0 else None)
         if budget is None or sum(map(len, out)) <= budget:
             for s, d in zip(streams, out):
                 s.denied = 0 if d else s.denied

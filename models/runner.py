@@ -84,6 +84,7 @@ class MlxRunner:
                                                         self.eos_token_ids, self.grammars)
         if self._ragged and self._classic.row_drafts:
             self._classic.costs = self.tick_costs()  # what a verify position costs, at load
+            self._classic.draft_step_share = config.draft_step_share
             self.replica_drafts = config.replica_drafts
         elif config.replica_drafts:
             log.info("replica drafts off: rows do not draft here (%s)", self.fuse_blocker or "no drafter")

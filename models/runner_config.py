@@ -58,6 +58,16 @@ class RunnerConfig:
         "\"Prefix cache\" below.",
         ge=0, le=1 << 42, deploy_default=None,
         default_doc="an eighth of the memory available once the model is loaded, at most 4 GiB")
+    draft_step_share: float = knob(
+        0.0,
+        "The rows' drafts in one step may add at most this share of the step's time without them "
+        "(by the forward costs measured at load); when they do not all fit, rows share the budget as "
+        "grants are shared: a row denied drafts `skip_cap` steps running first, then by lane (high, "
+        "normal, low), then in the order rows joined. 0 = no limit: each row's drafts are priced by "
+        "the cost model alone, the faster default (on the development CPU a 0.5 share cost 5-7 % of "
+        "throughput and TPOT at 8 and 16 streams, docs/CONTINUOUS_BATCHING.md). A bound protects rows "
+        "that do not draft (sampled ones) from long steps.",
+        ge=0.0, le=100.0)
     replica_drafts: bool = knob(
         False,
         "Classic rows that draft (`row_drafts`) also draft from the replica's past outputs: the "

@@ -26,10 +26,6 @@ EMA_WEIGHT = 0.3  # weight of the newest round in a request's acceptance estimat
 # scripts/bench_concurrency.py (docs/benchmarks.md, scenario 6).
 BATCH_MARGIN = 1.1
 RELAX_WEIGHT = 0.05  # how far each turn-away moves an estimate back toward all-accepted
-# The rows' drafts in one step may add at most this share of the step's time without
-# them (`step_draft_budget`): a bound on what drafting does to every row's TPOT, and the
-# budget lanes compete for (`share_drafts`).
-DRAFT_STEP_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -256,13 +252,14 @@ def row_draft_budget(alpha: float, num_rows: int, costs: TickCosts | tuple[float
     return best_k
 
 
-def step_draft_budget(num_rows: int, fit: tuple[float, float, float], share: float = DRAFT_STEP_SHARE) -> int | None:
+def step_draft_budget(num_rows: int, fit: tuple[float, float, float], share: float) -> int | None:
     """Draft tokens a step of `num_rows` rows may verify in all: as many as add at most
     `share` of the step's time without them, by the `verify_costs` fit (None: a draft
-    position costs nothing measurable, so there is no limit).
-    >>> step_draft_budget(4, (3.5, 0.5, 0.625))
+    position costs nothing measurable, so there is no limit). The runner's
+    `draft_step_share`; the budget lanes compete for (`share_drafts`).
+    >>> step_draft_budget(4, (3.5, 0.5, 0.625), 0.5)
     4
-    >>> step_draft_budget(16, (20.0, 0.45, 0.35)), step_draft_budget(8, (10.0, 0.5, 0.0))
+    >>> step_draft_budget(16, (20.0, 0.45, 0.35), 0.5), step_draft_budget(8, (10.0, 0.5, 0.0), 0.5)
     (38, None)
     """
     per_forward, per_token, per_draft = fit

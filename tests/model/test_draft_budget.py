@@ -21,7 +21,7 @@ COSTS = TickCosts({1: 11.0, 2: 12.0, 4: 14.0}, {0: 17.4, 2: 18.4}, 0.0, {2: 24.8
 
 def test_the_budget_goes_by_lane_and_the_skip_cap_bounds_who_waits(loaded, monkeypatch):
     assert verify_costs(COSTS, 4) == pytest.approx((10.0, 1.0, 1.6))
-    assert step_draft_budget(3, verify_costs(COSTS, 4)) == 4
+    assert step_draft_budget(3, verify_costs(COSTS, 4), 0.5) == 4
     calls = []
 
     def spy(wants, lanes, denied, budget, skip_cap):
@@ -37,7 +37,7 @@ def test_the_budget_goes_by_lane_and_the_skip_cap_bounds_who_waits(loaded, monke
     requests = [Request(rid, repeating[i:], SamplingParams(max_tokens=40), lane=lanes[rid])
                 for i, rid in enumerate(lanes)]
     batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True)
-    batch.costs, batch.skip_cap = COSTS, 2
+    batch.costs, batch.skip_cap, batch.draft_step_share = COSTS, 2, 0.5
     out, reasons, steps = {r.request_id: [] for r in requests}, {}, []
     for b in batch.prefill(requests):
         out[b.request_id] += b.token_ids
@@ -141,3 +141,22 @@ def test_the_slot_holder_drafts_from_the_replicas_past_outputs_too():
         assert runs[("again", True)][1] >= len(runs[("again", True)][0]) // 2
     finally:
         runner.close()
+
+
+def test_by_default_no_step_budget_cuts_a_rows_drafts(loaded, monkeypatch):
+    calls = []
+    monkeypatch.setattr(ragged_batch, "share_drafts", lambda *a: calls.append(a) or a[0])
+    target = loaded[0]
+    repeating = list(target.tokenizer.encode(REPEATING))
+    batch = RaggedBatch(target.model, eos_token_ids=sorted(target.tokenizer.eos_token_ids), row_drafts=True)
+    batch.costs = COSTS
+    assert batch.draft_step_share == 0
+    batch.prefill([Request(rid, repeating[i:], SamplingParams(max_tokens=40)) for i, rid in enumerate("abc")])
+    per_step = []
+    while batch.num_rows():
+        step = batch.decode(drafts=True)
+        per_step.append(sum(b.num_drafted for b in step))
+        for b in step:
+            if b.finish_reason:
+                batch.remove(b.request_id)
+    assert calls == [] and max(per_step) > 4  # more than a 0.5 share's 4 per step would allow

@@ -74,7 +74,7 @@ def test_acceptance_is_the_requests_own_and_newcomers_start_from_the_replica():
     (8, (10.0, 0.5, 0.0), None),    # drafts cost nothing measurable: no limit
 ])
 def test_step_draft_budget_bounds_what_drafts_add_to_a_step(rows, fit, budget):
-    assert step_draft_budget(rows, fit) == budget
+    assert step_draft_budget(rows, fit, 0.5) == budget
 
 
 @pytest.mark.parametrize("wants, lanes, denied, budget, given", [

@@ -84,7 +84,7 @@ class MlxRunner:
                                                         self.eos_token_ids, self.grammars)
         if self._ragged and self._classic.row_drafts:
             self._classic.costs = self.tick_costs()  # what a verify position costs, at load
-            self._classic.draft_step_share = config.draft_step_share
+            self.draft_step_share = config.draft_step_share
             self.replica_drafts = config.replica_drafts
         elif config.replica_drafts:
             log.info("replica drafts off: rows do not draft here (%s)", self.fuse_blocker or "no drafter")
@@ -108,6 +108,18 @@ class MlxRunner:
         """Whether classic rows (and an n-gram slot holder) may draft from the replica's
         past outputs (`models.replica_index`; a slab batch whose rows draft only)."""
         return self._replica_index is not None
+
+    @property
+    def draft_step_share(self) -> float:
+        """The share of a plain step's time the rows' drafts may add (0: no limit)."""
+        return getattr(self._classic, "draft_step_share", 0.0)
+
+    @draft_step_share.setter
+    def draft_step_share(self, share: float) -> None:
+        if share < 0:
+            raise ValueError("draft_step_share must be >= 0")
+        if self._ragged:
+            self._classic.draft_step_share = share
 
     @property
     def _replica_index(self) -> ReplicaIndex | None:

@@ -18,6 +18,8 @@ do not all end in the same tick), in-process (engine level: the scheduler over `
 - `classic_batchgen`: the same on a second runner whose classic rows run in mlx-lm's
   `BatchGenerator` (`MlxRunner(ragged=False)`), the batch the runner used before the
   slab (`models.ragged_batch`): what the slab costs or gains plain batching.
+`--configs`: a subset of the configurations, or `replica` (`default` with
+`replica_drafts`) and `budget` (`default` with `draft_step_share: 0.5`).
 `--workload repeat`: every code prompt asked twice, the second time at least N arrivals
 later (usually after the first has left: an agent that re-asks), configurations `default`, `replica` (the same with
 `replica_drafts`: rows draft from the replica's past outputs) and `classic`.
@@ -50,7 +52,9 @@ CONFIGS = {
     "classic": dict(b1_policy="off"),
     "classic_batchgen": dict(b1_policy="off"),
 }
-REPLICA = {"replica": dict(tick_mode="fused", b1_policy="auto")}  # `default` + drafts from past outputs
+# `default` on a runner set otherwise: drafts from past outputs; a step draft budget of half a step
+REPLICA = {"replica": dict(tick_mode="fused", b1_policy="auto")}
+BUDGET = {"budget": dict(tick_mode="fused", b1_policy="auto")}
 ON_BATCHGEN = {"classic_batchgen"}  # configurations run on the BatchGenerator runner
 
 
@@ -59,10 +63,11 @@ def one_run(runner, name: str, prompts: list[list[int]], concurrency: int, max_t
     """One closed-loop run; `with_tokens`: also each prompt's output tokens
     (`token_ids`, in prompt order); `temperature` > 0: request i samples with seed i."""
     config = SchedulerConfig(num_draft_tokens=runner.num_draft_tokens, grant_rounds=grant_rounds,
-                             max_batch_size=max(16, concurrency), **{**CONFIGS, **REPLICA}[name])
+                             max_batch_size=max(16, concurrency), **{**CONFIGS, **REPLICA, **BUDGET}[name])
     if name not in ON_BATCHGEN:
         runner.replica_drafts = False  # a fresh index for each run
         runner.replica_drafts = name in REPLICA
+        runner.draft_step_share = 0.5 if name in BUDGET else 0.0
     lengths = random.Random(len(prompts)).choices(range(max_tokens // 2, 3 * max_tokens // 2 + 1), k=len(prompts))
     arrivals = [Arrival(f"s{i}", p, n, after_request=f"s{i - concurrency}" if i >= concurrency else None,
                         sampling=dict(temperature=temperature, seed=i) if temperature else {})
@@ -95,7 +100,7 @@ def random_prompts(tokenizer, num_prompts: int, seed: int, num_tokens: int = 64)
 
 
 def run(quick: bool, target: str, draft: str, drafter: str, repeats: int, waves: int, seed: int = 0,
-        workload: str = "code") -> dict:
+        workload: str = "code", configs: list[str] | None = None) -> dict:
     streams = [1, 2, 4] if quick else [1, 2, 4, 8, 16]
     max_tokens = 64 if quick else 128
     runner = load_runner(target, drafter, draft, num_draft_tokens=4, max_batch_size=max(streams))
@@ -104,7 +109,8 @@ def run(quick: bool, target: str, draft: str, drafter: str, repeats: int, waves:
     bench_util.warm_up(batchgen, batchgen.tokenizer)
     runner.tick_costs()  # measured once per replica at load, not inside a timed run
     rows = []
-    names = ["default", "replica", "classic"] if workload == "repeat" else list(CONFIGS)
+    names = configs or (["default", "replica", "classic"] if workload == "repeat" else list(CONFIGS))
+    names = [n for n in names if n != "classic"] + ["classic"]  # the ratios' baseline always runs
     for n in streams:
         if workload == "random":
             prompts = random_prompts(runner.tokenizer, n * waves, seed + n)
@@ -190,10 +196,17 @@ def main(argv=None) -> int:
                     help="code: greedy stdlib code (drafts land); random: random-token prompts at "
                          "temperature 1.0, seeded (drafts never land); repeat: the code prompts, each "
                          "asked twice (configurations default, replica, classic)")
+    ap.add_argument("--configs", default=None,
+                    help=f"comma-separated configurations (of {', '.join([*CONFIGS, *REPLICA, *BUDGET])}; default: "
+                         "all of CONFIGS, or default,replica,classic for --workload repeat)")
     args = ap.parse_args(argv)
+    configs = args.configs.split(",") if args.configs else None
+    unknown = set(configs or ()) - set(CONFIGS) - set(REPLICA) - set(BUDGET)
+    if unknown:
+        ap.error(f"unknown configurations: {', '.join(sorted(unknown))}")
     repeats = args.repeats or (2 if args.quick else 3)
     waves = args.waves or (3 if args.quick else 4)
-    result = run(args.quick, args.target, args.draft, args.drafter, repeats, waves, args.seed, args.workload)
+    result = run(args.quick, args.target, args.draft, args.drafter, repeats, waves, args.seed, args.workload, configs)
     text = metrics.table([{k: v for k, v in r.items() if k != "runs"} for r in result["rows"]], COLUMNS, digits=2)
     if result["long_streams"]:
         text += "\n\nLong streams, default configuration (equal lengths, arriving together):\n\n"

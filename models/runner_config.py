@@ -73,8 +73,9 @@ class RunnerConfig:
         "Classic rows that draft (`row_drafts`) also draft from the replica's past outputs: the "
         "outputs of rows that left the batch, held up to 16,384 tokens (`models/replica_index.py`); "
         "a row whose last 4-8 tokens occurred in one drafts what followed, else its own prompt "
-        "lookup. For agents that re-ask and edits that return most of an earlier answer. Needs the "
-        "slab batch.")
+        "lookup. For agents that re-ask and edits that return most of an earlier answer (6-12 % "
+        "faster from 2 streams where every prompt comes twice, a little slower on fresh prompts: "
+        "docs/benchmarks.md, scenario 6). Needs the slab batch.")
     warm_positions: int | None = knob(
         None, "With fast_verify, compile the shapes of contexts up to this many positions at load "
         "(None = min(max_context, 2048); 0 = lazily).", ge=0, deployed=False)

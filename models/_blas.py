@@ -154,11 +154,6 @@ def loaded() -> Loaded | None:
     return _state
 
 
-def fast_blas_path() -> str | None:
-    """Path of the library this process loaded, or None."""
-    return _state.path if _state else None
-
-
 def load_fast_blas() -> Loaded:
     """Load the library `select` picks, globally, once per process.
 

@@ -439,10 +439,6 @@ class SpeculativeSession:
         if self.finish_reason is None:
             self.finish_reason = "cancelled"
 
-    @property
-    def output_ids(self) -> list[int]:
-        return self.history[len(self.prompt_ids) :]
-
 
 def _clip(logprobs: list[TokenLogprob] | None, tokens: list[int]) -> list[TokenLogprob] | None:
     """The logprobs of the emitted `tokens` (a prefix of the positions sampled)."""

@@ -42,9 +42,6 @@ class GrantBacklog:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __iter__(self):
-        return iter(list(self._entries))
-
     def push(self, request: Request, kind: EntryKind) -> BacklogEntry:
         """Append at the back with `skipped_grants = 0`."""
         entry = BacklogEntry(request, kind, self._next_seq)

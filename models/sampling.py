@@ -300,10 +300,11 @@ class RequestSampler:
             logprobs = apply_top_k(logprobs, p.top_k)
         return logprobs * (1.0 / self.temperature)
 
-    def probs(self, logits: mx.array, drafts: Tokens = ()) -> mx.array:
-        """(n, V) float32: the distribution `sample` draws each of the n positions from
-        (temperature > 0), for speculative rejection sampling (`models.rejection`)."""
-        return mx.softmax(self.scaled(self.log_probs(logits.astype(mx.float32), drafts)), axis=-1)
+    def probs(self, logprobs: mx.array) -> mx.array:
+        """(n, V): the distribution a draw at temperature > 0 samples each of n positions
+        from, given their processed `logprobs` (`log_probs`), for speculative rejection
+        sampling (`models.rejection`)."""
+        return mx.softmax(self.scaled(logprobs), axis=-1)
 
     def draft_logits(self, logits: mx.array, drafts: Tokens = ()) -> mx.array:
         """A draft model's logits (1, V) at the position after the stream plus `drafts`,

@@ -37,7 +37,7 @@ from models.drafters import Drafter
 from models.grammar import Grammars
 from models.rejection import verify_drafts, with_bonus_row
 from models.rollback import accept_count, clip_tokens, draft_budget, target_cache_trim
-from models.sampling import RequestSampler, stop_token_ids
+from models.sampling import LogprobArrays, RequestSampler, stop_token_ids
 from models.solo import SoloRow
 from scheduler.request import SamplingParams, TokenLogprob
 
@@ -267,8 +267,8 @@ class SpeculativeSession:
         num_accepted, logprobs = None, None
         if self._draft_probs is not None:
             drafts = tokens[1:]
-            target, accepted = self._verify_sampled(logits, mx.array(drafts, dtype=mx.int32), self._draft_probs)
-            report = self.sampler.report(self.sampler.log_probs(logits[: len(drafts) + 1], drafts), target)
+            target, accepted, report = self._verify_sampled(logits, mx.array(drafts, dtype=mx.int32),
+                                                            self._draft_probs)
             mx.eval(target, accepted, *(() if report is None else report.arrays()))
             verified, num_accepted = target.tolist(), accepted.item()
             logprobs = None if report is None else report.tolist()
@@ -283,13 +283,17 @@ class SpeculativeSession:
         return (not self.sampler.is_greedy and getattr(self.drafter, "sample_drafts", False)
                 and hasattr(self.drafter, "propose_sampled"))
 
-    def _verify_sampled(self, logits: mx.array, drafts: mx.array, q: mx.array) -> tuple[mx.array, mx.array]:
+    def _verify_sampled(self, logits: mx.array, drafts: mx.array,
+                        q: mx.array) -> tuple[mx.array, mx.array, LogprobArrays | None]:
         """Rejection sampling (lazy) of the n = len(drafts) sampled drafts against the
         target's distribution at `logits`' first n + 1 positions; `q` as
-        `models.rejection.verify_drafts` takes it."""
+        `models.rejection.verify_drafts` takes it. Returns the target tokens, the drafts
+        accepted and the tokens' report (None unless the request asked), read from the
+        same processed log-probabilities as the distribution."""
         n = drafts.shape[0]
-        p = self.sampler.probs(logits[: n + 1], drafts)
-        return verify_drafts(p, q, drafts, self.sampler.next_key())
+        logprobs = self.sampler.log_probs(logits[: n + 1].astype(mx.float32), drafts)
+        target, accepted = verify_drafts(self.sampler.probs(logprobs), q, drafts, self.sampler.next_key())
+        return target, accepted, self.sampler.report(logprobs, target)
 
     def _step_bucketed(self) -> RoundResult:
         tic = time.perf_counter()
@@ -411,8 +415,7 @@ class SpeculativeSession:
         else:
             logits = self.verifier.logits(self.cache, tokens[None])[0]
             if sampled:  # positions past the k drafts are padding
-                target, accepted = self._verify_sampled(logits, drafts, with_bonus_row(q, k))
-                report = self.sampler.report(self.sampler.log_probs(logits[: k + 1], tokens[1:k + 1]), target)
+                target, accepted, report = self._verify_sampled(logits, drafts, with_bonus_row(q, k))
             else:
                 target, report = self.sampler.sample_with_logprobs(logits, tokens[1:])
         t2 = time.perf_counter()

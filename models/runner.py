@@ -65,7 +65,6 @@ class MlxRunner:
             log.warning("speculation off: %s (target %s)", SPEC_OFF_NO_ROLLBACK, target.name)
         self._slot = DrafterSlot(drafter) if self.spec_off_reason is None else None
         self._sessions: dict[str, SpeculativeSession] = {}
-        self._lanes: dict[str, int] = {}  # sessions' lanes, for their rows when they park or demote
         # Draft states of streams parked into the classic batch (fused tick), by request.
         self._parked_drafts: dict[str, object] = {}
         self._tick_costs: TickCosts | None = None
@@ -104,12 +103,6 @@ class MlxRunner:
         return self._verifier is not None
 
     @property
-    def replica_drafts(self) -> bool:
-        """Whether classic rows (and an n-gram slot holder) may draft from the replica's
-        past outputs (`models.replica_index`; a slab batch whose rows draft only)."""
-        return self._replica_index is not None
-
-    @property
     def draft_step_share(self) -> float:
         """The share of a plain step's time the rows' drafts may add (0: no limit)."""
         return getattr(self._classic, "draft_step_share", 0.0)
@@ -124,6 +117,12 @@ class MlxRunner:
     @property
     def _replica_index(self) -> ReplicaIndex | None:
         return getattr(self._classic, "replica_index", None)
+
+    @property
+    def replica_drafts(self) -> bool:
+        """Whether classic rows (and an n-gram slot holder) may draft from the replica's
+        past outputs (`models.replica_index`; a slab batch whose rows draft only)."""
+        return self._replica_index is not None
 
     @replica_drafts.setter
     def replica_drafts(self, on: bool) -> None:
@@ -213,10 +212,10 @@ class MlxRunner:
             verifier=self._verifier,
             new_cache=self._session_cache_for(request) if self._ragged else None,
             grammars=self.grammars,
+            lane=int(request.lane),
         )
         session.bind(self._slot.take(request.request_id))
         self._sessions[request.request_id] = session
-        self._lanes[request.request_id] = int(request.lane)
         result = session.begin()
         return TokenBatch(request.request_id, result.token_ids, result.finish_reason, logprobs=result.logprobs)
 
@@ -318,10 +317,9 @@ class MlxRunner:
         session = SpeculativeSession.from_live(
             request_id, self.target.model, request.prompt_ids, [*request.output_ids, *emitted.token_ids],
             request.sampling, live.cache, live.sampler, num_draft_tokens=self.num_draft_tokens,
-            eos_token_ids=self.eos_token_ids, draft_state=draft_state)
+            eos_token_ids=self.eos_token_ids, draft_state=draft_state, lane=int(request.lane))
         session.bind(self._slot.take(request_id))
         self._sessions[request_id] = session
-        self._lanes[request_id] = int(request.lane)
         return [emitted], True
 
     def spec_park(self, request_id: str) -> None:
@@ -334,7 +332,6 @@ class MlxRunner:
 
     def spec_finish(self, request_id: str) -> None:
         self._parked_drafts.pop(request_id, None)
-        self._lanes.pop(request_id, None)
         session = self._sessions.pop(request_id, None)
         if session is not None:
             if self._ragged and session.cache is not None:
@@ -356,7 +353,7 @@ class MlxRunner:
         moved = self._classic.adopt(
             request_id, session.cache, session.sampler, session.history[-1],
             max_tokens=session.max_tokens, num_emitted=session.num_emitted, stop_ids=session.stop_ids,
-            history=session.history[:-1], lane=self._lanes.pop(request_id, 1))
+            history=session.history[:-1], lane=session.lane)
         del self._sessions[request_id]
         session.cache = None  # the classic row owns it now
         session.finish()

@@ -85,11 +85,14 @@ class SpeculativeSession:
         verifier: BucketedForward | None = None,
         new_cache: Callable[[], list] | None = None,
         grammars: Grammars | None = None,
+        lane: int = 1,
     ):
         """`verifier`: the shape-stable compiled target forward (GPU path); None runs
         the plain mlx-lm forward, whose CPU results the tests pin exactly. `new_cache`
         makes the target cache `begin` fills (default: mlx-lm's prompt cache; the
-        fused tick passes a row of its slab, `models.ragged_batch`)."""
+        fused tick passes a row of its slab, `models.ragged_batch`). `lane`: the
+        request's (`scheduler.request.Lane`), which its row keeps if it parks or is
+        demoted into the batch."""
         if not prompt_ids:
             raise ValueError("a speculative session needs a non-empty prompt")
         self.request_id = request_id
@@ -98,6 +101,7 @@ class SpeculativeSession:
         self.max_tokens = sampling.max_tokens
         self.stop_ids = stop_token_ids(eos_token_ids, sampling)
         self.num_draft_tokens = num_draft_tokens
+        self.lane = lane
         self.verifier = verifier
         self._new_cache = new_cache or (lambda: make_prompt_cache(target))
         self.sampler = RequestSampler(sampling, prompt_ids, grammars)
@@ -119,7 +123,7 @@ class SpeculativeSession:
     @classmethod
     def from_live(cls, request_id: str, target: nn.Module, prompt_ids: Sequence[int], output_ids: Sequence[int],
                   sampling: SamplingParams, cache: list, sampler: RequestSampler, *, num_draft_tokens: int,
-                  eos_token_ids: Sequence[int], draft_state: object = None) -> "SpeculativeSession":
+                  eos_token_ids: Sequence[int], draft_state: object = None, lane: int = 1) -> "SpeculativeSession":
         """A session continuing a stream decoded elsewhere (a classic row): `cache` holds
         every token of prompt + `output_ids` but the last output token (the pending
         one), `sampler` has its key where that path left it. `draft_state` is the
@@ -128,7 +132,7 @@ class SpeculativeSession:
         if not output_ids:
             raise ValueError("a live stream has emitted at least one token")
         session = cls(request_id, target, prompt_ids, replace(sampling, grammar=None),
-                      num_draft_tokens=num_draft_tokens, eos_token_ids=eos_token_ids)
+                      num_draft_tokens=num_draft_tokens, eos_token_ids=eos_token_ids, lane=lane)
         session.cache = cache
         session.sampler = sampler
         session.history = list(prompt_ids) + list(output_ids)

@@ -75,7 +75,7 @@ def test_a_session_keeps_its_lane_as_a_row():
             runner.spec_begin(Request(rid, prompt, SamplingParams(max_tokens=30), lane=lane))
             runner.spec_to_classic(rid)
         assert {rid: s.lane for rid, s in runner._classic._streams.items()} == {"h": 0, "l": 2}
-        assert runner._lanes == {}
+        assert runner._sessions == {}  # the lanes went with the sessions
     finally:
         runner.close()
 

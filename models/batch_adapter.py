@@ -102,8 +102,6 @@ class LiveRow:
 class ClassicBatch:
     """Rows of classic decode, keyed by request id."""
 
-    skip_cap = 2  # the draft budget's skip cap (`RaggedBatch`); these rows never draft
-
     def __init__(
         self,
         model: nn.Module,

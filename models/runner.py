@@ -172,7 +172,8 @@ class MlxRunner:
         return self._classic.prefill(requests)
 
     def classic_decode(self, drafts: bool = False, skip_cap: int = 2) -> list[TokenBatch]:
-        self._classic.skip_cap = skip_cap
+        if self._ragged:  # `BatchGenerator` rows never draft
+            self._classic.skip_cap = skip_cap
         return self._classic.decode(drafts=drafts)
 
     def classic_remove(self, request_id: str) -> None:
@@ -279,7 +280,8 @@ class MlxRunner:
         tic = time.perf_counter()
         tokens = session.prepare_round()
         rider = ragged.Rider(self.target.model, ragged.Group(session.cache, mx.array(tokens, dtype=mx.int32)))
-        self._classic.skip_cap = skip_cap
+        if self._ragged:
+            self._classic.skip_cap = skip_cap
         rows = self._classic.decode(rider, drafts=drafts)
         logits = rider.extra_logits
         if logits is None:

@@ -85,8 +85,10 @@ def our_servers(specs: list[str], base_port: int, out_dir: str) -> list:
 def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "results/vs_mlx_lm",
         concurrencies: tuple[int, ...] = CONCURRENCIES, base_port: int = 8120,
         configs: list[str] | None = None, peer_names: list[str] | None = None,
-        repeats: int | None = None, repeat_prompts: bool = False) -> dict:
-    max_tokens = 32 if quick else 128
+        repeats: int | None = None, repeat_prompts: bool = False, max_tokens: int | None = None,
+        prompts_per_stream: int | None = None, temperature: float = 0.0,
+        startup_timeout_s: float = 300.0) -> dict:
+    max_tokens = max_tokens or (32 if quick else 128)
     repeats = repeats or (2 if quick else 3)
     peers = [("mlx_lm", target, None), ("mlx_lm+draft", target, draft)]
     if _is_cpu():
@@ -103,19 +105,20 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "res
     runs = []
     try:
         for server in fleet:
-            server.start("/v1/models")
+            server.start("/v1/models", timeout_s=startup_timeout_s)
         for server in fleet:  # warm-up: first-call costs out of the measured runs
             asyncio.run(run_load(LoadConfig(base_url=server.base_url, num_prompts=2, concurrency=2,
                                             max_tokens=8, seed=seed + 999, progress=False)))
         for concurrency in concurrencies:
-            num_prompts = max(4, concurrency) if quick else max(8, 4 * concurrency)
+            num_prompts = max(4 if quick else 8, (prompts_per_stream or (1 if quick else 4)) * concurrency)
             for rep in range(repeats):
                 prompt_seed = seed + rep if repeat_prompts else run_seed(seed, concurrency, rep)
                 for server in fleet:
                     if quick and concurrency > 1 and server.name.endswith("+draft"):
                         continue
                     cfg = LoadConfig(base_url=server.base_url, num_prompts=num_prompts, concurrency=concurrency,
-                                     max_tokens=max_tokens, seed=prompt_seed, progress=False, ignore_eos="off")
+                                     max_tokens=max_tokens, seed=prompt_seed, progress=False, ignore_eos="off",
+                                     temperature=temperature)
                     result = asyncio.run(run_load(cfg))
                     runs.append({"server": server.name, "concurrency": concurrency, "repeat": rep,
                                  "prompt_seed": prompt_seed, "cached_prompt_tokens": result["cached_prompt_tokens"],
@@ -128,7 +131,7 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "res
         stops = {server.name: server.stop() for server in fleet}
     startup = {server.name: server.startup_s for server in fleet}
     return {"scenario": "vs_mlx_lm", "quick": quick, "max_tokens": max_tokens, "repeats": repeats,
-            "repeat_prompts": repeat_prompts,
+            "repeat_prompts": repeat_prompts, "temperature": temperature,
             "machine": bench_util.machine(), "servers": {s.name: s.cmd for s in fleet}, "startup_s": startup,
             "exit_codes": stops, "runs": runs,
             "rows": pair_ratios(runs, [p[0] for p in peers], [s.name for s in ours])}
@@ -167,14 +170,29 @@ def _pairs_at(runs: list[dict], concurrency: int, ours_name: str, peers: list[st
                      "throughput_ratios": tput, "throughput_ratio_median": statistics.median(tput),
                      "ttft_ratios": ttft, "ttft_ratio_median": statistics.median(ttft),
                      "ours_ttft_ms": statistics.median(ours[k]["mean_ttft_ms"] for k in reps),
-                     "peer_ttft_ms": statistics.median(theirs[k]["mean_ttft_ms"] for k in reps)})
+                     "peer_ttft_ms": statistics.median(theirs[k]["mean_ttft_ms"] for k in reps),
+                     **_latency(ours, reps, "ours"), **_latency(theirs, reps, "peer")})
     return rows
+
+
+def _latency(summaries: dict[int, dict], reps: list[int], side: str) -> dict:
+    """TTFT and TPOT p50/p99 (medians over repeats) of one server, and the p99 TTFT of its
+    first repeat: the first wave at this concurrency, which pays any first-use compiles."""
+    out = {f"{side}_{stat}_{name}_ms": statistics.median(summaries[k][f"{stat}_{name}_ms"] for k in reps)
+           for stat in ("median", "p99") for name in ("ttft", "tpot")
+           if all(summaries[k][f"{stat}_{name}_ms"] is not None for k in reps)}
+    out[f"{side}_first_p99_ttft_ms"] = summaries[reps[0]]["p99_ttft_ms"]
+    return out
 
 
 COLUMNS = [("concurrency", "concurrency"), ("ours", "ours"), ("peer", "peer"), ("ours_tok_s", "specslot tok/s"),
            ("peer_tok_s", "peer tok/s"), ("throughput_ratio_median", "tok/s ratio (median of pairs)"),
            ("ours_ttft_ms", "specslot TTFT ms"), ("peer_ttft_ms", "peer TTFT ms"),
-           ("ttft_ratio_median", "TTFT ratio")]
+           ("ttft_ratio_median", "TTFT ratio"), ("ours_p99_ttft_ms", "specslot TTFT p99"),
+           ("peer_p99_ttft_ms", "peer TTFT p99"), ("ours_median_tpot_ms", "specslot TPOT p50"),
+           ("peer_median_tpot_ms", "peer TPOT p50"), ("ours_p99_tpot_ms", "specslot TPOT p99"),
+           ("peer_p99_tpot_ms", "peer TPOT p99"), ("ours_first_p99_ttft_ms", "specslot 1st-wave TTFT p99"),
+           ("peer_first_p99_ttft_ms", "peer 1st-wave TTFT p99")]
 
 
 def plot(result: dict, path: str) -> None:
@@ -203,10 +221,17 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=None, help="runs per server and concurrency")
     ap.add_argument("--repeat-prompts", action="store_true",
                     help="reuse the same prompts in every run (exercises the peer's prompt cache)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default 128; quick 32)")
+    ap.add_argument("--prompts-per-stream", type=int, default=None,
+                    help="requests per run = this x concurrency (default 4; quick 1)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (default greedy)")
+    ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for each server to be ready")
     args = ap.parse_args(argv)
     result = run(args.quick, args.target, args.draft, args.seed, out_dir=args.out,
                  concurrencies=tuple(args.concurrency or CONCURRENCIES), configs=args.config,
-                 peer_names=args.peer, repeats=args.repeats, repeat_prompts=args.repeat_prompts)
+                 peer_names=args.peer, repeats=args.repeats, repeat_prompts=args.repeat_prompts,
+                 max_tokens=args.max_tokens, prompts_per_stream=args.prompts_per_stream,
+                 temperature=args.temperature, startup_timeout_s=args.startup_timeout)
     text = metrics.table(result["rows"], COLUMNS, digits=2)
     bench_util.publish(args, "vs_mlx_lm", result, text, plot)
     return 0

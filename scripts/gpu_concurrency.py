@@ -27,7 +27,6 @@ fused ticks, acceptance length].
 import json
 import os
 import random
-import shutil
 import statistics
 import sys
 import tempfile
@@ -36,44 +35,14 @@ import time
 sys.path.insert(0, os.getcwd())
 import models  # noqa: E402,F401  (fast BLAS before mlx on a CPU)
 import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
 
 OUT = os.environ["OUT"]
 SHAPE = os.environ.get("SHAPE", "q15")
-SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab
-    "q15": ("qwen2", (1536, 28, 12, 2, 8960, 151936), dict(rms_norm_eps=1e-6, rope_theta=1000000.0)),
-    "llama1b": ("llama", (2048, 16, 32, 8, 8192, 128256), dict(rms_norm_eps=1e-5, rope_theta=500000.0, head_dim=64)),
-    "tiny": ("qwen2", (128, 2, 4, 2, 256, 151936), dict(rms_norm_eps=1e-6, rope_theta=1000000.0)),
-}
 T0 = time.time()
 
 
 def log(*args):
     print(f"[{time.time() - T0:.0f}s]", *args, flush=True)
-
-
-def build(path: str) -> int:
-    import importlib
-
-    family, (hidden, layers, heads, kv, inter, vocab), extra = SHAPES[SHAPE]
-    module = importlib.import_module(f"mlx_lm.models.{family}")
-    cfg = dict(model_type=family, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-               num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab, max_position_embeddings=32768,
-               tie_word_embeddings=True, **extra)
-    model = module.Model(module.ModelArgs.from_dict(cfg))
-    model.set_dtype(mx.bfloat16)
-    nn.quantize(model, group_size=64, bits=4)
-    mx.eval(model.parameters())
-    os.makedirs(path, exist_ok=True)
-    mx.save_safetensors(os.path.join(path, "model.safetensors"), dict(tree_flatten(model.parameters())))
-    cfg["quantization"] = {"group_size": 64, "bits": 4}
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    for name in os.listdir("models/bundled/target"):
-        if "token" in name:
-            shutil.copy(os.path.join("models/bundled/target", name), path)
-    return vocab
 
 
 class Oracle:
@@ -108,12 +77,12 @@ def main() -> None:
     from models import slab
     from models.loader import load_pair
     from models.runner import MlxRunner
-    from scripts import bench_concurrency as bc, bench_util
+    from scripts import bench_concurrency as bc, bench_util, shapes
     from scripts.prompts import token_prompts
 
     os.makedirs(OUT, exist_ok=True)
     path = os.path.join(tempfile.mkdtemp(), SHAPE)
-    vocab = build(path)
+    vocab = shapes.build(SHAPE, path)
     log("built", SHAPE)
     results: dict = {"shape": SHAPE, "weights": "random (4-bit)", "machine": bench_util.machine()}
 

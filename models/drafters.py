@@ -31,6 +31,7 @@ from models.sampling import RequestSampler, log_probs
 
 if TYPE_CHECKING:
     from models.loader import LoadedModel
+    from models.prefix_cache import PrefixCache
 
 PREFILL_STEP = 2048
 
@@ -70,6 +71,14 @@ class Drafter(Protocol):
         """Compile the compiled forwards' shapes for these feed lengths and contexts up
         to `max_positions`; returns the shape count (0 without compiled forwards)."""
 
+    def kv_bytes_per_position(self) -> int:
+        """Bytes one position takes in a state's KV cache, where a prefix of that cache
+        can be kept for later prompts (`keep`); 0 for a kind that keeps nothing."""
+
+    def keep(self, state: object, history: Sequence[int]) -> None:
+        """A session with this state is done: keep what later prompts starting with its
+        `history` (prompt + emitted) can reuse, in `prefix_cache` if one is attached."""
+
 
 @dataclass
 class DraftModelState:
@@ -92,6 +101,10 @@ class DraftModelDrafter:
 
     kind = "draft_model"
     drafts_like_rows = False
+    # The draft's own KV prefixes (`models.prefix_cache`), attached by the runner's build
+    # when its prefix cache is on: a new state copies the longest cached prefix of its
+    # prompt and prefills only the rest; `keep` stores a finished session's draft KV.
+    prefix_cache: PrefixCache | None = None
 
     def __init__(self, model: nn.Module, name: str, fast: BucketedForward | None = None,
                  sample_drafts: bool = True):
@@ -108,6 +121,7 @@ class DraftModelDrafter:
             raise ValueError(f"draft model {name!r} has a cache that cannot be rolled back "
                              "(state-space or recurrent layers); use another draft or ngram")
         self._rings = cache_rollback.has_ring(cache)
+        self._bytes_per_position: int | None = None
 
     @classmethod
     def load(cls, draft: LoadedModel | None) -> "DraftModelDrafter":
@@ -131,10 +145,51 @@ class DraftModelDrafter:
         if self.fast is not None and self.fast.prefill_chunk:
             self.fast.prefill(cache, ids)  # lazy: evaluated with the first round's drafts
             return DraftModelState(cache, len(ids))
-        for start in range(0, len(ids), PREFILL_STEP):
+        for start in range(self._reuse_prefix(cache, ids), len(ids), PREFILL_STEP):
             self.model(mx.array([ids[start : start + PREFILL_STEP]]), cache=cache)
             mx.eval([c.state for c in cache])
         return DraftModelState(cache, len(ids))
+
+    def kv_bytes_per_position(self) -> int:
+        """0 for ring (sliding-window) caches, which do not hold a whole prefix, and with
+        compiled forwards (their caches keep bucket-sized buffers)."""
+        if self._rings or self.fast is not None:
+            return 0
+        if self._bytes_per_position is None:
+            probe = make_prompt_cache(self.model)
+            self.model(mx.zeros((1, 1), dtype=mx.int32), cache=probe)
+            self._bytes_per_position = sum((c.keys.nbytes + c.values.nbytes) // c.keys.shape[2] for c in probe)
+        return self._bytes_per_position
+
+    def keep(self, state: DraftModelState | None, history: Sequence[int]) -> None:
+        """Store the draft KV of the history's first positions: those the cache holds
+        (`num_cached`; after a round's rollback, never a rejected draft)."""
+        if self.prefix_cache is None or state is None or not self.kv_bytes_per_position():
+            return
+        n = min(state.num_cached, state.cache[0].offset, len(history))
+        if n < 1:
+            return
+
+        def copy_kv() -> tuple[list[mx.array], list[mx.array]]:
+            # New buffers (a slice may be a view that keeps the session's buffers alive).
+            keys = [mx.array(c.keys[0, :, :n, :]) for c in state.cache]
+            values = [mx.array(c.values[0, :, :n, :]) for c in state.cache]
+            mx.eval(keys, values)
+            return keys, values
+
+        self.prefix_cache.store(history[:n], n * self.kv_bytes_per_position(), copy_kv)
+
+    def _reuse_prefix(self, cache: list, ids: list[int]) -> int:
+        """Copy the longest cached prefix of `ids` into the empty `cache`; its length.
+        The cache's arrays start as views of the entry's, which MLX never writes in
+        place while the entry holds them: the cache's first write makes its own."""
+        hit = self.prefix_cache.lookup(ids) if self.prefix_cache is not None and ids else None
+        if hit is None:
+            return 0
+        n = hit.num_tokens
+        for c, k, v in zip(cache, hit.keys, hit.values):
+            c.keys, c.values, c.offset = k[None, :, :n, :], v[None, :, :n, :], n
+        return n
 
     def propose(self, state: DraftModelState, history: Sequence[int], k: int) -> list[int]:
         if k <= 0:
@@ -250,6 +305,12 @@ class NgramDrafter:
         return 0
 
     def new_state(self, prompt_ids: Sequence[int]) -> None:
+        return None
+
+    def kv_bytes_per_position(self) -> int:
+        return 0
+
+    def keep(self, state: None, history: Sequence[int]) -> None:
         return None
 
     def propose(self, state: None, history: Sequence[int], k: int) -> list[int]:

@@ -79,7 +79,8 @@ class MlxRunner:
             self.fuse_blocker = "the slot verifies through the compiled GPU path (fast_verify)"
         elif self.fuse_blocker is None:
             self.fuse_blocker = slab.check_support(target.model)
-        self._classic = runner_build.make_classic_batch(target.model, config, self.fuse_blocker, self._slot is not None,
+        self._classic = runner_build.make_classic_batch(target.model, config, self.fuse_blocker,
+                                                        self._slot.drafter if self._slot else None,
                                                         self.eos_token_ids, self.grammars)
         if self._ragged and self._classic.row_drafts:
             self._classic.costs = self.tick_costs()  # what a verify position costs, at load
@@ -183,8 +184,16 @@ class MlxRunner:
         return self._classic.num_rows()
 
     def prefix_cache_stats(self) -> dict | None:
+        """The target's prefix cache counters; with a draft model's own prefixes, theirs
+        under "draft"."""
         cache = getattr(self._classic, "prefix_cache", None)
-        return None if cache is None else cache.stats()
+        if cache is None:
+            return None
+        stats = cache.stats()
+        draft_cache = getattr(self._slot.drafter, "prefix_cache", None) if self._slot is not None else None
+        if draft_cache is not None:
+            stats["draft"] = draft_cache.stats()
+        return stats
 
     # -- speculative ----------------------------------------------------------------
     def spec_supports(self, request: Request) -> bool:
@@ -298,7 +307,7 @@ class MlxRunner:
         its next grant, which catches the drafter up on what the row decoded."""
         session = self._sessions[request_id]
         draft_state = session.draft_state if session._draft_ready else None
-        moved = self.spec_to_classic(request_id)
+        moved = self.spec_to_classic(request_id, keep_draft=False)
         if draft_state is not None:
             self._parked_drafts[request_id] = draft_state
         return moved
@@ -336,6 +345,7 @@ class MlxRunner:
         self._parked_drafts.pop(request_id, None)
         session = self._sessions.pop(request_id, None)
         if session is not None:
+            self._keep_draft(session)
             if self._ragged and session.cache is not None:
                 self._classic.release(session.cache, session.history)
             if self._replica_index is not None and session.num_emitted:
@@ -344,14 +354,17 @@ class MlxRunner:
         if self._slot is not None:
             self._slot.return_(request_id)
 
-    def spec_to_classic(self, request_id: str) -> list[TokenBatch]:
+    def spec_to_classic(self, request_id: str, keep_draft: bool = True) -> list[TokenBatch]:
         """Demote a live session (active or parked) to a classic row: the drafter goes
-        back to the slot and the draft state is dropped; the target cache, the sampler
+        back to the slot and the draft state is dropped (its KV kept as a prefix, unless
+        `keep_draft` is False: the caller keeps the state); the target cache, the sampler
         and the pending token become the row (`ClassicBatch.adopt`), so the stream goes
         on exactly where it was. Returns tokens other rows emitted on the way."""
         session = self._sessions[request_id]
         if session.cache is None or session.finished:
             raise RuntimeError(f"session {request_id!r} is not running")
+        if keep_draft:
+            self._keep_draft(session)
         moved = self._classic.adopt(
             request_id, session.cache, session.sampler, session.history[-1],
             max_tokens=session.max_tokens, num_emitted=session.num_emitted, stop_ids=session.stop_ids,
@@ -361,6 +374,11 @@ class MlxRunner:
         session.finish()
         self._slot.return_(request_id)
         return moved
+
+    def _keep_draft(self, session: SpeculativeSession) -> None:
+        """The drafter keeps what a leaving session's draft state can give later prompts."""
+        if self._slot is not None and session._draft_ready:
+            self._slot.drafter.keep(session.draft_state, session.history)
 
     def num_live_sessions(self) -> int:
         """Sessions plus the draft states of streams parked into the classic batch."""

@@ -33,33 +33,54 @@ def hardware_name() -> str:
     return f"{kind}-{platform.machine()}"
 
 
-def make_classic_batch(model: nn.Module, config: RunnerConfig, fuse_blocker: str | None, has_slot: bool,
+def make_classic_batch(model: nn.Module, config: RunnerConfig, fuse_blocker: str | None, drafter: Drafter | None,
                        eos_token_ids: list[int], grammars: Grammars) -> ClassicBatch | RaggedBatch:
     """Where the verify can ride in the batch's forward (`fuse_blocker` None), classic
     rows and sessions share one slab (`models.ragged_batch`): moving a stream between
     them moves no keys. Otherwise, or with `config.ragged` False, mlx-lm's
-    `BatchGenerator` (`models.batch_adapter`); `config.ragged` True demands the slab."""
+    `BatchGenerator` (`models.batch_adapter`); `config.ragged` True demands the slab.
+    `drafter`: the slot's (None: no slot); on the slab, with the prefix cache on, a
+    drafter that keeps KV gets its own share of the budget (`make_prefix_caches`)."""
     if config.ragged and fuse_blocker is not None:
         raise ValueError(f"a ragged batch needs a verify that rides in it: {fuse_blocker}")
     common = dict(eos_token_ids=eos_token_ids, max_batch_size=config.max_batch_size,
                   prefill_batch_size=config.prefill_batch_size, solo_burst_s=config.classic_burst_ms / 1000.0,
                   grammars=grammars)
     if fuse_blocker is None and config.ragged is not False:
-        return RaggedBatch(model, row_drafts=config.row_drafts and has_slot, num_draft_tokens=config.num_draft_tokens,
-                           prefix_cache=make_prefix_cache(config.prefix_cache_bytes), **common)
+        batch = RaggedBatch(model, row_drafts=config.row_drafts and drafter is not None,
+                            num_draft_tokens=config.num_draft_tokens, **common)
+        batch.prefix_cache, draft_cache = make_prefix_caches(config.prefix_cache_bytes, batch.slab.bytes_per_position,
+                                                             drafter.kv_bytes_per_position() if drafter else 0)
+        if draft_cache is not None:
+            drafter.prefix_cache = draft_cache
+        return batch
     if config.prefix_cache_bytes != 0:
         log.info("prefix cache off: it needs the slab batch (%s)", fuse_blocker)
     return ClassicBatch(model, **common)
 
 
-def make_prefix_cache(budget_bytes: int | None) -> prefix_cache.PrefixCache | None:
-    """None when off (0); None as the budget: sized from the memory available now (a
-    deployment's default, `RunnerConfig.prefix_cache_bytes`)."""
+def make_prefix_caches(budget_bytes: int | None, target_bytes_per_position: int,
+                       draft_bytes_per_position: int = 0) -> tuple[prefix_cache.PrefixCache | None, ...]:
+    """(the target's prefix cache, the draft model's): None when off (budget 0); None
+    as the budget: sized from the memory available now (a deployment's default,
+    `RunnerConfig.prefix_cache_bytes`). A drafter that keeps KV (bytes per position > 0)
+    gets the budget's share its positions take, so a prompt fits both caches alike
+    and together they stay within the budget.
+
+    >>> [c.budget_bytes for c in make_prefix_caches(1000, 300, 100)]
+    [750, 250]
+    >>> make_prefix_caches(1000, 300)[1] is None, make_prefix_caches(0, 300, 100)
+    (True, (None, None))
+    """
     if budget_bytes is None:
         budget_bytes = prefix_cache.default_budget(prefix_cache.available_memory())
         log.info("prefix cache: %.2f GiB (1/%d of the memory available, at most %d GiB)", budget_bytes / 2**30,
                  prefix_cache.DEFAULT_BUDGET_SHARE, prefix_cache.DEFAULT_BUDGET_CAP >> 30)
-    return prefix_cache.PrefixCache(budget_bytes) if budget_bytes > 0 else None
+    if budget_bytes <= 0:
+        return None, None
+    draft_budget = budget_bytes * draft_bytes_per_position // (target_bytes_per_position + draft_bytes_per_position)
+    draft = prefix_cache.PrefixCache(draft_budget) if draft_budget > 0 else None
+    return prefix_cache.PrefixCache(budget_bytes - draft_budget), draft
 
 
 def warm_compiled(verifier: BucketedForward, drafter: Drafter, num_draft_tokens: int, max_positions: int) -> int:

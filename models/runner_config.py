@@ -8,7 +8,7 @@ deployment args import this module before any model is loaded.
 
 Where a default is computed: `prefix_cache_bytes` is 0 (off) here, so scripts and tests
 opt in, but a deployment leaves it None (`deploy_default`), which the runner sizes from
-the memory available once the model is loaded (`models.runner_build.make_prefix_cache`).
+the memory available once the model is loaded (`models.runner_build.make_prefix_caches`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ class RunnerConfig:
         "(at least 64 tokens, never the last prompt token) and prefills only the rest; a stream "
         "that finishes or is cancelled stores its prompt and output, least recently used entries "
         "are evicted to stay within the budget. Needs the slab batch (`fuse_blocker` unset in "
-        "`/v1/internal/scheduler`); the draft model's own cache is still prefilled in full. See "
+        "`/v1/internal/scheduler`). With a draft model the budget is split between the target's "
+        "prefixes and the draft's own, in proportion to the KV a position takes in each. See "
         "\"Prefix cache\" below.",
         ge=0, le=1 << 42, deploy_default=None,
         default_doc="an eighth of the memory available once the model is loaded, at most 4 GiB")

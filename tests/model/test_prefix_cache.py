@@ -369,20 +369,40 @@ def test_the_runner_builds_the_cache_it_is_given(tiny_pair, configured):
     runner.close()
 
 
+def assert_draft_holds(state, model, tokens):
+    """The draft state's cache holds exactly the KV of a fresh prefill of `tokens`."""
+    assert state.num_cached == state.cache[0].offset == len(tokens)
+    want = reference_kv(model, tokens)
+    got = [np.array(c.keys[0, :, :len(tokens)]) for c in state.cache] + \
+        [np.array(c.values[0, :, :len(tokens)]) for c in state.cache]
+    for g, w in zip(got, want):
+        assert np.abs(g - w).max() < KV_ATOL
+
+
 @pytest.mark.parametrize("kind", ["draft_model", "ngram"])
 def test_a_session_starts_from_the_cache_and_stores_its_stream(loaded, base, kind):
-    """The slot's session: its target row starts from the cached prefix (the draft
-    model prefills its own cache in full), and its finished stream is stored."""
+    """The slot's session: its target row starts from the cached prefix, and so does a
+    draft model's own cache (from the draft's share of the budget); the finished
+    stream is stored in both. An entry's arrays never change under a session that
+    started from them."""
     from models.runner import MlxRunner
 
     target = loaded[0]
     eos = sorted(target.tokenizer.eos_token_ids)
     runner = MlxRunner(target, make_drafter(kind, loaded), num_draft_tokens=3, prefix_cache_bytes=64 << 20)
+    draft_cache = runner._slot.drafter.prefix_cache if kind == "draft_model" else None
+    if kind == "draft_model":
+        draft_bytes = runner._slot.drafter.kv_bytes_per_position()
+        share = draft_bytes / (draft_bytes + runner._classic.slab.bytes_per_position)
+        assert draft_cache.budget_bytes == int((64 << 20) * share)
+        assert draft_cache.budget_bytes + runner._classic.prefix_cache.budget_bytes == 64 << 20
 
     def speculate(request):
         first = runner.spec_begin(request)
         session = runner.session(request.request_id)
         assert_row_holds(runner._classic.slab, session.cache[0].row, target.model, request.prompt_ids)
+        if kind == "draft_model":
+            assert_draft_holds(session.draft_state, loaded[1].model, request.prompt_ids)
         tokens, reason = list(first.token_ids), first.finish_reason
         while reason is None:
             outcome = runner.spec_round(request.request_id)
@@ -393,10 +413,21 @@ def test_a_session_starts_from_the_cache_and_stores_its_stream(loaded, base, kin
     first = make_request("s1", base, 20)
     out1 = speculate(first)
     second = make_request("s2", base + out1 + fresh_tokens(5, 12), 20)
+    held = draft_cache.lookup(second.prompt_ids) if draft_cache is not None else None
+    before = [np.array(a) for a in (held.keys + held.values)] if held is not None else []
     out2 = speculate(second)
     assert (first.num_cached_tokens, second.num_cached_tokens) == (0, len(base) + len(out1) - 1)
     assert out1 == isolated(target.model, first, eos) and out2 == isolated(target.model, second, eos)
     assert runner.num_live_sessions() == 0 and runner._classic.slab.num_rows == 0
+    stats = runner.prefix_cache_stats()
+    if kind == "draft_model":
+        # s1's draft KV reaches at least past the prompt; s2 found it, then stored its own
+        # longer stream in its place.
+        assert held is not None and len(base) <= held.num_tokens <= len(base) + len(out1) - 1
+        assert stats["draft"]["hits"] == 2 and stats["draft"]["stores"] == 2 and stats["draft"]["entries"] == 1
+        assert all(np.array_equal(b, np.array(a)) for b, a in zip(before, held.keys + held.values))
+    else:
+        assert "draft" not in stats
     runner.close()
 
 
@@ -484,5 +515,9 @@ def test_conversations_through_the_scheduler_match_isolated_decode(loaded, base,
         histories = [h + streams[r.request_id] + fresh_tokens(3, 40 + i)
                      for i, (r, h) in enumerate(zip(requests, histories))]
     stats = scheduler.snapshot()["prefix_cache"]
-    assert stats["hits"] >= 3 and stats["bytes"] <= stats["budget_bytes"] == 64 << 20
+    draft = stats.get("draft", {"budget_bytes": 0, "bytes": 0})
+    assert stats["hits"] >= 3 and stats["bytes"] <= stats["budget_bytes"] and draft["bytes"] <= draft["budget_bytes"]
+    assert stats["budget_bytes"] + draft["budget_bytes"] == 64 << 20
+    if kind == "draft_model":  # a second turn that speculated started its draft cache from the first's
+        assert draft["hits"] >= 1 and draft["hit_tokens"] >= 120
     runner.close()

@@ -179,3 +179,15 @@ def test_a_target_whose_cache_cannot_roll_back_decodes_classically(loaded, caplo
     runner.close()
     with pytest.raises(ValueError, match="cannot be rolled back"):
         DraftModelDrafter(model, "tiny-mamba")
+
+
+def test_a_ring_draft_keeps_no_prefixes(sliding):
+    """A sliding-window draft's ring holds only the window, never a whole prefix: it
+    takes no share of the prefix cache's budget and keeps nothing."""
+    drafter = DraftModelDrafter(sliding[1].model, "d")
+    assert drafter.kv_bytes_per_position() == 0
+    runner = MlxRunner(sliding[0], drafter, num_draft_tokens=3, prefix_cache_bytes=1 << 20)
+    assert drafter.prefix_cache is None
+    stats = runner.prefix_cache_stats()
+    assert stats is None or ("draft" not in stats and stats["budget_bytes"] == 1 << 20)
+    runner.close()

@@ -521,3 +521,25 @@ def test_conversations_through_the_scheduler_match_isolated_decode(loaded, base,
     if kind == "draft_model":  # a second turn that speculated started its draft cache from the first's
         assert draft["hits"] >= 1 and draft["hit_tokens"] >= 120
     runner.close()
+
+
+def test_a_demoted_session_stores_its_draft_prefix_and_a_parked_one_keeps_its_state(loaded, base):
+    """Demotion drops the draft state, so its KV is stored; a park into the classic
+    batch keeps the state for the next grant, so nothing is stored then."""
+    from models.runner import MlxRunner
+
+    target = loaded[0]
+    runner = MlxRunner(target, make_drafter("draft_model", loaded), num_draft_tokens=3, prefix_cache_bytes=64 << 20)
+    draft_cache = runner._slot.drafter.prefix_cache
+    runner.spec_begin(make_request("p", base, 40))
+    runner.spec_round("p")
+    runner.spec_park_to_classic("p")
+    assert draft_cache.num_stores == 0 and "p" in runner._parked_drafts
+    runner.spec_begin(make_request("d", fresh_tokens(150, 60), 40))
+    runner.spec_round("d")
+    history = runner.session("d").history
+    runner.spec_to_classic("d")
+    assert draft_cache.num_stores == 1
+    hit = draft_cache.lookup(history + [1])
+    assert hit is not None and len(history) - 3 <= hit.num_tokens <= len(history)
+    runner.close()

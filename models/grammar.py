@@ -43,8 +43,9 @@ def grammar_error(grammar: str) -> str | None:
 
 
 class Grammars:
-    """A model's tokenizer as the grammar engine reads it, built at the first
-    constrained request (for a large vocabulary that takes about a second)."""
+    """A model's tokenizer as the grammar engine reads it. Building its index takes
+    about a second for a large vocabulary: the runner builds it at load (`index`), so
+    the first constrained request does not stall every stream of the engine thread."""
 
     def __init__(self, hf_tokenizer, eos_token_ids: Sequence[int]):
         self.eos_token_ids = tuple(eos_token_ids)
@@ -57,10 +58,14 @@ class Grammars:
         llguidance reads in `_tokenizer` (no public accessor in mlx-lm 0.32.2)."""
         return cls(getattr(tokenizer, "_tokenizer", tokenizer), eos_token_ids)
 
-    def matcher(self, grammar: str) -> "GrammarMatcher":
+    def index(self) -> llguidance.LLTokenizer:
+        """The tokenizer index llguidance matches against, built on the first call."""
         if self._tokenizer is None:
             self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, eos_token=list(self.eos_token_ids))
-        return GrammarMatcher(llguidance.LLMatcher(self._tokenizer, grammar, log_level=0), self.eos_token_ids)
+        return self._tokenizer
+
+    def matcher(self, grammar: str) -> "GrammarMatcher":
+        return GrammarMatcher(llguidance.LLMatcher(self.index(), grammar, log_level=0), self.eos_token_ids)
 
 
 class GrammarMatcher:

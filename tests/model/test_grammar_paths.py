@@ -236,3 +236,16 @@ def test_sampled_constrained_streams_are_valid_on_every_path(loaded, grammars, p
     for tokens, reason in outputs:
         assert reason == "stop"
         jsonschema.validate(json.loads(tokenizer.decode(tokens[:-1])), SCHEMA)
+
+
+def test_the_runner_builds_the_grammar_index_at_load(tiny_pair, monkeypatch):
+    """The tokenizer index (about a second on a large vocabulary) is built while the
+    runner loads, never by the first constrained request on the engine thread."""
+    from models.runner import MlxRunner
+
+    runner = MlxRunner.from_paths(tiny_pair[0], drafter_kind="ngram")
+    index = runner.grammars._tokenizer
+    assert index is not None
+    monkeypatch.setattr("llguidance.hf.from_tokenizer", lambda *a, **k: pytest.fail("index built again"))
+    assert runner.grammars.matcher(GRAMMAR) is not None and runner.grammars.index() is index
+    runner.close()

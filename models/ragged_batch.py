@@ -178,6 +178,13 @@ class RaggedBatch:
             self.slab.free(row)
             self.slab.shrink()
 
+    def keep_prompt(self, cache: list, prompt_ids: Sequence[int]) -> None:
+        """Store a session's prompt KV once its prefill has run (a cache that is not a
+        live session row is ignored)."""
+        row = _row_of(cache)
+        if row is not None and id(row) in self._sessions and not row.freed:
+            self._store_prefix(row, prompt_ids)
+
     # -- the prefix cache ---------------------------------------------------------------
     def _reuse_prefix(self, row: Row, prompt_ids: Sequence[int]) -> int:
         """Copy the longest cached prefix of `prompt_ids` into the empty `row`; returns its length."""
@@ -218,8 +225,9 @@ class RaggedBatch:
         """Admit `requests` and emit each one's first token; existing rows do not
         advance. A row starts from its prompt's longest cached prefix (setting the
         request's `num_cached_tokens`); the other prompt tokens but the last run in
-        chunked forwards whose logits are never computed; the last tokens run together
-        and give the first tokens."""
+        chunked forwards whose logits are never computed, and are stored in the prefix
+        cache right away, so requests that share the prompt and come while this one
+        runs start from it; the last tokens run together and give the first tokens."""
         if not requests:
             return []
         check_admissible(requests, self.request_ids())
@@ -230,16 +238,32 @@ class RaggedBatch:
         return out
 
     def _prefill_group(self, requests: Sequence[Request]) -> list[TokenBatch]:
+        """Requests with the same prompt (the choices of an `n` > 1 request) prefill it
+        once: the first one's row runs it, the others copy its keys and values, and
+        every row runs its own last prompt token (its own first draw)."""
         rows = [self.slab.add() for _ in requests]
-        for r, row in zip(requests, rows):
-            r.num_cached_tokens = self._reuse_prefix(row, r.prompt_ids)
-        heads = [list(r.prompt_ids[row.length:-1]) for r, row in zip(requests, rows)]
+        first_of: dict[tuple[int, ...], int] = {}
+        leader = [first_of.setdefault(tuple(r.prompt_ids), i) for i, r in enumerate(requests)]
+        for i, (r, row) in enumerate(zip(requests, rows)):
+            if leader[i] == i:
+                r.num_cached_tokens = self._reuse_prefix(row, r.prompt_ids)
+        heads = [list(r.prompt_ids[row.length:-1]) if leader[i] == i else []
+                 for i, (r, row) in enumerate(zip(requests, rows))]
         done = 0
         while any(len(h) > done for h in heads):
             entries = [(row, h[done:done + PREFILL_CHUNK]) for row, h in zip(rows, heads) if len(h) > done]
             self.slab.forward(self._model, entries)
             mx.eval(self.slab.arrays())
             done += PREFILL_CHUNK
+        for r, row, head in zip(requests, rows, heads):
+            if head:
+                self._store_prefix(row, r.prompt_ids)
+        for i, (r, row) in enumerate(zip(requests, rows)):
+            source = rows[leader[i]]
+            if source is not row:
+                if source.length:
+                    self.slab.write_prefix(row, *self.slab.copy_prefix(source, source.length), source.length)
+                r.num_cached_tokens = source.length  # none of it computed for this row
         streams = []
         for r, row in zip(requests, rows):
             stream = self._add_stream(r.request_id, row, RequestSampler(r.sampling, r.prompt_ids, self._grammars),

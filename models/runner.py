@@ -230,6 +230,8 @@ class MlxRunner:
         session.bind(self._slot.take(request.request_id))
         self._sessions[request.request_id] = session
         result = session.begin()
+        if self._ragged and session.cache is not None:
+            self._classic.keep_prompt(session.cache, request.prompt_ids)  # for requests sharing it meanwhile
         return TokenBatch(request.request_id, result.token_ids, result.finish_reason, logprobs=result.logprobs)
 
     def _session_cache_for(self, request: Request):

@@ -283,6 +283,40 @@ def test_rows_of_one_prefill_group_share_an_entry(loaded, base, grid):
     assert all(np.array_equal(np.array(a), b) for a, b in zip(hit.keys + hit.values, entry))
 
 
+@pytest.mark.parametrize("with_cache", [False, True], ids=["no_cache", "cache"])
+@pytest.mark.parametrize("grid", [False, True], ids=["packed", "grid"])
+def test_choices_of_one_prompt_prefill_it_once(loaded, base, grid, with_cache):
+    """The choices of an n > 1 request arrive together with one prompt: its first row
+    runs the prompt, the others copy its keys (their own last token still runs), and
+    every stream equals the same request prefilled alone."""
+    model = loaded[0].model
+
+    def new_batch():
+        batch = RaggedBatch(model, eos_token_ids=(), prefill_batch_size=8,
+                            prefix_cache=PrefixCache(64 << 20) if with_cache else None)
+        batch.slab.grid = grid
+        return batch
+
+    other = fresh_tokens(70, 3)
+    requests = [make_request("g0", base, 16), make_request("s0", base, 16, temperature=0.8, seed=5),
+                make_request("o", other, 16), make_request("g1", base, 16),
+                make_request("s1", base, 16, temperature=0.8, seed=6)]
+    batch = new_batch()
+    fed, stepping = [], []  # prompt tokens the prefill's chunked forwards ran
+    forward, step = batch.slab.forward, batch._step
+    batch.slab.forward = lambda m, entries, *a, **k: (
+        stepping or fed.append(sum(len(t) for _, t in entries)), forward(m, entries, *a, **k))[1]
+    batch._step = lambda *a, **k: (stepping.append(1), step(*a, **k))[1]
+    got = drive(batch, requests)
+    assert sum(fed) == len(base) - 1 + len(other) - 1  # the shared prompt ran once
+    assert [r.num_cached_tokens for r in requests] == [0, len(base) - 1, 0, len(base) - 1, len(base) - 1]
+    for r in requests:
+        alone = Request(r.request_id, list(r.prompt_ids), r.sampling)
+        assert got[r.request_id] == drive(new_batch(), [alone])[r.request_id], r.request_id
+    assert got["g0"] == got["g1"] == isolated(model, requests[0]) and got["s0"] != got["s1"]
+    assert batch.slab.num_rows == 0
+
+
 def test_after_eviction_a_tiny_budget_still_gives_the_same_streams(loaded, base):
     model = loaded[0].model
     probe = RaggedBatch(model, eos_token_ids=())
@@ -347,7 +381,9 @@ def test_rows_that_draft_store_only_the_tokens_they_emitted(loaded, monkeypatch)
     first = make_request("t1", history, 16, stop_token_ids=(stop,))
     out1 = drive(batch, [first], drafts=True)["t1"]
     assert out1 == isolated(target.model, first) and out1[-1] == stop
-    assert stored == [(stored[0][0], len(history) + len(out1) - 1)] and stored[0][0] > stored[0][1]
+    # The prompt, once prefilled; then the stream, without the accepted drafts past the stop.
+    assert stored[0] == (len(history) - 1, len(history) - 1)
+    assert stored[1:] == [(stored[1][0], len(history) + len(out1) - 1)] and stored[1][0] > stored[1][1]
     second = make_request("t2", history + out1 + prompt[:9], 16)
     assert drive(batch, [second], drafts=True)["t2"] == isolated(target.model, second)
     assert second.num_cached_tokens == len(history) + len(out1) - 1
@@ -543,3 +579,34 @@ def test_a_demoted_session_stores_its_draft_prefix_and_a_parked_one_keeps_its_st
     hit = draft_cache.lookup(history + [1])
     assert hit is not None and len(history) - 3 <= hit.num_tokens <= len(history)
     runner.close()
+
+
+def test_the_choices_of_one_request_share_its_prompt_through_the_scheduler(loaded, base):
+    """n = 4 choices of one prompt, arriving together on the fused tick: the first takes
+    the slot, the second waits in its ring, the others become classic rows. Each prompt
+    is stored once prefilled, so every later choice starts from it (the classic ones
+    also share within their prefill group), and every stream is what it is with the
+    cache off."""
+    from models.runner import MlxRunner
+
+    target = loaded[0]
+
+    def run(cache_bytes):
+        runner = MlxRunner(target, make_drafter("ngram", loaded), num_draft_tokens=3, prefix_cache_bytes=cache_bytes)
+        scheduler = Scheduler(runner, SchedulerConfig(b1_policy="on", tick_mode="fused", num_draft_tokens=3))
+        requests = [make_request(f"c{i}", base, 16, temperature=0.8 if i % 2 else 0.0, seed=i) for i in range(4)]
+        for r in requests:
+            scheduler.submit(r)
+        out = {r.request_id: [] for r in requests}
+        while scheduler.has_work():
+            for event in scheduler.tick():
+                out[event.request_id] += event.token_ids
+        runner.close()
+        return out, requests
+
+    on, with_cache = run(64 << 20)
+    off, without = run(0)
+    assert on == off
+    assert with_cache[0].spec.num_rounds and with_cache[1].spec.num_rounds  # the slot and its ring
+    assert [r.num_cached_tokens for r in with_cache] == [0] + [len(base) - 1] * 3
+    assert [r.num_cached_tokens for r in without] == [0, 0] + [len(base) - 1] * 2  # the prefill group only

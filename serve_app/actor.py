@@ -33,6 +33,9 @@ def build_engine(args: ServeArgs):
     Returns (engine, info): `info` is filled with what the HTTP layer needs once the
     runner exists (after `engine.start()`).
     """
+    from models import kernel_cache
+
+    kernel_cache.use(args.kernel_cache_dir)  # before anything touches the GPU
     import models  # noqa: F401  (fast BLAS before mlx)
     from scheduler.engine import Engine
 

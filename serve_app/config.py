@@ -187,6 +187,15 @@ class _ServeArgsBase(BaseModel):
         0.0, ge=0.0, le=8.0,
         description="GPUs the scheduler actor reserves (CUDA nodes; 0 on CPU and Apple silicon).",
     )
+    kernel_cache_dir: str | None = Field(
+        None, max_length=4096,
+        description="CUDA only: where the replica keeps the GPU kernels MLX compiles at run time "
+        "(MLX's `MLX_PTX_CACHE_DIR`, and the CUDA driver's `CUDA_CACHE_PATH`), one subdirectory per "
+        "MLX version and GPU model, so a restarted replica (a new container too, given a persistent "
+        "volume) loads them instead of compiling them again. Unset: MLX's default, under the "
+        "system's temporary directory. Ignored on CPU and Apple silicon.",
+        json_schema_extra=_doc(default="unset (MLX's default, under the temporary directory)"),
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> "_ServeArgsBase":

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Scenario 4 on a GPU host: the whole service (Ray Serve, HTTP, the scheduler actor) with
+# configs/gpu.yaml against mlx_lm.server, same random-weight model of a realistic shape
+# (scripts/shapes.py, vocabulary cut to the bundled tokenizer's so both servers can
+# detokenize), n-gram drafter (random weights: no draft model would accept anything).
+# Figures from it come from random weights: say so next to them.
+#
+#   OUT=results/gpu bash scripts/gpu_serve.sh
+#   SHAPE=q15|q7|llama1b  TEMP=0|0.7  CS_LIST="1 4 16 64"  REPEATS=2  PPS=2 (requests per stream)
+#   EXTRA=",max_batch_size=64"  (more args overrides)  GPUS=1 (actor_num_gpus)  LIMIT=470 (seconds)
+#
+# On the offline lent H200, first install MLX (../shared/device/README.md) and the
+# service's wheels (scripts/device_wheels.sh) into /tmp/site; this script does that
+# itself when /tmp/site is missing and the parts are where those two describe.
+set -euo pipefail
+: "${OUT:?set OUT to a results folder}"
+T0=$(date +%s)
+if [ -d "$HOME/mlx-parts" ] && [ ! -d /tmp/site ]; then
+  cat "$HOME/mlx-parts/part.aa" .whl_b/part.ab > "/tmp/$(cat .whl_b/NAME)"
+  mkdir -p /tmp/dw && cat "$HOME"/dw/part.* | tar -x -C /tmp/dw
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    "/tmp/$(cat .whl_b/NAME)" .whl/*.whl /tmp/dw/*.whl 2>&1 | tail -3
+fi
+if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH; fi
+echo "installed after $(( $(date +%s) - T0 )) s"
+python3 -c "import ray, mlx.core as mx; print('ray', ray.__version__, 'mlx', mx.__version__, mx.default_device())"
+SHAPE=${SHAPE:-q15}
+MODEL=${MODEL_DIR:-/tmp/specslot-$SHAPE}
+test -f "$MODEL/model.safetensors" || python3 -m scripts.shapes "$SHAPE" "$MODEL" --tokenizer-vocab
+echo "model after $(( $(date +%s) - T0 )) s"
+CS=""; for c in ${CS_LIST:-1 4 16 64}; do CS="$CS --concurrency $c"; done
+# shellcheck disable=SC2086
+timeout "${LIMIT:-470}" python3 -m scripts.bench_vs_mlx_lm --target "$MODEL" \
+  --config "configs/gpu.yaml:model=$MODEL,drafter={kind: ngram},policy_cache_dir=/tmp/specslot-policy,kernel_cache_dir=/tmp/specslot-kernels,actor_num_gpus=${GPUS:-1}${EXTRA:-}" \
+  --peer mlx_lm $CS --repeats "${REPEATS:-2}" --prompts-per-stream "${PPS:-2}" --temperature "${TEMP:-0}" \
+  --out "$OUT/vs_mlx_lm_$SHAPE" --no-plot --startup-timeout 300 || echo "bench exited with $?"
+for f in "$OUT/vs_mlx_lm_$SHAPE"/*.log; do echo "== $f"; grep -v "^\s*$" "$f" | tail -15; done

@@ -42,6 +42,7 @@ _NEXT_SDPA = mlx_base.quantized_scaled_dot_product_attention
 # bf16 keeps 8 bits of mantissa (relative step 2^-7 ~ 0.008); a few roundings apart.
 HALF_RTOL = 0.03
 STEP = 256  # capacity grows in these many positions, as mlx-lm's KVCache does
+EXACT_WIDTHS = 8  # grid forwards up to this many tokens per row run at their own width
 
 
 def plain_caches(model: nn.Module, caches: list | None = None) -> bool:
@@ -332,7 +333,7 @@ class _Forward:
                 self.batch_mask = mx.array(valid[:, None, None, :])
 
     def _plan_grid(self, slab: Slab, entries: list[tuple[Row, list[int]]], lo: int, hi: int) -> None:
-        width = max(len(tokens) for _, tokens in entries)
+        width = grid_width(max(len(tokens) for _, tokens in entries))
         by_slot = {row.slot: i for i, (row, _) in enumerate(entries)}
         lengths = np.array([slab.rows[s].length for s in range(lo, hi)], np.int64)
         keys = -(-(int(lengths.max()) + width) // STEP) * STEP
@@ -384,6 +385,18 @@ class _Forward:
                 flat = (slots[:, None] * heads + h[None, :]) * self.capacity + pos[:, None]
             self._flat[heads] = mx.array(flat.reshape(-1))
         return self._flat[heads]
+
+
+def grid_width(n: int) -> int:
+    """The width a grid forward pads its widest entry of `n` tokens to: `n` itself up to
+    `EXACT_WIDTHS` (decode steps and verifies, a few widths each compiled once), then the
+    next power of two, so prefill chunks of any length share a handful of shapes instead
+    of building kernels and attention plans for every prompt length.
+
+    >>> [grid_width(n) for n in (1, 5, 8, 9, 100, 256, 300, 512)]
+    [1, 5, 8, 16, 128, 256, 512, 512]
+    """
+    return n if n <= EXACT_WIDTHS else 1 << (n - 1).bit_length()
 
 
 def _entry_offsets(entries: list[tuple[Row, list[int]]]) -> list[int]:

@@ -8,6 +8,7 @@ rather than a prompt format the model never saw.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from jinja2 import TemplateError, TemplateSyntaxError
@@ -15,6 +16,18 @@ from jinja2 import TemplateError, TemplateSyntaxError
 from serve_app.errors import APIError
 
 MAX_TEMPLATE_MESSAGE = 300  # characters of a template's own error passed on to the client
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's table): printable
+    Latin-1 bytes stand for themselves, the others for code points from 256 up."""
+    kept = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    extra = iter(range(256, 512))
+    return {chr(b if b in kept else next(extra)): b for b in range(256)}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
 
 
 class IncrementalDecoder:
@@ -125,6 +138,22 @@ class TextCodec:
         if text is None:
             text = self._token_texts[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
         return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own UTF-8 bytes. A token holding part of a multi-byte character
+        decodes to U+FFFD; its bytes are read from its vocabulary entry instead (a
+        byte-level BPE piece, or a SentencePiece byte token `<0xE2>`)."""
+        text = self.token_text(token_id)
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        piece = self._tok.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            byte = _BYTE_FALLBACK.fullmatch(piece)
+            if byte:
+                return bytes([int(byte.group(1), 16)])
+            if all(c in _BYTE_LEVEL for c in piece):
+                return bytes(_BYTE_LEVEL[c] for c in piece)
+        return text.encode("utf-8")
 
     @property
     def vocab_size(self) -> int:

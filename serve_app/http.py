@@ -185,7 +185,8 @@ class OpenAIService:
                     self._spawn(self._abandon(submitted.request_id, lane.name.lower()))
                 raise self._submit_error(request.request_id, exc) from None
             streams.append(self._pieces(request, events, spec, len(prompt_ids), StreamTimes(arrival=arrival)))
-        logprobs = None if spec.logprobs is None else LogprobFormat(self.codec.token_text, chat)
+        logprobs = None if spec.logprobs is None else LogprobFormat(self.codec.token_text, chat,
+                                                                     self.codec.token_bytes)
         fmt = ResponseFormat(request_id, self.args.model_name, chat, spec.output, logprobs)
         if spec.stream:
             return StreamingResponse(self._sse(fmt, streams, requests, spec.include_usage),

@@ -1,15 +1,15 @@
-"""How model families write tool calls: read back from a finished reply, and enforced as
+r"""How model families write tool calls: read back from a finished reply, and enforced as
 a grammar when a request forces a call.
 
-A deployment uses one format, chosen from its chat template (`detect`) unless the
-config names one (`tool_call_format`):
+A deployment uses one format, chosen from the markers its chat template renders
+(`detect`) unless the config names one (`tool_call_format`). Two calls, as each writes them:
 
-| format | a reply of two calls | chosen when the template has |
-|---|---|---|
-| `hermes` | `<tool_call>\\n{"name": "f", "arguments": {..}}\\n</tool_call>` once per call, text around it allowed | `<tool_call>` (Qwen 2.5 / 3, Hermes); also the default |
-| `llama3_json` | `{"name": "f", "parameters": {..}}; {"name": "g", "parameters": {..}}`, the whole reply, optionally after `<\\|python_tag\\|>` | `<\\|python_tag\\|>` or `ipython` (Llama 3.1 - 3.3) |
-| `mistral` | `[TOOL_CALLS][{"name": "f", "arguments": {..}}, {..}]`, text before it allowed | `[TOOL_CALLS]` |
-| `mistral_v11` | `[TOOL_CALLS]f[ARGS]{..}[TOOL_CALLS]g[ARGS]{..}`, text before it allowed | `[TOOL_CALLS]` and `[ARGS]` |
+    hermes       <tool_call>\n{"name": "f", "arguments": {..}}\n</tool_call>, once per
+                 call, text around them allowed (Qwen 2.5 / 3, Hermes; the default)
+    llama3_json  {"name": "f", "parameters": {..}}; {"name": "g", "parameters": {..}}, the
+                 whole reply, optionally after <|python_tag|> (Llama 3.1 - 3.3)
+    mistral      [TOOL_CALLS][{"name": "f", "arguments": {..}}, {..}], text before allowed
+    mistral_v11  [TOOL_CALLS]f[ARGS]{..}[TOOL_CALLS]g[ARGS]{..} (templates with [ARGS])
 
 Reading is lenient where families disagree: a JSON call may carry "arguments" or
 "parameters" (an object, or a string holding one), and both Mistral formats read either
@@ -121,10 +121,42 @@ def _parameters(function: dict) -> dict:
 
 
 def _call_schema(functions: list[dict], key: str) -> dict:
-    """The JSON schema of one call object {"name": .., key: ..} of any of `functions`."""
-    options = [{"type": "object", "properties": {"name": {"const": f["name"]}, key: _parameters(f)},
-                "required": ["name", key], "additionalProperties": False} for f in functions]
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    """The JSON schema of one call object {"name": .., key: ..} of any of `functions`.
+    A function's `$defs` / `definitions` move to the root, where its `#/$defs/..`
+    references point, renamed `<function>.<def>` so two functions' defs never collide."""
+    options, defs = [], {}
+    for f in functions:
+        parameters = _parameters(f)
+        if any(isinstance(parameters.get(section), dict) for section in _DEF_SECTIONS):
+            parameters = _hoist_defs(parameters, f["name"] + ".", defs)
+        options.append({"type": "object", "properties": {"name": {"const": f["name"]}, key: parameters},
+                        "required": ["name", key], "additionalProperties": False})
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "$defs": defs} if defs else schema
+
+
+_DEF_SECTIONS = ("$defs", "definitions")
+
+
+def _hoist_defs(schema: dict, prefix: str, defs: dict) -> dict:
+    """`schema` without its def sections, which go into `defs` under `prefix`ed names,
+    and with its local references renamed to match."""
+    def renamed(node):
+        if isinstance(node, list):
+            return [renamed(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: renamed(v) for k, v in node.items()}
+        ref = node.get("$ref")
+        for section in _DEF_SECTIONS:
+            if isinstance(ref, str) and ref.startswith(f"#/{section}/"):
+                out["$ref"] = "#/$defs/" + prefix + ref[len(section) + 3:]
+        return out
+
+    for section in _DEF_SECTIONS:
+        for name, definition in (schema.get(section) or {}).items():
+            defs[prefix + name] = renamed(definition)
+    return renamed({k: v for k, v in schema.items() if k not in _DEF_SECTIONS})
 
 
 # -- reading ------------------------------------------------------------------------------

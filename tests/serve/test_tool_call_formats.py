@@ -116,6 +116,22 @@ def test_a_forced_calls_grammar_accepts_the_formats_text_on_the_tokenizer(tiny_p
     assert grammars.matcher(many).allowed_prefix(codec.encode(TWO_CALLS[other])) != codec.encode(TWO_CALLS[other])
 
 
+def test_a_tools_referenced_defs_are_enforced(tiny_pair):
+    from models.grammar import Grammars
+
+    item = {"type": "object", "properties": {"sku": {"type": "integer"}}, "required": ["sku"],
+            "additionalProperties": False}
+    add = {"name": "add", "parameters": {"type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}},
+                                         "required": ["item"], "$defs": {"Item": item}}}
+    codec = codec_for(tiny_pair[0], "mistral")
+    grammar = codec.tool_format.grammar([add], parallel=False)
+    matcher = Grammars.for_tokenizer(codec._tok, [0])
+    good = codec.encode('[TOOL_CALLS][{"name":"add","arguments":{"item":{"sku":3}}}]')
+    bad = codec.encode('[TOOL_CALLS][{"name":"add","arguments":{"item":{"sku":"3"}}}]')
+    assert matcher.matcher(grammar).allowed_prefix(good) == good
+    assert matcher.matcher(grammar).allowed_prefix(bad) != bad
+
+
 @pytest.mark.parametrize("fmt", list(TEMPLATES))
 @pytest.mark.parametrize("tokenizer", ["text markers", "special markers"])
 def test_each_formats_reply_comes_back_as_tool_calls(tiny_pair, marker_dir, fmt, tokenizer):

@@ -125,3 +125,18 @@ def test_a_forced_calls_grammar_is_the_formats_form(name, key, single, parallel)
     assert key in one and '"get_weather"' in one and '"get_time"' in one
     assert '"whitespace_flexible":false' in one  # compact JSON, as response_format's
 
+
+
+def test_each_functions_defs_move_to_the_root_renamed_with_their_references():
+    item = {"type": "object", "properties": {"sku": {"type": "integer"}}}
+    add = {"name": "add", "parameters": {"type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}},
+                                         "$defs": {"Item": item}}}
+    tag = {"name": "tag", "parameters": {"type": "object", "properties": {"x": {"$ref": "#/definitions/Item"}},
+                                         "definitions": {"Item": {"type": "string"}}}}
+    lark = ToolFormat("hermes").lark([add, tag], parallel=True)
+    schema = json.loads(lark.split("call: %json ", 1)[1])
+    assert schema["$defs"] == {"add.Item": item, "tag.Item": {"type": "string"}}
+    add_args, tag_args = (option["properties"]["arguments"] for option in schema["anyOf"])
+    assert add_args == {"type": "object", "properties": {"item": {"$ref": "#/$defs/add.Item"}}}
+    assert tag_args == {"type": "object", "properties": {"x": {"$ref": "#/$defs/tag.Item"}}}
+    assert "$defs" in add["parameters"]  # the request's own schema is left as it was

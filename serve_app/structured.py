@@ -64,7 +64,7 @@ def resolve(response_format: Any, tools: list[dict] | None, tool_choice: Any,
                        "give one", param="response_format", code="invalid_value")
     grammar, param = schema_grammar, "response_format"
     if mode == FORCED:
-        parallel = len(forced_names) > 1 and parallel_tool_calls is not False
+        parallel = tool_choice == "required" and parallel_tool_calls is not False
         grammar = tool_format.grammar([functions[n] for n in forced_names], parallel)
         param = "tools"
     if grammar is not None:

@@ -105,8 +105,9 @@ class TextCodec:
         name = detect(template if isinstance(template, str) else None) if name == "auto" else name
         added = getattr(self._tok, "added_tokens_decoder", None) or {}
         special = {token_id for token_id, token in added.items() if getattr(token, "special", False)}
-        encode = lambda text: self._tok.encode(text, add_special_tokens=False)  # noqa: E731
-        return ToolFormat(name, marker_special_ids(ToolFormat(name).markers, encode, special))
+        markers = ToolFormat(name).markers
+        return ToolFormat(name, marker_special_ids(
+            markers, lambda text: self._tok.encode(text, add_special_tokens=False), special))
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text))

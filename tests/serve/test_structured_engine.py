@@ -50,18 +50,17 @@ async def _session(test, chat_template=None):
     client = EngineClient(LocalSource(lambda: build_engine(args)))
     service = OpenAIService(client, None, args)
     await client.start()
-    codec = TextCodec.from_path(args.model, chat_template)
-    service.mark_ready(codec)
+    service.mark_ready(TextCodec.from_path(args.model, chat_template))
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=service.app()), base_url="http://t/v1")
     try:
-        return await test(AsyncOpenAI(base_url="http://t/v1", api_key="unused", http_client=http), codec)
+        return await test(AsyncOpenAI(base_url="http://t/v1", api_key="unused", http_client=http))
     finally:
         await http.aclose()
         await client.close()
 
 
 def test_json_schema_reply_parses_and_validates_streamed_or_not():
-    async def test(openai, _):
+    async def test(openai):
         fmt = {"type": "json_schema", "json_schema": {"name": "module", "schema": SCHEMA, "strict": True}}
         reply = await openai.chat.completions.create(model="target", messages=USER, response_format=fmt,
                                                      max_tokens=120, temperature=0)
@@ -79,8 +78,11 @@ def test_json_schema_reply_parses_and_validates_streamed_or_not():
 
 @pytest.mark.parametrize("fmt", list(TEMPLATES))
 def test_a_tool_call_round_trip(fmt):
-    async def test(openai, codec):
-        assert codec.tool_format.name == fmt
+    from serve_app.codec import TextCodec
+
+    assert TextCodec.from_path(os.path.abspath(TARGET), TEMPLATES[fmt]).tool_format.name == fmt
+
+    async def test(openai):
         messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
         first = await openai.chat.completions.create(model="target", messages=messages, tools=[WEATHER],
                                                      tool_choice="required", max_tokens=80, temperature=0,

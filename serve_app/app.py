@@ -123,7 +123,7 @@ async def load_replica(service: OpenAIService) -> None:
         # minutes); the draft too, so the actor finds both in this node's cache.
         target_dir, _ = await asyncio.to_thread(args.model_dirs)
         template = read_chat_template(args.chat_template)  # build_app has inlined a file's text
-        codec = await asyncio.to_thread(TextCodec.from_path, target_dir, template)
+        codec = await asyncio.to_thread(TextCodec.from_path, target_dir, template, args.tool_call_format)
         generation_config = read_generation_config(target_dir)
         await service.client.start()
     except Exception as exc:  # ModelLoadError, or the scheduler actor could not start

@@ -8,13 +8,27 @@ rather than a prompt format the model never saw.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from jinja2 import TemplateError, TemplateSyntaxError
 
 from serve_app.errors import APIError
+from serve_app.tool_formats import ToolFormat, detect, marker_special_ids
 
 MAX_TEMPLATE_MESSAGE = 300  # characters of a template's own error passed on to the client
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's table): printable
+    Latin-1 bytes stand for themselves, the others for code points from 256 up."""
+    kept = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    extra = iter(range(256, 512))
+    return {chr(b if b in kept else next(extra)): b for b in range(256)}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
 
 
 class IncrementalDecoder:
@@ -22,12 +36,15 @@ class IncrementalDecoder:
 
     Decodes a sliding window (previous read point onward) so the cost per call stays
     small; a delta ending in U+FFFD (an incomplete multi-byte character) is held back
-    until the next tokens complete it.
+    until the next tokens complete it. Special tokens are dropped, except `kept_ids`
+    (id -> text), which are spelled out (a tool call's markers).
     """
 
-    def __init__(self, tokenizer, skip_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(self, tokenizer, skip_ids: frozenset[int] = frozenset(),
+                 kept_ids: dict[int, str] | None = None) -> None:
         self._tok = tokenizer
         self._skip_ids = skip_ids
+        self._kept_ids = dict(kept_ids or {})
         self._ids: list[int] = []
         self._prefix = 0
         self._read = 0
@@ -51,22 +68,46 @@ class IncrementalDecoder:
         return delta
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True) if ids else ""
+        if not self._kept_ids or not self._kept_ids.keys() & set(ids):
+            return self._tok.decode(ids, skip_special_tokens=True) if ids else ""
+        parts, run = [], []
+        for token_id in ids:
+            if token_id in self._kept_ids:
+                parts += [self._decode(run), self._kept_ids[token_id]]
+                run = []
+            else:
+                run.append(token_id)
+        return "".join(parts) + self._decode(run)
 
 
 class TextCodec:
-    def __init__(self, tokenizer, chat_template: str | None = None) -> None:
-        """`chat_template`: a jinja template used instead of the tokenizer's own."""
+    def __init__(self, tokenizer, chat_template: str | None = None, tool_call_format: str = "auto") -> None:
+        """`chat_template`: a jinja template used instead of the tokenizer's own;
+        `tool_call_format`: how the model writes tool calls (`serve_app.tool_formats`;
+        "auto": as the chat template shows them)."""
         self._tok = tokenizer
         self._chat_template = chat_template
         self._token_texts: dict[int, str] = {}
+        self.tool_format = self._tool_format(tool_call_format)
 
     @classmethod
-    def from_path(cls, model_path: str, chat_template: str | None = None) -> "TextCodec":
+    def from_path(cls, model_path: str, chat_template: str | None = None,
+                  tool_call_format: str = "auto") -> "TextCodec":
         import models  # noqa: F401  (fast BLAS before anything imports mlx)
         from mlx_lm.tokenizer_utils import load
 
-        return cls(load(Path(model_path)), chat_template)
+        return cls(load(Path(model_path)), chat_template, tool_call_format)
+
+    def _tool_format(self, name: str) -> ToolFormat:
+        template = self._chat_template or getattr(self._tok, "chat_template", None)
+        if isinstance(template, dict):  # named templates (e.g. "default" and "tool_use")
+            template = "\n".join(t for t in template.values() if isinstance(t, str))
+        name = detect(template if isinstance(template, str) else None) if name == "auto" else name
+        added = getattr(self._tok, "added_tokens_decoder", None) or {}
+        special = {token_id for token_id, token in added.items() if getattr(token, "special", False)}
+        markers = ToolFormat(name).markers
+        return ToolFormat(name, marker_special_ids(
+            markers, lambda text: self._tok.encode(text, add_special_tokens=False), special))
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text))
@@ -113,8 +154,8 @@ class TextCodec:
                            param="messages", code="chat_template_error") from None
         return list(ids)
 
-    def decoder(self, skip_ids=()) -> IncrementalDecoder:
-        return IncrementalDecoder(self._tok, frozenset(skip_ids))
+    def decoder(self, skip_ids=(), kept_ids: dict[int, str] | None = None) -> IncrementalDecoder:
+        return IncrementalDecoder(self._tok, frozenset(skip_ids), kept_ids)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
@@ -125,6 +166,22 @@ class TextCodec:
         if text is None:
             text = self._token_texts[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
         return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own UTF-8 bytes. A token holding part of a multi-byte character
+        decodes to U+FFFD; its bytes are read from its vocabulary entry instead (a
+        byte-level BPE piece, or a SentencePiece byte token `<0xE2>`)."""
+        text = self.token_text(token_id)
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        piece = self._tok.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            byte = _BYTE_FALLBACK.fullmatch(piece)
+            if byte:
+                return bytes([int(byte.group(1), 16)])
+            if all(c in _BYTE_LEVEL for c in piece):
+                return bytes(_BYTE_LEVEL[c] for c in piece)
+        return text.encode("utf-8")
 
     @property
     def vocab_size(self) -> int:

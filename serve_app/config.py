@@ -25,6 +25,7 @@ from serve_app.config_errors import ConfigError, format_validation_error  # noqa
 from serve_app.config_paths import (REPO_ROOT, is_template_path, read_chat_template,  # noqa: F401 (re-exported)
                                     resolve_path)
 from serve_app.sampling_defaults import SamplingDefaults
+from serve_app.tool_formats import FORMATS as TOOL_CALL_FORMATS
 
 LaneName = Literal["high", "normal", "low"]
 
@@ -167,6 +168,14 @@ class _ServeArgsBase(BaseModel):
         "the tokenizer's template, or where the tokenizer has none; without either, chat requests "
         "get 400 `no_chat_template` (completions still work).",
         json_schema_extra=_doc(values="template or `.jinja` path", default="the tokenizer's own"),
+    )
+    tool_call_format: Literal[("auto", *TOOL_CALL_FORMATS)] = Field(
+        "auto",
+        description="How the model writes tool calls, for reading them back and for the grammar "
+        "of a forced call: `hermes` (`<tool_call>{json}</tool_call>`: Qwen, Hermes), `llama3_json` "
+        "(a bare `{\"name\", \"parameters\"}` object: Llama 3.x), `mistral` (`[TOOL_CALLS][{json}, ...]`), "
+        "`mistral_v11` (`[TOOL_CALLS]name[ARGS]{json}`); `auto`: from the markers the chat template "
+        "renders, `hermes` where it shows none. See \"Structured output and tools\" below.",
     )
     use_generation_config: bool = Field(
         True,

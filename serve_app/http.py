@@ -164,7 +164,7 @@ class OpenAIService:
         lane_cap = self._lane_cap(http)
         await self._wait_loaded()
         arrival = time.monotonic()  # TTFT and e2e start here
-        spec = parse_generation(decode_json(await self._read_body(http)), chat)
+        spec = parse_generation(decode_json(await self._read_body(http)), chat, self.codec.tool_format)
         if spec.model is not None and spec.model != self.args.model_name:
             raise APIError(400, f"model '{spec.model[:64]}' is not served here; "
                            f"use '{self.args.model_name}'", param="model", code="model_not_found")
@@ -185,7 +185,8 @@ class OpenAIService:
                     self._spawn(self._abandon(submitted.request_id, lane.name.lower()))
                 raise self._submit_error(request.request_id, exc) from None
             streams.append(self._pieces(request, events, spec, len(prompt_ids), StreamTimes(arrival=arrival)))
-        logprobs = None if spec.logprobs is None else LogprobFormat(self.codec.token_text, chat)
+        logprobs = None if spec.logprobs is None else LogprobFormat(self.codec.token_text, chat,
+                                                                     self.codec.token_bytes)
         fmt = ResponseFormat(request_id, self.args.model_name, chat, spec.output, logprobs)
         if spec.stream:
             return StreamingResponse(self._sse(fmt, streams, requests, spec.include_usage),
@@ -298,7 +299,8 @@ class OpenAIService:
         request if abandoned."""
         rid, lane = request.request_id, request.lane.name.lower()
         self._started.add(rid)
-        decoder = self.codec.decoder(skip_ids=self.client.info.get("eos_token_ids") or ())
+        decoder = self.codec.decoder(skip_ids=self.client.info.get("eos_token_ids") or (),
+                                     kept_ids=spec.output.kept_ids)
         trail = None if spec.logprobs is None else LogprobTrail()
         completion = CompletionText(decoder, spec.stop, per_token=trail is not None)
         done = False

@@ -6,7 +6,9 @@ logit bias, penalties and the grammar mask; before temperature and the top-p / m
 tokens after a text stop are not billed and not reported), the end-of-sequence
 token included, so `len(logprobs.content) == usage.completion_tokens` per choice.
 A token no path can emit (masked by a grammar, -inf) is reported as -9999.0, as
-OpenAI does: JSON has no infinity.
+OpenAI does: JSON has no infinity. A token's `bytes` are its own UTF-8 bytes: a
+byte-level token holding part of a multi-byte character has the text U+FFFD and the
+bytes of that part, so a client joining the bytes of consecutive tokens gets the text.
 
 Shapes: chat `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
 "logprob", "bytes"}]}]}`; completions `{"tokens", "token_logprobs", "top_logprobs"
@@ -63,14 +65,17 @@ class LogprobTrail:
 class LogprobFormat:
     """Entries (token id, TokenLogprob, text offset) as one endpoint's `logprobs` object."""
 
-    def __init__(self, token_text: Callable[[int], str], chat: bool) -> None:
-        """`token_text`: one token's text, special tokens spelled out."""
+    def __init__(self, token_text: Callable[[int], str], chat: bool,
+                 token_bytes: Callable[[int], bytes] | None = None) -> None:
+        """`token_text`: one token's text, special tokens spelled out; `token_bytes`: its
+        own UTF-8 bytes, which differ from the text's for a token holding part of a
+        multi-byte character (its text is U+FFFD). Without it the text's bytes are used."""
         self._text = token_text
+        self._bytes = token_bytes or (lambda token_id: token_text(token_id).encode("utf-8"))
         self.chat = chat
 
     def _token(self, token_id: int, logprob: float) -> dict:
-        text = self._text(token_id)
-        return {"token": text, "logprob": _value(logprob), "bytes": list(text.encode("utf-8"))}
+        return {"token": self._text(token_id), "logprob": _value(logprob), "bytes": list(self._bytes(token_id))}
 
     def build(self, entries: list[tuple]) -> dict:
         if self.chat:

@@ -26,6 +26,7 @@ from serve_app.chat import ChatMessage, template_messages
 from serve_app.errors import APIError
 from serve_app.sampling_defaults import sampling_fields
 from serve_app.structured import OutputSpec, resolve
+from serve_app.tool_formats import ToolFormat
 
 _BODY = ConfigDict(extra="forbid", strict=True)
 MAX_CHOICES = 8  # `n`: independent completions of one prompt, each an engine request
@@ -176,8 +177,9 @@ def decode_json(raw: bytes) -> dict:
     return body
 
 
-def parse_generation(body: dict, chat: bool) -> GenerationSpec:
-    """Validate an OpenAI completions / chat body; raises `APIError` (400) naming the field."""
+def parse_generation(body: dict, chat: bool, tool_format: ToolFormat = ToolFormat()) -> GenerationSpec:
+    """Validate an OpenAI completions / chat body (tool calls in `tool_format`, the
+    model's); raises `APIError` (400) naming the field."""
     model_cls = ChatBody if chat else CompletionBody
     try:
         parsed = model_cls.model_validate(body)
@@ -196,7 +198,8 @@ def parse_generation(body: dict, chat: bool) -> GenerationSpec:
     if chat:
         messages = template_messages(parsed.messages)
         template_kwargs = _template_kwargs(parsed.chat_template_kwargs)
-        output = resolve(parsed.response_format, parsed.tools, parsed.tool_choice)
+        output = resolve(parsed.response_format, parsed.tools, parsed.tool_choice,
+                         parsed.parallel_tool_calls, tool_format)
     else:
         prompt_text, prompt_ids = _one_prompt(parsed.prompt)
     return GenerationSpec(

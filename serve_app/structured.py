@@ -2,32 +2,29 @@
 output is read back.
 
 `resolve` turns `response_format`, `tools` and `tool_choice` into an `OutputSpec`: the
-grammar that constrains decoding (`SamplingParams.grammar`, llguidance's, built from a
-JSON schema by `models.grammar`), the tools the chat template renders, and how the
-finished text is returned. A forced tool call (`tool_choice: "required"` or a named
-function) is constrained to the JSON object
-
-    {"name": <one of the tools>, "arguments": <that function's parameters>}
-
-and returned as `message.tool_calls`. With `tool_choice: "auto"` nothing is constrained:
-the model sees the tools through its template, and a call it writes in the Hermes /
-Qwen form (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`, or the whole reply
-being that object) naming one of the tools is returned as a tool call; anything else is
-plain content.
+grammar that constrains decoding (`SamplingParams.grammar`, llguidance's: a JSON
+schema's from `models.grammar`, a forced tool call's from the `ToolFormat`), the tools the chat template renders, and how the
+finished text is returned. Tool calls are written and read in the deployment's
+`ToolFormat` (`serve_app.tool_formats`: Hermes / Qwen, Llama 3 JSON, Mistral), chosen
+from the model's chat template. A forced tool call (`tool_choice: "required"` or a named
+function) is constrained to that format's form of a call naming one of the allowed
+tools with arguments matching that function's parameters: one call for a named
+function, one or more for "required" unless `parallel_tool_calls` is false. It is
+returned as `message.tool_calls`. With `tool_choice: "auto"` nothing is constrained: the
+model sees the tools through its template, and the calls it writes in the format naming
+one of the tools are returned as tool calls; anything else is plain content.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from serve_app.errors import APIError
+from serve_app.tool_formats import ToolFormat
 
 FORCED, AUTO, NONE = "forced", "auto", "none"
-_TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
@@ -35,19 +32,28 @@ _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 class OutputSpec:
     """`grammar`: the decoding constraint (None: free text); `tools`: the function
     definitions the chat template gets (None: no tools); `tool_mode`: how the output is
-    read back (`FORCED`: it is one tool call; `AUTO`: it may hold tool calls; `NONE`)."""
+    read back (`FORCED`: it is tool calls; `AUTO`: it may hold tool calls; `NONE`);
+    `tool_format`: the form tool calls are written in."""
 
     grammar: str | None = None
     tools: tuple[dict, ...] | None = None
     tool_mode: str = NONE
+    tool_format: ToolFormat = field(default_factory=ToolFormat)
+
+    @property
+    def kept_ids(self) -> dict[int, str]:
+        """Special tokens the reply's text keeps so it can be read back (tool markers)."""
+        return self.tool_format.kept_ids if self.tool_mode != NONE else {}
 
     @property
     def tool_names(self) -> frozenset[str]:
         return frozenset(t["function"]["name"] for t in self.tools or ())
 
 
-def resolve(response_format: Any, tools: list[dict] | None, tool_choice: Any) -> OutputSpec:
-    """The output spec of a chat body's fields; raises `APIError` (400) naming the field."""
+def resolve(response_format: Any, tools: list[dict] | None, tool_choice: Any,
+            parallel_tool_calls: bool | None = None, tool_format: ToolFormat = ToolFormat()) -> OutputSpec:
+    """The output spec of a chat body's fields, tool calls in `tool_format`; raises
+    `APIError` (400) naming the field."""
     from models.grammar import grammar_error, json_schema_grammar  # llguidance: loaded on first use
 
     functions = _functions(tools)
@@ -58,26 +64,17 @@ def resolve(response_format: Any, tools: list[dict] | None, tool_choice: Any) ->
                        "give one", param="response_format", code="invalid_value")
     grammar, param = schema_grammar, "response_format"
     if mode == FORCED:
-        grammar, param = json_schema_grammar(tool_call_schema([functions[n] for n in forced_names])), "tools"
+        parallel = tool_choice == "required" and parallel_tool_calls is not False
+        grammar = tool_format.grammar([functions[n] for n in forced_names], parallel)
+        param = "tools"
     if grammar is not None:
         error = grammar_error(grammar)
         if error is not None:
             raise APIError(400, f"{param}: the schema cannot be enforced: {error[:300]}", param=param,
                            code="invalid_value")
     rendered = tuple({"type": "function", "function": f} for f in functions.values())
-    return OutputSpec(grammar=grammar, tools=rendered if mode != NONE and rendered else None, tool_mode=mode)
-
-
-def tool_call_schema(functions: list[dict]) -> dict:
-    """The JSON schema of one call of any of `functions` (OpenAI function objects)."""
-    options = [{
-        "type": "object",
-        "properties": {"name": {"const": f["name"]},
-                       "arguments": f.get("parameters") or {"type": "object", "properties": {}}},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    } for f in functions]
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    return OutputSpec(grammar=grammar, tools=rendered if mode != NONE and rendered else None, tool_mode=mode,
+                      tool_format=tool_format)
 
 
 def read_tool_calls(text: str, spec: OutputSpec) -> tuple[str | None, list[dict]]:
@@ -85,33 +82,7 @@ def read_tool_calls(text: str, spec: OutputSpec) -> tuple[str | None, list[dict]
     as a JSON string) and the text around them (None when nothing else was said)."""
     if spec.tool_mode == NONE:
         return text, []
-    if spec.tool_mode == FORCED:
-        call = _as_call(text, spec.tool_names)
-        return (None, [call]) if call is not None else (text, [])
-    calls, rest = [], text
-    for block in _TOOL_CALL_BLOCK.findall(text):
-        call = _as_call(block, spec.tool_names)
-        if call is not None:
-            calls.append(call)
-    if calls:
-        rest = _TOOL_CALL_BLOCK.sub("", text).strip()
-    else:
-        call = _as_call(text, spec.tool_names)
-        if call is not None:
-            calls, rest = [call], ""
-    return (rest or None) if calls else text, calls
-
-
-def _as_call(text: str, names: frozenset[str]) -> dict | None:
-    try:
-        obj = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
-        return None
-    if not isinstance(obj, dict) or obj.get("name") not in names:
-        return None
-    arguments = obj.get("arguments", obj.get("parameters", {}))
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(arguments)}}
+    return spec.tool_format.read(text, spec.tool_names)
 
 
 def _functions(tools: list[dict] | None) -> dict[str, dict]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 
 import pytest
 from local_service import ScriptedClient, make_app, run
@@ -85,6 +86,28 @@ def test_chat_logprobs_have_openais_shape(codec, words):
         assert [t["logprob"] for t in entry["top_logprobs"]] == [-0.25, -1.25]
         assert [set(t) for t in entry["top_logprobs"]] == [{"token", "logprob", "bytes"}] * 2
     assert "".join(e["token"] for e in content[:-1]) == choice["message"]["content"]
+
+
+BUNDLED = os.path.join(os.path.dirname(__file__), "..", "..", "models", "bundled", "target")
+
+
+@pytest.mark.parametrize("text", ["é", "€", "日本", "😀"])
+def test_a_token_holding_part_of_a_character_reports_its_own_bytes(text):
+    from serve_app.codec import TextCodec
+
+    codec = TextCodec.from_path(BUNDLED)  # byte-level BPE: each of these characters spans tokens
+    ids = codec.encode(text)
+    assert len(ids) > len(text) and all(codec.token_text(t) == "\ufffd" for t in ids)
+    assert b"".join(codec.token_bytes(t) for t in ids) == text.encode("utf-8")
+    assert codec.token_bytes(codec.encode("alpha")[0]) == codec.token_text(codec.encode("alpha")[0]).encode()
+    client = LogprobClient([ids, [EOS]], finish="stop")
+    status, body = call(codec, "chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                    "logprobs": True, "top_logprobs": 1}, client)
+    assert status == 200 and body["choices"][0]["message"]["content"] == text
+    content = body["choices"][0]["logprobs"]["content"][:-1]  # the last entry is EOS
+    assert [e["token"] for e in content] == ["\ufffd"] * len(ids)
+    assert bytes(b for e in content for b in e["bytes"]) == text.encode("utf-8")
+    assert [e["top_logprobs"][0]["bytes"] for e in content] == [e["bytes"] for e in content]
 
 
 def test_completions_logprobs_have_openais_shape(codec, words):

@@ -56,10 +56,11 @@ def test_json_schema_reaches_the_scheduler_as_a_grammar(codec):
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_a_forced_tool_call_is_returned_as_tool_calls(codec, choice):
     body = {"tools": [WEATHER, CLOCK], "tool_choice": choice}
-    status, reply, request = chat(codec, body, CALL)
+    status, reply, request = chat(codec, body, f"<tool_call>\n{CALL}\n</tool_call>")  # the template's format
     assert status == 200
     grammar = request.sampling.grammar
     assert '"const":"get_weather"' in grammar and ('"const":"get_time"' in grammar) == (choice == "required")
+    assert grammar.startswith("start: block") and ("block)*" in grammar) == (choice == "required")
     choice0 = reply["choices"][0]
     assert choice0["finish_reason"] == "tool_calls"
     message = choice0["message"]

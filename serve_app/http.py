@@ -23,8 +23,9 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from scheduler.ledger import QueueFull
 from scheduler.request import Lane, Request, SamplingParams, parse_priority
-from serve_app.client import SCHEDULER_LOST, EngineClient, QueueFull
+from serve_app.client import SCHEDULER_LOST, EngineClient
 from serve_app.codec import TextCodec
 from serve_app.config import ServeArgs
 from serve_app.errors import EXCEPTION_HANDLERS

@@ -6,7 +6,8 @@ import time
 import pytest
 
 from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine, QueueFullError
+from scheduler.engine import Engine
+from scheduler.ledger import QueueFull
 from tests.unit.factories import make_request
 from tests.unit.fakes import FakeRunner, token_at
 
@@ -101,7 +102,7 @@ def test_queue_full_and_duplicate_ids(engine_factory):
     engine, runner, _ = engine_factory(runner=SlowRunner(delay=0.05), max_queue_depth=2)
     engine.submit(make_request("A", rounds=5))
     engine.submit(make_request("B", rounds=5))
-    with pytest.raises(QueueFullError):
+    with pytest.raises(QueueFull):
         engine.submit(make_request("C"))
     engine.cancel("B")
     collect(engine, "B")

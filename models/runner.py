@@ -217,8 +217,8 @@ class MlxRunner:
         )
         session.bind(self._slot.take(request.request_id))
         self._sessions[request.request_id] = session
-        result = session.begin()
-        return TokenBatch(request.request_id, result.token_ids, result.finish_reason, logprobs=result.logprobs)
+        first = session.begin()
+        return TokenBatch(request.request_id, first.token_ids, first.finish_reason, logprobs=first.logprobs)
 
     def _session_cache_for(self, request: Request):
         """A session's `new_cache`: a slab row starting from the prompt's cached prefix."""
@@ -232,21 +232,8 @@ class MlxRunner:
         session = self._sessions[request_id]
         if not probe and self._slot.holder != request_id:
             raise RuntimeError(f"session {request_id!r} does not hold the drafter")
-        tic = time.perf_counter()
-        result = session.step(probe=probe)  # ends in .tolist(): outputs are evaluated
-        seconds = time.perf_counter() - tic
-        return RoundOutcome(
-            request_id,
-            result.token_ids,
-            result.finish_reason,
-            result.num_drafted,
-            result.num_accepted,
-            probe,
-            seconds,
-            result.seconds_per_token,
-            drafter=self._slot.drafter.kind,
-            logprobs=result.logprobs,
-        )
+        outcome = session.step(probe=probe)  # ends in .tolist(): outputs are evaluated
+        return dataclasses.replace(outcome, drafter=self._slot.drafter.kind)
 
     def can_fuse(self) -> bool:
         return self.fuse_blocker is None
@@ -286,11 +273,8 @@ class MlxRunner:
         logits = rider.extra_logits
         if logits is None:
             logits = session.forward(tokens)
-        result = session.complete_round(tokens, logits, tic)
-        outcome = RoundOutcome(request_id, result.token_ids, result.finish_reason, result.num_drafted,
-                               result.num_accepted, False, time.perf_counter() - tic, fused=True,
-                               drafter=self._slot.drafter.kind, logprobs=result.logprobs)
-        return outcome, rows
+        outcome = session.complete_round(tokens, logits, tic)  # timed from `tic`: the whole forward
+        return dataclasses.replace(outcome, fused=True, drafter=self._slot.drafter.kind), rows
 
     def spec_park_to_classic(self, request_id: str) -> list[TokenBatch]:
         """Park the holder into the classic batch (the fused tick's park): its stream

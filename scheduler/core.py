@@ -241,10 +241,8 @@ class Scheduler:
             if request is None:  # a row dropped this tick (cancelled)
                 continue
             if batch.num_drafted:  # the row verified its own drafts in this step
-                request.spec.record_round(batch.num_drafted, batch.num_accepted, row=True, drafter=batch.drafter)
-                self.counters.row_rounds += 1
-                self.counters.drafted_tokens += batch.num_drafted
-                self.counters.accepted_tokens += batch.num_accepted
+                self.counters.record_round(request.spec, batch.num_drafted, batch.num_accepted,
+                                           row=True, drafter=batch.drafter)
             self.sink.tokens(request, batch.token_ids, batch.logprobs)
             if batch.finish_reason:
                 self._rows.pop(batch.request_id)

@@ -325,11 +325,8 @@ class SpecSlot:
             self._end(job, "error", error=f"spec_round failed: {exc}")
             return False
         job.slices_run += 1
-        request.spec.record_round(outcome.num_drafted, outcome.num_accepted, outcome.probe, drafter=outcome.drafter)
-        self.counters.spec_rounds += 1
-        self.counters.probe_rounds += int(outcome.probe)
-        self.counters.drafted_tokens += outcome.num_drafted
-        self.counters.accepted_tokens += outcome.num_accepted
+        self.counters.record_round(request.spec, outcome.num_drafted, outcome.num_accepted,
+                                   probe=outcome.probe, drafter=outcome.drafter)
         self.gate.record(outcome)
         self.policy.record_round(outcome)
         self.sink.tokens(request, outcome.token_ids, outcome.logprobs)

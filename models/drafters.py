@@ -25,14 +25,13 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from models import bucketed, cache_rollback
 from models.bucketed import BucketedForward
+from models.prefill import prefill_chunks
 from models.rejection import fit_vocab
 from models.rollback import draft_cache_trim
 from models.sampling import RequestSampler, log_probs
 
 if TYPE_CHECKING:
     from models.loader import LoadedModel
-
-PREFILL_STEP = 2048
 
 
 class Drafter(Protocol):
@@ -131,9 +130,7 @@ class DraftModelDrafter:
         if self.fast is not None and self.fast.prefill_chunk:
             self.fast.prefill(cache, ids)  # lazy: evaluated with the first round's drafts
             return DraftModelState(cache, len(ids))
-        for start in range(0, len(ids), PREFILL_STEP):
-            self.model(mx.array([ids[start : start + PREFILL_STEP]]), cache=cache)
-            mx.eval([c.state for c in cache])
+        prefill_chunks(self.model, cache, ids)
         return DraftModelState(cache, len(ids))
 
     def propose(self, state: DraftModelState, history: Sequence[int], k: int) -> list[int]:

@@ -35,6 +35,7 @@ from models.bucketed import BucketedForward
 from models.cache_rollback import trim_exact
 from models.drafters import Drafter
 from models.grammar import Grammars
+from models.prefill import prefill_chunks
 from models.rejection import verify_drafts, with_bonus_row
 from models.rollback import accept_count, clip_tokens, draft_budget, target_cache_trim
 from models.sampling import LogprobArrays, RequestSampler, stop_token_ids
@@ -42,7 +43,6 @@ from models.solo import SoloRow
 from scheduler.request import SamplingParams, TokenLogprob
 from scheduler.runner import RoundOutcome
 
-PREFILL_STEP = 2048
 PROBE_TOKENS = 8  # classic steps per probe round: a steady-state rate, not one cold step
 
 
@@ -178,9 +178,7 @@ class SpeculativeSession:
             self.verifier.prefill(self.cache, head)
             logits = self.verifier.logits(self.cache, mx.array([self.prompt_ids[-1:]], dtype=mx.int32))[0]
         else:
-            for start in range(0, len(head), PREFILL_STEP):
-                self.forward(head[start : start + PREFILL_STEP])
-                mx.eval([c.state for c in self.cache])
+            prefill_chunks(self.target, self.cache, head, forward=self.forward)
             logits = self.forward(self.prompt_ids[-1:])
         first, logprobs = self._sample(logits)
         if self.drafter is not None:

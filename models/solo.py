@@ -24,10 +24,10 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
+from models.prefill import prefill_chunks
 from models.sampling import LogprobArrays, RequestSampler
 from scheduler.runner import TokenBatch
 
-PREFILL_STEP = 2048  # BatchGenerator's prefill_step_size default
 CLEAR_CACHE_EVERY = 256  # generate_step's cadence for releasing MLX's buffer cache
 
 
@@ -57,10 +57,7 @@ class SoloRow:
             raise ValueError(f"request {request_id!r} has an empty prompt")
         with mx.stream(generation_stream):
             cache = make_prompt_cache(model)
-            head = list(prompt_ids[:-1])
-            for start in range(0, len(head), PREFILL_STEP):
-                model(mx.array([head[start : start + PREFILL_STEP]]), cache=cache)
-                mx.eval([c.state for c in cache])
+            prefill_chunks(model, cache, prompt_ids[:-1])
         row = cls.resume(request_id, model, cache, sampler, stop_ids, max_tokens, prompt_ids[-1])
         return row, row.step()
 

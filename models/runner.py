@@ -1,6 +1,6 @@
-"""`MlxRunner`: the `scheduler.runner.ModelRunner` protocol over mlx-lm.
+"""`MlxRunner`: the `scheduler.model_api.ModelRunner` protocol over mlx-lm.
 
-Classic rows go through `models.batch_adapter.ClassicBatch`; speculative requests get a
+Classic rows go through `models.classic_batch.ClassicBatch`; speculative requests get a
 `SpeculativeSession` each, and the one drafter handle moves between them through a
 `DrafterSlot`. All calls must come from one thread (MLX streams are thread-local).
 """
@@ -28,7 +28,7 @@ from models.runner_build import hardware_name  # noqa: F401 (re-exported)
 from models.session import SpeculativeSession
 from scheduler.request import Request
 from scheduler.costs import TickCosts
-from scheduler.runner import RoundOutcome, TokenBatch
+from scheduler.model_api import RoundOutcome, TokenBatch
 
 log = logging.getLogger(__name__)
 

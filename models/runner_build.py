@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from models import prefix_cache
-from models.batch_adapter import ClassicBatch
+from models.classic_batch import ClassicBatch
 from models.bucketed import BucketedForward
 from models.drafters import Drafter
 from models.grammar import Grammars
@@ -38,7 +38,7 @@ def make_classic_batch(model: nn.Module, config: RunnerConfig, fuse_blocker: str
     """Where the verify can ride in the batch's forward (`fuse_blocker` None), classic
     rows and sessions share one slab (`models.ragged_batch`): moving a stream between
     them moves no keys. Otherwise, or with `config.ragged` False, mlx-lm's
-    `BatchGenerator` (`models.batch_adapter`); `config.ragged` True demands the slab."""
+    `BatchGenerator` (`models.classic_batch`); `config.ragged` True demands the slab."""
     if config.ragged and fuse_blocker is not None:
         raise ValueError(f"a ragged batch needs a verify that rides in it: {fuse_blocker}")
     common = dict(eos_token_ids=eos_token_ids, max_batch_size=config.max_batch_size,

@@ -41,7 +41,7 @@ from models.rollback import accept_count, clip_tokens, draft_budget, target_cach
 from models.sampling import LogprobArrays, RequestSampler, stop_token_ids
 from models.solo import SoloRow
 from scheduler.request import SamplingParams, TokenLogprob
-from scheduler.runner import RoundOutcome
+from scheduler.model_api import RoundOutcome
 
 PROBE_TOKENS = 8  # classic steps per probe round: a steady-state rate, not one cold step
 

@@ -23,7 +23,7 @@ from scheduler.events import EventSink, TokenEvent
 from scheduler.ledger import RequestLedger
 from scheduler.policy import Action, Decision, decide
 from scheduler.request import Lane, Request, RequestStatus
-from scheduler.runner import ModelRunner, TokenBatch
+from scheduler.model_api import ModelRunner, TokenBatch
 from scheduler.slot import ROW_IN_RING, SpecSlot
 
 log = logging.getLogger(__name__)

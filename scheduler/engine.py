@@ -19,7 +19,7 @@ from scheduler.core import Scheduler
 from scheduler.events import TokenEvent
 from scheduler.ledger import RequestLedger
 from scheduler.request import Request
-from scheduler.runner import ModelRunner
+from scheduler.model_api import ModelRunner
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ from models.sampling import supports_sampling
 from models.runner_config import RunnerConfig
 from models.runner_build import hardware_name  # noqa: F401 (re-exported)
 from models.session import SpeculativeSession
+from scheduler.model_api import RoundOutcome, TokenBatch
 from scheduler.request import Request
 from scheduler.costs import TickCosts
-from scheduler.model_api import RoundOutcome, TokenBatch
 
 log = logging.getLogger(__name__)
 

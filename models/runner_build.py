@@ -14,8 +14,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from models import prefix_cache
-from models.classic_batch import ClassicBatch
 from models.bucketed import BucketedForward
+from models.classic_batch import ClassicBatch
 from models.drafters import Drafter
 from models.grammar import Grammars
 from models.ragged_batch import RaggedBatch

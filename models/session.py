@@ -40,8 +40,8 @@ from models.rejection import verify_drafts, with_bonus_row
 from models.rollback import accept_count, clip_tokens, draft_budget, target_cache_trim
 from models.sampling import LogprobArrays, RequestSampler, stop_token_ids
 from models.solo import SoloRow
-from scheduler.request import SamplingParams, TokenLogprob
 from scheduler.model_api import RoundOutcome
+from scheduler.request import SamplingParams, TokenLogprob
 
 PROBE_TOKENS = 8  # classic steps per probe round: a steady-state rate, not one cold step
 

@@ -21,9 +21,9 @@ from scheduler.config import SchedulerConfig
 from scheduler.counters import Counters
 from scheduler.events import EventSink, TokenEvent
 from scheduler.ledger import RequestLedger
+from scheduler.model_api import ModelRunner, TokenBatch
 from scheduler.policy import Action, Decision, decide
 from scheduler.request import Lane, Request, RequestStatus
-from scheduler.model_api import ModelRunner, TokenBatch
 from scheduler.slot import ROW_IN_RING, SpecSlot
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ from scheduler.config import SchedulerConfig
 from scheduler.core import Scheduler
 from scheduler.events import TokenEvent
 from scheduler.ledger import RequestLedger
-from scheduler.request import Request
 from scheduler.model_api import ModelRunner
+from scheduler.request import Request
 
 log = logging.getLogger(__name__)
 

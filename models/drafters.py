@@ -25,6 +25,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from models import bucketed, cache_rollback
 from models.bucketed import BucketedForward
+from models.prefill import prefill_chunks
 from models.rejection import fit_vocab
 from models.rollback import draft_cache_trim
 from models.sampling import RequestSampler, log_probs
@@ -32,8 +33,6 @@ from models.sampling import RequestSampler, log_probs
 if TYPE_CHECKING:
     from models.loader import LoadedModel
     from models.prefix_cache import PrefixCache
-
-PREFILL_STEP = 2048
 
 
 class Drafter(Protocol):
@@ -145,9 +144,7 @@ class DraftModelDrafter:
         if self.fast is not None and self.fast.prefill_chunk:
             self.fast.prefill(cache, ids)  # lazy: evaluated with the first round's drafts
             return DraftModelState(cache, len(ids))
-        for start in range(self._reuse_prefix(cache, ids), len(ids), PREFILL_STEP):
-            self.model(mx.array([ids[start : start + PREFILL_STEP]]), cache=cache)
-            mx.eval([c.state for c in cache])
+        prefill_chunks(self.model, cache, ids[self._reuse_prefix(cache, ids):])
         return DraftModelState(cache, len(ids))
 
     def kv_bytes_per_position(self) -> int:

@@ -1,6 +1,6 @@
 """Classic continuous batching over a `models.slab.Slab`: the fused tick's batch.
 
-The same contract as `models.batch_adapter.ClassicBatch` (prefill, decode with an
+The same contract as `models.classic_batch.ClassicBatch` (prefill, decode with an
 optional rider, extract, adopt, remove), over rows that each keep their own length:
 - a classic row is a slab row plus its sampler, its stop ids, its budget and its
   pending token (emitted to the client, not yet fed to the model);
@@ -43,7 +43,7 @@ from typing import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from models.batch_adapter import LiveRow, check_adoptable, check_admissible
+from models.classic_batch import LiveRow, check_adoptable, check_admissible
 from models.drafters import NgramIndex
 from models.grammar import Grammars
 from models.prefix_cache import PrefixCache
@@ -53,8 +53,8 @@ from models.rollback import accept_count, clip_tokens, draft_budget
 from models.sampling import LogprobArrays, RequestSampler, log_probs, stop_token_ids
 from models.slab import Row, RowView, Slab
 from scheduler.costs import RowAcceptance, TickCosts, row_draft_budget, share_drafts, step_draft_budget, verify_costs
+from scheduler.model_api import TokenBatch
 from scheduler.request import Request, TokenLogprob
-from scheduler.runner import TokenBatch
 
 PREFILL_CHUNK = 512  # prompt positions per row per prefill forward
 CLEAR_CACHE_EVERY = 256  # decode steps between releases of MLX's buffer cache

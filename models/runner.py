@@ -1,6 +1,6 @@
-"""`MlxRunner`: the `scheduler.runner.ModelRunner` protocol over mlx-lm.
+"""`MlxRunner`: the `scheduler.model_api.ModelRunner` protocol over mlx-lm.
 
-Classic rows go through `models.batch_adapter.ClassicBatch`; speculative requests get a
+Classic rows go through `models.classic_batch.ClassicBatch`; speculative requests get a
 `SpeculativeSession` each, and the one drafter handle moves between them through a
 `DrafterSlot`. All calls must come from one thread (MLX streams are thread-local).
 """
@@ -26,9 +26,9 @@ from models.sampling import supports_sampling
 from models.runner_config import RunnerConfig
 from models.runner_build import hardware_name  # noqa: F401 (re-exported)
 from models.session import SpeculativeSession
+from scheduler.model_api import RoundOutcome, TokenBatch
 from scheduler.request import Request
 from scheduler.costs import TickCosts
-from scheduler.runner import RoundOutcome, TokenBatch
 
 log = logging.getLogger(__name__)
 
@@ -229,10 +229,10 @@ class MlxRunner:
         )
         session.bind(self._slot.take(request.request_id))
         self._sessions[request.request_id] = session
-        result = session.begin()
+        first = session.begin()
         if self._ragged and session.cache is not None:
             self._classic.keep_prompt(session.cache, request.prompt_ids)  # for requests sharing it meanwhile
-        return TokenBatch(request.request_id, result.token_ids, result.finish_reason, logprobs=result.logprobs)
+        return TokenBatch(request.request_id, first.token_ids, first.finish_reason, logprobs=first.logprobs)
 
     def _session_cache_for(self, request: Request):
         """A session's `new_cache`: a slab row starting from the prompt's cached prefix."""
@@ -246,21 +246,8 @@ class MlxRunner:
         session = self._sessions[request_id]
         if not probe and self._slot.holder != request_id:
             raise RuntimeError(f"session {request_id!r} does not hold the drafter")
-        tic = time.perf_counter()
-        result = session.step(probe=probe)  # ends in .tolist(): outputs are evaluated
-        seconds = time.perf_counter() - tic
-        return RoundOutcome(
-            request_id,
-            result.token_ids,
-            result.finish_reason,
-            result.num_drafted,
-            result.num_accepted,
-            probe,
-            seconds,
-            result.seconds_per_token,
-            drafter=self._slot.drafter.kind,
-            logprobs=result.logprobs,
-        )
+        outcome = session.step(probe=probe)  # ends in .tolist(): outputs are evaluated
+        return dataclasses.replace(outcome, drafter=self._slot.drafter.kind)
 
     def can_fuse(self) -> bool:
         return self.fuse_blocker is None
@@ -300,11 +287,8 @@ class MlxRunner:
         logits = rider.extra_logits
         if logits is None:
             logits = session.forward(tokens)
-        result = session.complete_round(tokens, logits, tic)
-        outcome = RoundOutcome(request_id, result.token_ids, result.finish_reason, result.num_drafted,
-                               result.num_accepted, False, time.perf_counter() - tic, fused=True,
-                               drafter=self._slot.drafter.kind, logprobs=result.logprobs)
-        return outcome, rows
+        outcome = session.complete_round(tokens, logits, tic)  # timed from `tic`: the whole forward
+        return dataclasses.replace(outcome, fused=True, drafter=self._slot.drafter.kind), rows
 
     def spec_park_to_classic(self, request_id: str) -> list[TokenBatch]:
         """Park the holder into the classic batch (the fused tick's park): its stream

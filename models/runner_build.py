@@ -14,8 +14,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from models import prefix_cache
-from models.batch_adapter import ClassicBatch
 from models.bucketed import BucketedForward
+from models.classic_batch import ClassicBatch
 from models.drafters import Drafter
 from models.grammar import Grammars
 from models.ragged_batch import RaggedBatch
@@ -38,7 +38,7 @@ def make_classic_batch(model: nn.Module, config: RunnerConfig, fuse_blocker: str
     """Where the verify can ride in the batch's forward (`fuse_blocker` None), classic
     rows and sessions share one slab (`models.ragged_batch`): moving a stream between
     them moves no keys. Otherwise, or with `config.ragged` False, mlx-lm's
-    `BatchGenerator` (`models.batch_adapter`); `config.ragged` True demands the slab.
+    `BatchGenerator` (`models.classic_batch`); `config.ragged` True demands the slab.
     `drafter`: the slot's (None: no slot); on the slab, with the prefix cache on, a
     drafter that keeps KV gets its own share of the budget (`make_prefix_caches`)."""
     if config.ragged and fuse_blocker is not None:

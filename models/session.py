@@ -35,26 +35,15 @@ from models.bucketed import BucketedForward
 from models.cache_rollback import trim_exact
 from models.drafters import Drafter
 from models.grammar import Grammars
+from models.prefill import prefill_chunks
 from models.rejection import verify_drafts, with_bonus_row
 from models.rollback import accept_count, clip_tokens, draft_budget, target_cache_trim
 from models.sampling import LogprobArrays, RequestSampler, stop_token_ids
 from models.solo import SoloRow
+from scheduler.model_api import RoundOutcome
 from scheduler.request import SamplingParams, TokenLogprob
 
-PREFILL_STEP = 2048
 PROBE_TOKENS = 8  # classic steps per probe round: a steady-state rate, not one cold step
-
-
-@dataclass
-class RoundResult:
-    token_ids: list[int]
-    finish_reason: str | None
-    num_drafted: int
-    num_accepted: int
-    probe: bool
-    seconds: float
-    seconds_per_token: float | None = None  # a probe's steady-state classic decode time
-    logprobs: list[TokenLogprob] | None = None  # one per token, for a request that asked
 
 
 @dataclass
@@ -63,7 +52,7 @@ class SessionCounters:
     num_probe_rounds: int = 0
     num_drafted: int = 0
     num_accepted: int = 0
-    round_seconds: list[float] = field(default_factory=list)
+    total_round_seconds: float = 0.0  # wall time of every round, summed
     # Host wall time per round phase, summed: "draft" (proposing; includes its sync on
     # the plain path), "verify" (building/dispatching the target forward), "sync"
     # (waiting for the round's tokens), "rollback" (trims and bookkeeping).
@@ -173,7 +162,7 @@ class SpeculativeSession:
         mx.eval(tokens, *report.arrays())
         return tokens.tolist(), report.tolist()
 
-    def begin(self) -> RoundResult:
+    def begin(self) -> RoundOutcome:
         """Prefill target (and draft state, if bound) and emit the first token.
 
         Like classic prefill: all but the last prompt token in chunks, then the last
@@ -189,9 +178,7 @@ class SpeculativeSession:
             self.verifier.prefill(self.cache, head)
             logits = self.verifier.logits(self.cache, mx.array([self.prompt_ids[-1:]], dtype=mx.int32))[0]
         else:
-            for start in range(0, len(head), PREFILL_STEP):
-                self.forward(head[start : start + PREFILL_STEP])
-                mx.eval([c.state for c in self.cache])
+            prefill_chunks(self.target, self.cache, head, forward=self.forward)
             logits = self.forward(self.prompt_ids[-1:])
         first, logprobs = self._sample(logits)
         if self.drafter is not None:
@@ -199,9 +186,10 @@ class SpeculativeSession:
             self._draft_ready = True
         self.history = list(self.prompt_ids)
         tokens, reason = self._emit(first)
-        return RoundResult(tokens, reason, 0, 0, False, time.perf_counter() - tic, logprobs=_clip(logprobs, tokens))
+        return RoundOutcome(self.request_id, tokens, reason, 0, 0, False, time.perf_counter() - tic,
+                            logprobs=_clip(logprobs, tokens))
 
-    def step(self, probe: bool = False) -> RoundResult:
+    def step(self, probe: bool = False) -> RoundOutcome:
         """Exactly one round: draft K, verify K + 1 positions in one target forward,
         emit the accepted drafts plus one target token, roll both caches back.
 
@@ -216,7 +204,8 @@ class SpeculativeSession:
             tokens, reason = self._emit(tokens, accepted=True)
             seconds = time.perf_counter() - tic
             self._count_round(True, 0, 0, seconds)
-            return RoundResult(tokens, reason, 0, 0, True, seconds, per_token, _clip(logprobs, tokens))
+            return RoundOutcome(self.request_id, tokens, reason, 0, 0, True, seconds, per_token,
+                                logprobs=_clip(logprobs, tokens))
         if self.drafter is None:
             raise RuntimeError(f"session {self.request_id!r} does not hold the drafter")
         if self.verifier is not None and self.sampler.grammar is None:  # grammars: plain path
@@ -262,7 +251,7 @@ class SpeculativeSession:
         self.counters.phase_seconds["draft"] += time.perf_counter() - t0
         return [self.history[-1]] + draft
 
-    def complete_round(self, tokens: list[int], logits: mx.array, tic: float) -> RoundResult:
+    def complete_round(self, tokens: list[int], logits: mx.array, tic: float) -> RoundOutcome:
         """The second half: sample the verify positions, accept, roll both caches back,
         emit. `logits` (1 + K, V) are the target's for `tokens`, already in the cache;
         `tic` is when the round began (its wall time is reported)."""
@@ -299,7 +288,7 @@ class SpeculativeSession:
         target, accepted = verify_drafts(self.sampler.probs(logprobs), q, drafts, self.sampler.next_key())
         return target, accepted, self.sampler.report(logprobs, target)
 
-    def _step_bucketed(self) -> RoundResult:
+    def _step_bucketed(self) -> RoundOutcome:
         tic = time.perf_counter()
         draft, verified, width, num_accepted, logprobs = self._verify_bucketed(self._draft_budget(),
                                                                                self.counters.phase_seconds)
@@ -316,7 +305,7 @@ class SpeculativeSession:
 
     def _finish_round(self, draft: list[int], verified: list[int], width: int, tic: float,
                       num_proposed: int | None = None, num_accepted: int | None = None,
-                      logprobs: list[TokenLogprob] | None = None) -> RoundResult:
+                      logprobs: list[TokenLogprob] | None = None) -> RoundOutcome:
         """The verify added `width` positions after the pending token (the drafts, and
         on the bucketed path their padding): roll back all but the accepted ones and the
         drafter (`num_proposed` drafts, default `len(draft)`), emit, count.
@@ -338,8 +327,8 @@ class SpeculativeSession:
         tokens, reason = self._emit(verified[: num_accepted + 1])
         seconds = time.perf_counter() - tic
         self._count_round(False, num_drafted, num_accepted, seconds)
-        return RoundResult(tokens, reason, num_drafted, num_accepted, False, seconds,
-                           logprobs=_clip(logprobs, tokens))
+        return RoundOutcome(self.request_id, tokens, reason, num_drafted, num_accepted, False, seconds,
+                            logprobs=_clip(logprobs, tokens))
 
     def _count_round(self, probe: bool, num_drafted: int, num_accepted: int, seconds: float) -> None:
         c = self.counters
@@ -347,7 +336,7 @@ class SpeculativeSession:
         c.num_probe_rounds += int(probe)
         c.num_drafted += num_drafted
         c.num_accepted += num_accepted
-        c.round_seconds.append(seconds)
+        c.total_round_seconds += seconds
 
     def _probe_tokens(self) -> tuple[list[int], float, list[TokenLogprob] | None]:
         """Classic decode of up to `PROBE_TOKENS` tokens, run by a lone classic row

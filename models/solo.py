@@ -5,7 +5,7 @@ always takes an explicit mask array (left padding). For a batch of one that mask
 nothing and costs: on the H200 a synchronised B=1 forward took 1.9 ms with
 `BatchKVCache` against 1.1 ms with a plain `KVCache` (bundled target), 4.3 against
 3.1 ms (1B Llama). `ClassicBatch` therefore runs a lone row here and moves it into
-the batch when a second row arrives (`models.batch_adapter`).
+the batch when a second row arrives (`models.classic_batch`).
 
 Pipelining is generate_step's: after a token is returned, the forward that feeds it
 and samples the next one is already queued (`pending`), so the host's bookkeeping
@@ -24,10 +24,10 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
+from models.prefill import prefill_chunks
 from models.sampling import LogprobArrays, RequestSampler
-from scheduler.runner import TokenBatch
+from scheduler.model_api import TokenBatch
 
-PREFILL_STEP = 2048  # BatchGenerator's prefill_step_size default
 CLEAR_CACHE_EVERY = 256  # generate_step's cadence for releasing MLX's buffer cache
 
 
@@ -57,10 +57,7 @@ class SoloRow:
             raise ValueError(f"request {request_id!r} has an empty prompt")
         with mx.stream(generation_stream):
             cache = make_prompt_cache(model)
-            head = list(prompt_ids[:-1])
-            for start in range(0, len(head), PREFILL_STEP):
-                model(mx.array([head[start : start + PREFILL_STEP]]), cache=cache)
-                mx.eval([c.state for c in cache])
+            prefill_chunks(model, cache, prompt_ids[:-1])
         row = cls.resume(request_id, model, cache, sampler, stop_ids, max_tokens, prompt_ids[-1])
         return row, row.step()
 

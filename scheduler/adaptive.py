@@ -21,7 +21,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Callable
 
-from scheduler.runner import RoundOutcome
+from scheduler.model_api import RoundOutcome
 
 if TYPE_CHECKING:
     from scheduler.config import SchedulerConfig

@@ -1,11 +1,12 @@
 """The Scheduler: one tick = drain inbox and cancellations -> decide exactly one model
 action (`policy.decide`) -> run it through the `ModelRunner` -> finalize -> events.
 
-Single-threaded: `engine.Engine` owns the thread and the queues around it. Routing of
-a new request: speculative if the runner supports it, the B=1 policy runs it, fewer
-than `speculative_disable_by_batch_size` other requests are live (when set) and the
-slot has room (free, or a backlog place); otherwise a classic row. Classic
-admission is strict lane order (high first), FIFO within a lane.
+Single-threaded but for `self.ledger`, which other threads admit to and cancel
+through; `engine.Engine` owns the thread. Routing of a new request: speculative if the
+runner supports it, the B=1 policy runs it, fewer than
+`speculative_disable_by_batch_size` other requests are live (when set) and the slot
+has room (free, or a backlog place); otherwise a classic row. Classic admission is
+strict lane order (high first), FIFO within a lane.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from scheduler.adaptive import B1Policy
 from scheduler.config import SchedulerConfig
 from scheduler.counters import Counters
 from scheduler.events import EventSink, TokenEvent
+from scheduler.ledger import RequestLedger
+from scheduler.model_api import ModelRunner, TokenBatch
 from scheduler.policy import Action, Decision, decide
 from scheduler.request import Lane, Request, RequestStatus
-from scheduler.runner import ModelRunner, TokenBatch
 from scheduler.slot import ROW_IN_RING, SpecSlot
 
 log = logging.getLogger(__name__)
@@ -29,42 +31,34 @@ log = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, config: SchedulerConfig,
-                 clock: Callable[[], float] = time.monotonic, policy: B1Policy | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, policy: B1Policy | None = None,
+                 ledger: RequestLedger | None = None) -> None:
         self.runner = runner
         self.config = config
         self.clock = clock
         self.counters = Counters()
         self.policy = policy or B1Policy.from_config(config, runner.policy_key(), clock=clock)
-        self._requests: dict[str, Request] = {}  # every unfinished request
+        self.ledger = ledger or RequestLedger(clock)  # every unfinished request
         self.sink = EventSink(self.counters, clock, on_finish=self._forget)
         self.slot = SpecSlot(runner, lambda: self.config, self.policy, self.counters, self.sink,
                              self._to_classic, clock, live_requests=self.num_unfinished,
                              num_rows=lambda: len(self._rows), adopt_row=self._adopt_row,
                              release_row=self._release_row, unqueue=self._unqueue,
                              rows_done=self._rows_done)
-        self._inbox: list[Request] = []
-        self._cancels: list[str] = []
         self._queues: dict[Lane, deque[Request]] = {lane: deque() for lane in Lane}
         self._rows: dict[str, Request] = {}
         self._cancelled_in_prefill: set[str] = set()  # rows whose cancel arrived mid-prefill
-        self._next_seq = 0
         self._yielded_last = False  # the last model action was speculative
         self._last_tick_kind: str | None = None  # for `_observe_tick`
         self.last_decision: Decision | None = None
 
     # -- inputs (applied at the next tick's drain) ------------------------------------
     def submit(self, request: Request) -> None:
-        if request.request_id in self._requests:
-            raise ValueError(f"duplicate request id {request.request_id!r}")
-        request.arrival_seq = self._next_seq
-        self._next_seq += 1
-        if not request.arrival_time:
-            request.arrival_time = self.clock()
-        self._requests[request.request_id] = request
-        self._inbox.append(request)
+        """Raises ValueError on a duplicate id (no depth limit: `Engine.submit` has it)."""
+        self.ledger.admit(request)
 
     def cancel(self, request_id: str) -> None:
-        self._cancels.append(request_id)
+        self.ledger.cancel(request_id)
 
     def reconfigure(self, **changes) -> None:
         """Change live knobs; the slot reads them at the next grant."""
@@ -75,11 +69,11 @@ class Scheduler:
         return list(self.slot.grant_log)
 
     def has_work(self) -> bool:
-        return bool(self._inbox or self._cancels or self._rows or self.slot.busy
+        return bool(self.ledger.has_inputs() or self._rows or self.slot.busy
                     or any(self._queues.values()))
 
     def num_unfinished(self) -> int:
-        return len(self._requests)
+        return self.ledger.num_unfinished
 
     # -- the tick --------------------------------------------------------------------
     def tick(self) -> list[TokenEvent]:
@@ -137,11 +131,10 @@ class Scheduler:
         )
 
     def _drain(self) -> None:
-        inbox, self._inbox = self._inbox, []
+        inbox, cancel_ids = self.ledger.take()
         for request in inbox:
             self._route(request)
-        cancels, self._cancels = self._cancels, []
-        for request_id in cancels:
+        for request_id in cancel_ids:
             self._cancel_now(request_id)
 
     def _route(self, request: Request) -> None:
@@ -193,7 +186,7 @@ class Scheduler:
         self._queues[request.lane].remove(request)
 
     def _cancel_now(self, request_id: str) -> None:
-        request = self._requests.get(request_id)
+        request = self.ledger.get(request_id)
         if request is None:  # unknown or already finished
             return
         request.cancel_requested = True
@@ -248,10 +241,8 @@ class Scheduler:
             if request is None:  # a row dropped this tick (cancelled)
                 continue
             if batch.num_drafted:  # the row verified its own drafts in this step
-                request.spec.record_round(batch.num_drafted, batch.num_accepted, row=True, drafter=batch.drafter)
-                self.counters.row_rounds += 1
-                self.counters.drafted_tokens += batch.num_drafted
-                self.counters.accepted_tokens += batch.num_accepted
+                self.counters.record_round(request.spec, batch.num_drafted, batch.num_accepted,
+                                           row=True, drafter=batch.drafter)
             self.sink.tokens(request, batch.token_ids, batch.logprobs)
             if batch.finish_reason:
                 self._rows.pop(batch.request_id)
@@ -272,27 +263,28 @@ class Scheduler:
 
     # -- lifecycle -------------------------------------------------------------------
     def _forget(self, request: Request) -> None:
-        self._requests.pop(request.request_id, None)
+        self.ledger.finish(request)
         self._cancelled_in_prefill.discard(request.request_id)
 
     def cancel_all(self) -> list[TokenEvent]:
         """Cancel every unfinished request now (shutdown); returns their events."""
         self._drain()
-        for request_id in list(self._requests):
+        for request_id in self.ledger.unfinished_ids():
             self._cancel_now(request_id)
         return self.sink.drain()
 
     def snapshot(self) -> dict:
-        num_running = sum(r.status.is_running for r in self._requests.values())
+        requests = self.ledger.unfinished()
+        num_running = sum(r.status.is_running for r in requests)
         return {
             "slot": self.slot.snapshot(),
             "queue_depth": {lane.name.lower(): len(q) for lane, q in self._queues.items()},
             "queued_ids": [r.request_id for lane in Lane for r in self._queues[lane]],
             "classic_rows": len(self._rows),
             "classic_row_ids": list(self._rows),
-            "unfinished": len(self._requests),
+            "unfinished": len(requests),
             "num_running": num_running,
-            "num_waiting": len(self._requests) - num_running,
+            "num_waiting": len(requests) - num_running,
             "last_action": None if self.last_decision is None else self.last_decision.action.value,
             "counters": self.counters.to_dict(),
             "policy": self.policy.snapshot(),

@@ -11,7 +11,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from scheduler.policy import Action
-from scheduler.request import Lane, RequestStatus
+from scheduler.request import Lane, RequestStatus, SpecStats
 
 SAMPLE_WINDOW = 1024  # recent samples kept per lane and kind
 
@@ -121,6 +121,20 @@ class Counters:
     def observe_sessions(self, live: int) -> None:
         self.live_sessions = live
         self.live_sessions_peak = max(self.live_sessions_peak, live)
+
+    def record_round(self, spec: SpecStats, num_drafted: int, num_accepted: int, *, probe: bool = False,
+                     row: bool = False, drafter: str = "") -> None:
+        """One verify round, counted once for the request (`spec`) and the replica: the
+        slot holder's (`probe`: it measured classic decode) or, with `row`, a classic
+        row's check of its own drafts. `drafter` names the drafts' kind."""
+        spec.record_round(num_drafted, num_accepted, probe, row=row, drafter=drafter)
+        if row:
+            self.row_rounds += 1
+        else:
+            self.spec_rounds += 1
+            self.probe_rounds += int(probe)
+        self.drafted_tokens += num_drafted
+        self.accepted_tokens += num_accepted
 
     def record_fallback(self, reason: str) -> None:
         if reason not in FALLBACK_REASONS:

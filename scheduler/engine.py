@@ -2,8 +2,9 @@
 
 All model work runs on one dedicated thread (MLX streams are thread-local): the
 runner is built there, and every tick runs there. Other threads talk to it through
-lock-protected queues: `submit` / `cancel` / `reconfigure` in, `get_events` out.
-When there is no work the thread blocks on a condition until something arrives.
+the scheduler's `RequestLedger` (`submit` / `cancel`), a queue of `reconfigure`
+changes, and `get_events` out. When there is no work the thread blocks on a condition
+until something arrives.
 """
 
 from __future__ import annotations
@@ -16,14 +17,11 @@ from typing import Callable
 from scheduler.config import SchedulerConfig
 from scheduler.core import Scheduler
 from scheduler.events import TokenEvent
+from scheduler.ledger import RequestLedger
+from scheduler.model_api import ModelRunner
 from scheduler.request import Request
-from scheduler.runner import ModelRunner
 
 log = logging.getLogger(__name__)
-
-
-class QueueFullError(Exception):
-    """`submit` when `max_queue_depth` requests are unfinished."""
 
 
 class Engine:
@@ -34,10 +32,8 @@ class Engine:
         self._clock = clock
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)  # engine thread waits here when idle
-        self._inbox: list[Request] = []
-        self._cancels: list[str] = []
+        self._ledger = RequestLedger(clock)  # shared with the scheduler
         self._reconfigs: list[dict] = []
-        self._unfinished: dict[str, Request] = {}  # submitted, no finishing event yet
         self._stopping = False
         self._events: list[TokenEvent] = []
         self._events_ready = threading.Condition()
@@ -75,28 +71,18 @@ class Engine:
 
     # -- thread-safe inputs ------------------------------------------------------------
     def submit(self, request: Request) -> None:
+        """Raises `QueueFull` at `max_queue_depth` unfinished requests, ValueError on a
+        duplicate id, RuntimeError when the engine is not running."""
         with self._lock:
             if self._stopping or not self._ready.is_set() or self._load_error is not None:
                 raise RuntimeError("engine is not running")
-            if len(self._unfinished) >= self._config.max_queue_depth:
-                raise QueueFullError(f"{len(self._unfinished)} requests pending (max_queue_depth)")
-            if request.request_id in self._unfinished:
-                raise ValueError(f"duplicate request id {request.request_id!r}")
-            request.arrival_time = request.arrival_time or self._clock()
-            self._unfinished[request.request_id] = request
-            self._inbox.append(request)
+            self._ledger.admit(request, max_unfinished=self._config.max_queue_depth)
             self._wake.notify()
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
-            request = self._unfinished.get(request_id)
-            if request is None:
-                return
-            # The flag lets a tick already in progress see it (e.g. at a promotion);
-            # the queued id makes the next drain release whatever the request holds.
-            request.cancel_requested = True
-            self._cancels.append(request_id)
-            self._wake.notify()
+            if self._ledger.cancel(request_id):
+                self._wake.notify()
 
     def reconfigure(self, **changes) -> None:
         """Validate now (raises ValueError), apply on the engine thread before the
@@ -120,10 +106,9 @@ class Engine:
             scheduler = self._scheduler
             state = scheduler.snapshot() if scheduler is not None else {}
         with self._lock:
-            state["pending_submissions"] = len(self._inbox)
-            # Submitted but not yet handed to the scheduler: waiting too.
-            state["num_waiting"] = state.get("num_waiting", 0) + len(self._inbox)
-            state["unfinished"] = len(self._unfinished)
+            state["pending_submissions"] = self._ledger.num_untaken
+            if scheduler is None:  # the ledger's requests wait for the scheduler
+                state["num_waiting"] = state["unfinished"] = self._ledger.num_unfinished
             state["running"] = self.running
             state["config"] = self._config.to_dict()
         return state
@@ -153,7 +138,7 @@ class Engine:
     def _loop(self) -> None:
         try:
             runner = self._runner_factory()
-            scheduler = Scheduler(runner, self._config, clock=self._clock)
+            scheduler = Scheduler(runner, self._config, clock=self._clock, ledger=self._ledger)
         except BaseException as exc:  # noqa: BLE001 - handed to start()
             self._load_error = exc
             self._ready.set()
@@ -164,20 +149,14 @@ class Engine:
         idle = False
         while True:
             with self._lock:
-                while idle and not (self._stopping or self._inbox or self._cancels or self._reconfigs):
+                while idle and not (self._stopping or self._ledger.has_inputs() or self._reconfigs):
                     self._wake.wait()
                 if self._stopping:
                     break
-                inbox, self._inbox = self._inbox, []
-                cancels, self._cancels = self._cancels, []
                 reconfigs, self._reconfigs = self._reconfigs, []
             with self._state_lock:
                 for changes in reconfigs:
                     scheduler.reconfigure(**changes)
-                for request in inbox:
-                    scheduler.submit(request)
-                for request_id in cancels:
-                    scheduler.cancel(request_id)
                 try:
                     events = scheduler.tick()
                 except Exception as exc:  # noqa: BLE001 - a scheduler bug must not hang clients
@@ -186,10 +165,6 @@ class Engine:
                 idle = not scheduler.has_work()
             self._publish(events)
         with self._state_lock:
-            with self._lock:
-                inbox, self._inbox = self._inbox, []
-            for request in inbox:
-                scheduler.submit(request)
             events = scheduler.cancel_all()
         self._publish(events)
         close = getattr(runner, "close", None)
@@ -197,23 +172,25 @@ class Engine:
             close()
 
     def _fail_everything(self, scheduler: Scheduler, exc: Exception) -> list[TokenEvent]:
-        with self._lock:
-            requests = list(self._unfinished.values())
-        events = [TokenEvent(r.request_id, [], finish_reason="error", error=f"scheduler failure: {exc}",
-                             stats=r.spec, prompt_tokens=len(r.prompt_ids)) for r in requests]
+        # The failed tick's events never go out: a request it finished fails as well.
+        finished = [e for e in scheduler.sink.drain() if e.finish_reason is not None]
+        requests = self._ledger.unfinished()
+        failed = [(r.request_id, r.spec, len(r.prompt_ids)) for r in requests]
+        failed += [(e.request_id, e.stats, e.prompt_tokens) for e in finished]
+        events = [TokenEvent(request_id, [], finish_reason="error", error=f"scheduler failure: {exc}",
+                             stats=stats, prompt_tokens=prompt_tokens)
+                  for request_id, stats, prompt_tokens in failed]
         try:
             scheduler.cancel_all()  # releases sessions and rows; these events are superseded
         except Exception:  # noqa: BLE001
             log.exception("cleanup after a scheduler failure failed")
+        for request in requests:  # failed above, whatever the cleanup managed
+            self._ledger.finish(request)
         return events
 
     def _publish(self, events: list[TokenEvent]) -> None:
         if not events:
             return
-        with self._lock:
-            for event in events:
-                if event.finish_reason is not None:
-                    self._unfinished.pop(event.request_id, None)
         with self._events_ready:
             self._events.extend(events)
             self._events_ready.notify_all()

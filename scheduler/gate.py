@@ -12,7 +12,7 @@ from typing import Callable
 
 from scheduler.config import SchedulerConfig
 from scheduler.costs import AcceptanceTracker, LiveCosts
-from scheduler.runner import ModelRunner, RoundOutcome
+from scheduler.model_api import ModelRunner, RoundOutcome
 
 
 class CostGate:

@@ -28,9 +28,9 @@ from scheduler.config import SchedulerConfig
 from scheduler.gate import CostGate
 from scheduler.counters import Counters
 from scheduler.events import EventSink
+from scheduler.model_api import ModelRunner, TokenBatch
 from scheduler.policy import SpecStep, batch_allows_speculation, can_join_backlog, grant_expired, should_demote
 from scheduler.request import Request, RequestStatus
-from scheduler.runner import ModelRunner, TokenBatch
 
 GRANT_LOG_LIMIT = 4096
 # `try_admit`'s answer in the fused tick when the request joins the ring but decodes as
@@ -325,11 +325,8 @@ class SpecSlot:
             self._end(job, "error", error=f"spec_round failed: {exc}")
             return False
         job.slices_run += 1
-        request.spec.record_round(outcome.num_drafted, outcome.num_accepted, outcome.probe, drafter=outcome.drafter)
-        self.counters.spec_rounds += 1
-        self.counters.probe_rounds += int(outcome.probe)
-        self.counters.drafted_tokens += outcome.num_drafted
-        self.counters.accepted_tokens += outcome.num_accepted
+        self.counters.record_round(request.spec, outcome.num_drafted, outcome.num_accepted,
+                                   probe=outcome.probe, drafter=outcome.drafter)
         self.gate.record(outcome)
         self.policy.record_round(outcome)
         self.sink.tokens(request, outcome.token_ids, outcome.logprobs)

@@ -31,8 +31,8 @@ from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models import llama  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from models.batch_adapter import ClassicBatch  # noqa: E402
 from models.bucketed import BucketedForward  # noqa: E402
+from models.classic_batch import ClassicBatch  # noqa: E402
 from models.drafters import DraftModelDrafter, NgramDrafter  # noqa: E402
 from models.loader import load_pair  # noqa: E402
 from models.session import SpeculativeSession  # noqa: E402

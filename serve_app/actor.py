@@ -17,8 +17,9 @@ import logging
 import os
 import time
 
+from scheduler.ledger import QueueFull
 from scheduler.request import Request
-from serve_app.client import SchedulerLost, submit_or_full
+from serve_app.client import SchedulerLost
 from serve_app.config import ServeArgs
 
 logger = logging.getLogger(__name__)
@@ -97,8 +98,8 @@ class SchedulerActor:
     def poll(self, timeout: float) -> list:
         return self._engine.get_events(timeout)
 
-    def submit(self, request: Request) -> bool:
-        return submit_or_full(self._engine, request)
+    def submit(self, request: Request) -> None:
+        self._engine.submit(request)  # QueueFull reaches the replica through `_call`
 
     def cancel(self, request_id: str) -> None:
         self._engine.cancel(request_id)
@@ -162,12 +163,16 @@ class ActorSource:
         except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError,
                 ray.exceptions.ActorUnavailableError) as err:
             raise SchedulerLost(str(err)) from None
+        except ray.exceptions.RayTaskError as err:
+            if isinstance(err.cause, QueueFull):  # the replica answers it; no remote traceback
+                raise err.cause from None
+            raise
 
     async def poll(self, timeout: float) -> list:
         return await self._call(self._actor.poll, timeout)
 
-    async def submit(self, request: Request) -> bool:
-        return await self._call(self._actor.submit, request)
+    async def submit(self, request: Request) -> None:
+        await self._call(self._actor.submit, request)
 
     async def cancel(self, request_id: str) -> None:
         await self._call(self._actor.cancel, request_id)

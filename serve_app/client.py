@@ -23,10 +23,6 @@ POLL_TIMEOUT_S = 0.1  # how long one poll blocks waiting for events
 SCHEDULER_LOST = "the scheduler stopped while generating; please retry"
 
 
-class QueueFull(Exception):
-    """The scheduler's queue is at max_queue_depth."""
-
-
 class SchedulerLost(Exception):
     """The scheduler died; the source has been (or is being) restarted."""
 
@@ -34,7 +30,7 @@ class SchedulerLost(Exception):
 class EventSource(Protocol):
     async def start(self) -> dict: ...  # returns runner info (max_context, eos ids, ...)
     async def poll(self, timeout: float) -> list: ...  # raises SchedulerLost
-    async def submit(self, request: Request) -> bool: ...  # False: queue full
+    async def submit(self, request: Request) -> None: ...  # raises QueueFull, SchedulerLost
     async def cancel(self, request_id: str) -> None: ...
     async def snapshot(self) -> dict: ...
     async def reconfigure(self, changes: dict) -> None: ...
@@ -88,13 +84,10 @@ class EngineClient:
         """
         queue = self._router.open(request.request_id)
         try:
-            accepted = await self._source.submit(request)
+            await self._source.submit(request)
         except BaseException:
             self._router.close(request.request_id)
             raise
-        if not accepted:
-            self._router.close(request.request_id)
-            raise QueueFull()
         return self._stream(request.request_id, queue)
 
     async def _stream(self, request_id: str, queue: asyncio.Queue):
@@ -201,8 +194,8 @@ class LocalSource:
     async def poll(self, timeout: float) -> list:
         return await asyncio.to_thread(self._engine.get_events, timeout)
 
-    async def submit(self, request: Request) -> bool:
-        return submit_or_full(self._engine, request)
+    async def submit(self, request: Request) -> None:
+        self._engine.submit(request)
 
     async def cancel(self, request_id: str) -> None:
         self._engine.cancel(request_id)
@@ -220,13 +213,3 @@ class LocalSource:
     async def close(self) -> None:
         if self._engine is not None:
             await asyncio.to_thread(self._engine.stop)
-
-
-def submit_or_full(engine, request: Request) -> bool:
-    from scheduler.engine import QueueFullError
-
-    try:
-        engine.submit(request)
-    except QueueFullError:
-        return False
-    return True

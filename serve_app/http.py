@@ -7,7 +7,8 @@ a replica it adds or replaces must not fail its share of traffic. A failed load
 (`fail_load`) is 503 `model_load_failed` naming the fault. Every
 client-caused problem is a 4xx with an OpenAI error body; a full scheduler queue is a
 503 with `Retry-After`; a client that goes away has its request cancelled in the
-scheduler, whatever phase it is in.
+scheduler, whatever phase it is in. The input checks are `serve_app.request_inputs`;
+reading the choices into a JSON body or an event stream is `serve_app.choices`.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ import uuid
 
 from starlette.applications import Starlette
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from scheduler.request import Lane, Request, SamplingParams, parse_priority
-from serve_app.client import SCHEDULER_LOST, EngineClient, QueueFull
+from scheduler.ledger import QueueFull
+from scheduler.request import Lane, Request, parse_priority
+from serve_app import request_inputs
+from serve_app.choices import collect_one, sse_body
+from serve_app.client import SCHEDULER_LOST, EngineClient
 from serve_app.codec import TextCodec
 from serve_app.config import ServeArgs
 from serve_app.errors import EXCEPTION_HANDLERS
@@ -32,7 +36,7 @@ from serve_app.logprobs import LogprobFormat, LogprobTrail
 from serve_app.metrics import ReplicaMetrics, StreamTimes
 from serve_app.protocol import APIError, GenerationSpec, decode_json, parse_generation
 from serve_app.ready import health_body
-from serve_app.responses import CompletionText, ResponseFormat, Usage, sse
+from serve_app.responses import CompletionText, ResponseFormat, Usage
 from serve_app.sampling_defaults import request_defaults
 
 logger = logging.getLogger(__name__)
@@ -114,12 +118,12 @@ class OpenAIService:
                         headers=self._id_header())
 
     async def models(self, request: HTTPRequest) -> Response:
-        self._lane_cap(request)
+        request_inputs.lane_cap(self.args, request)
         await self._wait_loaded()
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
     async def model(self, request: HTTPRequest) -> Response:
-        self._lane_cap(request)
+        request_inputs.lane_cap(self.args, request)
         await self._wait_loaded()
         model_id = request.path_params["model_id"]
         if model_id != self.args.model_name:
@@ -131,7 +135,7 @@ class OpenAIService:
         return {"id": self.args.model_name, "object": "model", "created": 0, "owned_by": "specslot"}
 
     async def scheduler_state(self, request: HTTPRequest) -> Response:
-        self._lane_cap(request)
+        request_inputs.lane_cap(self.args, request)
         await self._wait_loaded()
         snapshot = await self._snapshot_or_none()
         if snapshot is None:
@@ -161,21 +165,26 @@ class OpenAIService:
         return await self._generate(request, chat=True)
 
     async def _generate(self, http: HTTPRequest, chat: bool) -> Response:
-        lane_cap = self._lane_cap(http)
+        lane_cap = request_inputs.lane_cap(self.args, http)
         await self._wait_loaded()
         arrival = time.monotonic()  # TTFT and e2e start here
-        spec = parse_generation(decode_json(await self._read_body(http)), chat, self.codec.tool_format)
+        spec = parse_generation(decode_json(await request_inputs.read_body(http, self.args.max_body_bytes)), chat,
+                                self.codec.tool_format)
         if spec.model is not None and spec.model != self.args.model_name:
             raise APIError(400, f"model '{spec.model[:64]}' is not served here; "
                            f"use '{self.args.model_name}'", param="model", code="model_not_found")
-        prompt_ids = self._prompt_ids(spec)
-        max_tokens = self._max_tokens(spec, len(prompt_ids))
+        info = self.client.info
+        prompt_ids = request_inputs.prompt_ids(spec, self.codec)
+        max_tokens = request_inputs.max_tokens(spec, len(prompt_ids), info.get("max_context"), self.args)
         lane = Lane(max(parse_priority(http.headers.get("x-priority")), lane_cap))
         prefix = "chatcmpl-" if chat else "cmpl-"
         request_id = prefix + uuid.uuid4().hex
         # n choices are n engine requests; a seeded request's choices get seed, seed + 1, ...
+        eos_ids = info.get("eos_token_ids") or ()
         requests = [Request(request_id if spec.n == 1 else f"{request_id}-{i}", prompt_ids,
-                            self._sampling(spec, max_tokens, i), lane=lane) for i in range(spec.n)]
+                            request_inputs.sampling(spec, max_tokens, i, self.sampling_defaults,
+                                                    self.codec.vocab_size, eos_ids),
+                            lane=lane) for i in range(spec.n)]
         streams = []
         for request in requests:
             try:
@@ -214,9 +223,9 @@ class OpenAIService:
         """All choices, read concurrently; the first to fail fails the request and
         cancels the others."""
         loop = asyncio.get_running_loop()
-        tasks = [loop.create_task(self._collect_one(s)) for s in streams] if len(streams) > 1 else []
+        tasks = [loop.create_task(collect_one(s)) for s in streams] if len(streams) > 1 else []
         try:
-            results = await asyncio.gather(*tasks) if tasks else [await self._collect_one(streams[0])]
+            results = await asyncio.gather(*tasks) if tasks else [await collect_one(streams[0])]
         finally:
             for task in tasks:
                 task.cancel()
@@ -224,28 +233,9 @@ class OpenAIService:
         choices = [fmt.choice(i, text, finish, entries) for i, (text, finish, _, entries) in enumerate(results)]
         return JSONResponse(fmt.full(choices, Usage.of_choices([usage for _, _, usage, _ in results])))
 
-    @staticmethod
-    async def _collect_one(pieces) -> tuple:
-        """(text, finish_reason, usage, logprob entries or None) of one choice."""
-        texts: list[str] = []
-        entries: list | None = None
-        result = None
-        # read to the end: the generator releases the request's queue once it has returned
-        async for text, finish_reason, usage, error, released in pieces:  # ends after the final piece
-            if error is not None:
-                raise APIError(500, error, "server_error", code="generation_failed")
-            texts.append(text)
-            if released is not None:
-                entries = (entries or []) + released
-            if finish_reason is not None:
-                result = "".join(texts), finish_reason, usage, entries
-        if result is None:
-            raise APIError(500, SCHEDULER_LOST, "server_error", code="generation_failed")
-        return result
-
     async def _sse(self, fmt: ResponseFormat, streams: list, requests: list[Request], include_usage: bool):
         try:
-            async with contextlib.aclosing(self._sse_body(fmt, streams, include_usage)) as body:
+            async with contextlib.aclosing(sse_body(fmt, streams, include_usage)) as body:
                 async for data in body:
                     yield data
         finally:
@@ -258,38 +248,6 @@ class OpenAIService:
             if request.request_id not in self._started:
                 self._spawn(self._abandon(request.request_id, request.lane.name.lower()))
         self._started.difference_update(r.request_id for r in requests)
-
-    async def _sse_body(self, fmt: ResponseFormat, streams: list, include_usage: bool):
-        for i in range(len(streams)):
-            yield sse(fmt.chunk("", None, first=True, index=i))
-        held: dict[int, list[str]] = {}  # a reply that may be tool calls is sent once finished
-        held_entries: dict[int, list] = {}
-        usages: list = []
-        async with contextlib.aclosing(_merged(streams)) as pieces:
-            async for i, (text, finish_reason, usage, error, released) in pieces:
-                if error is not None:  # one choice failed: the request ends (the others are cancelled)
-                    yield sse(APIError(500, error, "server_error", code="generation_failed").body())
-                    break
-                if fmt.holds_back_stream:
-                    held.setdefault(i, []).append(text)
-                    if released is not None:
-                        held_entries[i] = held_entries.get(i, []) + released
-                elif text:
-                    yield sse(fmt.chunk(text, None, index=i, entries=released))
-                    released = None
-                if finish_reason is not None:
-                    if fmt.holds_back_stream:
-                        ending = fmt.final_chunks("".join(held.pop(i, [])), finish_reason, i,
-                                                  held_entries.pop(i, None) if fmt.logprobs else None)
-                    else:
-                        ending = [fmt.chunk(None, finish_reason, index=i, entries=released or None)]
-                    for chunk in ending:
-                        yield sse(chunk)
-                    usages.append(usage)
-            else:
-                if include_usage and len(usages) == len(streams):
-                    yield sse(fmt.usage_chunk(Usage.of_choices(usages)))
-        yield sse("[DONE]")
 
     async def _pieces(self, request: Request, events, spec: GenerationSpec, num_prompt: int,
                       times: StreamTimes):
@@ -363,113 +321,5 @@ class OpenAIService:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    # -- input checks -----------------------------------------------------------------------
-    def _lane_cap(self, http: HTTPRequest) -> Lane:
-        auth = http.headers.get("authorization", "")
-        key = auth[7:].strip() if auth[:7].lower() == "bearer " else None
-        cap = self.args.lane_cap_for(key)
-        if cap is None:
-            raise APIError(401, "missing or invalid API key", code="invalid_api_key")
-        return cap
-
-    async def _read_body(self, http: HTTPRequest) -> bytes:
-        limit = self.args.max_body_bytes
-        too_big = APIError(413, f"request body exceeds {limit} bytes", code="body_too_large")
-        declared = http.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise too_big
-        chunks, size = [], 0
-        async for chunk in http.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_big
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    def _prompt_ids(self, spec: GenerationSpec) -> list[int]:
-        if spec.prompt_ids is not None:
-            ids = spec.prompt_ids
-            if any(t >= self.codec.vocab_size for t in ids):
-                raise APIError(400, "prompt contains token ids outside the vocabulary", param="prompt")
-        elif spec.chat:
-            tools = list(spec.output.tools) if spec.output.tools else None
-            ids = self.codec.encode_chat(spec.messages, spec.chat_template_kwargs, tools)
-        else:
-            ids = self.codec.encode(spec.prompt_text)
-        if not ids:
-            raise APIError(400, "prompt is empty", param="messages" if spec.chat else "prompt")
-        return ids
-
-    def _max_tokens(self, spec: GenerationSpec, num_prompt: int) -> int:
-        max_context = self.client.info.get("max_context")
-        param = "messages" if spec.chat else "prompt"
-        if max_context is not None and num_prompt >= max_context:
-            raise APIError(400, f"prompt has {num_prompt} tokens; this model's context is "
-                           f"{max_context}", param=param, code="context_length_exceeded")
-        limit = self.args.max_tokens_limit
-        if spec.max_tokens is None:
-            room = limit if max_context is None else max_context - num_prompt
-            return min(self.args.default_max_tokens, room)
-        if spec.max_tokens > limit:
-            raise APIError(400, f"max_tokens must be at most {limit}", param="max_tokens",
-                           code="invalid_value")
-        if max_context is not None and num_prompt + spec.max_tokens > max_context:
-            raise APIError(400, f"prompt ({num_prompt} tokens) plus max_tokens exceeds the "
-                           f"context of {max_context}", param="max_tokens",
-                           code="context_length_exceeded")
-        return spec.max_tokens
-
-    def _sampling(self, spec: GenerationSpec, max_tokens: int, choice: int = 0) -> SamplingParams:
-        """The parameters of choice `choice` (of `spec.n`): a seeded request's choice i
-        has seed + i (wrapping at 2**64), so choices differ and each is reproducible."""
-        fields = {**self.sampling_defaults, **spec.sampling}
-        vocab = self.codec.vocab_size
-        for token_id, _ in fields.get("logit_bias", ()):
-            if token_id >= vocab:
-                raise APIError(400, f"logit_bias: token id {token_id} is outside the vocabulary "
-                               f"({vocab} tokens)", param="logit_bias", code="invalid_value")
-        seed = spec.seed
-        if seed is not None and choice:
-            seed = (seed + choice) % 2**64 if seed >= 0 else seed + choice
-        return SamplingParams(max_tokens=max_tokens, seed=seed, grammar=spec.output.grammar, logprobs=spec.logprobs,
-                              stop_token_ids=tuple(self.client.info.get("eos_token_ids") or ()), **fields)
-
     def _retry(self) -> dict[str, str]:
         return {"Retry-After": str(self.args.retry_after_seconds)}
-
-
-
-async def _merged(streams: list):
-    """(choice index, piece) from every choice's pieces as they come. One choice reads
-    its stream directly; several are read by one task each, all cancelled when the
-    consumer stops (a client that went away, a failed choice), which cancels their
-    requests (`OpenAIService._pieces`)."""
-    if len(streams) == 1:
-        async with contextlib.aclosing(streams[0]) as pieces:  # a consumer that stops closes it
-            async for piece in pieces:
-                yield 0, piece
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, pieces) -> None:
-        try:
-            async for piece in pieces:
-                queue.put_nowait((index, piece))
-        except Exception:  # noqa: BLE001 - reported as the choice's failure
-            logger.exception("choice %d failed", index)
-            queue.put_nowait((index, ("", "error", None, SCHEDULER_LOST, None)))
-        finally:
-            queue.put_nowait((index, None))
-
-    tasks = [asyncio.get_running_loop().create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        running = len(tasks)
-        while running:
-            index, piece = await queue.get()
-            if piece is None:
-                running -= 1
-            else:
-                yield index, piece
-    finally:
-        for task in tasks:
-            task.cancel()

@@ -15,7 +15,7 @@ import models  # noqa
 import mlx.core as mx
 from mlx_lm.generate import generate_step, BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
-from models.batch_adapter import ClassicBatch
+from models.classic_batch import ClassicBatch
 from models.loader import load_model
 from models.sampling import RequestSampler
 from scheduler.request import Request, SamplingParams

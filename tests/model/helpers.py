@@ -3,7 +3,7 @@ speculative sessions run to completion; chi-square helpers for distribution test
 
 import math
 
-from models.batch_adapter import ClassicBatch
+from models.classic_batch import ClassicBatch
 from models.drafters import DraftModelDrafter, NgramDrafter
 from models.session import SpeculativeSession
 

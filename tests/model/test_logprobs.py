@@ -13,8 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from models.batch_adapter import ClassicBatch
 from models.bucketed import BucketedForward
+from models.classic_batch import ClassicBatch
 from models.ragged_batch import RaggedBatch
 from models.sampling import RequestSampler, logprob_arrays
 from scheduler.request import SamplingParams, TokenLogprob

@@ -1,4 +1,4 @@
-"""MlxRunner satisfies scheduler.runner.ModelRunner on real tiny models."""
+"""MlxRunner satisfies scheduler.model_api.ModelRunner on real tiny models."""
 
 import inspect
 import re
@@ -7,7 +7,7 @@ import pytest
 
 from models.runner import MlxRunner
 from models.session import PROBE_TOKENS
-from scheduler.runner import ModelRunner, RoundOutcome, TokenBatch
+from scheduler.model_api import ModelRunner, RoundOutcome, TokenBatch
 
 from .conftest import make_request
 from .helpers import run_classic

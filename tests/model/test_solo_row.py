@@ -7,7 +7,7 @@ with the same finish reasons, whichever path a row takes and however often it mo
 
 import pytest
 
-from models.batch_adapter import ClassicBatch
+from models.classic_batch import ClassicBatch
 from models.solo import SoloRow
 
 from .conftest import make_request

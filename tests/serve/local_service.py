@@ -7,8 +7,8 @@ import asyncio
 import httpx
 
 from scheduler.events import TokenEvent
+from scheduler.ledger import QueueFull
 from scheduler.request import SpecStats
-from serve_app.client import QueueFull
 from serve_app.config import ServeArgs
 from serve_app.http import OpenAIService
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler.model_api import RoundOutcome, TokenBatch
 from scheduler.request import Request
-from scheduler.runner import RoundOutcome, TokenBatch
 
 MODEL_ACTIONS = ("classic_prefill", "classic_decode", "spec_begin", "spec_round", "spec_round_with_decode")
 

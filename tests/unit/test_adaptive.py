@@ -6,8 +6,8 @@ import os
 import pytest
 
 from scheduler.adaptive import CACHE_FILE, B1Policy, Measurement, PolicyStore, estimate_speedup, verdict_enabled
+from scheduler.model_api import RoundOutcome
 from scheduler.request import RequestStatus
-from scheduler.runner import RoundOutcome
 from tests.unit.factories import FakeClock, make_request, make_scheduler, run_until_idle, tick
 from tests.unit.fakes import FakeRunner
 

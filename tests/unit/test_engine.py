@@ -6,7 +6,8 @@ import time
 import pytest
 
 from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine, QueueFullError
+from scheduler.engine import Engine
+from scheduler.ledger import QueueFull
 from tests.unit.factories import make_request
 from tests.unit.fakes import FakeRunner, token_at
 
@@ -101,7 +102,7 @@ def test_queue_full_and_duplicate_ids(engine_factory):
     engine, runner, _ = engine_factory(runner=SlowRunner(delay=0.05), max_queue_depth=2)
     engine.submit(make_request("A", rounds=5))
     engine.submit(make_request("B", rounds=5))
-    with pytest.raises(QueueFullError):
+    with pytest.raises(QueueFull):
         engine.submit(make_request("C"))
     engine.cancel("B")
     collect(engine, "B")
@@ -179,3 +180,32 @@ def test_snapshot_is_json_serializable(engine_factory):
     snap = json.loads(json.dumps(engine.snapshot()))
     assert snap["counters"]["ttft"]["normal"]["count"] == 2
     assert snap["policy"]["mode"] == "on"
+
+
+def test_a_failed_tick_fails_every_unfinished_request_and_any_it_finished(engine_factory, monkeypatch):
+    """A tick that raises loses its events, so a request it had finished gets an error
+    too; the ledger is left empty and the engine keeps serving."""
+    import scheduler.engine as engine_module
+    from scheduler.core import Scheduler
+
+    class CrashOnce(Scheduler):
+        armed = True
+
+        def tick(self):
+            requests = self.ledger.unfinished()
+            if CrashOnce.armed and len(requests) == 2:
+                CrashOnce.armed = False
+                self.sink.finish(requests[0], "stop")  # finished inside the failing tick
+                raise RuntimeError("boom")
+            return super().tick()
+
+    monkeypatch.setattr(engine_module, "Scheduler", CrashOnce)
+    engine, runner, _ = engine_factory(runner=SlowRunner(delay=0.05))
+    engine.submit(make_request("A", rounds=20))
+    engine.submit(make_request("B", rounds=20))
+    _, finishes = collect(engine, "AB")
+    assert {rid: (e.finish_reason, e.error) for rid, e in finishes.items()} == {
+        "A": ("error", "scheduler failure: boom"), "B": ("error", "scheduler failure: boom")}
+    assert engine.snapshot()["unfinished"] == 0
+    engine.submit(make_request("C", rounds=1))
+    assert collect(engine, "C")[1]["C"].finish_reason == "length"

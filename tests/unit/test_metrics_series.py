@@ -198,7 +198,7 @@ def test_running_and_waiting_split_the_unfinished_requests():
     while scheduler.has_work():  # parks and promotions move requests between the two
         tick(scheduler)
         state = scheduler.snapshot()
-        running = [r for r in scheduler._requests.values()
+        running = [r for r in scheduler.ledger.unfinished()
                    if r.status in (RequestStatus.CLASSIC, RequestStatus.ACTIVE)]
         assert state["num_running"] == len(running) <= 3
         assert state["num_running"] + state["num_waiting"] == state["unfinished"]

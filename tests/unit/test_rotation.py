@@ -207,7 +207,7 @@ def test_high_lane_pressure_bounds_normal_job_gap():
     def keep_ring_full_of_high(_):
         if a.status.is_done:
             return
-        while len(scheduler.slot.backlog) + sum(1 for r in scheduler._inbox) < 2:
+        while len(scheduler.slot.backlog) + scheduler.ledger.num_untaken < 2:
             scheduler.submit(make_request(f"H{next(counter)}", rounds=2, lane=Lane.HIGH))
 
     keep_ring_full_of_high(0)

@@ -46,7 +46,9 @@ class TokenBatch:
 
 @dataclass
 class RoundOutcome:
-    """Result of one speculative round (or probe round) of one session.
+    """Result of one speculative round (or probe round) of one session: the one record
+    of a round, built by the session (`models.session`) and completed by the runner
+    with what only it knows (`drafter`, `fused`); `Counters.record_round` tallies it.
 
     A round drafts `num_drafted` tokens, verifies them with one target forward and
     emits the `num_accepted` matching prefix plus one target token, so

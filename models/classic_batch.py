@@ -48,8 +48,8 @@ from models.grammar import Grammars
 from models.ragged import Rider
 from models.sampling import LogprobArrays, RequestSampler, logprob_arrays, stop_token_ids
 from models.solo import SoloRow
+from scheduler.model_api import TokenBatch
 from scheduler.request import Request
-from scheduler.runner import TokenBatch
 
 
 def check_admissible(requests: Sequence[Request], rows: Sequence[str]) -> None:

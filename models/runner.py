@@ -54,7 +54,7 @@ class MlxRunner:
         self.grammars = Grammars.for_tokenizer(self.tokenizer, self.eos_token_ids)  # constrained requests' compiler
         tic = time.perf_counter()
         self.grammars.index()  # here, not at the first constrained request on the engine thread
-        log.info("grammar index of %d tokens built in %.2f s", len(self.tokenizer.vocab), time.perf_counter() - tic)
+        log.debug("grammar index of %d tokens built in %.2f s", len(self.tokenizer.vocab), time.perf_counter() - tic)
         self.max_context = target.max_context
         self.num_draft_tokens = num_draft_tokens
         self._draft_fingerprint = draft_fingerprint
@@ -296,7 +296,7 @@ class MlxRunner:
         its next grant, which catches the drafter up on what the row decoded."""
         session = self._sessions[request_id]
         draft_state = session.draft_state if session._draft_ready else None
-        moved = self.spec_to_classic(request_id, keep_draft=False)
+        moved = self._to_classic(request_id, keep_draft=False)
         if draft_state is not None:
             self._parked_drafts[request_id] = draft_state
         return moved
@@ -343,12 +343,16 @@ class MlxRunner:
         if self._slot is not None:
             self._slot.return_(request_id)
 
-    def spec_to_classic(self, request_id: str, keep_draft: bool = True) -> list[TokenBatch]:
+    def spec_to_classic(self, request_id: str) -> list[TokenBatch]:
         """Demote a live session (active or parked) to a classic row: the drafter goes
-        back to the slot and the draft state is dropped (its KV kept as a prefix, unless
-        `keep_draft` is False: the caller keeps the state); the target cache, the sampler
-        and the pending token become the row (`ClassicBatch.adopt`), so the stream goes
-        on exactly where it was. Returns tokens other rows emitted on the way."""
+        back to the slot and the draft state is dropped (the drafter keeps its KV as a
+        prefix); the target cache, the sampler and the pending token become the row
+        (`ClassicBatch.adopt`), so the stream goes on exactly where it was. Returns
+        tokens other rows emitted on the way."""
+        return self._to_classic(request_id, keep_draft=True)
+
+    def _to_classic(self, request_id: str, keep_draft: bool) -> list[TokenBatch]:
+        """`spec_to_classic`; `keep_draft` False: the caller keeps the draft state."""
         session = self._sessions[request_id]
         if session.cache is None or session.finished:
             raise RuntimeError(f"session {request_id!r} is not running")

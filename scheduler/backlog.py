@@ -11,8 +11,8 @@ import enum
 from dataclasses import dataclass
 from typing import Callable
 
-from scheduler.policy import GrantView, next_grant_index, overdue_indices
 from scheduler.request import Request
+from scheduler.rules import GrantView, next_grant_index, overdue_indices
 
 
 class EntryKind(enum.Enum):

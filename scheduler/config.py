@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from scheduler import knobs
 from scheduler.knobs import knob
-from scheduler.policy import DEFAULT_GRANT_ROUNDS, parse_grant_budget, parse_tick_slice
+from scheduler.rules import DEFAULT_GRANT_ROUNDS, parse_grant_budget, parse_tick_slice
 
 ENV_GRANT_ROUNDS = "SPECSLOT_SLICE_GRANT_ROUNDS"
 ENV_TICK_SLICE = "SPECSLOT_TICK_SLICE"

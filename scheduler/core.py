@@ -22,8 +22,8 @@ from scheduler.counters import Counters
 from scheduler.events import EventSink, TokenEvent
 from scheduler.ledger import RequestLedger
 from scheduler.model_api import ModelRunner, TokenBatch
-from scheduler.policy import Action, Decision, decide
 from scheduler.request import Lane, Request, RequestStatus
+from scheduler.rules import Action, Decision, decide
 from scheduler.slot import ROW_IN_RING, SpecSlot
 
 log = logging.getLogger(__name__)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from scheduler.policy import Action
 from scheduler.request import Lane, RequestStatus, SpecStats
+from scheduler.rules import Action
 
 SAMPLE_WINDOW = 1024  # recent samples kept per lane and kind
 

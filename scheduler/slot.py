@@ -25,12 +25,12 @@ from typing import Callable
 from scheduler.adaptive import B1Policy
 from scheduler.backlog import BacklogEntry, EntryKind, GrantBacklog
 from scheduler.config import SchedulerConfig
-from scheduler.gate import CostGate
 from scheduler.counters import Counters
 from scheduler.events import EventSink
+from scheduler.gate import CostGate
 from scheduler.model_api import ModelRunner, TokenBatch
-from scheduler.policy import SpecStep, batch_allows_speculation, can_join_backlog, grant_expired, should_demote
 from scheduler.request import Request, RequestStatus
+from scheduler.rules import SpecStep, batch_allows_speculation, can_join_backlog, grant_expired, should_demote
 
 GRANT_LOG_LIMIT = 4096
 # `try_admit`'s answer in the fused tick when the request joins the ring but decodes as

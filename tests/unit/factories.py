@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from scheduler.config import SchedulerConfig
 from scheduler.core import Scheduler
 from scheduler.events import TokenEvent
-from scheduler.policy import Decision
 from scheduler.request import Lane, Request, SamplingParams
+from scheduler.rules import Decision
 from tests.unit.fakes import FakeRunner
 
 

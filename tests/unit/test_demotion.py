@@ -4,8 +4,8 @@ harness (the real scheduler and slot on the scripted fake runner)."""
 
 import pytest
 
-from scheduler.policy import should_demote
 from scheduler.request import RequestStatus
+from scheduler.rules import should_demote
 from tests.unit.factories import Trace, make_request, make_scheduler, run_until_idle, tick
 from tests.unit.fakes import FakeRunner, token_at
 

@@ -7,7 +7,7 @@ import sys
 def test_scheduler_imports_neither_mlx_nor_ray():
     code = (
         "import sys\n"
-        "import scheduler.core, scheduler.engine, scheduler.slot, scheduler.adaptive, scheduler.policy\n"
+        "import scheduler.core, scheduler.engine, scheduler.slot, scheduler.adaptive, scheduler.rules\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'ray'))\n"
         "print(','.join(bad))\n"
     )

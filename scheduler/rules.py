@@ -1,8 +1,8 @@
-"""Pure scheduling policies: env parsing, grant expiry, backlog admission, grant order,
+"""Pure scheduling rules: env parsing, grant expiry, backlog admission, grant order,
 tick arbitration.
 
 Every function here takes plain data and returns plain data, so each rule is tested by
-a table (tests/unit/test_policy.py). The stateful code (`core`, `slot`, `backlog`)
+a table (tests/unit/test_rules.py). The stateful code (`core`, `slot`, `backlog`)
 only gathers the inputs and carries out the result.
 """
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from scheduler.policy import (
+from scheduler.rules import (
     Action, Decision, GrantView, SpecStep, batch_allows_speculation, can_join_backlog, decide, grant_expired,
     next_grant_index, num_to_admit, parse_grant_budget, parse_tick_slice, slice_takes_tick,
 )

@@ -57,10 +57,11 @@ PREFIX_CACHE_TOKEN_COUNTERS = (
     ("hit_tokens", "specslot:prefix_cache_hits", "Prompt tokens the prefix cache held (not prefilled)."),
 )
 PREFIX_CACHE = "specslot_prefix_cache_"
+PREFIX_CACHE_DRAFT = "specslot_prefix_cache_draft_"
 PREFIX_CACHE_COUNTERS = (
     ("hits", "Admissions (classic rows and sessions) that started from a cached prefix."),
     ("misses", "Admissions that found no cached prefix."),
-    ("stores", "Entries stored: a leaving stream's prompt and output."),
+    ("stores", "Entries stored: a prompt once prefilled, a leaving stream's prompt and output."),
     ("evictions", "Entries dropped, least recently used first, to stay within the byte budget."),
 )
 PREFIX_CACHE_GAUGES = (
@@ -110,10 +111,14 @@ def _prefix_cache_families(stats: dict, model_name: str) -> list:
         fam = CounterMetricFamily(name, doc, labels=["model_name"])
         fam.add_metric([model_name], stats.get(key, 0))
         families.append(fam)
-    for key, doc in PREFIX_CACHE_COUNTERS:
-        families.append(CounterMetricFamily(PREFIX_CACHE + key, doc, value=stats.get(key, 0)))
-    for key, doc in PREFIX_CACHE_GAUGES:
-        families.append(GaugeMetricFamily(PREFIX_CACHE + key, doc, value=stats.get(key, 0)))
+    # The draft model's own prefixes (`prefix_cache.draft`; 0 without a draft model) as the
+    # same series under `PREFIX_CACHE_DRAFT`.
+    for prefix, part, owner in ((PREFIX_CACHE, stats, ""), (PREFIX_CACHE_DRAFT, stats.get("draft") or {},
+                                                               "The draft model's: ")):
+        for key, doc in PREFIX_CACHE_COUNTERS:
+            families.append(CounterMetricFamily(prefix + key, owner + doc, value=part.get(key, 0)))
+        for key, doc in PREFIX_CACHE_GAUGES:
+            families.append(GaugeMetricFamily(prefix + key, owner + doc, value=part.get(key, 0)))
     return families
 
 

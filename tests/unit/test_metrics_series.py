@@ -232,7 +232,10 @@ def test_prefix_cache_series_read_the_snapshot_and_read_zero_without_a_cache():
     metrics = ReplicaMetrics("tiny")
     off = series(metrics.render(scheduler.snapshot()).decode())
     runner.prefix_stats = {"budget_bytes": 1 << 30, "bytes": 4096, "entries": 2, "block_size": 64, "hits": 3,
-                           "misses": 5, "query_tokens": 900, "hit_tokens": 600, "stores": 4, "evictions": 1}
+                           "misses": 5, "query_tokens": 900, "hit_tokens": 600, "stores": 4, "evictions": 1,
+                           "draft": {"budget_bytes": 1 << 29, "bytes": 1024, "entries": 1, "block_size": 64,
+                                     "hits": 2, "misses": 1, "query_tokens": 300, "hit_tokens": 200, "stores": 3,
+                                     "evictions": 0}}
     state = scheduler.snapshot()
     assert state["prefix_cache"] == runner.prefix_stats
     on = series(metrics.render(state).decode())
@@ -245,6 +248,10 @@ def test_prefix_cache_series_read_the_snapshot_and_read_zero_without_a_cache():
                 ("specslot_prefix_cache_evictions_total", ()): ("counter", 1.0),
                 ("specslot_prefix_cache_bytes", ()): ("gauge", 4096.0),
                 ("specslot_prefix_cache_budget_bytes", ()): ("gauge", float(1 << 30)),
-                ("specslot_prefix_cache_entries", ()): ("gauge", 2.0)}
+                ("specslot_prefix_cache_entries", ()): ("gauge", 2.0),
+                ("specslot_prefix_cache_draft_hits_total", ()): ("counter", 2.0),
+                ("specslot_prefix_cache_draft_stores_total", ()): ("counter", 3.0),
+                ("specslot_prefix_cache_draft_bytes", ()): ("gauge", 1024.0),
+                ("specslot_prefix_cache_draft_budget_bytes", ()): ("gauge", float(1 << 29))}
     assert {key: on[key] for key in expected} == expected
     assert {key: off[key] for key in expected} == {key: (kind, 0.0) for key, (kind, _) in expected.items()}

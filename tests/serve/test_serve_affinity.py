@@ -108,14 +108,17 @@ def test_a_router_sends_a_session_where_another_router_placed_it(ray_cluster, ti
     import time
 
     from ray import serve
+    from ray.serve.handle import DeploymentHandle
 
     deploy_prompt_keyed(ray_cluster, tiny_pair, "shared_pins", "/sp", num_replicas=2)
 
     def new_router():
-        return serve.get_deployment_handle("SpecslotServer", app_name="shared_pins").options(
-            method_name="forward_http", stream=True)
+        # A handle of its own (serve.get_deployment_handle would return a cached one) has
+        # a router of its own.
+        return DeploymentHandle("SpecslotServer", "shared_pins").options(method_name="forward_http", stream=True)
 
     first, second = new_router(), new_router()
+    assert first._router is not second._router
     replica_ids = sorted({replica_serving(first, f"warm-{i}") for i in range(4)})
     assert len(replica_ids) == 2  # four new sessions, balanced: both replicas
     # A session the first router placed where its hash does not point (by session counts):
@@ -127,7 +130,7 @@ def test_a_router_sends_a_session_where_another_router_placed_it(ray_cluster, ti
             break
     else:
         raise AssertionError("every session went where its hash points")
-    time.sleep(8 * STATS_PERIOD_S)  # the replica's next report reaches every router
+    time.sleep(10 * STATS_PERIOD_S)  # the replica's next report reaches every router (~1 s here)
     assert replica_serving(second, session) == home
     assert replica_serving(first, session) == home
     serve.delete("shared_pins")

@@ -7,7 +7,8 @@ Hugging Face cache) before anything starts. Each replica owns exactly one schedu
 `serve_app.http`. The replica loads in the background, so
 `/health` answers 503 (model loading) at once and 200 when ready, while /v1 requests
 wait for the load; a failed load is reported by `/health` and the health check. `user_config` may carry the live knobs of
-`LiveConfig`.
+`LiveConfig`. With `affinity_routing`, each replica records the session ids it serves and
+reports them to every router as Serve routing stats (`serve_app.served_keys`).
 """
 
 from __future__ import annotations
@@ -102,13 +103,15 @@ class SpecslotReplica:
         async for message in run_asgi(self._forwarded_app, scope, body):
             yield message
 
-    def record_routing_stats(self) -> dict:
+    async def record_routing_stats(self) -> dict:
         """Serve polls this every `affinity_stats_period_s` and hands the result to every
-        router as the replica's `routing_stats` (`serve_app.served_keys`)."""
+        router as the replica's `routing_stats` (`serve_app.served_keys`). Async: it runs
+        on the event loop that records the keys, never beside it in a thread."""
         return {} if self.served_keys is None else self.served_keys.report(time.time())
 
     def _record_key(self) -> None:
-        """Note the affinity key the router routed this request by (its Serve session id)."""
+        """Note the affinity key the router routed this request by: its Serve session id,
+        read from Serve's request context (Serve has no public accessor for it)."""
         if self.served_keys is not None:
             self.served_keys.record(serve.context._get_serve_request_context().session_id, time.time())
 

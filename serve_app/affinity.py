@@ -31,6 +31,7 @@ from collections import OrderedDict
 from typing import Container, Mapping, NamedTuple
 
 DEFAULT_MAX_PINS = 4096
+ARRIVAL_GRACE_S = 10.0  # a routed request reaches its replica well within this
 
 
 def rendezvous_score(key: str, replica_id: str) -> int:
@@ -177,20 +178,22 @@ class SessionPins:
 
 class UnreportedPins:
     """This router's placements that replicas have not reported yet: per replica, the
-    digests of keys pinned there that its last report did not hold, with when. A report
-    taken after a placement covers it (the request reached the replica first), so
-    `count` drops those; each replica keeps at most `capacity`.
+    digests of keys pinned there that its reports do not hold, with when. A placement
+    leaves the count once a report of its replica holds the key, or once a report taken
+    `ARRIVAL_GRACE_S` after it still does not (its request never arrived); a report taken
+    while the request is on its way changes nothing. Each replica keeps at most `capacity`.
 
     >>> unreported = UnreportedPins()
     >>> unreported.note("a", "k1", 5.0, served=()); unreported.note("a", "k2", 6.0, served=())
     >>> unreported.note("a", "k3", 6.5, served={"k3"})  # already in a's report
-    >>> unreported.count("a", reported_at=5.5), unreported.count("b", reported_at=0.0)
+    >>> unreported.count("a", served={"k1"}, reported_at=6.2), unreported.count("b", served=(), reported_at=0.0)
     (1, 0)
     """
 
     def __init__(self, capacity: int = DEFAULT_MAX_PINS) -> None:
         self.capacity = capacity
         self._pinned_at: dict[str, OrderedDict[str, float]] = {}  # per replica, oldest first
+        self._reported_at: dict[str, float] = {}  # per replica, the report last applied
 
     def note(self, replica_id: str, digest: str, now: float, served: Container[str]) -> None:
         """This router pinned the key `digest` to `replica_id` at `now`; `served` holds
@@ -203,16 +206,20 @@ class UnreportedPins:
         if len(pinned) > self.capacity:
             pinned.popitem(last=False)
 
-    def count(self, replica_id: str, reported_at: float) -> int:
-        """Placements on `replica_id` made after its report taken at `reported_at`."""
+    def count(self, replica_id: str, served: Container[str], reported_at: float) -> int:
+        """Placements on `replica_id` that its report (the digests `served`, taken at
+        `reported_at`) does not cover."""
         pinned = self._pinned_at.get(replica_id)
         if not pinned:
             return 0
-        while pinned and next(iter(pinned.values())) <= reported_at:
-            pinned.popitem(last=False)
+        if self._reported_at.get(replica_id) != reported_at:  # a new report: apply it once
+            self._reported_at[replica_id] = reported_at
+            for digest in [d for d, t in pinned.items() if d in served or t < reported_at - ARRIVAL_GRACE_S]:
+                del pinned[digest]
         return len(pinned)
 
     def retain(self, replica_ids: Container[str]) -> None:
         """Forget replicas that are gone."""
         for rid in [rid for rid in self._pinned_at if rid not in replica_ids]:
             del self._pinned_at[rid]
+            self._reported_at.pop(rid, None)

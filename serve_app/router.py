@@ -79,7 +79,7 @@ class PrefixAffinityRouter(RequestRouter):
         served_at = {rid: t for rid, report in reports.items() if (t := report.served_at(digest)) is not None}
         home = home_replica(self.pins.lookup(key), served_at, by_id)
         self.unreported.retain(by_id)
-        num_sessions = {rid: report.num_sessions + self.unreported.count(rid, report.reported_at)
+        num_sessions = {rid: report.num_sessions + self.unreported.count(rid, report.served, report.reported_at)
                         for rid, report in reports.items()}
         ranked = rank_replicas(key, queue_lens, self.load_margin, home, num_sessions)
         self.pins.pin(key, ranked[0], now)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from serve_app.affinity import (Pin, SessionPins, UnreportedPins, choose_replica, home_replica, least_loaded,
-                                place_key, preferred_replica, rank_replicas)
+from serve_app.affinity import (ARRIVAL_GRACE_S, Pin, SessionPins, UnreportedPins, choose_replica, home_replica,
+                                least_loaded, place_key, preferred_replica, rank_replicas)
 
 REPLICAS = ["r0", "r1", "r2", "r3"]
 
@@ -160,23 +160,28 @@ def test_a_new_key_counts_reported_and_unreported_sessions(reported, unreported,
     assert place_key("k", counts, queue_lens) == expected
 
 
-def test_unreported_pins_until_a_later_report_covers_them():
+def test_unreported_pins_until_a_report_holds_them():
     unreported = UnreportedPins()
     for digest, now in [("k1", 1.0), ("k2", 2.0), ("k3", 3.0)]:
         unreported.note("r0", digest, now, served=())
     unreported.note("r0", "k0", 3.5, served={"k0"})    # r0's report holds it: counted there
-    assert unreported.count("r0", reported_at=0.0) == 3
-    assert unreported.count("r0", reported_at=2.0) == 1  # r0 reported k1, k2 (taken after)
-    assert unreported.count("r1", reported_at=0.0) == 0
+    assert unreported.count("r0", served=(), reported_at=0.0) == 3
+    assert unreported.count("r0", served={"k1", "k2"}, reported_at=2.5) == 1
+    # Taken after k3 was placed, but k3's request was still on its way: still counted here.
+    assert unreported.count("r0", served={"k1", "k2"}, reported_at=3.5) == 1
+    # A report taken long after without k3: its request never arrived.
+    assert unreported.count("r0", served={"k1", "k2"}, reported_at=3.0 + ARRIVAL_GRACE_S + 1) == 0
+    assert unreported.count("r1", served=(), reported_at=0.0) == 0
+    unreported.note("r0", "k4", 20.0, served=())
     unreported.retain({"r1"})
-    assert unreported.count("r0", reported_at=0.0) == 0
+    assert unreported.count("r0", served=(), reported_at=0.0) == 0
 
 
 def test_unreported_pins_are_bounded_per_replica():
     unreported = UnreportedPins(capacity=2)
     for i in range(5):
         unreported.note("r0", f"k{i}", float(i + 1), served=())
-    assert unreported.count("r0", reported_at=0.0) == 2
+    assert unreported.count("r0", served=(), reported_at=0.0) == 2
 
 
 def test_pins_remember_when():

@@ -201,3 +201,13 @@ def test_a_report_taken_after_a_placement_counts_it_once():
     replicas[1].routing_stats = report_of(["new1", "new2"], now=time.time() + 1)
     # b holds 2 sessions, not 2 reported + 2 placed here: the next new key still goes to b.
     assert choose(router, replicas, request("other"))[0][0] == "b"
+
+
+def test_a_report_taken_while_a_placement_is_on_its_way_still_counts_it():
+    router = make_router()
+    replicas = [FakeReplica("a", 0, report_of(["x"], now=1.0)), FakeReplica("b", 0, report_of([], now=1.0))]
+    assert choose(router, replicas, request("new"))[0][0] == "b"
+    replicas[1].routing_stats = report_of([], now=time.time() + 0.5)  # taken before "new" arrived
+    # b holds 1 session (on its way), a holds 1: a tie, which the key's hash breaks.
+    other, = sessions_preferring("a", ["a", "b"])
+    assert choose(router, replicas, request(other))[0][0] == "a"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve_helpers import MODEL, oai, wait_until
+from serve_helpers import MODEL, new_router, oai, replica_serving, wait_until
 from serve_app.affinity import preferred_replica
 from serve_app.app import build_app
 
@@ -92,15 +92,6 @@ def test_conversations_without_a_session_id_keep_their_replica(ray_cluster, tiny
     serve.delete("prompt_keyed")
 
 
-def replica_serving(handle, session_id: str) -> str:
-    """The replica `handle`'s router sends `session_id` to (a GET /metrics through it)."""
-    scope = {"type": "http", "http_version": "1.1", "method": "GET", "scheme": "http", "path": "/metrics",
-             "raw_path": b"/metrics", "root_path": "", "query_string": b"", "headers": []}
-    messages = handle.options(session_id=session_id).remote(scope, b"")
-    starts = [m for m in messages if m["type"] == "http.response.start"]
-    return dict(starts[0]["headers"])[b"x-specslot-replica"].decode()
-
-
 def test_a_router_sends_a_session_where_another_router_placed_it(ray_cluster, tiny_pair):
     """Two handles, two routers (as two HTTP proxies, or two ingress replicas, would have):
     a session one router placed against its hash goes to the same replica through the
@@ -108,16 +99,9 @@ def test_a_router_sends_a_session_where_another_router_placed_it(ray_cluster, ti
     import time
 
     from ray import serve
-    from ray.serve.handle import DeploymentHandle
 
     deploy_prompt_keyed(ray_cluster, tiny_pair, "shared_pins", "/sp", num_replicas=2)
-
-    def new_router():
-        # A handle of its own (serve.get_deployment_handle would return a cached one) has
-        # a router of its own.
-        return DeploymentHandle("SpecslotServer", "shared_pins").options(method_name="forward_http", stream=True)
-
-    first, second = new_router(), new_router()
+    first, second = new_router("shared_pins"), new_router("shared_pins")
     assert first._router is not second._router
     replica_ids = sorted({replica_serving(first, f"warm-{i}") for i in range(4)})
     assert len(replica_ids) == 2  # four new sessions, balanced: both replicas

@@ -17,7 +17,9 @@ key's home is the most recent placement known, this router's own pin or a replic
 report of serving the key after that pin (`home_replica`), so a key placed by another
 router goes where that router sent it once the replica has reported it. A new key is
 placed by sessions counted as every router sees them: each replica's reported count
-plus this router's placements on it since its last report (`UnreportedPins`).
+plus this router's placements there that its report does not hold yet (`UnreportedPins`).
+Times come from the wall clocks of several machines; skew far below the time between a
+conversation's turns (NTP keeps it to milliseconds) changes no choice.
 
 Worked example, margin 4, queues {a: 9, b: 3}: a key pinned to `a` goes to `b`
 (9 - 3 = 6 > 4) and is pinned to `b`; with {a: 7, b: 3} it stays on `a` (7 - 3 = 4,

@@ -23,8 +23,8 @@ when, as its routing stats (`serve_app.served_keys`, polled by Serve every
 key this router has not pinned goes to the replica that reports it; a key pinned here
 goes elsewhere when a replica reports serving it after this router last sent it (another
 router moved or placed it since). A new session goes to the replica with the fewest
-sessions: its reported count plus this router's placements on it since that report, the
-same for every router that has seen the same reports. A key placed by one router is
+sessions: its reported count plus this router's placements there that the report does
+not hold yet, the same for every router that has seen the same reports. A key placed by one router is
 known to the others only after that replica's next report, so within one stats period
 two routers may place a new session on two replicas; after the reports, all follow the
 one that served it last.

@@ -173,7 +173,8 @@ def test_a_later_report_elsewhere_moves_this_routers_pin():
     other's placement; once reported, both follow the replica that served it last."""
     router = make_router()
     router.pins.pin("conv", "a", now=50.0)
-    replicas = [FakeReplica("a", 0, report_of(["conv"], now=50.5)), FakeReplica("b", 0, report_of(["conv"], now=60.0))]
+    replicas = [FakeReplica("a", 0, report_of(["conv"], now=50.5)),
+                FakeReplica("b", 0, report_of(["conv"], now=60.0))]
     assert choose(router, replicas, request("conv"))[0] == ["b"]
     # Sent to b just now: b's report (taken before) no longer outranks the new pin.
     assert choose(router, replicas, request("conv"))[0] == ["b"]
@@ -196,7 +197,8 @@ def test_two_routers_that_see_the_same_reports_place_alike():
 
 def test_a_report_taken_after_a_placement_counts_it_once():
     router = make_router()
-    replicas = [FakeReplica("a", 0, report_of(["x", "y", "z"], now=1.0)), FakeReplica("b", 0, report_of([], now=1.0))]
+    replicas = [FakeReplica("a", 0, report_of(["x", "y", "z"], now=1.0)),
+                FakeReplica("b", 0, report_of([], now=1.0))]
     assert [choose(router, replicas, request(k))[0][0] for k in ["new1", "new2"]] == ["b", "b"]
     replicas[1].routing_stats = report_of(["new1", "new2"], now=time.time() + 1)
     # b holds 2 sessions, not 2 reported + 2 placed here: the next new key still goes to b.

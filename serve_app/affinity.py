@@ -11,6 +11,16 @@ replica's by more than `load_margin` requests; then the least loaded replica ser
 the request and the key is pinned there (it now holds the longer prefix). A request
 without a key goes to the least loaded replica.
 
+Several routers (one per HTTP proxy, one per `SpecslotIngress` replica) share what the
+replicas report (`serve_app.served_keys`): the keys each served recently and when. A
+key's home is the most recent placement known, this router's own pin or a replica's
+report of serving the key after that pin (`home_replica`), so a key placed by another
+router goes where that router sent it once the replica has reported it. A new key is
+placed by sessions counted as every router sees them: each replica's reported count
+plus this router's placements there that its report does not hold yet (`UnreportedPins`).
+Times come from the wall clocks of several machines; skew far below the time between a
+conversation's turns (NTP keeps it to milliseconds) changes no choice.
+
 Worked example, margin 4, queues {a: 9, b: 3}: a key pinned to `a` goes to `b`
 (9 - 3 = 6 > 4) and is pinned to `b`; with {a: 7, b: 3} it stays on `a` (7 - 3 = 4,
 within the margin). A new key with pins {a: 3, b: 2} goes to `b`.
@@ -20,9 +30,10 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import Mapping
+from typing import Container, Mapping, NamedTuple
 
 DEFAULT_MAX_PINS = 4096
+ARRIVAL_GRACE_S = 10.0  # a routed request reaches its replica well within this
 
 
 def rendezvous_score(key: str, replica_id: str) -> int:
@@ -50,6 +61,27 @@ def place_key(key: str, pin_counts: Mapping[str, int], queue_lens: Mapping[str, 
     """
     return min(queue_lens, key=lambda rid: (pin_counts.get(rid, 0), queue_lens[rid],
                                             -rendezvous_score(key, rid), rid))
+
+
+def home_replica(pin: Pin | None, served_at: Mapping[str, float], candidates: Container[str]) -> str | None:
+    """Where a key's latest turn went, among `candidates`: this router's `pin`, unless a
+    replica reports serving the key later than the pin was made (another router sent it
+    there since); without a pin, the replica that served it last (ties: the larger id).
+    `served_at` maps replica ids to when each last served the key, from their reports.
+
+    >>> home_replica(Pin("a", 5.0), {"a": 5.1, "b": 3.0}, "ab")
+    'a'
+    >>> home_replica(Pin("a", 5.0), {"b": 6.0}, "ab")
+    'b'
+    >>> home_replica(None, {"a": 1.0, "b": 2.0}, "ab")
+    'b'
+    """
+    reported = {rid: t for rid, t in served_at.items() if rid in candidates}
+    latest = max(reported, key=lambda rid: (reported[rid], rid)) if reported else None
+    if pin is not None and pin.replica_id in candidates:
+        if latest is None or reported[latest] <= pin.pinned_at or latest == pin.replica_id:
+            return pin.replica_id
+    return latest
 
 
 def choose_replica(key: str | None, queue_lens: Mapping[str, int], load_margin: int,
@@ -83,41 +115,55 @@ def rank_replicas(key: str | None, queue_lens: Mapping[str, int], load_margin: i
     return [first, *rest]
 
 
+class Pin(NamedTuple):
+    """A key's replica in this router, and when the router last sent the key there."""
+
+    replica_id: str
+    pinned_at: float
+
+
 class SessionPins:
-    """Which replica each recently seen key is pinned to: at most `capacity` keys, the
-    least recently used forgotten first (a forgotten key is placed anew, like a new one).
+    """Which replica each recently seen key is pinned to, and since when: at most
+    `capacity` keys, the least recently used forgotten first (a forgotten key is placed
+    anew, like a new one, unless a replica reports it).
 
     >>> pins = SessionPins(capacity=2)
-    >>> pins.pin("x", "a"); pins.pin("y", "b"); pins.pin("z", "a")
-    >>> pins.get("x"), pins.counts(["a", "b"])
-    (None, {'a': 1, 'b': 1})
+    >>> pins.pin("x", "a"); pins.pin("y", "b"); pins.pin("z", "a", now=7.0)
+    >>> pins.get("x"), pins.lookup("z"), pins.counts(["a", "b"])
+    (None, Pin(replica_id='a', pinned_at=7.0), {'a': 1, 'b': 1})
     """
 
     def __init__(self, capacity: int = DEFAULT_MAX_PINS) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity!r}")
         self.capacity = capacity
-        self._replica_of: OrderedDict[str, str] = OrderedDict()  # least recently used first
+        self._pins: OrderedDict[str, Pin] = OrderedDict()  # least recently used first
         self._num_pins: dict[str, int] = {}
 
     def __len__(self) -> int:
-        return len(self._replica_of)
+        return len(self._pins)
+
+    def lookup(self, key: str) -> Pin | None:
+        """`key`'s pin (marking it used), or None."""
+        pin = self._pins.get(key)
+        if pin is not None:
+            self._pins.move_to_end(key)
+        return pin
 
     def get(self, key: str) -> str | None:
         """The replica `key` is pinned to (marking it used), or None."""
-        replica_id = self._replica_of.get(key)
-        if replica_id is not None:
-            self._replica_of.move_to_end(key)
-        return replica_id
+        pin = self.lookup(key)
+        return None if pin is None else pin.replica_id
 
-    def pin(self, key: str, replica_id: str) -> None:
-        old = self._replica_of.pop(key, None)
+    def pin(self, key: str, replica_id: str, now: float = 0.0) -> None:
+        """Pin `key` to `replica_id` as of `now` (0.0: older than any replica's report)."""
+        old = self._pins.pop(key, None)
         if old is not None:
-            self._drop(old)
-        elif len(self._replica_of) >= self.capacity:
-            _, evicted = self._replica_of.popitem(last=False)
-            self._drop(evicted)
-        self._replica_of[key] = replica_id
+            self._drop(old.replica_id)
+        elif len(self._pins) >= self.capacity:
+            _, evicted = self._pins.popitem(last=False)
+            self._drop(evicted.replica_id)
+        self._pins[key] = Pin(replica_id, now)
         self._num_pins[replica_id] = self._num_pins.get(replica_id, 0) + 1
 
     def counts(self, replica_ids: list[str]) -> dict[str, int]:
@@ -130,3 +176,52 @@ class SessionPins:
             self._num_pins[replica_id] = left
         else:
             del self._num_pins[replica_id]
+
+
+class UnreportedPins:
+    """This router's placements that replicas have not reported yet: per replica, the
+    digests of keys pinned there that its reports do not hold, with when. A placement
+    leaves the count once a report of its replica holds the key, or once a report taken
+    `ARRIVAL_GRACE_S` after it still does not (its request never arrived); a report taken
+    while the request is on its way changes nothing. Each replica keeps at most `capacity`.
+
+    >>> unreported = UnreportedPins()
+    >>> unreported.note("a", "k1", 5.0, served=()); unreported.note("a", "k2", 6.0, served=())
+    >>> unreported.note("a", "k3", 6.5, served={"k3"})  # already in a's report
+    >>> unreported.count("a", served={"k1"}, reported_at=6.2), unreported.count("b", served=(), reported_at=0.0)
+    (1, 0)
+    """
+
+    def __init__(self, capacity: int = DEFAULT_MAX_PINS) -> None:
+        self.capacity = capacity
+        self._pinned_at: dict[str, OrderedDict[str, float]] = {}  # per replica, oldest first
+        self._reported_at: dict[str, float] = {}  # per replica, the report last applied
+
+    def note(self, replica_id: str, digest: str, now: float, served: Container[str]) -> None:
+        """This router pinned the key `digest` to `replica_id` at `now`; `served` holds
+        the digests in that replica's last report."""
+        if digest in served:
+            return
+        pinned = self._pinned_at.setdefault(replica_id, OrderedDict())
+        pinned.pop(digest, None)
+        pinned[digest] = now
+        if len(pinned) > self.capacity:
+            pinned.popitem(last=False)
+
+    def count(self, replica_id: str, served: Container[str], reported_at: float) -> int:
+        """Placements on `replica_id` that its report (the digests `served`, taken at
+        `reported_at`) does not cover."""
+        pinned = self._pinned_at.get(replica_id)
+        if not pinned:
+            return 0
+        if self._reported_at.get(replica_id) != reported_at:  # a new report: apply it once
+            self._reported_at[replica_id] = reported_at
+            for digest in [d for d, t in pinned.items() if d in served or t < reported_at - ARRIVAL_GRACE_S]:
+                del pinned[digest]
+        return len(pinned)
+
+    def retain(self, replica_ids: Container[str]) -> None:
+        """Forget replicas that are gone."""
+        for rid in [rid for rid in self._pinned_at if rid not in replica_ids]:
+            del self._pinned_at[rid]
+            self._reported_at.pop(rid, None)

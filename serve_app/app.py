@@ -7,7 +7,8 @@ Hugging Face cache) before anything starts. Each replica owns exactly one schedu
 `serve_app.http`. The replica loads in the background, so
 `/health` answers 503 (model loading) at once and 200 when ready, while /v1 requests
 wait for the load; a failed load is reported by `/health` and the health check. `user_config` may carry the live knobs of
-`LiveConfig`.
+`LiveConfig`. With `affinity_routing`, each replica records the session ids it serves and
+reports them to every router as Serve routing stats (`serve_app.served_keys`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from pathlib import Path
 
 import models  # noqa: F401  (fast BLAS before anything imports mlx)
@@ -32,6 +34,7 @@ from serve_app.http import OpenAIService
 from serve_app.ingress import SpecslotIngress, run_asgi
 from serve_app.ready import last_error_line
 from serve_app.sampling_defaults import read_generation_config
+from serve_app.served_keys import ServedKeys
 
 logger = logging.getLogger("ray.serve")
 
@@ -76,19 +79,41 @@ class SpecslotReplica:
         self.client = EngineClient(source)
         self.service = OpenAIService(self.client, None, self.args, identity=identity)
         self._forwarded_app = None
+        # The affinity keys served here, reported to every router (`record_routing_stats`).
+        self.served_keys = ServedKeys() if self.args.affinity_routing else None
         # Not awaited: the replica must answer /health (503, loading) while this runs.
         self._loading = asyncio.get_running_loop().create_task(load_replica(self.service))
 
     def __serve_build_asgi_app__(self):
-        return self.service.app()
+        app = self.service.app()
+
+        async def recording_app(scope, receive, send):
+            if scope["type"] == "http":
+                self._record_key()
+            await app(scope, receive, send)
+
+        return recording_app
 
     async def forward_http(self, scope: dict, body: bytes):
         """One HTTP request forwarded by `SpecslotIngress` (`affinity_key: prompt`): the
         same app as behind Serve's proxy; yields the ASGI messages it sends."""
+        self._record_key()
         if self._forwarded_app is None:
             self._forwarded_app = self.service.app()
         async for message in run_asgi(self._forwarded_app, scope, body):
             yield message
+
+    async def record_routing_stats(self) -> dict:
+        """Serve polls this every `affinity_stats_period_s` and hands the result to every
+        router as the replica's `routing_stats` (`serve_app.served_keys`). Async: it runs
+        on the event loop that records the keys, never beside it in a thread."""
+        return {} if self.served_keys is None else self.served_keys.report(time.time())
+
+    def _record_key(self) -> None:
+        """Note the affinity key the router routed this request by: its Serve session id,
+        read from Serve's request context (Serve has no public accessor for it)."""
+        if self.served_keys is not None:
+            self.served_keys.record(serve.context._get_serve_request_context().session_id, time.time())
 
     async def reconfigure(self, user_config: dict) -> None:
         """Live `grant_rounds` / `skip_cap` / `tick_slice` / `backlog_cap`; next grant."""
@@ -165,4 +190,5 @@ def affinity_router_config(args: ServeArgs) -> RequestRouterConfig:
     from serve_app.router import ROUTER_PATH
 
     return RequestRouterConfig(request_router_class=ROUTER_PATH,
-                               request_router_kwargs={"load_margin": args.affinity_load_margin})
+                               request_router_kwargs={"load_margin": args.affinity_load_margin},
+                               request_routing_stats_period_s=args.affinity_stats_period_s)

@@ -136,6 +136,14 @@ class _ServeArgsBase(BaseModel):
         description="Ongoing requests a session's replica may have beyond the least loaded replica "
         "before a request of that session goes to the least loaded one; 0 = any imbalance moves it.",
     )
+    affinity_stats_period_s: float = Field(
+        2.0, ge=0.1, le=600.0,
+        description="How often each replica reports the sessions it served to every router (Serve's "
+        "`request_routing_stats_period_s`): a session placed by one router (one per HTTP proxy, one "
+        "per `SpecslotIngress` replica) is known to the others after its replica's next report. A "
+        "busy replica's report is up to ~120 KB, sent to every router each period. Ignored when "
+        "`affinity_routing` is false.",
+    )
     retry_after_seconds: int = Field(1, ge=1, le=3600, description="The `Retry-After` value sent with 503.")
     max_tokens_limit: int = Field(
         4096, ge=1, le=1_000_000, description="Largest `max_tokens` a request may ask for; larger gets 400."

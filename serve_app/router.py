@@ -15,10 +15,19 @@ go to the shorter queue of two random replicas, as with Serve's default router. 
 lengths are Serve's ongoing-request counts per replica: cached where fresh, else probed.
 
 The router remembers which replica each session is pinned to (`SessionPins`, an LRU of
-`max_pins` sessions) and places a new session on the replica with the fewest pins.
-Each router instance (one per HTTP proxy, that is per node, or one per `SpecslotIngress`
-replica) keeps its own pins: a session whose requests enter through two of them may be
-pinned once in each.
+`max_pins` sessions). There is one router per HTTP proxy (that is per node) and one per
+`SpecslotIngress` replica, and a conversation's turns may enter through any of them, so
+the replicas are the shared record: each publishes the keys it served recently, and
+when, as its routing stats (`serve_app.served_keys`, polled by Serve every
+`request_routing_stats_period_s`, `affinity_stats_period_s` in specslot's config). A
+key this router has not pinned goes to the replica that reports it; a key pinned here
+goes elsewhere when a replica reports serving it after this router last sent it (another
+router moved or placed it since). A new session goes to the replica with the fewest
+sessions: its reported count plus this router's placements there that the report does
+not hold yet, the same for every router that has seen the same reports. A key placed by one router is
+known to the others only after that replica's next report, so within one stats period
+two routers may place a new session on two replicas; after the reports, all follow the
+one that served it last.
 """
 
 from __future__ import annotations
@@ -26,10 +35,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from serve_app.affinity import DEFAULT_MAX_PINS, SessionPins, rank_replicas
+from serve_app.affinity import DEFAULT_MAX_PINS, SessionPins, UnreportedPins, home_replica, rank_replicas
+from serve_app.served_keys import key_digest, read_report
 
 logger = logging.getLogger("ray.serve")
 
@@ -45,6 +56,7 @@ class PrefixAffinityRouter(RequestRouter):
             raise ValueError(f"load_margin must be a non-negative int, got {load_margin!r}")
         self.load_margin = load_margin
         self.pins = SessionPins(max_pins)
+        self.unreported = UnreportedPins(max_pins)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -61,9 +73,17 @@ class PrefixAffinityRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         queue_lens = await self._queue_lens(candidate_replicas)
         # No await from here on: concurrent new sessions see each other's pins.
-        ranked = rank_replicas(key, queue_lens, self.load_margin, self.pins.get(key),
-                               self.pins.counts(list(queue_lens)))
-        self.pins.pin(key, ranked[0])
+        now = time.time()
+        digest = key_digest(key)
+        reports = {rid: read_report(replica.routing_stats) for rid, replica in by_id.items()}
+        served_at = {rid: t for rid, report in reports.items() if (t := report.served_at(digest)) is not None}
+        home = home_replica(self.pins.lookup(key), served_at, by_id)
+        self.unreported.retain(by_id)
+        num_sessions = {rid: report.num_sessions + self.unreported.count(rid, report.served, report.reported_at)
+                        for rid, report in reports.items()}
+        ranked = rank_replicas(key, queue_lens, self.load_margin, home, num_sessions)
+        self.pins.pin(key, ranked[0], now)
+        self.unreported.note(ranked[0], digest, now, reports[ranked[0]].served)
         return [[by_id[rid]] for rid in ranked]
 
     async def _queue_lens(self, replicas: list[RunningReplica]) -> dict[str, int]:

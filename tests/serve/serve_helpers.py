@@ -55,3 +55,21 @@ def wait_until(predicate, timeout_s, interval_s=0.1):
 
 def oai(base, **kw):
     return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, **kw)
+
+
+def new_router(app_name: str):
+    """A handle to the app's `SpecslotServer.forward_http` with a router of its own
+    (`serve.get_deployment_handle` returns one cached handle, one router), as another
+    HTTP proxy or ingress replica has."""
+    from ray.serve.handle import DeploymentHandle
+
+    return DeploymentHandle("SpecslotServer", app_name).options(method_name="forward_http", stream=True)
+
+
+def replica_serving(handle, session_id: str) -> str:
+    """The replica `handle`'s router sends `session_id` to (a GET /metrics through it)."""
+    scope = {"type": "http", "http_version": "1.1", "method": "GET", "scheme": "http", "path": "/metrics",
+             "raw_path": b"/metrics", "root_path": "", "query_string": b"", "headers": []}
+    messages = handle.options(session_id=session_id).remote(scope, b"")
+    starts = [m for m in messages if m["type"] == "http.response.start"]
+    return dict(starts[0]["headers"])[b"x-specslot-replica"].decode()

@@ -70,6 +70,7 @@ def test_config_specifics():
 @pytest.mark.parametrize("extra, router, margin", [
     ({}, "serve_app.router.PrefixAffinityRouter", 4),
     ({"affinity_load_margin": 0}, "serve_app.router.PrefixAffinityRouter", 0),
+    ({"affinity_stats_period_s": 0.5}, "serve_app.router.PrefixAffinityRouter", 4),
     ({"affinity_routing": False}, None, None),
 ])
 def test_affinity_routing_sets_the_request_router(extra, router, margin):
@@ -80,6 +81,7 @@ def test_affinity_routing_sets_the_request_router(extra, router, margin):
     else:
         assert config.request_router_class == router
         assert config.request_router_kwargs == {"load_margin": margin}
+        assert config.request_routing_stats_period_s == extra.get("affinity_stats_period_s", 2.0)
 
 
 @pytest.mark.parametrize("extra, graph", [

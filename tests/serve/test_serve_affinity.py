@@ -1,14 +1,18 @@
 """Prompt-keyed affinity on loopback: `affinity_key: prompt` puts SpecslotIngress in
-front of two replicas; conversations that send no session id keep their replica."""
+front of two replicas; conversations that send no session id keep their replica, and
+routers that never saw a conversation send it where another router placed it."""
 
 from __future__ import annotations
 
 import pytest
 
-from serve_helpers import MODEL, oai, wait_until
+from serve_helpers import MODEL, new_router, oai, replica_serving, wait_until
+from serve_app.affinity import preferred_replica
 from serve_app.app import build_app
 
 pytestmark = pytest.mark.serve
+
+STATS_PERIOD_S = 0.5
 
 
 def deploy_prompt_keyed(ray_cluster, tiny_pair, name, route, num_replicas):
@@ -17,6 +21,7 @@ def deploy_prompt_keyed(ray_cluster, tiny_pair, name, route, num_replicas):
 
     target, draft = tiny_pair
     app = build_app({"model": target, "served_model_name": MODEL, "affinity_key": "prompt",
+                     "affinity_stats_period_s": STATS_PERIOD_S,
                      "drafter": {"kind": "draft_model", "path": draft}})
     ingress = app._bound_deployment
     assert ingress.name == "SpecslotIngress"
@@ -85,3 +90,31 @@ def test_conversations_without_a_session_id_keep_their_replica(ray_cluster, tiny
 
     wait_until(drained, 30)
     serve.delete("prompt_keyed")
+
+
+def test_a_router_sends_a_session_where_another_router_placed_it(ray_cluster, tiny_pair):
+    """Two handles, two routers (as two HTTP proxies, or two ingress replicas, would have):
+    a session one router placed against its hash goes to the same replica through the
+    other router once the replica has reported it."""
+    import time
+
+    from ray import serve
+
+    deploy_prompt_keyed(ray_cluster, tiny_pair, "shared_pins", "/sp", num_replicas=2)
+    first, second = new_router("shared_pins"), new_router("shared_pins")
+    assert first._router is not second._router
+    replica_ids = sorted({replica_serving(first, f"warm-{i}") for i in range(4)})
+    assert len(replica_ids) == 2  # four new sessions, balanced: both replicas
+    # A session the first router placed where its hash does not point (by session counts):
+    # a router that knows nothing of it would follow the hash instead.
+    for i in range(40):
+        session = f"shared-{i}"
+        home = replica_serving(first, session)
+        if home != preferred_replica(session, replica_ids):
+            break
+    else:
+        raise AssertionError("every session went where its hash points")
+    time.sleep(10 * STATS_PERIOD_S)  # the replica's next report reaches every router (~1 s here)
+    assert replica_serving(second, session) == home
+    assert replica_serving(first, session) == home
+    serve.delete("shared_pins")

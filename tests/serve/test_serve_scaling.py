@@ -14,7 +14,8 @@ import httpx
 import pytest
 import yaml
 
-from serve_helpers import MODEL, PROMPT, REPO_ROOT, deploy, free_port, oai, wait_until
+from serve_app.affinity import preferred_replica
+from serve_helpers import MODEL, PROMPT, REPO_ROOT, deploy, free_port, new_router, oai, replica_serving, wait_until
 
 pytestmark = pytest.mark.serve
 
@@ -29,7 +30,8 @@ def running_replicas(app_name: str) -> int:
 def test_two_replicas_one_per_node_both_serve(ray_cluster, tiny_pair):
     from ray import serve
 
-    base = deploy(ray_cluster, tiny_pair, "pair", "/p", num_replicas=2, max_replicas_per_node=1)
+    base = deploy(ray_cluster, tiny_pair, "pair", "/p", args={"affinity_stats_period_s": 0.5},
+                  num_replicas=2, max_replicas_per_node=1)
     wait_until(lambda: running_replicas("pair") == 2, 60)
     client = oai(base)
     answered: dict[str, str] = {}
@@ -59,6 +61,19 @@ def test_two_replicas_one_per_node_both_serve(ray_cluster, tiny_pair):
             sessions.setdefault(i, set()).add(raw.headers["x-specslot-replica"])
     assert all(len(replicas) == 1 for replicas in sessions.values()), sessions
     assert len(set().union(*sessions.values())) == 2  # and sessions spread over both
+    # The replicas report the sessions the proxy's router placed: another router (a new
+    # handle) sends one placed where its hash does not point to the same replica.
+    replica_ids = sorted(set().union(*sessions.values()))
+    placed = {f"conversation-{i}": replica for i, (replica,) in sessions.items()}
+    for i in range(40):  # every other new session is placed by session counts alone
+        if any(replica != preferred_replica(key, replica_ids) for key, replica in placed.items()):
+            break
+        raw = client.completions.with_raw_response.create(
+            model=MODEL, prompt=PROMPT, max_tokens=1, extra_headers={"X-Session-Id": f"extra-{i}"})
+        placed[f"extra-{i}"] = raw.headers["x-specslot-replica"]
+    session, home = next((k, r) for k, r in placed.items() if r != preferred_replica(k, replica_ids))
+    time.sleep(5)  # ten stats periods
+    assert replica_serving(new_router("pair"), session) == home
     serve.delete("pair")
 
 

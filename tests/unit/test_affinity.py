@@ -2,8 +2,8 @@
 
 import pytest
 
-from serve_app.affinity import (SessionPins, choose_replica, least_loaded, place_key, preferred_replica,
-                                rank_replicas)
+from serve_app.affinity import (ARRIVAL_GRACE_S, Pin, SessionPins, UnreportedPins, choose_replica, home_replica,
+                                least_loaded, place_key, preferred_replica, rank_replicas)
 
 REPLICAS = ["r0", "r1", "r2", "r3"]
 
@@ -122,3 +122,71 @@ def test_pins_are_an_lru_with_counts():
 def test_pins_need_room_for_one():
     with pytest.raises(ValueError):
         SessionPins(capacity=0)
+
+
+# -- several routers: what the replicas report -----------------------------------------
+
+@pytest.mark.parametrize("pin, served_at, expected", [
+    (None, {}, None),                                  # nobody knows the key: place it
+    (None, {"r1": 4.0}, "r1"),                         # placed by another router, reported by r1
+    (None, {"r0": 4.0, "r1": 6.0}, "r1"),              # reported twice: the later turn
+    (None, {"r0": 4.0, "r1": 4.0}, "r1"),              # same time: the larger id, in every router
+    (Pin("r0", 5.0), {}, "r0"),                        # only this router knows it
+    (Pin("r0", 5.0), {"r0": 5.1}, "r0"),
+    (Pin("r0", 5.0), {"r1": 4.0}, "r0"),               # r1 served it before this router's pin
+    (Pin("r0", 5.0), {"r1": 6.0}, "r1"),               # another router sent it to r1 since
+    (Pin("r0", 5.0), {"r0": 7.0, "r1": 6.0}, "r0"),
+    (Pin("gone", 5.0), {"r1": 1.0}, "r1"),             # the pinned replica left
+    (Pin("gone", 5.0), {}, None),
+    (None, {"gone": 9.0, "r2": 1.0}, "r2"),            # a report of a replica that left
+])
+def test_home_is_the_latest_placement_known(pin, served_at, expected):
+    assert home_replica(pin, served_at, REPLICAS) == expected
+
+
+def test_a_reported_home_is_still_load_bound():
+    home = home_replica(None, {"r2": 4.0}, REPLICAS)
+    assert choose_replica("k", {"r0": 3, "r1": 3, "r2": 7, "r3": 3}, 4, pinned=home) == "r2"
+    assert choose_replica("k", {"r0": 3, "r1": 4, "r2": 9, "r3": 3}, 4, pinned=home) == "r0"
+
+
+@pytest.mark.parametrize("reported, unreported, queue_lens, expected", [
+    ({"r0": 5, "r1": 3}, {}, {"r0": 0, "r1": 4}, "r1"),        # reported sessions count
+    ({"r0": 5, "r1": 3}, {"r1": 2}, {"r0": 1, "r1": 0}, "r1"),  # 5 vs 3 + 2: the shorter queue
+    ({"r0": 5, "r1": 3}, {"r1": 3}, {"r0": 4, "r1": 0}, "r0"),  # this router's new placements too
+])
+def test_a_new_key_counts_reported_and_unreported_sessions(reported, unreported, queue_lens, expected):
+    counts = {rid: reported[rid] + unreported.get(rid, 0) for rid in reported}
+    assert place_key("k", counts, queue_lens) == expected
+
+
+def test_unreported_pins_until_a_report_holds_them():
+    unreported = UnreportedPins()
+    for digest, now in [("k1", 1.0), ("k2", 2.0), ("k3", 3.0)]:
+        unreported.note("r0", digest, now, served=())
+    unreported.note("r0", "k0", 3.5, served={"k0"})    # r0's report holds it: counted there
+    assert unreported.count("r0", served=(), reported_at=0.0) == 3
+    assert unreported.count("r0", served={"k1", "k2"}, reported_at=2.5) == 1
+    # Taken after k3 was placed, but k3's request was still on its way: still counted here.
+    assert unreported.count("r0", served={"k1", "k2"}, reported_at=3.5) == 1
+    # A report taken long after without k3: its request never arrived.
+    assert unreported.count("r0", served={"k1", "k2"}, reported_at=3.0 + ARRIVAL_GRACE_S + 1) == 0
+    assert unreported.count("r1", served=(), reported_at=0.0) == 0
+    unreported.note("r0", "k4", 20.0, served=())
+    unreported.retain({"r1"})
+    assert unreported.count("r0", served=(), reported_at=0.0) == 0
+
+
+def test_unreported_pins_are_bounded_per_replica():
+    unreported = UnreportedPins(capacity=2)
+    for i in range(5):
+        unreported.note("r0", f"k{i}", float(i + 1), served=())
+    assert unreported.count("r0", served=(), reported_at=0.0) == 2
+
+
+def test_pins_remember_when():
+    pins = SessionPins()
+    pins.pin("k", "r0", now=3.0)
+    pins.pin("k", "r1", now=4.0)
+    assert pins.lookup("k") == Pin("r1", 4.0) and pins.get("k") == "r1"
+    assert pins.lookup("other") is None

@@ -1,12 +1,14 @@
 """The Serve request router over fake replicas: the session key, probing, fallback."""
 
 import asyncio
+import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
 
 from serve_app.affinity import preferred_replica
+from serve_app.served_keys import ServedKeys
 
 pytest.importorskip("ray.serve.request_router")
 
@@ -21,9 +23,10 @@ class FakeReplicaId:
 
 
 class FakeReplica:
-    def __init__(self, name, queue_len):
+    def __init__(self, name, queue_len, routing_stats=None):
         self.replica_id = FakeReplicaId(name)
         self.queue_len = queue_len
+        self.routing_stats = routing_stats or {}  # Serve's default before any report
         self.num_probes = 0
 
     async def get_queue_len(self, *, deadline_s):
@@ -139,3 +142,74 @@ def test_no_candidates_no_ranks():
 def test_bad_load_margin_is_rejected():
     with pytest.raises(ValueError):
         make_router(load_margin=-1)
+
+
+# -- several routers share what the replicas report ------------------------------------
+
+def report_of(keys, now=100.0):
+    """A replica's routing stats after serving `keys` (one a second up to `now`)."""
+    served = ServedKeys()
+    for i, key in enumerate(keys):
+        served.record(key, now - len(keys) + i)
+    return served.report(now)
+
+
+def test_a_key_placed_by_another_router_goes_where_that_router_sent_it():
+    replicas = [FakeReplica("a", 0, report_of(["x"])), FakeReplica("b", 0, report_of(["conv", "y", "z"]))]
+    router = make_router()
+    assert choose(router, replicas, request("conv"))[0] == ["b"]  # b has more sessions, and the prefix
+    assert router.pins.get("conv") == "b"
+
+
+def test_a_reported_key_still_obeys_the_load_bound():
+    replicas = [FakeReplica("a", 3), FakeReplica("b", 9, report_of(["conv"]))]
+    router = make_router()
+    assert choose(router, replicas, request("conv"))[0] == ["a"]
+    assert router.pins.get("conv") == "a"
+
+
+def test_a_later_report_elsewhere_moves_this_routers_pin():
+    """Two routers placed one conversation on two replicas before either heard of the
+    other's placement; once reported, both follow the replica that served it last."""
+    router = make_router()
+    router.pins.pin("conv", "a", now=50.0)
+    replicas = [FakeReplica("a", 0, report_of(["conv"], now=50.5)),
+                FakeReplica("b", 0, report_of(["conv"], now=60.0))]
+    assert choose(router, replicas, request("conv"))[0] == ["b"]
+    # Sent to b just now: b's report (taken before) no longer outranks the new pin.
+    assert choose(router, replicas, request("conv"))[0] == ["b"]
+
+
+def test_new_keys_are_placed_by_reported_sessions():
+    replicas = [FakeReplica("a", 0, report_of(["x", "y", "z"])), FakeReplica("b", 0, report_of(["w"]))]
+    router = make_router()
+    firsts = [choose(router, replicas, request(s))[0][0] for s in ["s1", "s2", "s3", "s4"]]
+    assert firsts[:2] == ["b", "b"]  # 3 vs 1, then 3 vs 2 (this router's placement since b's report)
+    assert sorted(firsts[2:]) == ["a", "b"]  # 3 vs 3: they alternate
+
+
+def test_two_routers_that_see_the_same_reports_place_alike():
+    replicas = [FakeReplica("a", 0, report_of(["x", "y"])), FakeReplica("b", 0, report_of(["w"]))]
+    keys = [f"s{i}" for i in range(6)]
+    placed = [[choose(make_router(), replicas, request(k))[0][0] for k in keys] for _ in range(2)]
+    assert placed[0] == placed[1]
+
+
+def test_a_report_taken_after_a_placement_counts_it_once():
+    router = make_router()
+    replicas = [FakeReplica("a", 0, report_of(["x", "y", "z"], now=1.0)),
+                FakeReplica("b", 0, report_of([], now=1.0))]
+    assert [choose(router, replicas, request(k))[0][0] for k in ["new1", "new2"]] == ["b", "b"]
+    replicas[1].routing_stats = report_of(["new1", "new2"], now=time.time() + 1)
+    # b holds 2 sessions, not 2 reported + 2 placed here: the next new key still goes to b.
+    assert choose(router, replicas, request("other"))[0][0] == "b"
+
+
+def test_a_report_taken_while_a_placement_is_on_its_way_still_counts_it():
+    router = make_router()
+    replicas = [FakeReplica("a", 0, report_of(["x"], now=1.0)), FakeReplica("b", 0, report_of([], now=1.0))]
+    assert choose(router, replicas, request("new"))[0][0] == "b"
+    replicas[1].routing_stats = report_of([], now=time.time() + 0.5)  # taken before "new" arrived
+    # b holds 1 session (on its way), a holds 1: a tie, which the key's hash breaks.
+    other, = sessions_preferring("a", ["a", "b"])
+    assert choose(router, replicas, request(other))[0][0] == "a"

@@ -27,7 +27,7 @@ from models import bucketed, cache_rollback
 from models.bucketed import BucketedForward
 from models.rejection import fit_vocab
 from models.rollback import draft_cache_trim
-from models.sampling import RequestSampler, log_probs
+from models.sampling import DRAFTS, RequestSampler, log_probs
 
 if TYPE_CHECKING:
     from models.loader import LoadedModel
@@ -181,8 +181,9 @@ class DraftModelDrafter:
         tokens (k,) int32 and q (k, V) float32, row j the distribution draft j was drawn
         from (the draft's logits, cut or padded to the target's `vocab`, through
         `sampler.draft_logits` after the drafts before it, then its filters and
-        temperature). The draws split the sampler's key once per call."""
-        keys = mx.random.split(sampler.next_key(), k)
+        temperature). Draft j is drawn with the sampler's `DRAFTS` key of the output
+        position it proposes (`sampler.position + j`)."""
+        keys = sampler.keys(k, stream=DRAFTS)
         if self.fast is not None:
             def logits_of(tokens):
                 return self.fast.logits(state.cache, tokens)[0, -1:]

@@ -15,10 +15,11 @@ optional rider, extract, adopt, remove), over rows that each keep their own leng
   cancelled, or a session's row released) stores its tokens' KV for later prompts;
 - with `row_drafts`, every row may also verify its own n-gram drafts (prompt lookup
   over its prompt and output, `models.drafters.NgramIndex`) in the same forward: it
-  accepts the matching prefix of the tokens its sampler draws at the verify positions
-  (a sampled row too: position p's draw uses p's key whatever the step verified, so
-  a seeded stream is the one classic decode gives) and emits it plus the target's next token, its rejected
-  drafts leave its row by lowering the row's length. How many drafts a row verifies
+  accepts the prefix of drafts equal to what its sampler draws at the verify positions
+  and emits it plus the target's next token; its rejected drafts leave its row by
+  lowering the row's length. A sampled row drafts too: output position p is drawn with
+  p's key however many positions the step verified, so a seeded stream is the one
+  classic decode gives. How many drafts a row verifies
   is decided per step by expected value (`scheduler.costs.row_draft_budget`: the row's
   acceptance estimate against what a verify position costs at this batch size, from
   the runner's measured `TickCosts`); a row whose drafts do not land drafts nothing.
@@ -27,10 +28,10 @@ rides, the next step (every row fed the token this step draws, still on the devi
 is queued before this step's tokens are read, so the host builds step n + 1 while the
 device runs step n. The queued step is used by the next `decode` if the rows are the
 same (less any that finished); anything else that touches the batch first takes it
-back (rows shortened by one; the queued draws were for the positions after the
-samplers' own, which the next draws use again), so what every stream emits does not
-depend on the pipeline. On a CPU steps are not pipelined: the next step
-would run on the cores the host uses.
+back (rows shortened by one; its draws changed no sampler, and a later draw of the
+same position uses the same key), so what every stream emits does not depend on the
+pipeline. On a CPU steps are not pipelined: the next step would run on the cores the
+host uses.
 A row whose request asked for logprobs reads them at every position it emits (a
 verified draft's from the verify position that accepted it) from the log-probabilities
 its sampler drew from (`RequestSampler.sample_with_logprobs`); other rows compute none.
@@ -82,9 +83,9 @@ class _Stream:
 @dataclass(eq=False)
 class _Ahead:
     """A plain step queued on the device: each stream fed its pending token (its row is
-    already one longer), `tokens` the next tokens drawn (lazy; each sampler's position
-    after the pending one's) and `logprobs` their reports (lazy; None for a row that
-    did not ask)."""
+    already one longer), `tokens` the next tokens drawn (lazy; each at the position
+    after its sampler's next one, `ahead=1`) and `logprobs` their reports (lazy; None
+    for a row that did not ask)."""
 
     streams: list[_Stream]
     tokens: mx.array

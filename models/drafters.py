@@ -10,7 +10,8 @@ argmax. At temperature > 0 a drafter that gives a distribution (the draft model,
 `propose_sampled`) samples each draft from its processed distribution q and the target
 accepts it by rejection sampling (`models.rejection`); one that gives none (n-gram)
 proposes greedily and a draft is accepted when it equals the target's own sample
-(`models.session`). Either way the draft only affects speed, never the output
+(`models.session`), the one classic decode draws at that position, so a seeded stream
+keeps its tokens. Either way the draft only affects speed, never the output
 distribution.
 """
 

@@ -20,14 +20,13 @@ from models.bucketed import BucketedForward
 from models.ragged_batch import RaggedBatch
 from models.session import SpeculativeSession
 
-from .conftest import make_request
+from .conftest import PROMPTS, make_request
 from .helpers import make_drafter, run_classic, run_session
 from .test_fused_real import bundled_runner, drive
 from .test_grammar_fused import GRAMMAR, SCHEMA
 from .test_logprobs import TOL
 from .test_sampling_paths import OracleDrafter, OracleRows
 from .test_slab import REPEATING, _run
-from tests.model.conftest import PROMPTS
 
 pytestmark = pytest.mark.model
 

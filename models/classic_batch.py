@@ -93,7 +93,7 @@ class RowSampler:
 @dataclass
 class LiveRow:
     """A stream taken out of the batch mid-way: `cache` holds every token but the last
-    one emitted; `sampler` has its key where the row left it."""
+    one emitted; `sampler` has accepted every token the row emitted."""
 
     cache: list
     sampler: RequestSampler
@@ -172,7 +172,8 @@ class ClassicBatch:
     def _insert_live_row(self, request_id: str, next_input: int, cache: list,
                          sampler: RequestSampler, num_left: int) -> None:
         """Queue a stream already under way as a batch row: `cache` holds everything
-        before `next_input`, which becomes a one-token prompt; `sampler` keeps its key."""
+        before `next_input`, which becomes a one-token prompt; `sampler` goes on from
+        its position."""
         hooks = RowSampler(sampler)
         self._note_logprobs(request_id, sampler)
         (uid,) = self._gen.insert(
@@ -225,8 +226,8 @@ class ClassicBatch:
 
         State handed over: `cache` holds every token of the stream but `pending_token`,
         which is the last token already emitted to the client; `sampler` is the
-        request's sampler with its key where the other path left it; `num_emitted` of
-        `max_tokens` are out. The row's first step feeds `pending_token` and samples
+        request's sampler, at the position where the other path left it; `num_emitted`
+        of `max_tokens` are out. The row's first step feeds `pending_token` and samples
         the next token, which is the next token the stream would have had as a classic
         row: nothing is recomputed or redrawn.
 

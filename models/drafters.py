@@ -10,7 +10,8 @@ argmax. At temperature > 0 a drafter that gives a distribution (the draft model,
 `propose_sampled`) samples each draft from its processed distribution q and the target
 accepts it by rejection sampling (`models.rejection`); one that gives none (n-gram)
 proposes greedily and a draft is accepted when it equals the target's own sample
-(`models.session`). Either way the draft only affects speed, never the output
+(`models.session`), the one classic decode draws at that position, so a seeded stream
+keeps its tokens. Either way the draft only affects speed, never the output
 distribution.
 """
 
@@ -28,7 +29,7 @@ from models.bucketed import BucketedForward
 from models.prefill import prefill_chunks
 from models.rejection import fit_vocab
 from models.rollback import draft_cache_trim
-from models.sampling import RequestSampler, log_probs
+from models.sampling import DRAFTS, RequestSampler, log_probs
 
 if TYPE_CHECKING:
     from models.loader import LoadedModel
@@ -233,8 +234,9 @@ class DraftModelDrafter:
         tokens (k,) int32 and q (k, V) float32, row j the distribution draft j was drawn
         from (the draft's logits, cut or padded to the target's `vocab`, through
         `sampler.draft_logits` after the drafts before it, then its filters and
-        temperature). The draws split the sampler's key once per call."""
-        keys = mx.random.split(sampler.next_key(), k)
+        temperature). Draft j is drawn with the sampler's `DRAFTS` key of the output
+        position it proposes (`sampler.position + j`)."""
+        keys = sampler.keys(k, stream=DRAFTS)
         if self.fast is not None:
             def logits_of(tokens):
                 return self.fast.logits(state.cache, tokens)[0, -1:]

@@ -13,10 +13,13 @@ optional rider, extract, adopt, remove), over rows that each keep their own leng
 - with a `PrefixCache`, a new row starts from the longest cached prefix of its prompt
   (copied into the row) and prefills only the rest; a row that leaves (finished,
   cancelled, or a session's row released) stores its tokens' KV for later prompts;
-- with `row_drafts`, every greedy row may also verify its own n-gram drafts (prompt lookup
+- with `row_drafts`, every row may also verify its own n-gram drafts (prompt lookup
   over its prompt and output, `models.drafters.NgramIndex`) in the same forward: it
-  accepts the matching prefix and emits it plus the target's next token, its rejected
-  drafts leave its row by lowering the row's length. How many drafts a row verifies
+  accepts the prefix of drafts equal to what its sampler draws at the verify positions
+  and emits it plus the target's next token; its rejected drafts leave its row by
+  lowering the row's length. A sampled row drafts too: output position p is drawn with
+  p's key however many positions the step verified, so a seeded stream is the one
+  classic decode gives. How many drafts a row verifies
   is decided per step by expected value (`scheduler.costs.row_draft_budget`: the row's
   acceptance estimate against what a verify position costs at this batch size, from
   the runner's measured `TickCosts`); a row whose drafts do not land drafts nothing.
@@ -25,9 +28,10 @@ rides, the next step (every row fed the token this step draws, still on the devi
 is queued before this step's tokens are read, so the host builds step n + 1 while the
 device runs step n. The queued step is used by the next `decode` if the rows are the
 same (less any that finished); anything else that touches the batch first takes it
-back (rows shortened by one, samplers' random state restored), so what every stream
-emits does not depend on the pipeline. On a CPU steps are not pipelined: the next step
-would run on the cores the host uses.
+back (rows shortened by one; its draws changed no sampler, and a later draw of the
+same position uses the same key), so what every stream emits does not depend on the
+pipeline. On a CPU steps are not pipelined: the next step would run on the cores the
+host uses.
 A row whose request asked for logprobs reads them at every position it emits (a
 verified draft's from the verify position that accepted it) from the log-probabilities
 its sampler drew from (`RequestSampler.sample_with_logprobs`); other rows compute none.
@@ -79,14 +83,13 @@ class _Stream:
 @dataclass(eq=False)
 class _Ahead:
     """A plain step queued on the device: each stream fed its pending token (its row is
-    already one longer), `tokens` the next tokens drawn (lazy) and `logprobs` their
-    reports (lazy; None for a row that did not ask), `keys` the samplers' random states
-    before those draws."""
+    already one longer), `tokens` the next tokens drawn (lazy; each at the position
+    after its sampler's next one, `ahead=1`) and `logprobs` their reports (lazy; None
+    for a row that did not ask)."""
 
     streams: list[_Stream]
     tokens: mx.array
     logprobs: list[LogprobArrays | None]
-    keys: list
 
 
 class RaggedBatch:
@@ -211,10 +214,7 @@ class RaggedBatch:
         stream = _Stream(request_id, row, sampler, frozenset(stop_ids), max_tokens, num_emitted, pending, lane=lane)
         if self.prefix_cache is not None and history is not None:
             stream.token_ids = [*history, pending]
-        # Greedy rows only: a sampled row's draws would depend on how many positions
-        # each step verified (one key split per verify), so a seeded stream would
-        # change with the machine's measured costs.
-        if self.row_drafts and history is not None and sampler.is_greedy:
+        if self.row_drafts and history is not None:
             stream.index = NgramIndex([*history, pending])
             stream.acceptance = RowAcceptance()
         self._streams[request_id] = stream
@@ -376,10 +376,9 @@ class RaggedBatch:
         # Queue the next step unless a row may draft in it, or its processors must first
         # read this step's token (penalties count what was emitted).
         if not (wanted and self._may_draft(streams)) and not any(s.sampler.has_processors for s in streams):
-            keys = [s.sampler.key for s in streams]
-            nxt, nxt_logprobs = self._draw(streams, [(s.row, [0]) for s in streams], values=tokens)
+            nxt, nxt_logprobs = self._draw(streams, [(s.row, [0]) for s in streams], values=tokens, ahead=1)
             mx.async_eval(nxt, *_arrays(nxt_logprobs))
-            self._ahead = _Ahead(streams, nxt, nxt_logprobs, keys)
+            self._ahead = _Ahead(streams, nxt, nxt_logprobs)
         mx.eval(tokens, *_arrays(logprobs))
         values = tokens.tolist()
         reports = [None if lp is None else lp.tolist() for lp in logprobs]
@@ -402,21 +401,22 @@ class RaggedBatch:
         return ahead.tokens[mx.array(live)], logprobs
 
     def _take_back(self) -> None:
-        """Undo the queued step: its rows are one shorter again, its draws undone."""
+        """Undo the queued step: its rows are one shorter again (its draws changed no
+        sampler: they are dropped)."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return
-        for stream, key in zip(ahead.streams, ahead.keys):
+        for stream in ahead.streams:
             if not stream.row.freed:
                 for view in stream.row.cache:
                     view.trim(1)
-            stream.sampler.key = key
 
-    def _draw(self, streams: list[_Stream], entries,
-              values: mx.array | None = None) -> tuple[mx.array, list[LogprobArrays | None]]:
-        """(lazy) each row's next token from a forward of `entries`, and its report."""
+    def _draw(self, streams: list[_Stream], entries, values: mx.array | None = None,
+              ahead: int = 0) -> tuple[mx.array, list[LogprobArrays | None]]:
+        """(lazy) each row's next token from a forward of `entries`, and its report;
+        `ahead`: tokens each row has drawn and not yet accepted (the queued step's 1)."""
         logits = self.slab.forward(self._model, entries, values=values)
-        drawn, logprobs = self._draws(streams, logits, [[] for _ in streams])
+        drawn, logprobs = self._draws(streams, logits, [[] for _ in streams], ahead)
         return mx.concatenate(drawn).astype(mx.int32), logprobs
 
     def _nobody_pays(self, num_rows: int) -> bool:
@@ -496,8 +496,8 @@ class RaggedBatch:
             start += n
         return out, [None if lp is None else lp.tolist() for lp in logprobs]
 
-    def _draws(self, streams: list[_Stream], logits: list[mx.array],
-               drafts: list[list[int]]) -> tuple[list[mx.array], list[LogprobArrays | None]]:
+    def _draws(self, streams: list[_Stream], logits: list[mx.array], drafts: list[list[int]],
+               ahead: int = 0) -> tuple[list[mx.array], list[LogprobArrays | None]]:
         """(lazy) every verify position of every row, drawn from the row's sampler,
         position i after the row's drafts[:i] (greedy rows without processors and
         without logprobs: one argmax over all of them), and each row's report."""
@@ -514,7 +514,7 @@ class RaggedBatch:
                 start += n
         for i, s in enumerate(streams):
             if drawn[i] is None:
-                drawn[i], reports[i] = s.sampler.sample_with_logprobs(logits[i], drafts[i])
+                drawn[i], reports[i] = s.sampler.sample_with_logprobs(logits[i], drafts[i], ahead)
         return drawn, reports
 
     # -- leaving ------------------------------------------------------------------------

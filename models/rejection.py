@@ -15,6 +15,11 @@ probability 0.9) is accepted with probability 0.5 / 0.9; a rejection draws from 
 residual (0, 0.4) / 0.4, i.e. token 1. P(0) = 0.9 * 0.5 / 0.9 = 0.5, as p says.
 
 Drafters that give no distribution (n-gram) keep the equality rule (`models.rollback`).
+
+This preserves the distribution, not the sample path: the drafts and the uniforms are
+draws classic decode never makes, so a seeded request's tokens differ from its classic
+stream (equally likely ones). Under the equality rule each position's draw is classic
+decode's own (`models.sampling.position_keys`), and the tokens are the same.
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ def verify_drafts(p: mx.array, q: mx.array, drafts: mx.array, key: mx.array) -> 
     i after drafts[:i]); `q` (n + 1, V): row i < n the distribution draft i was drawn
     from, row n zeros (every draft verified: the bonus token comes from p_n) or the row
     of a further draft the grammar cut (certain to be rejected, p_n masks it: the token
-    comes from that row's residual). `drafts` (n,) int. `key`: one fresh subkey of the
-    request's stream, so a seeded request draws the same uniforms every time.
+    comes from that row's residual). `drafts` (n,) int. `key`: the round's own key (the
+    request's `ROUNDS` key of the round's first output position, `models.sampling`;
+    rounds start at distinct positions), so a seeded request draws the same uniforms
+    every time.
 
     tokens[:m] are the accepted drafts, tokens[m] the residual (or bonus) draw, and
     later entries repeat it (the caller emits tokens[: m + 1]).

@@ -68,7 +68,7 @@ class RunnerConfig:
         "normal, low), then in the order rows joined. 0 = no limit: each row's drafts are priced by "
         "the cost model alone, the faster default (on the development CPU a 0.5 share cost 5-7 % of "
         "throughput and TPOT at 8 and 16 streams, docs/CONTINUOUS_BATCHING.md). A bound protects rows "
-        "that do not draft (sampled ones) from long steps.",
+        "that do not draft from long steps.",
         ge=0.0, le=100.0)
     replica_drafts: bool = knob(
         False,

@@ -2,8 +2,13 @@
 
 mlx-lm's `make_sampler` draws from MLX's global random state, so two requests
 interleaved in one process would perturb each other's streams. Here each request owns
-a key: a request with a seed is reproducible however it is scheduled (classic or
-speculative, alone or batched), and an unseeded request gets a fresh random seed.
+its keys, and the draw for output position p (0: the first generated token) uses the
+key of p alone (`position_keys`: a hash of the request's seed and p). How many
+positions a call draws, and in which call a position is drawn, do not matter: a
+classic step draws one position, a verify K + 1 of them, and a seeded request draws
+the same token at p either way. So with the equality rule (`models.rollback`) a
+seeded sampled stream is the same with speculation on or off; an unseeded request
+gets a random seed once.
 
 Every path turns logits into tokens through one function, `penalized_logits`, then
 `log_probs`, then the sampler's pick (argmax, or the filters and one seeded draw). The
@@ -147,15 +152,33 @@ def _token_array(tokens: Tokens) -> mx.array:
     return mx.array(list(tokens), dtype=mx.int32)
 
 
+# The request's independent key streams (`RequestSampler.keys`): the target's draws,
+# a draft model's sampled drafts, and a rejection-sampled round's uniforms and residual.
+DRAWS, DRAFTS, ROUNDS = range(3)
+
+
+def position_keys(key: mx.array, start: int, n: int) -> mx.array:
+    """(n, 2) uint32: the keys of output positions start .. start + n - 1 of the stream
+    whose key is `key` (2,). Position p's key is a hash (one threefry split) of `key`
+    with p folded into its second word, so it depends on (key, p) alone and keys of
+    different positions are independent streams.
+    Example: position_keys(k, 0, 4)[3] == position_keys(k, 3, 1)[0]."""
+    p = mx.arange(start, start + n, dtype=mx.uint32)
+    words = key[None] ^ mx.stack([mx.zeros_like(p), p], axis=1)
+    return mx.vmap(lambda k: mx.random.split(k)[0])(words)
+
+
 class RequestSampler:
-    """A request's sampling state: its seeded key and the tokens its processors read.
+    """A request's sampling state: its seed's key streams and the tokens its
+    processors read.
 
     `sample(logits, drafts)` turns the logits of one position, or of a verify's
-    positions, into tokens without changing the state (but the key: a sampled call
-    splits it once, whatever the number of positions); `accept(tokens)` adds emitted
-    tokens to the stream. Pipelined paths, which emit every token they draw, use
-    `next_token` (sample, then accept). Greedy (temperature 0) is the argmax of the
-    processed log-probabilities and uses no randomness.
+    positions, into tokens without changing the state: row i is output position
+    `position + i`, drawn with that position's key; `accept(tokens)` adds emitted
+    tokens to the stream (and advances `position` past them). Pipelined paths, which
+    emit every token they draw, use `next_token` (sample, then accept). Greedy
+    (temperature 0) is the argmax of the processed log-probabilities and uses no
+    randomness.
     """
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = (), grammars: Grammars | None = None):
@@ -165,7 +188,8 @@ class RequestSampler:
         self.temperature = params.temperature
         self.top_p = params.top_p
         seed = params.seed if params.seed is not None else secrets.randbits(31)
-        self._key = mx.random.key(seed)
+        self._stream_keys = mx.random.split(mx.random.key(seed), 3)  # DRAWS, DRAFTS, ROUNDS
+        self.position = 0  # output tokens accepted: the position the next draw is for
         # The processors' view of the stream; arrays are replaced, never mutated, so a
         # copy of the sampler is an independent stream.
         self._recent: mx.array | None = None
@@ -193,20 +217,17 @@ class RequestSampler:
     def wants_logprobs(self) -> bool:
         return self.params.logprobs is not None
 
-    @property
-    def key(self) -> mx.array:
-        """The random state a later draw splits (restore it to undo draws)."""
-        return self._key
-
-    @key.setter
-    def key(self, key: mx.array) -> None:
-        self._key = key
+    def keys(self, n: int, ahead: int = 0, stream: int = DRAWS) -> mx.array:
+        """(n, 2): `stream`'s keys of the n output positions from `position + ahead`
+        (`ahead`: tokens drawn but not yet accepted, on a pipelined path)."""
+        return position_keys(self._stream_keys[stream], self.position + ahead, n)
 
     # -- the stream ---------------------------------------------------------------------
     def accept(self, tokens: Tokens) -> None:
         """Emitted output tokens (a list, or a lazy array: pipelined paths accept a draw
         before it is evaluated) join what the processors read. The grammar reads them
         at once (a lazy draw is evaluated here: constrained rows are never pipelined)."""
+        self.position += tokens.size if isinstance(tokens, mx.array) else len(tokens)
         if self.grammar is not None:
             self.grammar.accept(_token_array(tokens).tolist())
         if self._recent is None and not self.params.has_output_penalties:
@@ -255,11 +276,13 @@ class RequestSampler:
         is unchanged (the caller accepts what it emits)."""
         return self(self.log_probs(logits, drafts))
 
-    def sample_with_logprobs(self, logits: mx.array, drafts: Tokens = ()) -> tuple[mx.array, LogprobArrays | None]:
+    def sample_with_logprobs(self, logits: mx.array, drafts: Tokens = (),
+                             ahead: int = 0) -> tuple[mx.array, LogprobArrays | None]:
         """`sample`, and (lazy) the positions' `LogprobArrays` from the same processed
-        log-probabilities where the request asked for them (else None)."""
+        log-probabilities where the request asked for them (else None). `ahead`: the
+        first position is `ahead` past the next one (`keys`)."""
         logprobs = self.log_probs(logits, drafts)
-        tokens = self(logprobs)
+        tokens = self(logprobs, ahead)
         return tokens, self.report(logprobs, tokens)
 
     def report(self, logprobs: mx.array, tokens: mx.array) -> LogprobArrays | None:
@@ -281,12 +304,13 @@ class RequestSampler:
         self.accept(token)
         return token, logprobs
 
-    def __call__(self, logprobs: mx.array) -> mx.array:
-        """Pick from processed log-probabilities: argmax, or top_p, min_p, top_k (mlx-lm's
-        `make_sampler` order) and one draw per row from one fresh subkey."""
+    def __call__(self, logprobs: mx.array, ahead: int = 0) -> mx.array:
+        """Pick from processed log-probabilities (n, V) of consecutive positions: argmax,
+        or top_p, min_p, top_k (mlx-lm's `make_sampler` order) and one draw per row,
+        row i with the key of position `position + ahead + i`."""
         if self.is_greedy:
             return mx.argmax(logprobs, axis=-1)
-        return mx.random.categorical(self.scaled(logprobs), key=self.next_key())
+        return draw_rows(self.scaled(logprobs), self.keys(logprobs.shape[0], ahead))
 
     def scaled(self, logprobs: mx.array) -> mx.array:
         """The unnormalised log-probabilities a draw at temperature > 0 samples from:
@@ -322,10 +346,11 @@ class RequestSampler:
                 counts = counts.at[ids].add(1.0)
         return penalized_logits(logits, self.params, recent, counts)
 
-    def next_key(self) -> mx.array:
-        """A fresh subkey of the request's stream (the key advances)."""
-        self._key, subkey = mx.random.split(self._key)
-        return subkey
+
+def draw_rows(scaled: mx.array, keys: mx.array) -> mx.array:
+    """One categorical draw per row of the unnormalised log-probabilities `scaled`
+    (n, V), row i with `keys[i]`: a row's token depends on its own logits and key only."""
+    return mx.vmap(lambda row, key: mx.random.categorical(row, key=key))(scaled, keys)
 
 
 def supports_sampling(params: SamplingParams) -> bool:

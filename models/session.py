@@ -10,11 +10,16 @@ Acceptance at temperature > 0 depends on the drafter. A drafter that samples its
 (the draft model, `propose_sampled`) hands over the distribution q each was drawn from,
 and the target accepts by rejection sampling against its own distribution p
 (`models.rejection`: accept with min(1, p/q), else draw from the residual). A drafter
-that gives no distribution (n-gram) is checked by token equality: each verify position
-draws the target's token, and a draft is accepted only if it equals that draw. Either
-way every emitted token is distributed as a target sample given the emitted prefix, and
-the draws come from the request's seeded stream (`models.sampling`), so a seeded request
-is reproducible. At temperature 0 the draw is the argmax and drafts are greedy, which
+that gives no distribution (n-gram, or the draft model with `sample_drafts` off) is
+checked by token equality: each verify position draws the target's token, and a draft
+is accepted only if it equals that draw. Either way every emitted token is distributed
+as a target sample given the emitted prefix, and the draws come from the request's
+seeded keys (`models.sampling`), so a seeded request is reproducible. Under equality
+verify position i draws output position p + i with that position's key, the draw
+classic decode makes there: a seeded stream is the same token for token with
+speculation on or off. Rejection sampling draws its drafts and each round's uniforms
+from the request's other key streams: the same distribution, another sample path.
+At temperature 0 the draw is the argmax and drafts are greedy, which
 makes the stream identical to classic greedy decoding. A request that asked for
 logprobs gets each emitted token's from the verify position that produced it (the
 same processed log-probabilities the target's draw reads), so they match classic
@@ -38,7 +43,7 @@ from models.grammar import Grammars
 from models.prefill import prefill_chunks
 from models.rejection import verify_drafts, with_bonus_row
 from models.rollback import accept_count, clip_tokens, draft_budget, target_cache_trim
-from models.sampling import LogprobArrays, RequestSampler, stop_token_ids
+from models.sampling import ROUNDS, LogprobArrays, RequestSampler, stop_token_ids
 from models.solo import SoloRow
 from scheduler.model_api import RoundOutcome
 from scheduler.request import SamplingParams, TokenLogprob
@@ -115,7 +120,8 @@ class SpeculativeSession:
                   eos_token_ids: Sequence[int], draft_state: object = None, lane: int = 1) -> "SpeculativeSession":
         """A session continuing a stream decoded elsewhere (a classic row): `cache` holds
         every token of prompt + `output_ids` but the last output token (the pending
-        one), `sampler` has its key where that path left it. `draft_state` is the
+        one), `sampler` has accepted every emitted token (its position and the tokens its
+        processors read are where that path left them). `draft_state` is the
         drafter state this stream had when it last held the drafter (None: built from
         the history at the first round); the drafter catches up on what it missed."""
         if not output_ids:
@@ -285,7 +291,8 @@ class SpeculativeSession:
         same processed log-probabilities as the distribution."""
         n = drafts.shape[0]
         logprobs = self.sampler.log_probs(logits[: n + 1].astype(mx.float32), drafts)
-        target, accepted = verify_drafts(self.sampler.probs(logprobs), q, drafts, self.sampler.next_key())
+        round_key = self.sampler.keys(1, stream=ROUNDS)[0]  # the round's first position's
+        target, accepted = verify_drafts(self.sampler.probs(logprobs), q, drafts, round_key)
         return target, accepted, self.sampler.report(logprobs, target)
 
     def _step_bucketed(self) -> RoundOutcome:

@@ -52,9 +52,10 @@ def prompts(runner):
     return [runner.tokenizer.encode(PROMPTS[i]) for i in (0, 8, 21, 3)]
 
 
-def drive(runner, prompts, *, cancel_at=None, sampling=None, max_tokens=MAX_TOKENS, **overrides):
+def drive(runner, prompts, *, cancel_at=None, sampling=None, max_tokens=MAX_TOKENS, logprobs=None, **overrides):
     """All requests submitted at once (`sampling`: their SamplingParams fields); returns
-    (streams, requests, scheduler, ticks in which a fused round advanced classic rows)."""
+    (streams, requests, scheduler, ticks in which a fused round advanced classic rows).
+    `logprobs`: a dict that collects each request's reported logprobs."""
     config = SchedulerConfig(**{"b1_policy": "on", **overrides})
     scheduler = Scheduler(runner, config)
     requests = [make_request(f"r{i}", p, max_tokens=max_tokens, **(sampling or {})) for i, p in enumerate(prompts)]
@@ -73,6 +74,8 @@ def drive(runner, prompts, *, cancel_at=None, sampling=None, max_tokens=MAX_TOKE
                 fused_with_rows += 1
         for event in events:
             streams[event.request_id] += event.token_ids
+            if logprobs is not None and event.logprobs:
+                logprobs.setdefault(event.request_id, []).extend(event.logprobs)
         if not scheduler.has_work():
             break
     assert not scheduler.has_work()

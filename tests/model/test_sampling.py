@@ -106,13 +106,22 @@ def test_the_statistic_catches_a_biased_rule(loaded, prompt, target_paths, monke
     assert stat > chi2_critical(df), f"chi2={stat:.1f} df={df}"
 
 
-def test_seeded_sampler_is_reproducible_and_independent():
-    import mlx.core as mx
-
-    logprobs = mx.log(mx.ones((4, 64)) / 64)
+def test_a_positions_draw_depends_on_the_seed_and_the_position_alone():
+    """Output position p is drawn with p's key whatever call draws it: six positions in
+    one call (a verify) give the tokens six one-position calls (classic decode) give."""
+    logprobs = mx.log(mx.ones((6, 64)) / 64)
+    together = RequestSampler(SamplingParams(8, temperature=1.0, seed=7))(logprobs).tolist()
+    one_by_one = RequestSampler(SamplingParams(8, temperature=1.0, seed=7))
+    tokens = []
+    for i in range(6):
+        tokens += one_by_one(logprobs[i:i + 1]).tolist()
+        one_by_one.accept(tokens[-1:])
+    assert tokens == together
+    assert len(set(together)) > 1  # positions are independent draws
     a = RequestSampler(SamplingParams(8, temperature=1.0, seed=7))
-    b = RequestSampler(SamplingParams(8, temperature=1.0, seed=7))
-    first = a(logprobs).tolist()
-    assert first == b(logprobs).tolist()
-    assert a(logprobs).tolist() != first  # the stream advances
-    assert len(set(first)) > 1 or len(set(a(logprobs).tolist())) > 1  # rows are independent draws
+    assert a(logprobs[:1], ahead=3).tolist() == together[3:4]  # a pipelined draw, one ahead
+    assert a(logprobs).tolist() == together  # drawing changes nothing; accepting moves on
+    a.accept(together[:2])
+    assert a(logprobs[:4]).tolist() == together[2:]
+    other = RequestSampler(SamplingParams(8, temperature=1.0, seed=8))(logprobs).tolist()
+    assert other != together

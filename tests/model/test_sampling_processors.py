@@ -13,7 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from models.sampling import RequestSampler, log_probs, penalized_logits, supports_sampling
+from models.sampling import (DRAWS, RequestSampler, draw_rows, log_probs, penalized_logits, position_keys,
+                             supports_sampling)
 from scheduler.request import SamplingParams
 
 pytestmark = pytest.mark.model
@@ -106,13 +107,22 @@ def test_repetition_penalty_is_sign_aware_and_windowed():
     assert np.array(sampler.penalized(logits)).tolist() == [[4.0, -4.0, 4.0, -8.0, 0.5]]
 
 
+def stream_of(sampler, logits, n):
+    """n tokens drawn one position at a time from the same (1, V) `logits`, each accepted."""
+    out = []
+    for _ in range(n):
+        out.append(sampler.sample(logits).item())
+        sampler.accept(out[-1:])
+    return out
+
+
 def test_a_plus_100_bias_forces_a_token_at_any_temperature():
     logits = mx.array(np.random.default_rng(1).normal(0, 5, (1, V)).astype(np.float32))
     for temperature in (0.0, 1.0, 2.0):
         sampler = RequestSampler(SamplingParams(8, temperature=temperature, seed=3, logit_bias=((11, 100.0),)), [1])
-        assert {sampler.sample(logits).item() for _ in range(50)} == {11}
+        assert set(stream_of(sampler, logits, 50)) == {11}
     banned = RequestSampler(SamplingParams(8, temperature=1.0, seed=3, logit_bias=((0, -100.0),)), [1])
-    assert 0 not in {banned.sample(mx.zeros((1, V)) + mx.eye(V)[0][None] * 5).item() for _ in range(200)}
+    assert 0 not in set(stream_of(banned, mx.zeros((1, V)) + mx.eye(V)[0][None] * 5, 200))
 
 
 def test_top_k_and_min_p_limit_the_draws():
@@ -121,7 +131,7 @@ def test_top_k_and_min_p_limit_the_draws():
 
     def draws(**knobs):
         sampler = RequestSampler(SamplingParams(8, temperature=1.0, seed=0, **knobs))
-        return {sampler(lp).item() for _ in range(300)}
+        return set(sampler(mx.repeat(lp, 300, axis=0)).tolist())  # positions 0..299
 
     assert draws(top_k=3) == {0, 1, 2}
     assert draws(min_p=0.3) == {i for i, p in enumerate(probs) if p >= 0.3 * probs.max()}
@@ -135,10 +145,10 @@ def test_without_processors_nothing_changes():
     sampler = RequestSampler(params, [1, 2])
     assert sampler.penalized(logits) is logits
     assert mx.array_equal(sampler.log_probs(logits, [4, 5]), log_probs(logits))
-    # one split per call, whatever the positions: the stream the seeded tests pin
-    key = mx.random.split(mx.random.key(5))[1]
+    # row i is output position i, drawn with that position's key of the seed's DRAWS stream
+    keys = position_keys(mx.random.split(mx.random.key(5), 3)[DRAWS], 0, 3)
     from mlx_lm.sample_utils import apply_top_p
-    expected = mx.random.categorical(apply_top_p(log_probs(logits), 0.9) * (1 / 0.7), key=key)
+    expected = draw_rows(apply_top_p(log_probs(logits), 0.9) * (1 / 0.7), keys)
     assert sampler.sample(logits, [4, 5]).tolist() == expected.tolist()
 
 

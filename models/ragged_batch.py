@@ -123,6 +123,8 @@ class RaggedBatch:
         self.skip_cap = 2
         # The share of a plain step's time the rows' drafts may add (0: no limit).
         self.draft_step_share = 0.0
+        # Rows at temperature > 0 draft too (their draws are keyed by position); else greedy ones only.
+        self.sampled_drafts = False
         # Past outputs of this batch's rows to draft from (`models.replica_index`; None: off).
         self.replica_index: ReplicaIndex | None = None
         self.num_pipelined = 0  # steps whose tokens a queued step had drawn
@@ -214,7 +216,7 @@ class RaggedBatch:
         stream = _Stream(request_id, row, sampler, frozenset(stop_ids), max_tokens, num_emitted, pending, lane=lane)
         if self.prefix_cache is not None and history is not None:
             stream.token_ids = [*history, pending]
-        if self.row_drafts and history is not None:
+        if self.row_drafts and history is not None and (sampler.is_greedy or self.sampled_drafts):
             stream.index = NgramIndex([*history, pending])
             stream.acceptance = RowAcceptance()
         self._streams[request_id] = stream

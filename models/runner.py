@@ -89,6 +89,7 @@ class MlxRunner:
             self._classic.costs = self.tick_costs()  # what a verify position costs, at load
             self.draft_step_share = config.draft_step_share
             self.replica_drafts = config.replica_drafts
+            self.sampled_row_drafts = config.sampled_row_drafts
         elif config.replica_drafts:
             log.info("replica drafts off: rows do not draft here (%s)", self.fuse_blocker or "no drafter")
         if self._verifier is not None:
@@ -117,6 +118,16 @@ class MlxRunner:
             raise ValueError("draft_step_share must be >= 0")
         if self._ragged:
             self._classic.draft_step_share = share
+
+    @property
+    def sampled_row_drafts(self) -> bool:
+        """Whether classic rows at temperature > 0 draft (greedy rows do where rows draft)."""
+        return getattr(self._classic, "sampled_drafts", False)
+
+    @sampled_row_drafts.setter
+    def sampled_row_drafts(self, on: bool) -> None:
+        if self._ragged:
+            self._classic.sampled_drafts = on
 
     @property
     def _replica_index(self) -> ReplicaIndex | None:

@@ -39,7 +39,8 @@ class SchedulerConfig:
         choices=TICK_MODES, live=True)
     row_drafts: bool = knob(
         True,
-        "Every classic row (greedy or sampled) also verifies its own n-gram (prompt lookup) drafts in its decode "
+        "Every greedy classic row (sampled ones too with `sampled_row_drafts`) also verifies its own n-gram "
+        "(prompt lookup) drafts in its decode "
         "step, as many (0–`num_draft_tokens`) as its running acceptance pays for at the current batch "
         "size, judged against the forward costs measured at load; beside such rows an n-gram slot "
         "holder speculates on as a row (the slot is then for lone requests and for a draft model). "

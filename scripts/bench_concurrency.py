@@ -55,6 +55,7 @@ CONFIGS = {
 # `default` on a runner set otherwise: drafts from past outputs; a step draft budget of half a step
 REPLICA = {"replica": dict(tick_mode="fused", b1_policy="auto")}
 BUDGET = {"budget": dict(tick_mode="fused", b1_policy="auto")}
+SAMPLED = {"sampled": dict(tick_mode="fused", b1_policy="auto")}  # rows at temperature > 0 draft too
 ON_BATCHGEN = {"classic_batchgen"}  # configurations run on the BatchGenerator runner
 
 
@@ -63,11 +64,12 @@ def one_run(runner, name: str, prompts: list[list[int]], concurrency: int, max_t
     """One closed-loop run; `with_tokens`: also each prompt's output tokens
     (`token_ids`, in prompt order); `temperature` > 0: request i samples with seed i."""
     config = SchedulerConfig(num_draft_tokens=runner.num_draft_tokens, grant_rounds=grant_rounds,
-                             max_batch_size=max(16, concurrency), **{**CONFIGS, **REPLICA, **BUDGET}[name])
+                             max_batch_size=max(16, concurrency), **{**CONFIGS, **REPLICA, **BUDGET, **SAMPLED}[name])
     if name not in ON_BATCHGEN:
         runner.replica_drafts = False  # a fresh index for each run
         runner.replica_drafts = name in REPLICA
         runner.draft_step_share = 0.5 if name in BUDGET else 0.0
+        runner.sampled_row_drafts = name in SAMPLED
     lengths = random.Random(len(prompts)).choices(range(max_tokens // 2, 3 * max_tokens // 2 + 1), k=len(prompts))
     arrivals = [Arrival(f"s{i}", p, n, after_request=f"s{i - concurrency}" if i >= concurrency else None,
                         sampling=dict(temperature=temperature, seed=i) if temperature else {})
@@ -100,7 +102,10 @@ def random_prompts(tokenizer, num_prompts: int, seed: int, num_tokens: int = 64)
 
 
 def run(quick: bool, target: str, draft: str, drafter: str, repeats: int, waves: int, seed: int = 0,
-        workload: str = "code", configs: list[str] | None = None) -> dict:
+        workload: str = "code", configs: list[str] | None = None, temperature: float | None = None) -> dict:
+    """`temperature`: every request's (seeded); None: the workload's (1.0 random, else greedy)."""
+    if temperature is None:
+        temperature = 1.0 if workload == "random" else 0.0
     streams = [1, 2, 4] if quick else [1, 2, 4, 8, 16]
     max_tokens = 64 if quick else 128
     runner = load_runner(target, drafter, draft, num_draft_tokens=4, max_batch_size=max(streams))
@@ -124,7 +129,7 @@ def run(quick: bool, target: str, draft: str, drafter: str, repeats: int, waves:
             for name in names:  # interleaved: machine drift hits every configuration alike
                 on = batchgen if name in ON_BATCHGEN else runner
                 runs[name].append(one_run(on, name, prompts, n, max_tokens, grant_rounds=8,
-                                          temperature=1.0 if workload == "random" else 0.0))
+                                          temperature=temperature))
         ratios = {name: [f["aggregate_tok_s"] / c["aggregate_tok_s"] for f, c in zip(runs[name], runs["classic"])]
                   for name in names if name != "classic"}
         for name, results in runs.items():
@@ -142,7 +147,8 @@ def run(quick: bool, target: str, draft: str, drafter: str, repeats: int, waves:
                 "runs": results,
             })
     long_rows = [long_streams(runner, n, 2 * max_tokens, seed) for n in (2, 3, 4)] if workload == "code" else []
-    return {"scenario": "concurrency", "quick": quick, "drafter": drafter, "workload": workload, "max_tokens": max_tokens,
+    return {"scenario": "concurrency", "temperature": temperature, "quick": quick, "drafter": drafter,
+            "workload": workload, "max_tokens": max_tokens,
             "repeats": repeats, "waves": waves, "machine": bench_util.machine(), "rows": rows,
             "long_streams": long_rows}
 
@@ -181,7 +187,7 @@ def plot(result: dict, path: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent streams")
     ax.set_ylabel("aggregate output tok/s")
-    ax.set_title(f"engine, {result['drafter']} drafter, greedy")
+    ax.set_title(f"engine, {result['drafter']} drafter, T = {result.get('temperature', 0.0)}")
     ax.legend()
     bench_util.save_figure(fig, path)
 
@@ -197,16 +203,20 @@ def main(argv=None) -> int:
                          "temperature 1.0, seeded (drafts never land); repeat: the code prompts, each "
                          "asked twice (configurations default, replica, classic)")
     ap.add_argument("--configs", default=None,
-                    help=f"comma-separated configurations (of {', '.join([*CONFIGS, *REPLICA, *BUDGET])}; default: "
+                    help=f"comma-separated configurations (of {', '.join([*CONFIGS, *REPLICA, *BUDGET, *SAMPLED])}; "
+                         "default: "
                          "all of CONFIGS, or default,replica,classic for --workload repeat)")
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="every request's temperature, seeded (default: the workload's, 1.0 random, else 0)")
     args = ap.parse_args(argv)
     configs = args.configs.split(",") if args.configs else None
-    unknown = set(configs or ()) - set(CONFIGS) - set(REPLICA) - set(BUDGET)
+    unknown = set(configs or ()) - set(CONFIGS) - set(REPLICA) - set(BUDGET) - set(SAMPLED)
     if unknown:
         ap.error(f"unknown configurations: {', '.join(sorted(unknown))}")
     repeats = args.repeats or (2 if args.quick else 3)
     waves = args.waves or (3 if args.quick else 4)
-    result = run(args.quick, args.target, args.draft, args.drafter, repeats, waves, args.seed, args.workload, configs)
+    result = run(args.quick, args.target, args.draft, args.drafter, repeats, waves, args.seed, args.workload, configs,
+                 args.temperature)
     text = metrics.table([{k: v for k, v in r.items() if k != "runs"} for r in result["rows"]], COLUMNS, digits=2)
     if result["long_streams"]:
         text += "\n\nLong streams, default configuration (equal lengths, arriving together):\n\n"

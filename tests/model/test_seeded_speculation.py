@@ -40,6 +40,7 @@ SAMPLED = {
 @pytest.fixture(scope="module", params=["ngram", "draft_model"])
 def runner(request):
     r = bundled_runner(request.param)
+    r.sampled_row_drafts = True  # sampled rows draft too (off by default): their tokens must not change
     if request.param == "draft_model":
         r._slot.drafter.sample_drafts = False  # greedy drafts: the equality rule at T > 0
     yield r
@@ -141,6 +142,7 @@ def test_sampled_rows_that_draft_emit_their_classic_streams(loaded, requests, cl
     model, reqs, want = loaded[0].model, requests[knobs], classic[knobs]
     rows = OracleRows(model, eos_token_ids=eos(loaded), row_drafts=True, num_draft_tokens=4,
                       streams={rid: tokens for rid, (tokens, _) in want.items()})
+    rows.sampled_drafts = True
     got, stats = _run(rows, reqs, drafts=True)
     assert got == want and stats["accepted"] >= 20
 
@@ -150,7 +152,9 @@ def test_sampled_rows_verify_their_own_ngram_drafts(loaded, requests):
     model's logits are flat), beside the other sampled rows."""
     repeating = list(loaded[0].tokenizer.encode(REPEATING))
     reqs = [make_request("rep", repeating, 40, temperature=0.05, seed=0), *requests["penalized"]]
-    got, stats = _run(RaggedBatch(loaded[0].model, eos_token_ids=eos(loaded), row_drafts=True), reqs, drafts=True)
+    batch = RaggedBatch(loaded[0].model, eos_token_ids=eos(loaded), row_drafts=True)
+    batch.sampled_drafts = True
+    got, stats = _run(batch, reqs, drafts=True)
     assert got == run_classic(loaded[0].model, reqs, eos(loaded))
     assert stats["accepted"] > 0
 
@@ -205,3 +209,13 @@ def test_rejection_sampled_streams_are_reproducible(loaded, requests):
     for r in requests["penalized"]:
         runs = [run_session(loaded, r, 4, make_drafter("draft_model", loaded)) for _ in range(2)]
         assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_the_runner_knob_reaches_the_batch(tiny_pair, on):
+    """`sampled_row_drafts` (off by default) is what lets sampled rows draft."""
+    from models.runner import MlxRunner
+
+    runner = MlxRunner.from_paths(tiny_pair[0], drafter_kind="ngram", **({"sampled_row_drafts": True} if on else {}))
+    assert runner.sampled_row_drafts is on and runner._classic.sampled_drafts is on
+    runner.close()

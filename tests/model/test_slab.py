@@ -213,8 +213,12 @@ def test_sampled_rows_draft_and_emit_their_classic_streams(loaded):
     target = loaded[0]
     repeating = list(target.tokenizer.encode(REPEATING))
     eos = sorted(target.tokenizer.eos_token_ids)
-    batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True)
     requests = [make_request("s", repeating, 24, temperature=0.7, seed=1)]
+    off = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True)
+    _, stats = _run(off, requests, drafts=True)
+    assert stats["drafted"] == 0  # `sampled_drafts` off (the default): greedy rows only
+    batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True)
+    batch.sampled_drafts = True
     got, stats = _run(batch, requests, drafts=True)
     assert stats["drafted"] > 0
     assert got == run_classic(target.model, requests, eos)
@@ -265,7 +269,7 @@ def test_pipelined_steps_emit_what_unpipelined_steps_emit(loaded, prompt_ids, dr
     runs = []
     for pipeline in (False, True):
         batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True, grid=True)
-        batch.costs, batch.pipeline = costs, pipeline
+        batch.costs, batch.pipeline, batch.sampled_drafts = costs, pipeline, True
         runs.append((_pipelined_run(batch, requests, late, ("t", 25), drafts), batch.num_pipelined))
     (plain, none), (piped, used) = runs
     assert none == 0 and (used >= 8 if pipelines else used == 0)

@@ -39,16 +39,22 @@ if TYPE_CHECKING:
 class Drafter(Protocol):
     """What the slot, the sessions and the runner need of a drafter. Kinds are
     registered in `models.drafter_kinds.DRAFTERS`; capabilities are members here, never
-    found with isinstance. Optional, found by attribute in `models.session`: a drafter
-    that drafts on the device without a host sync has `propose_array`; one that can give
-    a distribution has `sample_drafts` and `propose_sampled` (`DraftModelDrafter`),
-    which sessions use at temperature > 0."""
+    found with isinstance or hasattr. `DrafterBase` gives every member a kind without
+    the capability has; a drafter subclasses it and overrides what it can do."""
 
     kind: str  # its key in `models.drafter_kinds.DRAFTERS`
     name: str  # for the policy key
     # Its drafts are the n-gram lookup classic rows verify themselves (`NgramIndex`), so a
     # holder beside drafting rows may speculate on as a row.
     drafts_like_rows: bool
+    # It gives a distribution: at temperature > 0 a session samples drafts from it
+    # (`propose_sampled`) and accepts them by rejection sampling (`models.rejection`).
+    sample_drafts: bool
+    # It drafts on the device without a host sync (`propose_array`), so a session can
+    # chain the verify forward onto its drafts.
+    drafts_on_device: bool
+    # Its own KV prefixes (`models.prefix_cache`; None: it keeps none), see `keep`.
+    prefix_cache: PrefixCache | None
 
     @classmethod
     def load(cls, draft: LoadedModel | None) -> "Drafter":
@@ -79,6 +85,47 @@ class Drafter(Protocol):
         """A session with this state is done: keep what later prompts starting with its
         `history` (prompt + emitted) can reuse, in `prefix_cache` if one is attached."""
 
+    def propose_array(self, state: object, history: Sequence[int], k: int) -> mx.array:
+        """With `drafts_on_device`: `propose`'s drafts as a lazy int32 array of shape (k,)."""
+
+    def propose_sampled(self, state: object, history: Sequence[int], k: int, sampler: RequestSampler,
+                        vocab: int | None) -> tuple[mx.array, mx.array]:
+        """With `sample_drafts`: k drafts sampled from the drafter's processed distribution,
+        and that distribution q (k, V), for rejection sampling."""
+
+
+class DrafterBase:
+    """The members of `Drafter` for a kind without the capability: no drafts like rows',
+    no distribution, host-side drafts, no compiled forwards, no KV to keep."""
+
+    drafts_like_rows = False
+    sample_drafts = False
+    drafts_on_device = False
+    prefix_cache: PrefixCache | None = None
+
+    @classmethod
+    def load(cls, draft: LoadedModel | None) -> "DrafterBase":
+        return cls()
+
+    def compile_forwards(self, prefill_chunk: int) -> None:
+        return None
+
+    def warm(self, feed_lengths: tuple[int, ...], max_positions: int) -> int:
+        return 0
+
+    def kv_bytes_per_position(self) -> int:
+        return 0
+
+    def keep(self, state: object, history: Sequence[int]) -> None:
+        return None
+
+    def propose_array(self, state: object, history: Sequence[int], k: int) -> mx.array:
+        raise NotImplementedError(f"{type(self).__name__} drafts on the host (drafts_on_device is False)")
+
+    def propose_sampled(self, state: object, history: Sequence[int], k: int, sampler: RequestSampler,
+                        vocab: int | None) -> tuple[mx.array, mx.array]:
+        raise NotImplementedError(f"{type(self).__name__} gives no distribution (sample_drafts is False)")
+
 
 @dataclass
 class DraftModelState:
@@ -89,7 +136,7 @@ class DraftModelState:
     checkpoint: cache_rollback.Checkpoint | None = None
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(DrafterBase):
     """A small mlx-lm model sharing the target's vocabulary.
 
     Rollback keeps the draft cache exactly what a fresh prefill of the accepted history
@@ -100,7 +147,7 @@ class DraftModelDrafter:
     """
 
     kind = "draft_model"
-    drafts_like_rows = False
+    drafts_on_device = True
     # The draft's own KV prefixes (`models.prefix_cache`), attached by the runner's build
     # when its prefix cache is on: a new state copies the longest cached prefix of its
     # prompt and prefills only the rest; `keep` stores a finished session's draft KV.
@@ -274,7 +321,7 @@ class DraftModelDrafter:
         state.num_cached -= trim
 
 
-class NgramDrafter:
+class NgramDrafter(DrafterBase):
     """Prompt lookup: continue the longest recent n-gram that occurred before.
 
     Looks for the last `n` tokens of the history (n from `max_ngram` down to
@@ -293,23 +340,7 @@ class NgramDrafter:
         self.min_ngram = min_ngram
         self.replica = None  # a `models.replica_index.ReplicaIndex`, shared with the batch's rows
 
-    @classmethod
-    def load(cls, draft: LoadedModel | None) -> "NgramDrafter":
-        return cls()
-
-    def compile_forwards(self, prefill_chunk: int) -> None:
-        return None
-
-    def warm(self, feed_lengths: tuple[int, ...], max_positions: int) -> int:
-        return 0
-
     def new_state(self, prompt_ids: Sequence[int]) -> None:
-        return None
-
-    def kv_bytes_per_position(self) -> int:
-        return 0
-
-    def keep(self, state: None, history: Sequence[int]) -> None:
         return None
 
     def propose(self, state: None, history: Sequence[int], k: int) -> list[int]:

@@ -204,7 +204,7 @@ class MlxRunner:
         if cache is None:
             return None
         stats = cache.stats()
-        draft_cache = getattr(self._slot.drafter, "prefix_cache", None) if self._slot is not None else None
+        draft_cache = self._slot.drafter.prefix_cache if self._slot is not None else None
         if draft_cache is not None:
             stats["draft"] = draft_cache.stats()
         return stats

@@ -279,8 +279,7 @@ class SpeculativeSession:
 
     def _samples_drafts(self) -> bool:
         """Whether this round's drafts are sampled and accepted by rejection sampling."""
-        return (not self.sampler.is_greedy and getattr(self.drafter, "sample_drafts", False)
-                and hasattr(self.drafter, "propose_sampled"))
+        return not self.sampler.is_greedy and self.drafter.sample_drafts
 
     def _verify_sampled(self, logits: mx.array, drafts: mx.array,
                         q: mx.array) -> tuple[mx.array, mx.array, LogprobArrays | None]:
@@ -394,7 +393,7 @@ class SpeculativeSession:
         t0 = time.perf_counter()
         width = self.num_draft_tokens if k > 0 else 0
         sampled = k > 0 and self._samples_drafts()
-        lazy = k > 0 and hasattr(self.drafter, "propose_array")
+        lazy = k > 0 and self.drafter.drafts_on_device
         if sampled:
             drafts, q = self.drafter.propose_sampled(self.draft_state, self.history, k, self.sampler, self._vocab)
         elif lazy:

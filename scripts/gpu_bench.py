@@ -33,7 +33,7 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from models.bucketed import BucketedForward  # noqa: E402
 from models.classic_batch import ClassicBatch  # noqa: E402
-from models.drafters import DraftModelDrafter, NgramDrafter  # noqa: E402
+from models.drafters import DraftModelDrafter, DrafterBase, NgramDrafter  # noqa: E402
 from models.loader import load_pair  # noqa: E402
 from models.session import SpeculativeSession  # noqa: E402
 from scheduler.adaptive import estimate_speedup, verdict_enabled  # noqa: E402
@@ -60,7 +60,7 @@ def random_llama(size: str, dtype) -> llama.Model:
     return model
 
 
-class OracleDrafter:
+class OracleDrafter(DrafterBase):
     """Benchmark-only drafter: the target's greedy continuation `ref`, each token
     replaced by a wrong one with probability 1 - alpha (seeded)."""
 

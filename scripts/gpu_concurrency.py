@@ -34,6 +34,7 @@ import time
 
 sys.path.insert(0, os.getcwd())
 import models  # noqa: E402,F401  (fast BLAS before mlx on a CPU)
+from models.drafters import DrafterBase  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 OUT = os.environ["OUT"]
@@ -45,7 +46,7 @@ def log(*args):
     print(f"[{time.time() - T0:.0f}s]", *args, flush=True)
 
 
-class Oracle:
+class Oracle(DrafterBase):
     """Benchmark-only drafter: each prompt's greedy continuation, each token wrong with
     probability 1 - alpha (seeded)."""
 

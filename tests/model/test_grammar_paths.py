@@ -15,6 +15,7 @@ import jsonschema
 import numpy as np
 import pytest
 
+from models.drafters import DrafterBase
 from models.grammar import Grammars, json_schema_grammar
 from models.ragged_batch import RaggedBatch
 from models.rollback import draft_budget
@@ -111,7 +112,7 @@ def _oracle_drafts(stream, done, k, spoil, forbidden):
     return out
 
 
-class OracleDrafter:
+class OracleDrafter(DrafterBase):
     """The reference stream's next tokens; every third round the last one is a token
     the grammar never allows after the first ('{' can only open the object)."""
 

@@ -16,6 +16,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 
+from models.drafters import DrafterBase
 from models.ragged_batch import RaggedBatch
 from models.rollback import draft_budget
 
@@ -83,7 +84,7 @@ def test_mlx_lm_agrees_on_logit_bias_and_repetition_penalty(loaded, prompt_ids):
         assert ours == theirs
 
 
-class OracleDrafter:
+class OracleDrafter(DrafterBase):
     """Drafts the reference stream's next tokens; every `wrong_every`-th round its last
     draft is wrong (a rejection, rolled back)."""
 

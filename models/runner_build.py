@@ -49,8 +49,10 @@ def make_classic_batch(model: nn.Module, config: RunnerConfig, fuse_blocker: str
     if fuse_blocker is None and config.ragged is not False:
         batch = RaggedBatch(model, row_drafts=config.row_drafts and drafter is not None,
                             num_draft_tokens=config.num_draft_tokens, **common)
+        # The draft's bytes per position cost a draft forward: only asked when a cache is on.
+        draft_bytes = drafter.kv_bytes_per_position() if drafter and config.prefix_cache_bytes != 0 else 0
         batch.prefix_cache, draft_cache = make_prefix_caches(config.prefix_cache_bytes, batch.slab.bytes_per_position,
-                                                             drafter.kv_bytes_per_position() if drafter else 0)
+                                                             draft_bytes)
         if draft_cache is not None:
             drafter.prefix_cache = draft_cache
         return batch

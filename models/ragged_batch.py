@@ -54,7 +54,7 @@ from models.prefix_cache import PrefixCache
 from models.ragged import Rider
 from models.replica_index import ReplicaIndex
 from models.rollback import accept_count, clip_tokens, draft_budget
-from models.sampling import LogprobArrays, RequestSampler, log_probs, stop_token_ids
+from models.sampling import LogprobArrays, RequestSampler, log_probs, sample_plain_rows, stop_token_ids
 from models.slab import Row, RowView, Slab
 from scheduler.costs import RowAcceptance, TickCosts, row_draft_budget, share_drafts, step_draft_budget, verify_costs
 from scheduler.model_api import TokenBatch
@@ -502,7 +502,8 @@ class RaggedBatch:
                ahead: int = 0) -> tuple[list[mx.array], list[LogprobArrays | None]]:
         """(lazy) every verify position of every row, drawn from the row's sampler,
         position i after the row's drafts[:i] (greedy rows without processors and
-        without logprobs: one argmax over all of them), and each row's report."""
+        without logprobs: one argmax over all of them; sampled ones: one draw per set of
+        filters, `sample_plain_rows`), and each row's report."""
         greedy = [i for i, s in enumerate(streams)
                   if s.sampler.is_greedy and not s.sampler.has_processors and not s.sampler.wants_logprobs]
         drawn: list[mx.array | None] = [None] * len(streams)
@@ -514,6 +515,17 @@ class RaggedBatch:
                 n = logits[i].shape[0]
                 drawn[i] = picks[start:start + n]
                 start += n
+        # Sampled rows without processors or logprobs: one draw per set of filters.
+        plain: dict[tuple, list[int]] = {}
+        for i, s in enumerate(streams):
+            if drawn[i] is None and not (s.sampler.has_processors or s.sampler.wants_logprobs):
+                plain.setdefault(s.sampler.filter_key, []).append(i)
+        for rows in plain.values():
+            if len(rows) < 2:
+                continue
+            picks = sample_plain_rows([streams[i].sampler for i in rows], [logits[i] for i in rows], ahead)
+            for i, pick in zip(rows, picks):
+                drawn[i] = pick
         for i, s in enumerate(streams):
             if drawn[i] is None:
                 drawn[i], reports[i] = s.sampler.sample_with_logprobs(logits[i], drafts[i], ahead)

@@ -92,6 +92,12 @@ class MlxRunner:
             self.sampled_row_drafts = config.sampled_row_drafts
         elif config.replica_drafts:
             log.info("replica drafts off: rows do not draft here (%s)", self.fuse_blocker or "no drafter")
+        if self._ragged and config.warm_session and mx.default_device() == mx.gpu:
+            # On a GPU the sampler's and the verify's kernels compile on first use (seconds
+            # for the first sampled request without this; the kernel cache keeps them).
+            tic = time.perf_counter()
+            runner_build.run_warm_batch(self)
+            log.info("warm requests ran in %.1f s", time.perf_counter() - tic)
         if self._verifier is not None:
             warm_positions = config.warm_positions
             if warm_positions is None:

@@ -103,12 +103,49 @@ def warm_compiled(verifier: BucketedForward, drafter: Drafter, num_draft_tokens:
     return count
 
 
+WARM_PROMPT = "def warm(x):\n    return x + 1\n"
+
+
+def run_warm_batch(runner, max_tokens: int = 4) -> int:
+    """Throwaway requests through a slab runner's classic batch (one greedy, two sampled
+    with the same filters, so the one-draw path runs too) and through its slot, greedy
+    and sampled: the first real requests then find the sampler's and the verify's
+    kernels built. The prefix cache and the replica index are detached meanwhile (the
+    warm requests leave nothing in them). Returns the throwaway requests run."""
+    batch = runner._classic
+    saved = batch.prefix_cache, batch.replica_index
+    draft_cache = runner._slot.drafter.prefix_cache if runner._slot is not None else None
+    batch.prefix_cache = batch.replica_index = None
+    if draft_cache is not None:
+        runner._slot.drafter.prefix_cache = None
+    try:
+        prompt = list(runner.tokenizer.encode(WARM_PROMPT))[:16] or [1]
+        sampled = dict(max_tokens=max_tokens, temperature=0.7, top_p=0.9)
+        requests = [Request("__warm_b0", prompt, SamplingParams(max_tokens=max_tokens)),
+                    Request("__warm_b1", prompt, SamplingParams(seed=0, **sampled)),
+                    Request("__warm_b2", prompt, SamplingParams(seed=1, **sampled))]
+        runner.classic_prefill(requests)
+        for _ in range(4 * max_tokens):
+            if not runner.num_classic_rows():
+                break
+            runner.classic_decode(drafts=True)
+        for request in requests:  # idempotent: finished rows are already out
+            runner.classic_remove(request.request_id)
+        if runner._slot is not None:
+            run_warm_requests(runner)
+        return len(requests) + (2 if runner._slot is not None else 0)
+    finally:
+        batch.prefix_cache, batch.replica_index = saved
+        if draft_cache is not None:
+            runner._slot.drafter.prefix_cache = draft_cache
+
+
 def run_warm_requests(runner) -> None:
     """Throwaway requests, greedy and sampled, through an `MlxRunner`'s slot: begin, a
     probe round, full rounds to the end. Only at load, before any request holds the slot."""
     if runner._slot.holder is not None:
         return
-    prompt = list(runner.tokenizer.encode("def warm(x):\n    return x + 1\n"))[:16] or [1]
+    prompt = list(runner.tokenizer.encode(WARM_PROMPT))[:16] or [1]
     n = 2 * (runner.num_draft_tokens + 1) + 2
     for i, params in enumerate((SamplingParams(max_tokens=n),
                                 SamplingParams(max_tokens=n, temperature=0.7, top_p=0.9, seed=0))):

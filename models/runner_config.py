@@ -94,7 +94,9 @@ class RunnerConfig:
         128, "With fast_verify, a session's prefill (target and draft model) runs in compiled "
         "chunks of this many positions (0 = plain mlx-lm prefill).", ge=0, deployed=False)
     warm_session: bool = knob(
-        True, "With fast_verify, warming also runs throwaway requests end to end.", deployed=False)
+        True, "Throwaway requests (greedy and sampled) at load: end to end with fast_verify; through "
+        "the classic batch and the slot with the slab batch on a GPU, where kernels compile on first use.",
+        deployed=False)
     ragged: bool | None = knob(
         None, "Classic rows and sessions in one slab (`models.ragged_batch`); None = whenever the "
         "verify can ride in the batch's forward, False = mlx-lm's `BatchGenerator` in every case.",

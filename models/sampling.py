@@ -163,9 +163,27 @@ def position_keys(key: mx.array, start: int, n: int) -> mx.array:
     with p folded into its second word, so it depends on (key, p) alone and keys of
     different positions are independent streams.
     Example: position_keys(k, 0, 4)[3] == position_keys(k, 3, 1)[0]."""
-    p = mx.arange(start, start + n, dtype=mx.uint32)
-    words = key[None] ^ mx.stack([mx.zeros_like(p), p], axis=1)
+    return _fold_positions(key[None], mx.arange(start, start + n, dtype=mx.uint32))
+
+
+def _fold_positions(keys: mx.array, positions: mx.array) -> mx.array:
+    """(n, 2) uint32: row i is the key of position `positions[i]` of the stream whose
+    key is `keys[i]` (or `keys[0]` for every row when `keys` is (1, 2))."""
+    words = keys ^ mx.stack([mx.zeros_like(positions), positions], axis=1)
     return mx.vmap(lambda k: mx.random.split(k)[0])(words)
+
+
+def stacked_keys(samplers: Sequence["RequestSampler"], counts: Sequence[int], ahead: int = 0,
+                 stream: int = DRAWS) -> mx.array:
+    """(sum(counts), 2): `samplers[j].keys(counts[j], ahead, stream)` stacked, made in
+    one pass over every row instead of one per sampler (the same keys)."""
+    rows, positions = [], []
+    for j, (sampler, n) in enumerate(zip(samplers, counts)):
+        start = sampler.position + ahead
+        rows.extend([j] * n)
+        positions.extend(range(start, start + n))
+    base = mx.stack([s._stream_keys[stream] for s in samplers])
+    return _fold_positions(base[mx.array(rows, dtype=mx.int32)], mx.array(positions, dtype=mx.uint32))
 
 
 class RequestSampler:
@@ -208,6 +226,12 @@ class RequestSampler:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def filter_key(self) -> tuple[float, float, float, int]:
+        """What `scaled` depends on: samplers with equal keys draw alike."""
+        p = self.params
+        return (self.temperature, p.top_p, p.min_p, p.top_k)
 
     @property
     def has_processors(self) -> bool:
@@ -345,6 +369,22 @@ class RequestSampler:
             if counts is not None:
                 counts = counts.at[ids].add(1.0)
         return penalized_logits(logits, self.params, recent, counts)
+
+
+def sample_plain_rows(samplers: Sequence["RequestSampler"], logits: Sequence[mx.array],
+                      ahead: int = 0) -> list[mx.array]:
+    """`samplers[j].sample(logits[j])` (with `ahead`) for samplers at temperature > 0
+    without processors that share their filters (`filter_key`), as one draw over all
+    their positions: a row's tokens depend on its own logits and keys only, so they are
+    those of one draw per sampler. (n_j, V) logits in, (n_j,) tokens out."""
+    counts = [x.shape[0] for x in logits]
+    stacked = mx.concatenate(list(logits)) if len(logits) > 1 else logits[0]
+    picks = draw_rows(samplers[0].scaled(log_probs(stacked)), stacked_keys(samplers, counts, ahead))
+    out, start = [], 0
+    for n in counts:
+        out.append(picks[start:start + n])
+        start += n
+    return out
 
 
 def draw_rows(scaled: mx.array, keys: mx.array) -> mx.array:

@@ -15,7 +15,9 @@ realistic shape with random weights (4-bit, the bundled tokenizer).
   K = 4; configurations `classic_batchgen` (mlx-lm's BatchGenerator, the baseline),
   `classic` (the slab, no speculation), `default`, `slot_only` (no row drafts).
 - ORACLE=1: the slot drafts the target's own greedy continuation, each token replaced
-  with probability 0.2, at 2/4/8 streams. The continuations come from a classic run of
+  with probability 0.2, at ORACLE_NS streams (default 2,4,8); `default+oracle_rows` is
+  the default path with every classic row drafting from the same oracle instead of its
+  n-gram index (issue 14's ceiling: the cost model still picks each row's k). The continuations come from a classic run of
   the same requests at the same concurrency (batched, as the measured runs are; bf16
   forwards of other batch compositions can still drift from them, which shows as a
   measured acceptance below alpha's).
@@ -91,8 +93,12 @@ def main() -> None:
         with open(os.path.join(OUT, f"concurrency_{SHAPE}.json"), "w") as f:
             json.dump(results, f, indent=1)
 
-    concurrencies = [int(x) for x in os.environ.get("NS", "1,2,4,8,16").split(",")]
-    max_batch = max(16, *concurrencies)
+    if os.environ.get("KERNELS"):  # MLX's compiled kernels kept across runs (models.kernel_cache)
+        from models import kernel_cache
+        kernel_cache.use(os.environ["KERNELS"])
+    concurrencies = [int(x) for x in os.environ.get("NS", "1,2,4,8,16").split(",") if x]
+    oracle_ns = [int(x) for x in os.environ.get("ORACLE_NS", "2,4,8").split(",") if x]
+    max_batch = max(16, *concurrencies, *oracle_ns)
 
     def runner(ragged, drafter=None):
         if drafter is None:
@@ -155,15 +161,21 @@ def main() -> None:
     bench_util.warm_up(batchgen, batchgen.tokenizer)
     waves, max_tokens = 2, 128
 
-    def sweep(label, names, pick, concurrencies):
+    def one_run(name, prompts, n, tokens):
+        """`name` is a bench_concurrency configuration, or one with `+oracle_rows`."""
+        return bc.one_run(pick(name), name.split("+")[0], prompts, n, tokens, 8)
+
+    def sweep(label, names, pick_runner, concurrencies):
+        nonlocal pick
+        pick = pick_runner
         for n in concurrencies:
             prompts = token_prompts(plain.tokenizer, n * waves, n, num_tokens=64)
             for name in names:  # this concurrency's shapes, once, unmeasured
-                bc.one_run(pick(name), name, prompts[:n], n, 16, 8)
+                one_run(name, prompts[:n], n, 16)
             runs = {name: [] for name in names}
             for _ in range(2):
                 for name in names:
-                    runs[name].append(bc.one_run(pick(name), name, prompts, n, max_tokens, 8))
+                    runs[name].append(one_run(name, prompts, n, max_tokens))
             row = {name: {"tok_s": round(statistics.median(r["aggregate_tok_s"] for r in rs), 1),
                           "ratio": round(statistics.median(r["aggregate_tok_s"] / c["aggregate_tok_s"]
                                                            for r, c in zip(rs, runs["classic_batchgen"])), 3),
@@ -176,18 +188,33 @@ def main() -> None:
                                           v["acceptance_length"] and round(v["acceptance_length"], 2)]
                                       for k, v in row.items()}))
 
+    pick = None
     sweep("ngram", ["classic_batchgen", "classic", "default", "slot_only"],
           lambda name: batchgen if name in bc.ON_BATCHGEN else plain, concurrencies)
     if os.environ.get("ORACLE"):
         drafter = Oracle({}, vocab)
         oracle = runner(None, drafter)
         bench_util.warm_up(oracle, oracle.tokenizer)
-        for n in (2, 4, 8):
+        batch = oracle._classic
+
+        def oracle_propose(stream, k):
+            start, ref = drafter.new_state(stream.index.history)
+            return drafter.propose((start, ref), stream.index.history, k)
+
+        def pick_oracle(name):
+            if name in bc.ON_BATCHGEN:
+                return batchgen
+            if name.endswith("+oracle_rows"):
+                batch._propose = oracle_propose  # this instance only, for this run
+            else:
+                batch.__dict__.pop("_propose", None)
+            return oracle
+
+        for n in oracle_ns:
             prompts = token_prompts(plain.tokenizer, n * waves, n, num_tokens=64)
             classic = bc.one_run(plain, "classic", prompts, n, max_tokens, 8, with_tokens=True)
             drafter.refs = {tuple(p): out for p, out in zip(prompts, classic["token_ids"])}
-            sweep("oracle", ["classic_batchgen", "slot_only", "default"],
-                  lambda name: batchgen if name in bc.ON_BATCHGEN else oracle, [n])
+            sweep("oracle", ["classic_batchgen", "slot_only", "default", "default+oracle_rows"], pick_oracle, [n])
 
 
 if __name__ == "__main__":

@@ -610,3 +610,26 @@ def test_the_choices_of_one_request_share_its_prompt_through_the_scheduler(loade
     assert with_cache[0].spec.num_rounds and with_cache[1].spec.num_rounds  # the slot and its ring
     assert [r.num_cached_tokens for r in with_cache] == [0] + [len(base) - 1] * 3
     assert [r.num_cached_tokens for r in without] == [0, 0] + [len(base) - 1] * 2  # the prefill group only
+
+
+@pytest.mark.parametrize("kind", ["draft_model", "ngram"])
+def test_warm_requests_leave_nothing_behind(loaded, prompt_ids, kind):
+    """The GPU load's throwaway requests (`runner_build.run_warm_batch`, run here on the
+    CPU): no rows, no sessions, no prefix-cache entries or counts, nothing in the
+    replica index, and a real request afterwards decodes as it would have without."""
+    from models import runner_build
+    from models.runner import MlxRunner
+
+    target = loaded[0]
+    eos = sorted(target.tokenizer.eos_token_ids)
+    runner = MlxRunner(target, make_drafter(kind, loaded), num_draft_tokens=3, prefix_cache_bytes=64 << 20,
+                       replica_drafts=True)
+    before = runner.prefix_cache_stats()
+    assert runner_build.run_warm_batch(runner) == 5
+    assert runner.num_classic_rows() == 0 and runner.num_live_sessions() == 0
+    assert runner._classic.slab.num_rows == 0 and runner._slot.holder is None
+    assert runner.prefix_cache_stats() == before and before["entries"] == 0
+    assert runner._classic.replica_index is not None and len(runner._classic.replica_index) == 0
+    request = make_request("after", prompt_ids[1], 16)
+    assert drive(runner._classic, [request], drafts=True)["after"] == isolated(target.model, request, eos)
+    runner.close()

@@ -13,8 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from models.sampling import (DRAWS, RequestSampler, draw_rows, log_probs, penalized_logits, position_keys,
-                             supports_sampling)
+from models.sampling import (DRAWS, DRAFTS, RequestSampler, draw_rows, log_probs, penalized_logits,
+                             position_keys, sample_plain_rows, stacked_keys, supports_sampling)
 from scheduler.request import SamplingParams
 
 pytestmark = pytest.mark.model
@@ -150,6 +150,25 @@ def test_without_processors_nothing_changes():
     from mlx_lm.sample_utils import apply_top_p
     expected = draw_rows(apply_top_p(log_probs(logits), 0.9) * (1 / 0.7), keys)
     assert sampler.sample(logits, [4, 5]).tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("filters", [{}, {"top_p": 0.9}, {"top_k": 5, "min_p": 0.05}])
+def test_one_draw_over_many_samplers_is_each_samplers_own_draw(filters):
+    """The batched draw of sampled rows gives every row the tokens its own sampler would
+    draw: its keys depend on its seed and positions only, whatever else is stacked."""
+    rng = random.Random(3)
+    samplers = [RequestSampler(SamplingParams(8, temperature=0.7, seed=rng.randrange(1000), **filters))
+                for _ in range(6)]
+    for s in samplers:
+        s.accept([rng.randrange(V) for _ in range(rng.randrange(5))])
+    logits = [mx.random.normal((rng.randint(1, 4), V), key=mx.random.key(i)) for i in range(6)]
+    for ahead in (0, 1):
+        batched = sample_plain_rows(samplers, logits, ahead)
+        alone = [s.sample_with_logprobs(x, [], ahead)[0] for s, x in zip(samplers, logits)]
+        assert [b.tolist() for b in batched] == [a.tolist() for a in alone]
+    keys = stacked_keys(samplers, [2, 1, 3, 1, 1, 2], ahead=2, stream=DRAFTS)
+    own = mx.concatenate([s.keys(n, 2, DRAFTS) for s, n in zip(samplers, [2, 1, 3, 1, 1, 2])])
+    assert keys.tolist() == own.tolist()
 
 
 def test_a_copied_sampler_is_an_independent_stream():

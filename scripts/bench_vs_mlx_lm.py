@@ -8,6 +8,9 @@ All servers are started by this script on 127.0.0.1 and stopped with SIGTERM:
   configs/local.yaml with the port moved): speculative slot + classic batching.
 - `mlx_lm`: `mlx_lm server --model <target>` (the same model directory).
 - `mlx_lm+draft`: the same with `--draft-model <draft> --num-draft-tokens 4`.
+- `mlx_lm-wide`: the peer's batching opened up (`--decode-concurrency 64
+  --prompt-concurrency 16`; its defaults are 32 and 8): its best plain configuration
+  for many streams. Runs only when named with `--peer`.
 - on CPU also `mlx_lm-f32` / `mlx_lm-f32+draft`: the peer on a float32 copy of the same
   weights. Our loader casts float16 weights to float32 on CPU (much faster there), so
   the same-directory peer runs different arithmetic; the f32 rows are the fair pair.
@@ -45,6 +48,7 @@ from scripts import bench_util, metrics, servers
 from scripts.loadgen import LoadConfig, run_load
 
 CONCURRENCIES = (1, 4, 16)
+WIDE = ("--decode-concurrency", "64", "--prompt-concurrency", "16")  # the `mlx_lm-wide` peer
 
 
 def _is_cpu() -> bool:
@@ -87,21 +91,23 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "res
         configs: list[str] | None = None, peer_names: list[str] | None = None,
         repeats: int | None = None, repeat_prompts: bool = False, max_tokens: int | None = None,
         prompts_per_stream: int | None = None, temperature: float = 0.0,
-        startup_timeout_s: float = 300.0) -> dict:
+        startup_timeout_s: float = 300.0, prompt_chars: int = 600) -> dict:
     max_tokens = max_tokens or (32 if quick else 128)
     repeats = repeats or (2 if quick else 3)
-    peers = [("mlx_lm", target, None), ("mlx_lm+draft", target, draft)]
+    peers = [("mlx_lm", target, None, ()), ("mlx_lm+draft", target, draft, ()), ("mlx_lm-wide", target, None, WIDE)]
     if _is_cpu():
         t32, d32 = servers.float32_copy(target, out_dir), servers.float32_copy(draft, out_dir)
-        peers += [("mlx_lm-f32", t32, None), ("mlx_lm-f32+draft", t32, d32)]
+        peers += [("mlx_lm-f32", t32, None, ()), ("mlx_lm-f32+draft", t32, d32, ())]
     if peer_names:
         unknown = set(peer_names) - {p[0] for p in peers}
         if unknown:
             raise ValueError(f"unknown peer(s) {sorted(unknown)}; choose from {[p[0] for p in peers]}")
         peers = [p for p in peers if p[0] in peer_names]
+    else:  # `mlx_lm-wide` runs only when named
+        peers = [p for p in peers if not p[3]]
     ours = our_servers(configs or [DEFAULT_CONFIG], base_port, out_dir)
-    fleet = ours + [servers.mlx_lm_server(base_port + len(ours) + i, out_dir, model, d, name=name)
-                    for i, (name, model, d) in enumerate(peers)]
+    fleet = ours + [servers.mlx_lm_server(base_port + len(ours) + i, out_dir, model, d, name=name, extra=extra)
+                    for i, (name, model, d, extra) in enumerate(peers)]
     runs = []
     try:
         for server in fleet:
@@ -118,7 +124,7 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "res
                         continue
                     cfg = LoadConfig(base_url=server.base_url, num_prompts=num_prompts, concurrency=concurrency,
                                      max_tokens=max_tokens, seed=prompt_seed, progress=False, ignore_eos="off",
-                                     temperature=temperature)
+                                     temperature=temperature, prompt_chars=prompt_chars)
                     result = asyncio.run(run_load(cfg))
                     runs.append({"server": server.name, "concurrency": concurrency, "repeat": rep,
                                  "prompt_seed": prompt_seed, "cached_prompt_tokens": result["cached_prompt_tokens"],
@@ -226,12 +232,14 @@ def main(argv=None) -> int:
                     help="requests per run = this x concurrency (default 4; quick 1)")
     ap.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (default greedy)")
     ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for each server to be ready")
+    ap.add_argument("--prompt-chars", type=int, default=600, help="characters per prompt (default 600)")
     args = ap.parse_args(argv)
     result = run(args.quick, args.target, args.draft, args.seed, out_dir=args.out,
                  concurrencies=tuple(args.concurrency or CONCURRENCIES), configs=args.config,
                  peer_names=args.peer, repeats=args.repeats, repeat_prompts=args.repeat_prompts,
                  max_tokens=args.max_tokens, prompts_per_stream=args.prompts_per_stream,
-                 temperature=args.temperature, startup_timeout_s=args.startup_timeout)
+                 temperature=args.temperature, startup_timeout_s=args.startup_timeout,
+                 prompt_chars=args.prompt_chars)
     text = metrics.table(result["rows"], COLUMNS, digits=2)
     bench_util.publish(args, "vs_mlx_lm", result, text, plot)
     return 0

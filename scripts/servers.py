@@ -85,11 +85,12 @@ def ours(port: int, out_dir: str, base_config: str = "configs/local.yaml", args:
 
 
 def mlx_lm_server(port: int, out_dir: str, model: str, draft: str | None = None,
-                  num_draft_tokens: int = 4, name: str = "mlx_lm.server") -> Server:
+                  num_draft_tokens: int = 4, name: str = "mlx_lm.server", extra: tuple[str, ...] = ()) -> Server:
     cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--host", HOST, "--port", str(port),
            "--max-tokens", "4096", "--log-level", "WARNING"]
     if draft:
         cmd += ["--draft-model", draft, "--num-draft-tokens", str(num_draft_tokens)]
+    cmd += list(extra)
     return Server(name, cmd, port, os.path.join(out_dir, f"{name}-{port}.log"))
 
 

@@ -22,7 +22,9 @@ optional rider, extract, adopt, remove), over rows that each keep their own leng
   classic decode gives. How many drafts a row verifies
   is decided per step by expected value (`scheduler.costs.row_draft_budget`: the row's
   acceptance estimate against what a verify position costs at this batch size, from
-  the runner's measured `TickCosts`); a row whose drafts do not land drafts nothing.
+  the runner's measured `TickCosts`); a row whose drafts do not land drafts nothing,
+  and a step drafts at all only when its rows' expected gains pay for its first draft
+  (`scheduler.costs.drafts_pay`: on a CPU the first multi-token row costs a few ms).
 On a grid slab (a GPU) plain steps are pipelined: when no row drafts and no verify
 rides, the next step (every row fed the token this step draws, still on the device)
 is queued before this step's tokens are read, so the host builds step n + 1 while the
@@ -56,7 +58,8 @@ from models.replica_index import ReplicaIndex
 from models.rollback import accept_count, clip_tokens, draft_budget
 from models.sampling import LogprobArrays, RequestSampler, log_probs, sample_plain_rows, stop_token_ids
 from models.slab import Row, RowView, Slab
-from scheduler.costs import RowAcceptance, TickCosts, row_draft_budget, share_drafts, step_draft_budget, verify_costs
+from scheduler.costs import (DraftFit, ReplicaAcceptance, RowAcceptance, TickCosts, draft_net, drafts_pay, row_draft_budget, share_drafts,
+                             step_draft_budget, verify_costs)
 from scheduler.model_api import TokenBatch
 from scheduler.request import Request, TokenLogprob
 
@@ -110,7 +113,7 @@ class RaggedBatch:
         self.row_drafts = row_drafts
         self.num_draft_tokens = num_draft_tokens
         self._costs: TickCosts | None = None
-        self._fit: tuple[float, float, float] | None = None
+        self._fit: DraftFit | None = None
         self._model = model
         self._eos_token_ids = tuple(eos_token_ids)
         self._grammars = grammars
@@ -127,6 +130,8 @@ class RaggedBatch:
         self.sampled_drafts = False
         # Past outputs of this batch's rows to draft from (`models.replica_index`; None: off).
         self.replica_index: ReplicaIndex | None = None
+        # Where new rows' acceptance estimates start, by kind (greedy: True).
+        self.replica_acceptance = {True: ReplicaAcceptance(), False: ReplicaAcceptance()}
         self.num_pipelined = 0  # steps whose tokens a queued step had drawn
         self._streams: dict[str, _Stream] = {}  # classic rows, in slots 0..len-1
         self._sessions: set[int] = set()  # ids of rows handed out as session caches
@@ -218,7 +223,7 @@ class RaggedBatch:
             stream.token_ids = [*history, pending]
         if self.row_drafts and history is not None and (sampler.is_greedy or self.sampled_drafts):
             stream.index = NgramIndex([*history, pending])
-            stream.acceptance = RowAcceptance()
+            stream.acceptance = self.replica_acceptance[sampler.is_greedy].start()
         self._streams[request_id] = stream
         self._finished.discard(request_id)
         return stream
@@ -337,7 +342,7 @@ class RaggedBatch:
         """Accept each row's drafts, emit, drop finished rows. `wanted`: drafts were
         asked for this step (a row that drafted nothing relaxes its estimate);
         `reports`: each row's logprobs at every verified position (None: not asked)."""
-        out = []
+        out, drafted = [], {True: False, False: False}
         for stream, draft, target, report in zip(streams, drafts, verified, reports):
             num_accepted = accept_count(draft, target)
             if len(draft) > num_accepted:  # rejected drafts leave the row
@@ -352,15 +357,22 @@ class RaggedBatch:
             stream.sampler.accept(tokens)
             if stream.index is not None:
                 stream.index.extend(tokens)
+                kind = self.replica_acceptance[stream.sampler.is_greedy]
                 if draft:
                     stream.acceptance.record(len(draft), num_accepted)
+                    kind.record(len(draft), num_accepted)
+                    drafted[stream.sampler.is_greedy] = True
                 elif wanted:
-                    stream.acceptance.relax()
+                    stream.acceptance.relax(kind.alpha)
             out.append(TokenBatch(stream.request_id, tokens, reason, len(draft), num_accepted if draft else 0,
                                   "ngram" if draft else "", None if report is None else report[:len(tokens)]))
             if reason is not None:
                 self._finished.add(stream.request_id)
                 self._drop(stream)
+        if wanted:  # a kind of row none of which drafted drifts back toward the prior
+            for greedy, replica in self.replica_acceptance.items():
+                if not drafted[greedy] and any(s.index is not None and s.sampler.is_greedy == greedy for s in streams):
+                    replica.relax()
         self._steps += 1
         if self._steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
@@ -424,8 +436,9 @@ class RaggedBatch:
     def _nobody_pays(self, num_rows: int) -> bool:
         """Whether at this batch size even a row accepting every draft would not pay
         (budgets only grow with acceptance, so no row drafts)."""
-        fit = self._fit
-        return fit is not None and row_draft_budget(1.0, num_rows, fit, self.num_draft_tokens) == 0
+        fit, k = self._fit, self.num_draft_tokens
+        return fit is not None and (row_draft_budget(1.0, num_rows, fit, k) == 0
+                                    or not drafts_pay([draft_net(1.0, k, num_rows, fit)] * num_rows, num_rows, fit))
 
     def _budget(self, alpha: float, num_rows: int, remaining: int) -> int:
         """Drafts a drafting row with acceptance `alpha` and `remaining` tokens left to
@@ -440,14 +453,27 @@ class RaggedBatch:
         acceptance as `_apply` leaves it after a step without drafts (or higher)."""
         if self._nobody_pays(len(streams)):
             return False
+        alphas = []
         for s in streams:
-            if s.index is None:
-                continue
-            relaxed = copy.copy(s.acceptance)
-            relaxed.relax()
-            if self._budget(max(s.acceptance.alpha, relaxed.alpha), len(streams), s.max_tokens - s.num_emitted - 1):
-                return True
-        return False
+            if s.index is not None:
+                relaxed = copy.copy(s.acceptance)
+                relaxed.relax(self.replica_acceptance[s.sampler.is_greedy].alpha)
+                alphas.append(max(s.acceptance.alpha, relaxed.alpha))
+            else:
+                alphas.append(None)
+        wants = [0 if a is None else self._budget(a, len(streams), s.max_tokens - s.num_emitted - 1)
+                 for a, s in zip(alphas, streams)]
+        return self._step_pays(alphas, wants, len(streams))
+
+    def _step_pays(self, alphas: list[float | None], wants: list[int], num_rows: int) -> bool:
+        """Whether rows drafting `wants` at acceptances `alphas` gain the step more than
+        its first draft costs (`scheduler.costs.drafts_pay`; without costs: any draft)."""
+        if not any(wants):
+            return False
+        if self._fit is None:
+            return True
+        return drafts_pay([draft_net(a, k, num_rows, self._fit) for a, k in zip(alphas, wants) if k],
+                          num_rows, self._fit)
 
     def _drafts(self, streams: list[_Stream]) -> list[list[int]]:
         """Each row's drafts for this step (empty where it drafts nothing): what its own
@@ -455,10 +481,13 @@ class RaggedBatch:
         rows share in lane order (`scheduler.costs.share_drafts`)."""
         if self._nobody_pays(len(streams)):
             return [[] for _ in streams]
-        out = []
-        for s in streams:
-            k = 0 if s.index is None else self._budget(s.acceptance.alpha, len(streams), s.max_tokens - s.num_emitted)
-            out.append(s.sampler.allowed_drafts(self._propose(s, k)) if k else [])
+        alphas = [None if s.index is None else s.acceptance.alpha for s in streams]
+        out = [s.sampler.allowed_drafts(self._propose(s, k)) if k else []
+               for s, k in ((s, 0 if a is None else self._budget(a, len(streams), s.max_tokens - s.num_emitted))
+                            for a, s in zip(alphas, streams))]
+        # Priced by what the rows proposed (a row whose n-grams found nothing adds nothing).
+        if not self._step_pays(alphas, [len(d) for d in out], len(streams)):
+            return [[] for _ in streams]
         budget = (step_draft_budget(len(streams), self._fit, self.draft_step_share)
                   if self._fit is not None and self.draft_step_share > 0 else None)
         if budget is None or sum(map(len, out)) <= budget:

@@ -2,8 +2,9 @@
 
 At load, on a throwaway slab (`models.slab`) of rows holding `CONTEXT` tokens each: a
 decode step of b rows (the classic batch alone), the same step carrying one verify
-of 1 + K tokens (the fused tick), and b rows each verifying 1 + K tokens (rows that
-draft), for b in `batch_sizes`, plus the drafter proposing K tokens. Medians of a
+of 1 + K tokens (the fused tick), b rows each verifying 1 + K tokens (rows that
+draft), for b in `batch_sizes`, and b rows of which one brings a draft (a step's first
+draft, every other size and the largest), plus the drafter proposing K tokens. Medians of a
 few synchronised runs after one warm-up each; a CPU replica spends well under a
 second here with the bundled pair.
 """
@@ -66,7 +67,10 @@ def measure(model: nn.Module, drafter: Drafter | None, num_draft_tokens: int, ma
     fused = {b: timed_forward([(r, [prompt[i]]) for i, r in enumerate(rows[:b])] + [(rows[b], verify)])
              for b in [0, *sizes]}
     all_verify = {b: timed_forward([(r, verify) for r in rows[:b]]) for b in sizes if b > 1}
-    return TickCosts(decode, fused, _draft_seconds(drafter, prompt, num_draft_tokens), all_verify)
+    # b rows, the first bringing one draft: a step's first draft (every other size)
+    one_draft = {b: timed_forward([(rows[0], prompt[:2])] + [(r, [prompt[i]]) for i, r in enumerate(rows[1:b], 1)])
+                 for b in sizes[::2] + sizes[-1:] * (len(sizes) % 2 == 0)}
+    return TickCosts(decode, fused, _draft_seconds(drafter, prompt, num_draft_tokens), all_verify, one_draft)
 
 
 def _draft_seconds(drafter: Drafter | None, prompt: list[int], k: int) -> float:

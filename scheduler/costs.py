@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 EMA_WEIGHT = 0.3  # weight of the newest round in a request's acceptance estimate
 # Speculating beside a batch must beat decoding by this factor: what the tick times do
@@ -33,7 +34,8 @@ class TickCosts:
     """Seconds of one model forward on this replica: `decode[b]` is a decode step of
     b rows, `fused[b]` the same b rows plus one verify of 1 + K tokens (`fused[0]`: the
     verify alone), `draft` proposing K tokens, `all_verify[b]` (optional) b rows each
-    verifying 1 + K tokens (every row drafting). Sizes in between interpolate
+    verifying 1 + K tokens (every row drafting), `one_draft[b]` (optional) b rows of
+    which one brings a draft (a step's first draft). Sizes in between interpolate
     linearly; past the largest measured size, the last two extrapolate.
     >>> TickCosts({1: 2.0, 3: 4.0}, {0: 3.0, 2: 5.0}, 0.5).decode_s(2)
     3.0
@@ -43,6 +45,7 @@ class TickCosts:
     fused: dict[int, float]
     draft: float
     all_verify: dict[int, float] = field(default_factory=dict)
+    one_draft: dict[int, float] = field(default_factory=dict)
 
     def decode_s(self, num_rows: int) -> float:
         return _interpolate(self.decode, num_rows)
@@ -54,6 +57,7 @@ class TickCosts:
         return {"decode_ms": {b: round(s * 1e3, 3) for b, s in sorted(self.decode.items())},
                 "fused_ms": {b: round(s * 1e3, 3) for b, s in sorted(self.fused.items())},
                 "all_verify_ms": {b: round(s * 1e3, 3) for b, s in sorted(self.all_verify.items())},
+                "one_draft_ms": {b: round(s * 1e3, 3) for b, s in sorted(self.one_draft.items())},
                 "draft_ms": round(self.draft * 1e3, 3)}
 
 
@@ -199,60 +203,154 @@ class RowAcceptance:
         self.successes = (1 - w) * self.successes + w * num_accepted
         self.failures = (1 - w) * self.failures + w * float(num_accepted < num_drafted)
 
+    def relax(self, prior: float = ROW_PRIOR_ALPHA) -> None:
+        """One step without drafts: the estimate moves `ROW_RELAX` of the way back to
+        `prior`, so a row that stopped drafting is tried again."""
+        self.successes += ROW_RELAX * (prior - self.alpha)
+        self.failures = max(self.failures - ROW_RELAX * (prior - self.alpha), 1e-3)
+
+
+REPLICA_EMA_WEIGHT = 0.05  # weight of one verify in the replica's acceptance of a kind of row
+
+
+@dataclass
+class ReplicaAcceptance:
+    """The per-draft acceptance of one kind of row (greedy, or sampled) over the
+    replica's recent verifies: where a new row of that kind starts, and where a row
+    that stopped drafting drifts back to. Rows of a workload whose drafts rarely land
+    (sampled text that does not repeat) then start pessimistic instead of paying a
+    few failed verifies each; the estimate itself drifts back toward
+    `ROW_PRIOR_ALPHA` in steps where no row of the kind drafts, so a workload that
+    changes is noticed.
+    >>> replica = ReplicaAcceptance()
+    >>> for _ in range(40):
+    ...     replica.record(2, 0)
+    >>> round(replica.alpha, 2), round(replica.start().alpha, 2)
+    (0.1, 0.1)
+    >>> for _ in range(200):
+    ...     replica.relax()
+    >>> round(replica.alpha, 2)
+    0.79
+    """
+
+    estimate: RowAcceptance = field(default_factory=RowAcceptance)
+
+    @property
+    def alpha(self) -> float:
+        return self.estimate.alpha
+
+    def start(self) -> RowAcceptance:
+        """A new row's estimate: the replica's, at a row's weight."""
+        return RowAcceptance(self.alpha, 1.0 - self.alpha)
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted == 0:
+            return
+        w, e = REPLICA_EMA_WEIGHT, self.estimate
+        e.successes = (1 - w) * e.successes + w * num_accepted
+        e.failures = (1 - w) * e.failures + w * float(num_accepted < num_drafted)
+
     def relax(self) -> None:
-        self.successes += ROW_RELAX * (ROW_PRIOR_ALPHA - self.alpha)
-        self.failures = max(self.failures - ROW_RELAX * (ROW_PRIOR_ALPHA - self.alpha), 1e-3)
+        self.estimate.relax()
 
 
-def verify_costs(costs: TickCosts, num_draft_tokens: int) -> tuple[float, float, float]:
-    """(per forward, per decode token, per draft token) seconds, fitted to the measured
-    tables by medians (one noisy measurement does not swing them): a decode step of b
-    rows carries b tokens; a draft token's cost is what b rows each verifying 1 + K
-    tokens add over their decode step, per draft (`all_verify`), or without that
-    table what one verify row adds beside b rows (`fused`), attention call included.
+class DraftFit(NamedTuple):
+    """What a step's drafts cost, in seconds (`verify_costs`): a step of b rows costs
+    `per_forward + per_token * b`; each draft position adds `per_draft`, and a step
+    with any draft also pays `first_draft` once (on a CPU the packed forward runs one
+    more attention call per layer for multi-token rows; on a GPU grid it is small)."""
+
+    per_forward: float
+    per_token: float
+    per_draft: float
+    first_draft: float = 0.0
+
+    def rate(self, num_rows: int) -> float:
+        """Tokens per second of a plain step of `num_rows` rows."""
+        return num_rows / max(self.per_forward + self.per_token * num_rows, 1e-9)
+
+
+def verify_costs(costs: TickCosts, num_draft_tokens: int) -> DraftFit:
+    """The `DraftFit` of the measured tables, by medians (one noisy measurement does
+    not swing them): a decode step of b rows carries b tokens; with `one_draft`, a
+    step's first draft costs what one row bringing one draft adds over the decode step
+    (`first_draft` is what that exceeds `per_draft` by), and `per_draft` is what b rows
+    each verifying 1 + K tokens add beyond that first draft, per further draft
+    (`all_verify`); without `one_draft` the first draft costs no more than the others,
+    and without `all_verify` a draft costs what one verify row adds beside b rows
+    (`fused`), attention call included.
     >>> costs = TickCosts({1: 4.0, 2: 4.5, 4: 5.5}, {0: 6.5, 1: 7.0, 4: 8.5}, 0.0)
-    >>> verify_costs(costs, 4)
-    (3.5, 0.5, 0.625)
+    >>> tuple(verify_costs(costs, 4))
+    (3.5, 0.5, 0.625, 0.0)
     >>> [round(x, 3) for x in verify_costs(TickCosts(costs.decode, costs.fused, 0.0, {2: 6.1, 4: 8.7}), 4)]
-    [3.5, 0.5, 0.2]
+    [3.5, 0.5, 0.2, 0.0]
+    >>> [round(x, 3) for x in verify_costs(TickCosts(costs.decode, costs.fused, 0.0, {2: 7.2, 4: 9.0},
+    ...                                              {1: 6.0, 2: 6.5, 4: 7.5}), 4)]
+    [3.5, 0.5, 0.1, 1.9]
     """
     sizes = sorted(costs.decode)
     slopes = [(costs.decode[b] - costs.decode[a]) / (b - a) for i, a in enumerate(sizes) for b in sizes[i + 1:]]
     per_token = max(statistics.median(slopes), 0.0) if slopes else 0.0
     per_forward = statistics.median(costs.decode[b] - per_token * b for b in sizes)
+    first = (max(statistics.median(costs.one_draft[b] - costs.decode_s(b) for b in costs.one_draft), 0.0)
+             if costs.one_draft else None)
     if costs.all_verify:
-        per_draft = statistics.median((costs.all_verify[b] - costs.decode_s(b)) / (b * num_draft_tokens)
-                                      for b in costs.all_verify)
+        per_draft = statistics.median((costs.all_verify[b] - costs.decode_s(b) - (first or 0.0))
+                                      / (b * num_draft_tokens - (first is not None)) for b in costs.all_verify)
     else:
-        per_draft = statistics.median((costs.fused[b] - costs.decode_s(b + 1)) / num_draft_tokens for b in costs.fused)
-    return per_forward, per_token, max(per_draft, 0.0)
+        per_draft = statistics.median((costs.fused[b] - costs.decode_s(b + 1) - (first or 0.0))
+                                      / (num_draft_tokens - (first is not None)) for b in costs.fused)
+    per_draft = max(per_draft, 0.0)
+    return DraftFit(per_forward, per_token, per_draft, 0.0 if first is None else max(first - per_draft, 0.0))
 
 
-def row_draft_budget(alpha: float, num_rows: int, costs: TickCosts | tuple[float, float, float],
-                     num_draft_tokens: int) -> int:
+def expected_accepted(alpha: float, k: int) -> float:
+    """Drafts a row with per-draft acceptance `alpha` expects to keep of k:
+    alpha + alpha^2 + ... + alpha^k."""
+    total, p = 0.0, 1.0
+    for _ in range(k):
+        p *= alpha
+        total += p
+    return total
+
+
+def draft_net(alpha: float, k: int, num_rows: int, fit: DraftFit) -> float:
+    """Tokens a row's k drafts gain a step of `num_rows` rows beyond what their
+    positions cost (at the step's plain rate), the step's first-draft cost aside."""
+    return expected_accepted(alpha, k) - fit.rate(num_rows) * fit.per_draft * k
+
+
+def row_draft_budget(alpha: float, num_rows: int, costs: TickCosts | DraftFit, num_draft_tokens: int) -> int:
     """Drafts (0..K) a row with per-draft acceptance `alpha` should verify this step:
     the one whose expected accepted drafts (alpha + ... + alpha^k) most exceed what
     its verify positions cost, at the tokens per second a step of `num_rows` rows
-    yields. `costs`: the measured tables, or their
-    `verify_costs` fit (what a caller asking every step passes, fitted once).
+    yields (the step's first-draft cost is the step's to weigh: `drafts_pay`).
+    `costs`: the measured tables, or their `verify_costs` fit (what a caller asking
+    every step passes, fitted once).
     >>> costs = TickCosts({1: 4.0, 2: 4.5, 4: 5.5}, {0: 6.5, 1: 7.0, 4: 8.5}, 0.0)
     >>> [row_draft_budget(a, 4, costs, 4) for a in (0.4, 0.75, 0.9)]
     [0, 2, 4]
     """
     fit = verify_costs(costs, num_draft_tokens) if isinstance(costs, TickCosts) else costs
-    per_forward, per_token, per_draft = fit
-    rate = num_rows / max(per_forward + per_token * num_rows, 1e-9)
-    best, best_k, expected, p = 0.0, 0, 0.0, 1.0
+    best, best_k = 0.0, 0
     for k in range(1, num_draft_tokens + 1):
-        p *= alpha
-        expected += p
-        net = expected - rate * per_draft * k
+        net = draft_net(alpha, k, num_rows, fit)
         if net > best:
             best, best_k = net, k
     return best_k
 
 
-def step_draft_budget(num_rows: int, fit: tuple[float, float, float], share: float) -> int | None:
+def drafts_pay(nets: list[float], num_rows: int, fit: DraftFit) -> bool:
+    """Whether the rows' drafts, gaining `nets` tokens each (`draft_net`), together pay
+    for the step's first-draft cost.
+    >>> fit = DraftFit(3.0, 0.25, 0.1, 1.0)   # 4 rows: 1 token per second, a 1 s first draft
+    >>> drafts_pay([0.4, 0.3], 4, fit), drafts_pay([0.4, 0.3, 0.4], 4, fit)
+    (False, True)
+    """
+    return sum(nets) > fit.rate(num_rows) * fit.first_draft
+
+
+def step_draft_budget(num_rows: int, fit: DraftFit | tuple[float, ...], share: float) -> int | None:
     """Draft tokens a step of `num_rows` rows may verify in all: as many as add at most
     `share` of the step's time without them, by the `verify_costs` fit (None: a draft
     position costs nothing measurable, so there is no limit). The runner's
@@ -262,7 +360,7 @@ def step_draft_budget(num_rows: int, fit: tuple[float, float, float], share: flo
     >>> step_draft_budget(16, (20.0, 0.45, 0.35), 0.5), step_draft_budget(8, (10.0, 0.5, 0.0), 0.5)
     (38, None)
     """
-    per_forward, per_token, per_draft = fit
+    per_forward, per_token, per_draft = fit[:3]
     if per_draft <= 0:
         return None
     return int(share * (per_forward + per_token * num_rows) / per_draft)

@@ -13,6 +13,7 @@ from models import slab
 from models.drafters import NgramIndex, ngram_lookup
 from models.ragged_batch import RaggedBatch
 from scheduler.costs import TickCosts
+from scheduler.request import Request
 
 from .conftest import make_request
 from .helpers import run_classic
@@ -207,6 +208,21 @@ def test_rows_do_not_draft_where_a_verify_position_costs_too_much(loaded):
     assert stats["drafted"] == 0
 
 
+def test_rows_do_not_draft_where_a_steps_first_draft_costs_too_much(loaded):
+    """Draft positions nearly free, but a step's first draft costs 8 steps: no row's
+    drafts pay for it. With a cheap first draft the same rows draft."""
+    target = loaded[0]
+    repeating = list(target.tokenizer.encode(REPEATING))
+    eos = sorted(target.tokenizer.eos_token_ids)
+    requests = [make_request("rep", repeating, 24), make_request("x", repeating[3:], 24)]
+    for first, drafts in ((8.0, False), (0.01, True)):
+        batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True)
+        batch.costs = TickCosts({1: 1.0, 2: 1.1}, {0: 1.2, 1: 1.3}, 0.0, {2: 1.1 + first + 7 * 0.01},
+                                {1: 1.0 + first, 2: 1.1 + first})
+        _, stats = _run(batch, [Request(r.request_id, list(r.prompt_ids), r.sampling) for r in requests], drafts=True)
+        assert (stats["drafted"] > 0) is drafts
+
+
 def test_sampled_rows_draft_and_emit_their_classic_streams(loaded):
     """A verify position draws with its output position's key, as classic decode does
     (more in test_seeded_speculation)."""
@@ -222,6 +238,33 @@ def test_sampled_rows_draft_and_emit_their_classic_streams(loaded):
     got, stats = _run(batch, requests, drafts=True)
     assert stats["drafted"] > 0
     assert got == run_classic(target.model, requests, eos)
+
+
+def test_new_rows_start_from_what_rows_of_their_kind_accepted_on_this_replica(loaded):
+    """Sampled rows whose drafts kept failing make a new sampled row start pessimistic
+    (it drafts nothing at first), while greedy rows keep their own estimate; verifies
+    move the replica's estimate of their kind only."""
+    target = loaded[0]
+    repeating = list(target.tokenizer.encode(REPEATING))
+    eos = sorted(target.tokenizer.eos_token_ids)
+    batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True)
+    batch.sampled_drafts = True
+    # a draft position costs 0.22 steps' time: at 2 rows a draft pays where it lands 40 %
+    batch.costs = TickCosts({1: 1.0, 2: 1.1, 4: 1.3}, {0: 1.2, 1: 1.3}, 0.0, {2: 1.1 + 8 * 0.22, 4: 1.3 + 16 * 0.22})
+    for _ in range(60):
+        batch.replica_acceptance[False].record(3, 0)
+    greedy_before = batch.replica_acceptance[True].alpha
+    batch.prefill([make_request("s", repeating, 24, temperature=0.7, seed=1), make_request("g", repeating, 24)])
+    sampled_row, greedy_row = batch._streams["s"], batch._streams["g"]
+    assert sampled_row.acceptance.alpha < 0.1 and greedy_row.acceptance.alpha == pytest.approx(greedy_before)
+    drafted = {"s": 0, "g": 0}
+    while batch.num_rows():
+        for out in batch.decode(drafts=True):
+            drafted[out.request_id] += out.num_drafted
+            if out.finish_reason:
+                batch.remove(out.request_id)
+    assert drafted["s"] == 0 and drafted["g"] > 0
+    assert batch.replica_acceptance[True].alpha != greedy_before  # the greedy row's verifies counted
 
 
 def _pipelined_run(batch, requests, late, cancel_after, drafts):

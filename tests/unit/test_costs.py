@@ -2,8 +2,8 @@
 
 import pytest
 
-from scheduler.costs import (BATCH_MARGIN, AcceptanceTracker, LiveCosts, TickCosts, share_drafts, speculation_pays,
-                             step_draft_budget)
+from scheduler.costs import (BATCH_MARGIN, AcceptanceTracker, DraftFit, LiveCosts, TickCosts, draft_net, drafts_pay,
+                             row_draft_budget, share_drafts, speculation_pays, step_draft_budget, verify_costs)
 
 COSTS = TickCosts(decode={1: 4.0, 2: 5.0, 4: 6.0, 8: 8.0}, fused={0: 6.0, 1: 7.0, 4: 9.0, 8: 12.0}, draft=1.0)
 
@@ -90,3 +90,32 @@ def test_step_draft_budget_bounds_what_drafts_add_to_a_step(rows, fit, budget):
 ])
 def test_share_drafts_serves_rows_as_grants_are_served(wants, lanes, denied, budget, given):
     assert share_drafts(wants, lanes, denied, budget, skip_cap=2) == given
+
+
+# The 2-core CPU's bundled target, as measured at load (ms): a forward 8, a row 0.6; a
+# step's first draft 2.7 more than a further one (one more attention call per layer).
+CPU_FIT = DraftFit(8.0, 0.6, 0.35, 2.7)
+
+
+def test_the_first_draft_is_fitted_apart_from_the_others():
+    costs = TickCosts({1: 8.6, 4: 10.4, 16: 17.6}, {0: 12.0, 4: 14.4}, 0.0,
+                      all_verify={4: 10.4 + 3.05 + 15 * 0.35, 16: 17.6 + 3.05 + 63 * 0.35},
+                      one_draft={1: 8.6 + 3.05, 16: 17.6 + 3.05})
+    assert tuple(verify_costs(costs, 4)) == pytest.approx((8.0, 0.6, 0.35, 2.7))
+    # without the one-draft table the first draft is spread over every draft, as before
+    spread = verify_costs(TickCosts(costs.decode, costs.fused, 0.0, costs.all_verify), 4)
+    assert spread.first_draft == 0.0 and spread.per_draft > 0.35
+
+
+@pytest.mark.parametrize("alphas, rows, pays", [
+    ([0.45, 0.45], 4, False),      # two rows whose drafts land 45 %: 2 x 0.38 tokens < 1.04
+    ([0.45] * 3, 4, True),         # three share the first draft's cost
+    ([0.3] * 8, 8, False),         # rows that land 30 %, even all of them: 8 x 0.08 < 1.69
+    ([0.8], 4, True),              # one row that lands 80 % of 4 drafts pays for it alone
+    ([0.8, 0.8], 16, False),       # beside 16 rows the first draft costs 2.45 tokens
+    ([0.8, 0.8, 0.8], 16, True),
+])
+def test_a_step_drafts_only_when_its_rows_pay_for_its_first_draft(alphas, rows, pays):
+    nets = [draft_net(a, row_draft_budget(a, rows, CPU_FIT, 4), rows, CPU_FIT) for a in alphas]
+    assert all(n > 0 for n in nets)  # each row alone would draft by its own budget
+    assert drafts_pay(nets, rows, CPU_FIT) is pays

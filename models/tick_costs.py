@@ -3,8 +3,9 @@
 At load, on a throwaway slab (`models.slab`) of rows holding `CONTEXT` tokens each: a
 decode step of b rows (the classic batch alone), the same step carrying one verify
 of 1 + K tokens (the fused tick), b rows each verifying 1 + K tokens (rows that
-draft), for b in `batch_sizes`, and b rows of which one brings a draft (a step's first
-draft, every other size and the largest), plus the drafter proposing K tokens. Medians of a
+draft), for b in `batch_sizes`, and at every other size and the largest b rows of which
+one brings a draft (a step's first draft) and b rows of which half bring one draft each, plus the
+drafter proposing K tokens. Medians of a
 few synchronised runs after one warm-up each; a CPU replica spends well under a
 second here with the bundled pair.
 """
@@ -68,9 +69,14 @@ def measure(model: nn.Module, drafter: Drafter | None, num_draft_tokens: int, ma
              for b in [0, *sizes]}
     all_verify = {b: timed_forward([(r, verify) for r in rows[:b]]) for b in sizes if b > 1}
     # b rows, the first bringing one draft: a step's first draft (every other size)
+    some = sizes[::2] + sizes[-1:] * (len(sizes) % 2 == 0)  # every other size and the largest
     one_draft = {b: timed_forward([(rows[0], prompt[:2])] + [(r, [prompt[i]]) for i, r in enumerate(rows[1:b], 1)])
-                 for b in sizes[::2] + sizes[-1:] * (len(sizes) % 2 == 0)}
-    return TickCosts(decode, fused, _draft_seconds(drafter, prompt, num_draft_tokens), all_verify, one_draft)
+                 for b in some}
+    # half of b rows bring one draft each (a step where every row drafts runs differently
+    # on a CPU: no one-token rows are left to share an attention call)
+    half_one = {b: timed_forward([(r, prompt[i:i + 2] if i < b // 2 else [prompt[i]]) for i, r in enumerate(rows[:b])])
+                for b in some if b >= 4}
+    return TickCosts(decode, fused, _draft_seconds(drafter, prompt, num_draft_tokens), all_verify, one_draft, half_one)
 
 
 def _draft_seconds(drafter: Drafter | None, prompt: list[int], k: int) -> float:

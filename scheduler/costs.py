@@ -35,7 +35,8 @@ class TickCosts:
     b rows, `fused[b]` the same b rows plus one verify of 1 + K tokens (`fused[0]`: the
     verify alone), `draft` proposing K tokens, `all_verify[b]` (optional) b rows each
     verifying 1 + K tokens (every row drafting), `one_draft[b]` (optional) b rows of
-    which one brings a draft (a step's first draft). Sizes in between interpolate
+    which one brings a draft (a step's first draft), `half_one[b]` (optional) b rows
+    of which b // 2 bring one draft each. Sizes in between interpolate
     linearly; past the largest measured size, the last two extrapolate.
     >>> TickCosts({1: 2.0, 3: 4.0}, {0: 3.0, 2: 5.0}, 0.5).decode_s(2)
     3.0
@@ -46,6 +47,7 @@ class TickCosts:
     draft: float
     all_verify: dict[int, float] = field(default_factory=dict)
     one_draft: dict[int, float] = field(default_factory=dict)
+    half_one: dict[int, float] = field(default_factory=dict)
 
     def decode_s(self, num_rows: int) -> float:
         return _interpolate(self.decode, num_rows)
@@ -58,6 +60,7 @@ class TickCosts:
                 "fused_ms": {b: round(s * 1e3, 3) for b, s in sorted(self.fused.items())},
                 "all_verify_ms": {b: round(s * 1e3, 3) for b, s in sorted(self.all_verify.items())},
                 "one_draft_ms": {b: round(s * 1e3, 3) for b, s in sorted(self.one_draft.items())},
+                "half_one_ms": {b: round(s * 1e3, 3) for b, s in sorted(self.half_one.items())},
                 "draft_ms": round(self.draft * 1e3, 3)}
 
 
@@ -256,14 +259,16 @@ class ReplicaAcceptance:
 
 class DraftFit(NamedTuple):
     """What a step's drafts cost, in seconds (`verify_costs`): a step of b rows costs
-    `per_forward + per_token * b`; each draft position adds `per_draft`, and a step
-    with any draft also pays `first_draft` once (on a CPU the packed forward runs one
-    more attention call per layer for multi-token rows; on a GPU grid it is small)."""
+    `per_forward + per_token * b`; each drafting row adds `per_row` and each draft
+    position `per_draft`, and a step with any draft also pays `first_draft` once (on a
+    CPU the packed forward runs one attention call per multi-token row, and the first
+    one costs the most; on a GPU grid all of it is small)."""
 
     per_forward: float
     per_token: float
     per_draft: float
     first_draft: float = 0.0
+    per_row: float = 0.0
 
     def rate(self, num_rows: int) -> float:
         """Tokens per second of a plain step of `num_rows` rows."""
@@ -271,37 +276,65 @@ class DraftFit(NamedTuple):
 
 
 def verify_costs(costs: TickCosts, num_draft_tokens: int) -> DraftFit:
-    """The `DraftFit` of the measured tables, by medians (one noisy measurement does
-    not swing them): a decode step of b rows carries b tokens; with `one_draft`, a
-    step's first draft costs what one row bringing one draft adds over the decode step
-    (`first_draft` is what that exceeds `per_draft` by), and `per_draft` is what b rows
-    each verifying 1 + K tokens add beyond that first draft, per further draft
-    (`all_verify`); without `one_draft` the first draft costs no more than the others,
-    and without `all_verify` a draft costs what one verify row adds beside b rows
-    (`fused`), attention call included.
+    """The `DraftFit` of the measured tables, by medians over batch sizes (one noisy
+    measurement does not swing them): a decode step of b rows carries b tokens.
+    - With `one_draft` and `half_one`: one row bringing one draft adds `first`; each
+      further row bringing one draft adds `per_row + per_draft` (`half_one`); b rows each verifying
+      K drafts (`all_verify`) add `first` plus the other b - 1 rows and b * K - 1
+      drafts, which separates the two; `first_draft` is what `first` exceeds a
+      further row's cost by.
+    - With `one_draft` only: the same without rows (`per_row` 0).
+    - Without either: a draft costs what b rows each verifying K drafts add over their
+      decode step, per draft (`all_verify`), or without that table what one verify row
+      adds beside b rows (`fused`), attention call included.
     >>> costs = TickCosts({1: 4.0, 2: 4.5, 4: 5.5}, {0: 6.5, 1: 7.0, 4: 8.5}, 0.0)
     >>> tuple(verify_costs(costs, 4))
-    (3.5, 0.5, 0.625, 0.0)
+    (3.5, 0.5, 0.625, 0.0, 0.0)
     >>> [round(x, 3) for x in verify_costs(TickCosts(costs.decode, costs.fused, 0.0, {2: 6.1, 4: 8.7}), 4)]
-    [3.5, 0.5, 0.2, 0.0]
+    [3.5, 0.5, 0.2, 0.0, 0.0]
     >>> [round(x, 3) for x in verify_costs(TickCosts(costs.decode, costs.fused, 0.0, {2: 7.2, 4: 9.0},
     ...                                              {1: 6.0, 2: 6.5, 4: 7.5}), 4)]
-    [3.5, 0.5, 0.1, 1.9]
+    [3.5, 0.5, 0.1, 1.9, 0.0]
+    >>> # first draft 2.0, a further row 0.3 + a further draft 0.2
+    >>> all_verify = {2: 4.5 + 2.0 + 0.3 + 7 * 0.2, 4: 5.5 + 2.0 + 3 * 0.3 + 15 * 0.2}
+    >>> half_one = {4: 5.5 + 2.0 + 0.5, 8: 7.5 + 2.0 + 3 * 0.5}
+    >>> [round(x, 3) for x in verify_costs(TickCosts(costs.decode, costs.fused, 0.0, all_verify,
+    ...                                              {1: 6.0, 4: 7.5}, half_one), 4)]
+    [3.5, 0.5, 0.2, 1.5, 0.3]
     """
     sizes = sorted(costs.decode)
     slopes = [(costs.decode[b] - costs.decode[a]) / (b - a) for i, a in enumerate(sizes) for b in sizes[i + 1:]]
     per_token = max(statistics.median(slopes), 0.0) if slopes else 0.0
     per_forward = statistics.median(costs.decode[b] - per_token * b for b in sizes)
-    first = (max(statistics.median(costs.one_draft[b] - costs.decode_s(b) for b in costs.one_draft), 0.0)
-             if costs.one_draft else None)
-    if costs.all_verify:
-        per_draft = statistics.median((costs.all_verify[b] - costs.decode_s(b) - (first or 0.0))
-                                      / (b * num_draft_tokens - (first is not None)) for b in costs.all_verify)
+    k = num_draft_tokens
+    if not costs.one_draft:
+        if costs.all_verify:
+            per_draft = statistics.median((costs.all_verify[b] - costs.decode_s(b)) / (b * k) for b in costs.all_verify)
+        else:
+            per_draft = statistics.median((costs.fused[b] - costs.decode_s(b + 1)) / k for b in costs.fused)
+        return DraftFit(per_forward, per_token, max(per_draft, 0.0))
+
+    def first(b: int) -> float:
+        return max(_interpolate(costs.one_draft, b) - costs.decode_s(b), 0.0)
+
+    if costs.half_one and costs.all_verify and k > 1:
+        further = max(statistics.median((costs.half_one[b] - costs.decode_s(b) - first(b)) / (b // 2 - 1)
+                                        for b in costs.half_one if b >= 4), 0.0)
+        per_draft = statistics.median((costs.all_verify[b] - costs.decode_s(b) - first(b) - (b - 1) * further)
+                                      / (b * k - b) for b in costs.all_verify)
+        per_draft = min(max(per_draft, 0.0), further)
+        per_row = further - per_draft
     else:
-        per_draft = statistics.median((costs.fused[b] - costs.decode_s(b + 1) - (first or 0.0))
-                                      / (num_draft_tokens - (first is not None)) for b in costs.fused)
-    per_draft = max(per_draft, 0.0)
-    return DraftFit(per_forward, per_token, per_draft, 0.0 if first is None else max(first - per_draft, 0.0))
+        per_row = 0.0
+        if costs.all_verify:
+            per_draft = statistics.median((costs.all_verify[b] - costs.decode_s(b) - first(b)) / (b * k - 1)
+                                          for b in costs.all_verify)
+        else:
+            per_draft = statistics.median((costs.fused[b] - costs.decode_s(b + 1) - first(b + 1)) / (k - 1 or 1)
+                                          for b in costs.fused)
+        per_draft = max(per_draft, 0.0)
+    first_draft = statistics.median(first(b) for b in costs.one_draft) - per_row - per_draft
+    return DraftFit(per_forward, per_token, per_draft, max(first_draft, 0.0), per_row)
 
 
 def expected_accepted(alpha: float, k: int) -> float:
@@ -315,9 +348,12 @@ def expected_accepted(alpha: float, k: int) -> float:
 
 
 def draft_net(alpha: float, k: int, num_rows: int, fit: DraftFit) -> float:
-    """Tokens a row's k drafts gain a step of `num_rows` rows beyond what their
-    positions cost (at the step's plain rate), the step's first-draft cost aside."""
-    return expected_accepted(alpha, k) - fit.rate(num_rows) * fit.per_draft * k
+    """Tokens a row's k drafts gain a step of `num_rows` rows beyond what they cost
+    (the row's `per_row` and k draft positions, at the step's plain rate), the step's
+    first-draft cost aside."""
+    if k <= 0:
+        return 0.0
+    return expected_accepted(alpha, k) - fit.rate(num_rows) * (fit.per_row + fit.per_draft * k)
 
 
 def row_draft_budget(alpha: float, num_rows: int, costs: TickCosts | DraftFit, num_draft_tokens: int) -> int:

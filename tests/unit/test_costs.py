@@ -92,30 +92,45 @@ def test_share_drafts_serves_rows_as_grants_are_served(wants, lanes, denied, bud
     assert share_drafts(wants, lanes, denied, budget, skip_cap=2) == given
 
 
-# The 2-core CPU's bundled target, as measured at load (ms): a forward 8, a row 0.6; a
-# step's first draft 2.7 more than a further one (one more attention call per layer).
-CPU_FIT = DraftFit(8.0, 0.6, 0.35, 2.7)
+# The 2-core CPU's bundled target, as measured at load (ms): a forward 7.6, a row 0.675;
+# a drafting row 0.33 and a draft 0.45 more; a step's first draft 2.3 more than that
+# (the packed forward's extra attention call per layer).
+CPU_FIT = DraftFit(7.6, 0.675, 0.45, 2.3, 0.33)
 
 
-def test_the_first_draft_is_fitted_apart_from_the_others():
-    costs = TickCosts({1: 8.6, 4: 10.4, 16: 17.6}, {0: 12.0, 4: 14.4}, 0.0,
-                      all_verify={4: 10.4 + 3.05 + 15 * 0.35, 16: 17.6 + 3.05 + 63 * 0.35},
-                      one_draft={1: 8.6 + 3.05, 16: 17.6 + 3.05})
-    assert tuple(verify_costs(costs, 4)) == pytest.approx((8.0, 0.6, 0.35, 2.7))
-    # without the one-draft table the first draft is spread over every draft, as before
-    spread = verify_costs(TickCosts(costs.decode, costs.fused, 0.0, costs.all_verify), 4)
-    assert spread.first_draft == 0.0 and spread.per_draft > 0.35
+def test_the_first_draft_and_each_drafting_row_are_fitted_apart_from_the_drafts():
+    decode = {1: 8.6, 4: 10.4, 16: 17.6}
+    first, row, draft = 3.05, 0.3, 0.35
+    all_verify = {b: decode[b] + first + (b - 1) * row + (4 * b - 1) * draft for b in (4, 16)}
+    one_draft = {b: decode[b] + first for b in (1, 16)}
+    half_one = {b: decode[b] + first + (b // 2 - 1) * (row + draft) for b in (4, 16)}
+    fit = verify_costs(TickCosts(decode, {0: 12.0, 4: 14.4}, 0.0, all_verify, one_draft, half_one), 4)
+    assert tuple(fit) == pytest.approx((8.0, 0.6, 0.35, 2.4, 0.3))
+    # without the half table rows cost nothing apart; without the one-draft table the
+    # first draft is spread over every draft, as before it was measured
+    no_rows = verify_costs(TickCosts(decode, {0: 12.0}, 0.0, all_verify, one_draft), 4)
+    assert no_rows.per_row == 0.0 and no_rows.first_draft == pytest.approx(first - no_rows.per_draft)
+    spread = verify_costs(TickCosts(decode, {0: 12.0}, 0.0, all_verify), 4)
+    assert spread.first_draft == 0.0 and spread.per_draft > draft
 
 
 @pytest.mark.parametrize("alphas, rows, pays", [
-    ([0.45, 0.45], 4, False),      # two rows whose drafts land 45 %: 2 x 0.38 tokens < 1.04
-    ([0.45] * 3, 4, True),         # three share the first draft's cost
-    ([0.3] * 8, 8, False),         # rows that land 30 %, even all of them: 8 x 0.08 < 1.69
+    ([0.45, 0.45], 4, False),      # two rows whose drafts land 45 %: 2 x 0.18 tokens < 0.89
+    ([0.6, 0.6], 4, True),         # two at 60 %: 2 x 0.52
+    ([0.6, 0.6], 8, False),        # beside 8 rows: 2 x 0.20 < 1.42
     ([0.8], 4, True),              # one row that lands 80 % of 4 drafts pays for it alone
-    ([0.8, 0.8], 16, False),       # beside 16 rows the first draft costs 2.45 tokens
-    ([0.8, 0.8, 0.8], 16, True),
+    ([0.8, 0.8, 0.8], 16, False),  # beside 16 rows the first draft costs 2.0 tokens: 3 x 0.51
+    ([0.8] * 4, 16, True),
 ])
 def test_a_step_drafts_only_when_its_rows_pay_for_its_first_draft(alphas, rows, pays):
     nets = [draft_net(a, row_draft_budget(a, rows, CPU_FIT, 4), rows, CPU_FIT) for a in alphas]
     assert all(n > 0 for n in nets)  # each row alone would draft by its own budget
     assert drafts_pay(nets, rows, CPU_FIT) is pays
+
+
+def test_a_drafting_row_pays_its_own_cost_first():
+    """At 8 rows a row landing 45 % would draft one token by the per-draft cost alone;
+    with the drafting row's own cost it drafts none."""
+    assert row_draft_budget(0.45, 8, CPU_FIT._replace(per_row=0.0), 4) == 1
+    assert row_draft_budget(0.45, 8, CPU_FIT, 4) == 0
+    assert draft_net(0.9, 0, 8, CPU_FIT) == 0.0

@@ -14,10 +14,10 @@ moving, a rejected draft is dropped by lowering the row's length, and nothing pa
 `Slab.forward(model, entries)` runs one model call for entries (row, tokens). Tokens
 are packed as rows of length one, so every projection and MLP runs once over all of
 them; each token gets its own RoPE position; keys and values are scattered into their
-rows at their positions (one scatter per layer); attention runs once for the
-one-token rows that fill slots 0..m-1 (the classic batch: one SDPA over the buffer's
-first m rows with a length mask) and once per multi-token row (a verify or a prompt:
-causal, over that row alone). mlx-lm routes attention through
+rows at their positions (one scatter per layer); attention runs once per run of
+one-token rows in consecutive slots (the classic batch: one SDPA over those rows of
+the buffer with a length mask; a row that drafts splits the run in two) and once per
+multi-token row (a verify, a row's drafts or a prompt: causal, over that row alone). mlx-lm routes attention through
 `base.scaled_dot_product_attention`, which hands caches with a `bits` attribute to
 `base.quantized_scaled_dot_product_attention`; the packed layer view has one, and
 `_attention` takes that name for slab calls and passes every other call through.
@@ -241,8 +241,8 @@ class Slab:
         gains its tokens, exactly as if each row had run its own forward.
 
         Packed (the CPU's way): only the entries' own tokens run, and attention is one
-        call for the one-token rows in slots 0..m-1 plus one per multi-token row, over
-        the keys the rows hold. Grid (`self.grid`, when the entries fill a run of slots
+        call per run of one-token rows in consecutive slots plus one per multi-token
+        row, over the keys the rows hold. Grid (`self.grid`, when the entries fill a run of slots
         with few gaps): every row of the run brings as many tokens as the widest entry
         (the others padded; a gap's row is a row of padding) and attention is one call
         over the run, against keys up to the longest row rounded up to `STEP`, with a
@@ -295,7 +295,9 @@ class _Forward:
                 raise ValueError("an entry brings no tokens")
             if row.slab is not slab or row.freed:
                 raise ValueError("an entry's row is not in this slab")
-        self.batch_rows, self.batch_len, self.batch_mask = 0, 0, None
+        # Runs of one-token rows in consecutive slots: (first slot, rows, keys, mask) each
+        # share one attention call.
+        self.runs: list[tuple[int, int, int, mx.array | None]] = []
         self.groups: list[tuple[Row, int]] = []
         self.grid: tuple[int, int, int] | None = None  # (first slot, end slot, width)
         self.grid_mask = None
@@ -310,10 +312,17 @@ class _Forward:
 
     def _plan_packed(self, slab: Slab, entries: list[tuple[Row, list[int]]]) -> None:
         single = sorted((i for i, (_, t) in enumerate(entries) if len(t) == 1), key=lambda i: entries[i][0].slot)
-        # The batch group: one-token rows in slots 0..m-1 share one attention call.
-        self.batch_rows = len(single) if [entries[i][0].slot for i in single] == list(range(len(single))) else 0
-        self.order = single[: self.batch_rows] + [i for i in range(len(entries)) if i not in single[: self.batch_rows]]
-        self.groups = [(entries[i][0], len(entries[i][1])) for i in self.order[self.batch_rows:]]
+        # One-token rows in consecutive slots share one attention call per run (a row that
+        # drafts between them splits a run instead of sending every row to its own call).
+        runs: list[list[int]] = []
+        for i in single:
+            if runs and entries[runs[-1][-1]][0].slot + 1 == entries[i][0].slot:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        singles = set(single)
+        self.order = single + [i for i in range(len(entries)) if i not in singles]
+        self.groups = [(entries[i][0], len(entries[i][1])) for i in self.order[len(single):]]
         offsets = _entry_offsets(entries)
         self.tokens, positions, slots, self.starts, self.source = [], [], [], [], []
         for i in self.order:
@@ -325,12 +334,14 @@ class _Forward:
             slots += [row.slot] * len(tokens)
         slab.reserve(max(positions) + 1)
         self._set_positions(slots, positions)
-        if self.batch_rows:
-            lengths = np.array([entries[i][0].length for i in single[: self.batch_rows]], np.int64)
-            self.batch_len = int(lengths.max()) + 1
-            if self.batch_rows > 1 or lengths[0] + 1 != self.batch_len:
-                valid = np.arange(self.batch_len)[None, :] <= lengths[:, None]
-                self.batch_mask = mx.array(valid[:, None, None, :])
+        for run in runs:
+            lengths = np.array([entries[i][0].length for i in run], np.int64)
+            keys = int(lengths.max()) + 1
+            mask = None
+            if len(run) > 1:
+                valid = np.arange(keys)[None, :] <= lengths[:, None]
+                mask = mx.array(valid[:, None, None, :])
+            self.runs.append((entries[run[0]][0].slot, len(run), keys, mask))
 
     def _plan_grid(self, slab: Slab, entries: list[tuple[Row, list[int]]], lo: int, hi: int) -> None:
         width = grid_width(max(len(tokens) for _, tokens in entries))
@@ -451,13 +462,12 @@ def _attention(queries, keys, values, scale, mask, group_size=64, bits=8):
         return mx.fast.scaled_dot_product_attention(queries, k_all[lo:hi, :, :t], v_all[lo:hi, :, :t], scale=scale,
                                                     mask=ctx.grid_mask)
     outputs, start = [], 0
-    if ctx.batch_rows:
-        m, t = ctx.batch_rows, ctx.batch_len
-        q = queries[:m].reshape(m, heads, 1, dim)
-        out = mx.fast.scaled_dot_product_attention(q, k_all[:m, :, :t], v_all[:m, :, :t], scale=scale,
-                                                   mask=ctx.batch_mask)
+    for lo, m, t, mask in ctx.runs:
+        q = queries[start:start + m].reshape(m, heads, 1, dim)
+        out = mx.fast.scaled_dot_product_attention(q, k_all[lo:lo + m, :, :t], v_all[lo:lo + m, :, :t], scale=scale,
+                                                   mask=mask)
         outputs.append(out.reshape(m, heads, 1, dim))
-        start = m
+        start += m
     for row, n in ctx.groups:
         end = row.length + n  # lengths move after the forward
         q = queries[start:start + n].transpose(2, 1, 0, 3)  # n rows of one token -> one row of n
@@ -476,7 +486,7 @@ def check_support(model: nn.Module, atol: float = 1e-3) -> str | None:
     """None when a slab forward of this model matches separate forwards; else why not.
 
     Within `atol` in float32; in half precision within `HALF_RTOL` of the largest
-    logit (a batched kernel rounds differently from a one-row one). Throwaway rows: two one-token rows at different lengths (the batch group) and one
+    logit (a batched kernel rounds differently from a one-row one). Throwaway rows: two one-token rows at different lengths (a run) and one
     row verifying three tokens, against the same forwards run on private caches."""
     if not plain_caches(model):
         return "its cache is not a plain KVCache in every layer"

@@ -83,9 +83,10 @@ class RunnerConfig:
         "Classic rows that draft (`row_drafts`) draft at temperature > 0 too, not only greedy "
         "ones: a sampled row's draws are keyed by position, so its tokens are the same either way "
         "(docs/configuration.md, \"Speculation at temperature > 0\"). Off by default: on the CPU it "
-        "gains on code at T = 0.7 (1.05-1.40x plain batching from 2 to 8 streams, against 0.98-1.03x "
-        "without) but where drafts rarely land (random prompts at T = 1.0) it ran 0.95-0.98x from 4 "
-        "streams, against 0.98-1.01x without (docs/benchmarks.md, scenario 6). Needs the slab batch.")
+        "gains on code at T = 0.7 (1.07-1.36x plain batching from 2 to 8 streams, against 0.99-1.03x "
+        "without) but where drafts rarely land (random prompts at T = 1.0) it ran 0.93-0.96x from 4 "
+        "streams, against 0.96-0.98x without, within this machine's noise but short of 0.97x "
+        "(docs/benchmarks.md, scenario 6). Needs the slab batch.")
     warm_positions: int | None = knob(
         None, "With fast_verify, compile the shapes of contexts up to this many positions at load "
         "(None = min(max_context, 2048); 0 = lazily).", ge=0, deployed=False)

@@ -56,7 +56,7 @@ from models.prefix_cache import PrefixCache
 from models.ragged import Rider
 from models.replica_index import ReplicaIndex
 from models.rollback import accept_count, clip_tokens, draft_budget
-from models.sampling import LogprobArrays, RequestSampler, log_probs, sample_plain_rows, stop_token_ids
+from models.sampling import LogprobArrays, RequestSampler, draw_plain, log_probs, stop_token_ids
 from models.slab import Row, RowView, Slab
 from scheduler.costs import (DraftFit, ReplicaAcceptance, RowAcceptance, TickCosts, draft_net, drafts_pay, row_draft_budget, share_drafts,
                              step_draft_budget, verify_costs)
@@ -342,7 +342,7 @@ class RaggedBatch:
         """Accept each row's drafts, emit, drop finished rows. `wanted`: drafts were
         asked for this step (a row that drafted nothing relaxes its estimate);
         `reports`: each row's logprobs at every verified position (None: not asked)."""
-        out, drafted = [], {True: False, False: False}
+        out, kinds, drafted = [], set(), set()  # kinds (greedy or not) of rows that may draft, that did
         for stream, draft, target, report in zip(streams, drafts, verified, reports):
             num_accepted = accept_count(draft, target)
             if len(draft) > num_accepted:  # rejected drafts leave the row
@@ -357,11 +357,12 @@ class RaggedBatch:
             stream.sampler.accept(tokens)
             if stream.index is not None:
                 stream.index.extend(tokens)
+                kinds.add(stream.sampler.is_greedy)
                 kind = self.replica_acceptance[stream.sampler.is_greedy]
                 if draft:
                     stream.acceptance.record(len(draft), num_accepted)
                     kind.record(len(draft), num_accepted)
-                    drafted[stream.sampler.is_greedy] = True
+                    drafted.add(stream.sampler.is_greedy)
                 elif wanted:
                     stream.acceptance.relax(kind.alpha)
             out.append(TokenBatch(stream.request_id, tokens, reason, len(draft), num_accepted if draft else 0,
@@ -370,9 +371,8 @@ class RaggedBatch:
                 self._finished.add(stream.request_id)
                 self._drop(stream)
         if wanted:  # a kind of row none of which drafted drifts back toward the prior
-            for greedy, replica in self.replica_acceptance.items():
-                if not drafted[greedy] and any(s.index is not None and s.sampler.is_greedy == greedy for s in streams):
-                    replica.relax()
+            for greedy in kinds - drafted:
+                self.replica_acceptance[greedy].relax()
         self._steps += 1
         if self._steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
@@ -532,29 +532,28 @@ class RaggedBatch:
         """(lazy) every verify position of every row, drawn from the row's sampler,
         position i after the row's drafts[:i] (greedy rows without processors and
         without logprobs: one argmax over all of them; sampled ones: one draw per set of
-        filters, `sample_plain_rows`), and each row's report."""
-        greedy = [i for i, s in enumerate(streams)
-                  if s.sampler.is_greedy and not s.sampler.has_processors and not s.sampler.wants_logprobs]
+        filters, `draw_plain`), and each row's report."""
         drawn: list[mx.array | None] = [None] * len(streams)
         reports: list[LogprobArrays | None] = [None] * len(streams)
-        if greedy:
-            stacked = mx.concatenate([logits[i] for i in greedy]) if len(greedy) > 1 else logits[greedy[0]]
-            picks, start = mx.argmax(log_probs(stacked), axis=-1), 0
-            for i in greedy:
-                n = logits[i].shape[0]
+        # Rows without processors or logprobs: greedy ones in one argmax, sampled ones in
+        # one draw per set of filters.
+        plain: dict[tuple | None, list[int]] = {}
+        for i, s in enumerate(streams):
+            if not (s.sampler.has_processors or s.sampler.wants_logprobs):
+                plain.setdefault(None if s.sampler.is_greedy else s.sampler.filter_key, []).append(i)
+        for key, rows in plain.items():
+            if key is not None and len(rows) < 2:
+                continue
+            stacked = mx.concatenate([logits[i] for i in rows]) if len(rows) > 1 else logits[rows[0]]
+            counts = [logits[i].shape[0] for i in rows]
+            if key is None:
+                picks = mx.argmax(log_probs(stacked), axis=-1)
+            else:
+                picks = draw_plain([streams[i].sampler for i in rows], stacked, counts, ahead)
+            start = 0
+            for i, n in zip(rows, counts):
                 drawn[i] = picks[start:start + n]
                 start += n
-        # Sampled rows without processors or logprobs: one draw per set of filters.
-        plain: dict[tuple, list[int]] = {}
-        for i, s in enumerate(streams):
-            if drawn[i] is None and not (s.sampler.has_processors or s.sampler.wants_logprobs):
-                plain.setdefault(s.sampler.filter_key, []).append(i)
-        for rows in plain.values():
-            if len(rows) < 2:
-                continue
-            picks = sample_plain_rows([streams[i].sampler for i in rows], [logits[i] for i in rows], ahead)
-            for i, pick in zip(rows, picks):
-                drawn[i] = pick
         for i, s in enumerate(streams):
             if drawn[i] is None:
                 drawn[i], reports[i] = s.sampler.sample_with_logprobs(logits[i], drafts[i], ahead)

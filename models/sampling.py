@@ -371,20 +371,14 @@ class RequestSampler:
         return penalized_logits(logits, self.params, recent, counts)
 
 
-def sample_plain_rows(samplers: Sequence["RequestSampler"], logits: Sequence[mx.array],
-                      ahead: int = 0) -> list[mx.array]:
-    """`samplers[j].sample(logits[j])` (with `ahead`) for samplers at temperature > 0
-    without processors that share their filters (`filter_key`), as one draw over all
-    their positions: a row's tokens depend on its own logits and keys only, so they are
-    those of one draw per sampler. (n_j, V) logits in, (n_j,) tokens out."""
-    counts = [x.shape[0] for x in logits]
-    stacked = mx.concatenate(list(logits)) if len(logits) > 1 else logits[0]
-    picks = draw_rows(samplers[0].scaled(log_probs(stacked)), stacked_keys(samplers, counts, ahead))
-    out, start = [], 0
-    for n in counts:
-        out.append(picks[start:start + n])
-        start += n
-    return out
+def draw_plain(samplers: Sequence["RequestSampler"], logits: mx.array, counts: Sequence[int],
+               ahead: int = 0) -> mx.array:
+    """What `samplers[j].sample` (with `ahead`) draws for its `counts[j]` rows of the
+    stacked raw `logits` (sum(counts), V), as one draw over every row, for samplers at
+    temperature > 0 without processors that share their filters (`filter_key`): a
+    row's token depends on its own logits and key only, so the tokens (sum(counts),)
+    are those of one draw per sampler."""
+    return draw_rows(samplers[0].scaled(log_probs(logits)), stacked_keys(samplers, counts, ahead))
 
 
 def draw_rows(scaled: mx.array, keys: mx.array) -> mx.array:

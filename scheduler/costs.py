@@ -199,10 +199,11 @@ class RowAcceptance:
     def alpha(self) -> float:
         return self.successes / max(self.successes + self.failures, 1e-9)
 
-    def record(self, num_drafted: int, num_accepted: int) -> None:
+    def record(self, num_drafted: int, num_accepted: int, weight: float = EMA_WEIGHT) -> None:
+        """One verify of `num_drafted` drafts, `num_accepted` kept, at EMA `weight`."""
         if num_drafted == 0:
             return
-        w = EMA_WEIGHT
+        w = weight
         self.successes = (1 - w) * self.successes + w * num_accepted
         self.failures = (1 - w) * self.failures + w * float(num_accepted < num_drafted)
 
@@ -247,11 +248,7 @@ class ReplicaAcceptance:
         return RowAcceptance(self.alpha, 1.0 - self.alpha)
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
-        if num_drafted == 0:
-            return
-        w, e = REPLICA_EMA_WEIGHT, self.estimate
-        e.successes = (1 - w) * e.successes + w * num_accepted
-        e.failures = (1 - w) * e.failures + w * float(num_accepted < num_drafted)
+        self.estimate.record(num_drafted, num_accepted, REPLICA_EMA_WEIGHT)
 
     def relax(self) -> None:
         self.estimate.relax()

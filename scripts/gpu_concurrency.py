@@ -161,13 +161,12 @@ def main() -> None:
     bench_util.warm_up(batchgen, batchgen.tokenizer)
     waves, max_tokens = 2, 128
 
-    def one_run(name, prompts, n, tokens):
-        """`name` is a bench_concurrency configuration, or one with `+oracle_rows`."""
-        return bc.one_run(pick(name), name.split("+")[0], prompts, n, tokens, 8)
+    def sweep(label, names, pick, concurrencies):
+        """`pick(name)`: the runner of configuration `name` (a bench_concurrency one, or
+        one with `+oracle_rows`)."""
+        def one_run(name, prompts, n, tokens):
+            return bc.one_run(pick(name), name.split("+")[0], prompts, n, tokens, 8)
 
-    def sweep(label, names, pick_runner, concurrencies):
-        nonlocal pick
-        pick = pick_runner
         for n in concurrencies:
             prompts = token_prompts(plain.tokenizer, n * waves, n, num_tokens=64)
             for name in names:  # this concurrency's shapes, once, unmeasured
@@ -188,7 +187,6 @@ def main() -> None:
                                           v["acceptance_length"] and round(v["acceptance_length"], 2)]
                                       for k, v in row.items()}))
 
-    pick = None
     sweep("ngram", ["classic_batchgen", "classic", "default", "slot_only"],
           lambda name: batchgen if name in bc.ON_BATCHGEN else plain, concurrencies)
     if os.environ.get("ORACLE"):

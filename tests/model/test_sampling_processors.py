@@ -13,8 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from models.sampling import (DRAWS, DRAFTS, RequestSampler, draw_rows, log_probs, penalized_logits,
-                             position_keys, sample_plain_rows, stacked_keys, supports_sampling)
+from models.sampling import (DRAWS, DRAFTS, RequestSampler, draw_plain, draw_rows, log_probs, penalized_logits,
+                             position_keys, stacked_keys, supports_sampling)
 from scheduler.request import SamplingParams
 
 pytestmark = pytest.mark.model
@@ -163,9 +163,9 @@ def test_one_draw_over_many_samplers_is_each_samplers_own_draw(filters):
         s.accept([rng.randrange(V) for _ in range(rng.randrange(5))])
     logits = [mx.random.normal((rng.randint(1, 4), V), key=mx.random.key(i)) for i in range(6)]
     for ahead in (0, 1):
-        batched = sample_plain_rows(samplers, logits, ahead)
+        batched = draw_plain(samplers, mx.concatenate(logits), [x.shape[0] for x in logits], ahead)
         alone = [s.sample_with_logprobs(x, [], ahead)[0] for s, x in zip(samplers, logits)]
-        assert [b.tolist() for b in batched] == [a.tolist() for a in alone]
+        assert batched.tolist() == mx.concatenate(alone).tolist()
     keys = stacked_keys(samplers, [2, 1, 3, 1, 1, 2], ahead=2, stream=DRAFTS)
     own = mx.concatenate([s.keys(n, 2, DRAFTS) for s, n in zip(samplers, [2, 1, 3, 1, 1, 2])])
     assert keys.tolist() == own.tolist()

@@ -111,16 +111,34 @@ def test_grid_lone_row_attends_to_exactly_its_keys():
 
 
 def test_shrink_returns_capacity_once_the_long_row_is_gone():
+    """A grid slab grows by `STEP` and gives capacity back when the longest row fits in
+    half of it; a packed slab doubles (fewer copies as a conversation grows) and gives it
+    back at a quarter (a slab that just doubled keeps it)."""
     model = _llama(False)
-    store = slab.Slab(model, rows=2)
-    short, long = store.add(), store.add()
-    store.forward(model, [(short, PROMPTS[1]), (long, list(range(1, 200)) * 3)])
-    assert store.capacity == 768
-    store.free(long)
-    store.shrink()
-    assert store.capacity == slab.STEP
-    out = store.forward(model, [(short, [4])])
-    assert mx.abs(out[0] - _alone(model, PROMPTS[1], [4])).max().item() < ATOL
+    for grid, length, grown, kept in ((True, 300, 512, slab.STEP), (False, 597, 768, 768),
+                                      (False, 300, 512, 512), (False, 1100, 1280, slab.STEP)):
+        store = slab.Slab(model, rows=2, grid=grid)
+        short, long = store.add(), store.add()
+        store.forward(model, [(short, PROMPTS[1]), (long, (list(range(1, 200)) * 6)[:length])])
+        assert store.capacity == grown, (grid, length)
+        store.free(long)
+        store.shrink()
+        assert store.capacity == kept, (grid, length)
+        out = store.forward(model, [(short, [4])])
+        assert mx.abs(out[0] - _alone(model, PROMPTS[1], [4])).max().item() < ATOL
+
+
+def test_a_packed_slab_allocates_rows_as_they_come():
+    """A packed slab starts with `FRUGAL_ROWS` rows and doubles them (a copy of its
+    buffers costs in proportion to the rows allocated); a grid slab allocates them all."""
+    model = _llama(False)
+    packed, grid = slab.Slab(model, rows=18, grid=False), slab.Slab(model, rows=18, grid=True)
+    assert packed.keys[0].shape[0] == slab.FRUGAL_ROWS and grid.keys[0].shape[0] == 18
+    rows = [packed.add() for _ in range(slab.FRUGAL_ROWS + 1)]
+    assert packed.keys[0].shape[0] == 2 * slab.FRUGAL_ROWS
+    packed.forward(model, [(r, PROMPTS[i % len(PROMPTS)]) for i, r in enumerate(rows)])
+    out = packed.forward(model, [(rows[-1], [4])])
+    assert mx.abs(out[0] - _alone(model, PROMPTS[slab.FRUGAL_ROWS % len(PROMPTS)], [4])).max().item() < ATOL
 
 
 def test_row_view_is_a_kv_cache_for_ordinary_forwards():

@@ -32,6 +32,8 @@ forwards at load, so a family whose layers do something else keeps the alternati
 
 from __future__ import annotations
 
+from collections import deque
+
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm.models.base as mlx_base
@@ -43,6 +45,7 @@ _NEXT_SDPA = mlx_base.quantized_scaled_dot_product_attention
 HALF_RTOL = 0.03
 STEP = 256  # capacity grows in these many positions, as mlx-lm's KVCache does
 FRUGAL_ROWS = 4  # rows a packed slab allocates at first (it doubles them as rows come)
+RECENT_ROWS = 8  # a packed slab keeps the capacity its last these many freed rows needed
 MAX_DOUBLING = 4096  # a packed slab's capacity doubles by at most these many positions
 EXACT_WIDTHS = 8  # grid forwards up to this many tokens per row run at their own width
 
@@ -135,6 +138,9 @@ class Slab:
         self.grid = (mx.default_device() == mx.gpu) if grid is None else grid
         self._frugal = not self.grid
         rows = min(rows, FRUGAL_ROWS) if self._frugal else rows
+        # the lengths of the last rows freed: a packed slab keeps the capacity they
+        # needed (a conversation's next turn comes back longer than its last)
+        self._recent: deque[int] = deque([0], maxlen=RECENT_ROWS)
         probe = make_prompt_cache(model)
         if not plain_caches(model, probe):
             raise ValueError("the slab holds plain KVCache layers only")
@@ -165,8 +171,11 @@ class Slab:
         """Give back capacity no row needs: when the longest row fits in half of it (a
         quarter on a packed slab, which doubled it), keep that length rounded up to
         `STEP` (one long request does not keep every row's buffer at its length after
-        it ends). Rows are never given back: a slab keeps the most it held at once."""
-        longest = max((r.length for r in self.rows), default=0)
+        it ends). On a packed slab the longest row counts the last `RECENT_ROWS` rows
+        freed too, so a replica serving one conversation at a time does not give the
+        capacity back between turns and copy it all again at the next. Rows are never
+        given back: a slab keeps the most it held at once."""
+        longest = max([r.length for r in self.rows] + list(self._recent))
         keep = max(-(-(longest + 1) // STEP) * STEP, STEP)
         if keep * (4 if self._frugal else 2) > self.capacity:
             return
@@ -226,6 +235,8 @@ class Slab:
         if row.freed:
             return
         row.freed = True
+        if self._frugal:
+            self._recent.append(row.length)
         last = self.rows.pop()
         if last is not row:
             self._copy(last.slot, row.slot)

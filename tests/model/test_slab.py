@@ -112,8 +112,9 @@ def test_grid_lone_row_attends_to_exactly_its_keys():
 
 def test_shrink_returns_capacity_once_the_long_row_is_gone():
     """A grid slab grows by `STEP` and gives capacity back when the longest row fits in
-    half of it; a packed slab doubles (fewer copies as a conversation grows) and gives it
-    back at a quarter (a slab that just doubled keeps it)."""
+    half of it; a packed slab doubles (fewer copies as a conversation grows), gives it
+    back at a quarter (a slab that just doubled keeps it), and counts the last
+    `RECENT_ROWS` rows freed as rows it still needs room for."""
     model = _llama(False)
     for grid, length, grown, kept in ((True, 300, 512, slab.STEP), (False, 597, 768, 768),
                                       (False, 300, 512, 512), (False, 1100, 1280, slab.STEP)):
@@ -123,6 +124,13 @@ def test_shrink_returns_capacity_once_the_long_row_is_gone():
         assert store.capacity == grown, (grid, length)
         store.free(long)
         store.shrink()
+        if not grid:  # the long row was freed last: its room is kept ...
+            assert store.capacity == grown
+            for _ in range(slab.RECENT_ROWS):  # ... until as many short rows have come and gone
+                extra = store.add()
+                store.forward(model, [(extra, PROMPTS[3])])
+                store.free(extra)
+            store.shrink()
         assert store.capacity == kept, (grid, length)
         out = store.forward(model, [(short, [4])])
         assert mx.abs(out[0] - _alone(model, PROMPTS[1], [4])).max().item() < ATOL

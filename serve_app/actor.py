@@ -75,6 +75,30 @@ def build_engine(args: ServeArgs):
     return Engine(runner_factory, args.scheduler_config()), info
 
 
+def set_process_nice(nice: int) -> int:
+    """Set every thread of this process to `nice` (Linux niceness is per thread, and a
+    new thread inherits its creator's: the engine thread, MLX's and the BLAS library's
+    workers started later get it too). Returns how many threads changed; lowering
+    niceness without the privilege to is logged and skipped."""
+    changed = 0
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # not Linux: leave the process as it is
+        return 0
+    for tid in tids:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) != nice:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+                changed += 1
+        except PermissionError:
+            logger.warning("scheduler_nice %d: not permitted (niceness stays %d)", nice,
+                           os.getpriority(os.PRIO_PROCESS, tid))
+            break
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+    return changed
+
+
 class SchedulerActor:
     """Ray actor body; created through `ActorSource`, never directly by users."""
 
@@ -82,7 +106,10 @@ class SchedulerActor:
         from models.checks import ModelLoadError
 
         logging.basicConfig(level=logging.INFO)
-        self._engine, self._info = build_engine(ServeArgs.model_validate(args))
+        serve_args = ServeArgs.model_validate(args)
+        if serve_args.scheduler_nice is not None:
+            set_process_nice(serve_args.scheduler_nice)
+        self._engine, self._info = build_engine(serve_args)
         try:
             self._engine.start()
         except ModelLoadError as exc:

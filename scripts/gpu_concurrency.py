@@ -17,10 +17,11 @@ realistic shape with random weights (4-bit, the bundled tokenizer).
 - ORACLE=1: the slot drafts the target's own greedy continuation, each token replaced
   with probability 0.2, at ORACLE_NS streams (default 2,4,8); `default+oracle_rows` is
   the default path with every classic row drafting from the same oracle instead of its
-  n-gram index (issue 14's ceiling: the cost model still picks each row's k). The continuations come from a classic run of
-  the same requests at the same concurrency (batched, as the measured runs are; bf16
-  forwards of other batch compositions can still drift from them, which shows as a
-  measured acceptance below alpha's).
+  n-gram index (issue 14's ceiling: the cost model still picks each row's k). The
+  continuations of each configuration's run are its own previous run's outputs (the
+  first, unmeasured, drafts from a classic run's): 4-bit forwards of other batch
+  compositions round differently, and with random weights' near-ties a stream drifts
+  from references taken elsewhere (a measured acceptance below alpha's shows it).
 
 Writes `$OUT/concurrency_<shape>.json`; prints one line per concurrency: config ->
 [tok/s, ratio to BatchGenerator (median of paired repeats), slot rounds, row rounds,
@@ -161,16 +162,29 @@ def main() -> None:
     bench_util.warm_up(batchgen, batchgen.tokenizer)
     waves, max_tokens = 2, 128
 
-    def sweep(label, names, pick, concurrencies):
+    def sweep(label, names, pick, concurrencies, oracle=None, refs=None):
         """`pick(name)`: the runner of configuration `name` (a bench_concurrency one, or
-        one with `+oracle_rows`)."""
+        one with `+oracle_rows`). With `oracle` (the Oracle drafter) and `refs` (its
+        references from a classic run of these prompts), each configuration's run drafts
+        from the outputs of that configuration's previous run (its first from `refs`):
+        the references come from forwards of the same batch compositions, so 4-bit
+        rounding of other compositions does not make the measured streams drift from
+        them. The first full run of each configuration is then unmeasured."""
         def one_run(name, prompts, n, tokens):
-            return bc.one_run(pick(name), name.split("+")[0], prompts, n, tokens, 8)
+            if oracle is not None:
+                oracle.refs = last.get(name, refs)
+            run = bc.one_run(pick(name), name.split("+")[0], prompts, n, tokens, 8, with_tokens=oracle is not None)
+            if oracle is not None and tokens == max_tokens:
+                last[name] = {tuple(p): out for p, out in zip(prompts, run.pop("token_ids"))}
+            return run
 
         for n in concurrencies:
             prompts = token_prompts(plain.tokenizer, n * waves, n, num_tokens=64)
+            last: dict = {}
             for name in names:  # this concurrency's shapes, once, unmeasured
                 one_run(name, prompts[:n], n, 16)
+                if oracle is not None:  # and a run whose outputs the measured runs draft from
+                    one_run(name, prompts, n, max_tokens)
             runs = {name: [] for name in names}
             for _ in range(2):
                 for name in names:
@@ -211,8 +225,9 @@ def main() -> None:
         for n in oracle_ns:
             prompts = token_prompts(plain.tokenizer, n * waves, n, num_tokens=64)
             classic = bc.one_run(plain, "classic", prompts, n, max_tokens, 8, with_tokens=True)
-            drafter.refs = {tuple(p): out for p, out in zip(prompts, classic["token_ids"])}
-            sweep("oracle", ["classic_batchgen", "slot_only", "default", "default+oracle_rows"], pick_oracle, [n])
+            refs = {tuple(p): out for p, out in zip(prompts, classic["token_ids"])}
+            sweep("oracle", ["classic_batchgen", "slot_only", "default", "default+oracle_rows"], pick_oracle, [n],
+                  oracle=drafter, refs=refs)
 
 
 if __name__ == "__main__":

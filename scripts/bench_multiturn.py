@@ -1,7 +1,7 @@
 """Scenario 7: multi-turn chat, TTFT per turn with the prefix cache on and off.
 
     python -m scripts.bench_multiturn [--quick] [--out results/multiturn] [--peer | --no-peer] [--repeats N]
-        [--replicas N [--prompt-key]]
+        [--replicas N [--prompt-key]] [--engine] [--config PATH[:key=value,...]]
 
 Conversations resend their whole history every turn, as chat clients and agents do: a
 first user message of `first_tokens` tokens, then per turn the assistant's reply
@@ -24,6 +24,10 @@ conversations (an idle server uses no CPU):
 - `cache_on_xN_prompt` with `--replicas N --prompt-key`: the same with
   `affinity_key: prompt`, and the conversations send no session id (affinity from the
   prompt's leading messages, through `SpecslotIngress`).
+With `--engine` no server starts: the same conversations run in-process on the
+scheduler and runner `configs/local.yaml` builds (`cache_on`, and `cache_off` with the
+prefix cache off), no HTTP and no Ray; TTFT is from the submit to the tick that emits the
+first token. What the serving path adds is the difference between the two tables.
 Every repeat (`--repeats`, default 1) uses fresh conversations (its own seed), so no
 server reuses a previous run's cache. TTFT is the time to the first streamed content chunk. Peak RSS is each
 server's largest process (VmHWM from /proc: the scheduler actor for ours) when the run
@@ -33,12 +37,15 @@ ends.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import time
 
 from scripts import bench_util, metrics, servers
 from scripts.prompts import stdlib_snippets
+
+DEFAULT_CONFIG = "configs/local.yaml"
 
 
 def sizes(quick: bool) -> dict:
@@ -49,15 +56,35 @@ def sizes(quick: bool) -> dict:
             "turn_tokens": 64, "max_tokens": 32, "repeats": 1}
 
 
+def split_sizes(quick: bool, repeats: int | None, overrides: dict | None) -> tuple[dict, dict]:
+    """(workload sizes, our servers' `args` overrides): `overrides` keys that name a size
+    (`first_tokens`, `turn_tokens`, `max_tokens`, ...) set it, the others go to the servers.
+
+    >>> split_sizes(True, None, {"first_tokens": 2000, "prefix_cache_bytes": 0})[1]
+    {'prefix_cache_bytes': 0}
+    """
+    size = {**sizes(quick), **({"repeats": repeats} if repeats else {})}
+    overrides = dict(overrides or {})
+    size.update({k: overrides.pop(k) for k in list(overrides) if k in size})
+    return size, overrides
+
+
 def user_texts(tokenizer, num_conversations: int, num_turns: int, first_tokens: int, turn_tokens: int,
                seed: int) -> list[list[str]]:
     """Per conversation, its user messages: the first `first_tokens` tokens long, the
-    others `turn_tokens`; deterministic in `seed`."""
-    def cut(text: str, num_tokens: int) -> str:
-        return tokenizer.decode(tokenizer.encode(text)[:num_tokens])
+    others `turn_tokens`; deterministic in `seed`. A message longer than one held-out
+    file joins snippets until it has its tokens."""
+    snippets = stdlib_snippets(num_conversations * num_turns, seed, num_chars=8 * first_tokens)
+    more = (stdlib_snippets(1, seed + 1000 + k, num_chars=8 * first_tokens)[0] for k in itertools.count())
 
-    snippets = iter(stdlib_snippets(num_conversations * num_turns, seed, num_chars=8 * first_tokens))
-    return [[cut(next(snippets), first_tokens if turn == 0 else turn_tokens) for turn in range(num_turns)]
+    def cut(text: str, num_tokens: int) -> str:
+        ids = tokenizer.encode(text)
+        while len(ids) < num_tokens:
+            ids += tokenizer.encode("\n" + next(more))
+        return tokenizer.decode(ids[:num_tokens])
+
+    texts = iter(snippets)
+    return [[cut(next(texts), first_tokens if turn == 0 else turn_tokens) for turn in range(num_turns)]
             for _ in range(num_conversations)]
 
 
@@ -190,22 +217,24 @@ def columns(names: list[str]) -> list[tuple[str, str]]:
 
 def run(quick: bool, target: str, seed: int = 0, out_dir: str = "results/multiturn", base_port: int = 8160,
         with_peer: bool | None = None, repeats: int | None = None, replicas: int = 0,
-        prompt_key: bool = False) -> dict:
+        prompt_key: bool = False, config: str = DEFAULT_CONFIG, overrides: dict | None = None) -> dict:
+    """`config`, `overrides`: our servers' deployment config and `args` merged over its
+    own; `overrides` may also set the workload's sizes (`sizes` keys)."""
     from transformers import AutoTokenizer
 
-    size = {**sizes(quick), **({"repeats": repeats} if repeats else {})}
+    size, ours = split_sizes(quick, repeats, overrides)
     with_peer = (not quick) if with_peer is None else with_peer
-    fleet = [servers.ours(base_port, out_dir, name="cache_on"),
-             servers.ours(base_port + 1, out_dir, args={"prefix_cache_bytes": 0}, name="cache_off")]
+    fleet = [servers.ours(base_port, out_dir, config, ours, name="cache_on"),
+             servers.ours(base_port + 1, out_dir, config, {**ours, "prefix_cache_bytes": 0}, name="cache_off")]
     if with_peer:
         model = servers.float32_copy(target, out_dir) if _is_cpu() else target
         fleet.append(servers.mlx_lm_server(base_port + 2, out_dir, model, name="mlx_lm"))
     if replicas > 1:
-        fleet.append(servers.ours(base_port + 3, out_dir, name=f"cache_on_x{replicas}",
+        fleet.append(servers.ours(base_port + 3, out_dir, config, ours, name=f"cache_on_x{replicas}",
                                   deployment={"num_replicas": replicas}))
         if prompt_key:
-            fleet.append(servers.ours(base_port + 4, out_dir, name=f"cache_on_x{replicas}_prompt",
-                                      args={"affinity_key": "prompt"}, deployment={"num_replicas": replicas}))
+            fleet.append(servers.ours(base_port + 4, out_dir, config, {**ours, "affinity_key": "prompt"},
+                                      name=f"cache_on_x{replicas}_prompt", deployment={"num_replicas": replicas}))
     without_session = {server.name for server in fleet if server.name.endswith("_prompt")}
     tokenizer = AutoTokenizer.from_pretrained(target)
     records, rss = [], {}
@@ -242,6 +271,93 @@ def run(quick: bool, target: str, seed: int = 0, out_dir: str = "results/multitu
             "num_errors": sum(1 for r in records if r["error"]), "rows": turn_rows(records, names),
             "affinity": {name: affinity_stats(records, name) for name in names if "_x" in name},
             "server_names": names}
+
+
+def engine_conversations(runner, config, tokenizer, conversations: list[list[str]], concurrency: int,
+                         max_tokens: int) -> list[dict]:
+    """`run_conversations` in-process: the conversations' turns on a fresh scheduler over
+    `runner`, `concurrency` conversations at a time, each turn submitted when the last
+    one's reply is complete (ticks run on this thread, as the engine thread runs them)."""
+    from scheduler.core import Scheduler
+    from scheduler.request import Request, SamplingParams
+
+    scheduler = Scheduler(runner, config, clock=time.perf_counter)
+    pending, live, records = list(enumerate(conversations)), {}, []
+
+    def start(index: int, turn: int, history: list[dict]) -> None:
+        text = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        request_id = f"c{index}t{turn}"
+        live[request_id] = {"conversation": index, "turn": turn + 1, "history": history, "out": [],
+                            "submitted": time.perf_counter(), "ttft_s": None, "prompt_tokens": len(ids)}
+        scheduler.submit(Request(request_id, ids, SamplingParams(max_tokens=max_tokens), arrival_time=time.perf_counter()))
+
+    def next_conversation() -> None:
+        if pending:
+            index, messages = pending.pop(0)
+            start(index, 0, [{"role": "user", "content": messages[0]}])
+
+    for _ in range(concurrency):
+        next_conversation()
+    while live:
+        events = scheduler.tick()
+        now = time.perf_counter()
+        for event in events:
+            state = live[event.request_id]
+            if event.token_ids and state["ttft_s"] is None:
+                state["ttft_s"] = now - state["submitted"]
+            state["out"] += event.token_ids
+            if event.finish_reason is None:
+                continue
+            del live[event.request_id]
+            records.append({"conversation": state["conversation"], "turn": state["turn"], "ttft_s": state["ttft_s"],
+                            "prompt_tokens": state["prompt_tokens"], "cached_tokens": event.num_cached_tokens,
+                            "error": event.error, "replica": None})
+            user_messages = conversations[state["conversation"]]
+            if state["turn"] < len(user_messages):
+                reply = tokenizer.decode(state["out"], skip_special_tokens=True)
+                start(state["conversation"], state["turn"], state["history"] + [
+                    {"role": "assistant", "content": reply}, {"role": "user", "content": user_messages[state["turn"]]}])
+            else:
+                next_conversation()
+    return records
+
+
+def run_engine(quick: bool, target: str, seed: int = 0, repeats: int | None = None,
+               config: str = DEFAULT_CONFIG, overrides: dict | None = None) -> dict:
+    """The workload of `run`, in-process on what `config` (with `overrides`) builds,
+    with the prefix cache at its configured budget (`cache_on`) and off (`cache_off`)."""
+    import yaml
+    from transformers import AutoTokenizer
+
+    from models.runner import MlxRunner
+    from serve_app.config import ServeArgs
+
+    size, ours = split_sizes(quick, repeats, overrides)
+    with open(config) as f:
+        app = yaml.safe_load(f)["applications"][0]
+    user_config = app["deployments"][0].get("user_config") or {}
+    args = ServeArgs.model_validate({**app["args"], **user_config, "model": target, **ours})
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    names, records = ["cache_on", "cache_off"], []
+    for name in names:
+        knobs = {**args.runner_knobs(), **({"prefix_cache_bytes": 0} if name == "cache_off" else {})}
+        runner = MlxRunner.from_paths(target, drafter_kind=args.drafter.kind, drafter_path=args.drafter.path, **knobs)
+        warm = user_texts(tokenizer, 1, 2, 64, 16, seed + 999)
+        engine_conversations(runner, args.scheduler_config(), tokenizer, warm, 1, 4)
+        for rep in range(size["repeats"]):
+            conversations = user_texts(tokenizer, size["num_conversations"], size["num_turns"],
+                                       size["first_tokens"], size["turn_tokens"], seed + rep)
+            tic = time.perf_counter()
+            run_records = engine_conversations(runner, args.scheduler_config(), tokenizer, conversations,
+                                               size["concurrency"], size["max_tokens"])
+            records += [{"server": name, "repeat": rep, **r} for r in run_records]
+            print(f"rep={rep} engine {name:<10} {len(run_records)} turns in {time.perf_counter() - tic:.1f} s", flush=True)
+        runner.close()
+    return {"scenario": "multiturn", "level": "engine", "quick": quick, **size, "machine": bench_util.machine(),
+            "config": config, "overrides": ours, "peak_rss": {}, "records": records,
+            "num_errors": sum(1 for r in records if r["error"]), "rows": turn_rows(records, names),
+            "affinity": {}, "server_names": names}
 
 
 def _is_cpu() -> bool:
@@ -284,9 +400,22 @@ def main(argv=None) -> int:
                     help="also run the cached service with this many replicas (affinity routing)")
     ap.add_argument("--prompt-key", action="store_true",
                     help="with --replicas: also run it with affinity_key: prompt, sending no session ids")
+    ap.add_argument("--engine", action="store_true",
+                    help="no servers: the conversations in-process on the config's scheduler, cache on and off")
+    ap.add_argument("--config", default=DEFAULT_CONFIG, metavar="PATH[:key=value,...]",
+                    help=f"our deployment config and args overrides (default {DEFAULT_CONFIG}); the keys "
+                         f"{', '.join(sizes(False))} set the workload instead")
     args = ap.parse_args(argv)
-    result = run(args.quick, args.target, args.seed, out_dir=args.out, with_peer=args.with_peer,
-                 repeats=args.repeats, replicas=args.replicas, prompt_key=args.prompt_key)
+    from scripts.bench_vs_mlx_lm import parse_config_spec
+
+    config, overrides = parse_config_spec(args.config)
+    if args.engine:
+        result = run_engine(args.quick, args.target, args.seed, repeats=args.repeats, config=config,
+                            overrides=overrides)
+    else:
+        result = run(args.quick, args.target, args.seed, out_dir=args.out, with_peer=args.with_peer,
+                     repeats=args.repeats, replicas=args.replicas, prompt_key=args.prompt_key, config=config,
+                     overrides=overrides)
     bench_util.publish(args, "multiturn", result, render(result), plot)
     return 1 if result["num_errors"] else 0
 

@@ -91,7 +91,7 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "res
         configs: list[str] | None = None, peer_names: list[str] | None = None,
         repeats: int | None = None, repeat_prompts: bool = False, max_tokens: int | None = None,
         prompts_per_stream: int | None = None, temperature: float = 0.0,
-        startup_timeout_s: float = 300.0, prompt_chars: int = 600) -> dict:
+        startup_timeout_s: float = 300.0, prompt_chars: int = 600, shared_prefix_chars: int = 0) -> dict:
     max_tokens = max_tokens or (32 if quick else 128)
     repeats = repeats or (2 if quick else 3)
     peers = [("mlx_lm", target, None, ()), ("mlx_lm+draft", target, draft, ()), ("mlx_lm-wide", target, None, WIDE)]
@@ -124,7 +124,8 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "res
                         continue
                     cfg = LoadConfig(base_url=server.base_url, num_prompts=num_prompts, concurrency=concurrency,
                                      max_tokens=max_tokens, seed=prompt_seed, progress=False, ignore_eos="off",
-                                     temperature=temperature, prompt_chars=prompt_chars)
+                                     temperature=temperature, prompt_chars=prompt_chars,
+                                     shared_prefix_chars=shared_prefix_chars)
                     result = asyncio.run(run_load(cfg))
                     runs.append({"server": server.name, "concurrency": concurrency, "repeat": rep,
                                  "prompt_seed": prompt_seed, "cached_prompt_tokens": result["cached_prompt_tokens"],
@@ -137,7 +138,7 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "res
         stops = {server.name: server.stop() for server in fleet}
     startup = {server.name: server.startup_s for server in fleet}
     return {"scenario": "vs_mlx_lm", "quick": quick, "max_tokens": max_tokens, "repeats": repeats,
-            "repeat_prompts": repeat_prompts, "temperature": temperature,
+            "repeat_prompts": repeat_prompts, "shared_prefix_chars": shared_prefix_chars, "temperature": temperature,
             "machine": bench_util.machine(), "servers": {s.name: s.cmd for s in fleet}, "startup_s": startup,
             "exit_codes": stops, "runs": runs,
             "rows": pair_ratios(runs, [p[0] for p in peers], [s.name for s in ours])}
@@ -233,13 +234,16 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (default greedy)")
     ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for each server to be ready")
     ap.add_argument("--prompt-chars", type=int, default=600, help="characters per prompt (default 600)")
+    ap.add_argument("--shared-prefix-chars", type=int, default=0,
+                    help="every prompt of every run starts with the same text of this many characters, as an "
+                         "agent's system prompt does (both servers' prefix caches; default none)")
     args = ap.parse_args(argv)
     result = run(args.quick, args.target, args.draft, args.seed, out_dir=args.out,
                  concurrencies=tuple(args.concurrency or CONCURRENCIES), configs=args.config,
                  peer_names=args.peer, repeats=args.repeats, repeat_prompts=args.repeat_prompts,
                  max_tokens=args.max_tokens, prompts_per_stream=args.prompts_per_stream,
                  temperature=args.temperature, startup_timeout_s=args.startup_timeout,
-                 prompt_chars=args.prompt_chars)
+                 prompt_chars=args.prompt_chars, shared_prefix_chars=args.shared_prefix_chars)
     text = metrics.table(result["rows"], COLUMNS, digits=2)
     bench_util.publish(args, "vs_mlx_lm", result, text, plot)
     return 0

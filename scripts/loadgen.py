@@ -29,6 +29,9 @@ from scripts import metrics
 from scripts.prompts import chat_messages, stdlib_snippets
 
 
+SHARED_PREFIX_SEED = 7919  # the shared prefix's snippet, the same in every run
+
+
 @dataclass
 class LoadConfig:
     base_url: str = "http://127.0.0.1:8000"
@@ -39,6 +42,9 @@ class LoadConfig:
     request_rate: float | None = None  # Poisson arrivals per second; overrides concurrency
     max_tokens: int = 64
     prompt_chars: int = 600
+    # Every prompt starts with the same text of about this many characters (a system
+    # prompt or tool definitions that every request of an agent resends); 0: none.
+    shared_prefix_chars: int = 0
     temperature: float = 0.0
     seed: int = 0
     priority_mix: dict[str, float] = field(default_factory=lambda: {"normal": 1.0})
@@ -75,10 +81,13 @@ def build_requests(cfg: LoadConfig) -> list[dict]:
     """(body, lane) per request, deterministic in `cfg.seed`."""
     rng = random.Random(cfg.seed)
     lanes, weights = zip(*cfg.priority_mix.items())
+    # The shared text depends on its length only: runs of any seed share it.
+    shared = stdlib_snippets(1, SHARED_PREFIX_SEED, cfg.shared_prefix_chars)[0] if cfg.shared_prefix_chars else ""
     if cfg.endpoint == "chat":
-        prompts = [{"messages": m} for m in chat_messages(cfg.num_prompts, cfg.seed, cfg.prompt_chars)]
+        system = [{"role": "system", "content": shared}] if shared else []
+        prompts = [{"messages": system + m} for m in chat_messages(cfg.num_prompts, cfg.seed, cfg.prompt_chars)]
     else:
-        prompts = [{"prompt": p} for p in stdlib_snippets(cfg.num_prompts, cfg.seed, cfg.prompt_chars)]
+        prompts = [{"prompt": shared + p} for p in stdlib_snippets(cfg.num_prompts, cfg.seed, cfg.prompt_chars)]
     out = []
     for i, prompt in enumerate(prompts):
         body = {**prompt, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "stream": True,
@@ -268,6 +277,8 @@ def main(argv=None) -> int:
     ap.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-chars", type=int, default=600)
+    ap.add_argument("--shared-prefix-chars", type=int, default=0,
+                    help="every prompt starts with the same text of this many characters (default none)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--priority-mix", default="normal=1", help="e.g. high=0.2,normal=0.7,low=0.1")
@@ -278,8 +289,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cfg = LoadConfig(base_url=args.base_url.rstrip("/"), endpoint=args.endpoint, model=args.model,
                      num_prompts=args.num_prompts, concurrency=args.concurrency, request_rate=args.request_rate,
-                     max_tokens=args.max_tokens, prompt_chars=args.prompt_chars, temperature=args.temperature,
-                     seed=args.seed, priority_mix=parse_mix(args.priority_mix), ignore_eos=args.ignore_eos,
+                     max_tokens=args.max_tokens, prompt_chars=args.prompt_chars,
+                     shared_prefix_chars=args.shared_prefix_chars, temperature=args.temperature, seed=args.seed,
+                     priority_mix=parse_mix(args.priority_mix), ignore_eos=args.ignore_eos,
                      progress=not args.no_progress, allow_remote=args.allow_remote)
     result = asyncio.run(run_load(cfg))
     print(report(result))

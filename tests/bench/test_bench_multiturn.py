@@ -58,3 +58,25 @@ def test_affinity_stats_counts_turns_that_stay_home():
     stats = bench_multiturn.affinity_stats(records, "cache_on_x2")
     assert stats["same_replica_share"] == pytest.approx(2 / 3)
     assert stats["requests_per_replica"] == {"a": 2, "b": 3}
+
+
+@pytest.mark.skipif(not BUNDLED, reason="bundled model not present")
+def test_multiturn_quick_in_process(tmp_path):
+    """`--engine`: the same conversations on local.yaml's scheduler in-process; every
+    turn of every conversation is answered, and from the second turn on the cached
+    runner starts from the conversation so far while the other prefills it all."""
+    assert bench_multiturn.main(["--quick", "--engine", "--out", str(tmp_path), "--no-plot"]) == 0
+    result = json.loads((tmp_path / "multiturn.json").read_text())
+    assert result["level"] == "engine" and result["server_names"] == ["cache_on", "cache_off"]
+    records = result["records"]
+    assert len(records) == 2 * result["num_conversations"] * result["num_turns"]
+    assert all(r["ttft_s"] and r["ttft_s"] > 0 and r["error"] is None for r in records)
+    by_key = {(r["server"], r["conversation"], r["turn"]): r for r in records}
+    for (server, conversation, turn), r in by_key.items():
+        if server == "cache_off" or turn == 1:
+            assert r["cached_tokens"] == 0
+        else:  # the previous turn's prompt is reused (blocks of 64: all but its tail)
+            previous = by_key[(server, conversation, turn - 1)]["prompt_tokens"]
+            assert previous - 64 < r["cached_tokens"] < r["prompt_tokens"]
+        # the same conversation gets the same prompts with the cache on and off
+        assert r["prompt_tokens"] == by_key[("cache_on", conversation, turn)]["prompt_tokens"]

@@ -1,0 +1,31 @@
+"""The load generator's prompts: reproducible by seed, and with `shared_prefix_chars` every
+prompt of every run starts with the same text (what both servers' prefix caches meet)."""
+
+import os
+
+from scripts.loadgen import LoadConfig, build_requests
+
+
+def _prompts(**kw):
+    return [r["body"] for r in build_requests(LoadConfig(num_prompts=6, **kw))]
+
+
+def test_the_same_seed_gives_the_same_requests_and_another_seed_others():
+    assert _prompts(seed=3) == _prompts(seed=3)
+    assert [b["prompt"] for b in _prompts(seed=3)] != [b["prompt"] for b in _prompts(seed=4)]
+
+
+def test_a_shared_prefix_starts_every_prompt_of_every_run():
+    plain = [b["prompt"] for b in _prompts(seed=1)]
+    runs = [[b["prompt"] for b in _prompts(seed=s, shared_prefix_chars=2000)] for s in (1, 2)]
+    prefix = os.path.commonprefix(runs[0] + runs[1])
+    assert 1900 <= len(prefix) <= 2000
+    assert runs[0] == [prefix + p for p in plain]  # the request's own text follows, unchanged
+    assert len(os.path.commonprefix(plain)) < 100
+
+
+def test_a_shared_prefix_is_a_system_message_in_chat():
+    bodies = _prompts(seed=1, endpoint="chat", shared_prefix_chars=500)
+    systems = {b["messages"][0]["content"] for b in bodies}
+    assert len(systems) == 1 and all(b["messages"][0]["role"] == "system" for b in bodies)
+    assert [b["messages"][1:] for b in bodies] == [b["messages"] for b in _prompts(seed=1, endpoint="chat")]

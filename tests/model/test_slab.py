@@ -10,6 +10,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from models import slab
+from models.slab_forward import Forward
 from models.drafters import NgramIndex, ngram_lookup
 from models.ragged_batch import RaggedBatch
 from scheduler.costs import TickCosts
@@ -78,9 +79,9 @@ def test_grid_rows_between_entries_are_padding_and_keep_their_keys():
     store = slab.Slab(model, rows=4, grid=True)
     rows = [store.add() for _ in PROMPTS]
     store.forward(model, [(r, p) for r, p in zip(rows, PROMPTS)])
-    ctx = slab._Forward(store, [(rows[0], [1]), (rows[2], [2, 3]), (rows[3], [4])])
+    ctx = Forward(store, [(rows[0], [1]), (rows[2], [2, 3]), (rows[3], [4])])
     assert ctx.grid == (0, 4, 2) and ctx.grid_keys % slab.STEP == 0
-    assert slab._Forward(store, [(rows[0], [1]), (rows[3], [2])]).grid is None  # two gaps for two rows
+    assert Forward(store, [(rows[0], [1]), (rows[3], [2])]).grid is None  # two gaps for two rows
     picks = [(rows[0], [9]), (rows[2], [5, 6, 7]), (rows[3], [8])]
     out = store.forward(model, picks)
     assert rows[1].length == len(PROMPTS[1])
@@ -98,7 +99,7 @@ def test_grid_lone_row_attends_to_exactly_its_keys():
     rows = [store.add() for _ in PROMPTS[:3]]
     store.forward(model, [(r, p) for r, p in zip(rows, PROMPTS)])
     for new in ([7], [7, 8, 9, 10, 11]):
-        ctx = slab._Forward(store, [(rows[1], new)])
+        ctx = Forward(store, [(rows[1], new)])
         assert ctx.grid == (1, 2, len(new))
         if len(new) == 1:
             assert ctx.grid_keys == rows[1].length + 1 and ctx.grid_mask is None

@@ -1,0 +1,231 @@
+"""One model call over a slab's rows (`Slab.forward`): how its tokens are laid out, where
+their keys and values go, and how attention runs over them.
+
+Packed (a CPU): tokens are packed as rows of length one, so every projection and MLP runs
+once over all of them; each token gets its own RoPE position; keys and values are
+scattered into their rows at their positions (one scatter per layer); attention runs once
+per run of one-token rows in consecutive slots (the classic batch: one SDPA over those
+rows of the buffer with a length mask; a row that drafts splits the run in two) and once
+per multi-token row (a verify, a row's drafts or a prompt: causal, over that row alone).
+Grid (a GPU, `Slab.grid`): every row of a run of slots brings as many tokens as the
+widest entry, padded (`grid_width`), one masked attention call over the run.
+
+mlx-lm routes attention through `base.scaled_dot_product_attention`, which hands caches
+with a `bits` attribute to `base.quantized_scaled_dot_product_attention`; the slab's
+layer view (`SlabLayer`) has one, and `_attention` takes that name (installed on
+import) for slab calls and passes every other call through.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+import mlx_lm.models.base as mlx_base
+import numpy as np
+
+if TYPE_CHECKING:
+    from models.slab import Row, Slab
+
+_NEXT_SDPA = mlx_base.quantized_scaled_dot_product_attention
+STEP = 256  # capacity grows in these many positions, and grid forwards bucket keys by it
+EXACT_WIDTHS = 8  # grid forwards up to this many tokens per row run at their own width
+
+
+class Forward:
+    """What every layer of one forward shares: token order, positions, the scatter
+    indices, the attention masks."""
+
+    def __init__(self, slab: Slab, entries: list[tuple[Row, list[int]]]) -> None:
+        if len({id(row) for row, _ in entries}) != len(entries):
+            raise ValueError("a row appears twice in one forward")
+        for row, tokens in entries:
+            if not tokens:
+                raise ValueError("an entry brings no tokens")
+            if row.slab is not slab or row.freed:
+                raise ValueError("an entry's row is not in this slab")
+        # Runs of one-token rows in consecutive slots: (first slot, rows, keys, mask) each
+        # share one attention call.
+        self.runs: list[tuple[int, int, int, mx.array | None]] = []
+        self.groups: list[tuple[Row, int]] = []
+        self.grid: tuple[int, int, int] | None = None  # (first slot, end slot, width)
+        self.grid_mask = None
+        slots = [row.slot for row, _ in entries]
+        lo, hi = min(slots), max(slots) + 1
+        if slab.grid and (hi - lo) - len(entries) <= max(1, len(entries) // 4):
+            self._plan_grid(slab, entries, lo, hi)
+        else:
+            self._plan_packed(slab, entries)
+        self.capacity = slab.capacity
+        self._flat: dict[int, mx.array] = {}
+
+    def _plan_packed(self, slab: Slab, entries: list[tuple[Row, list[int]]]) -> None:
+        single = sorted((i for i, (_, t) in enumerate(entries) if len(t) == 1), key=lambda i: entries[i][0].slot)
+        # One-token rows in consecutive slots share one attention call per run (a row that
+        # drafts between them splits a run instead of sending every row to its own call).
+        runs: list[list[int]] = []
+        for i in single:
+            if runs and entries[runs[-1][-1]][0].slot + 1 == entries[i][0].slot:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        singles = set(single)
+        self.order = single + [i for i in range(len(entries)) if i not in singles]
+        self.groups = [(entries[i][0], len(entries[i][1])) for i in self.order[len(single):]]
+        offsets = _entry_offsets(entries)
+        self.tokens, positions, slots, self.starts, self.source = [], [], [], [], []
+        for i in self.order:
+            row, tokens = entries[i]
+            self.starts.append(len(self.tokens))
+            self.tokens += tokens
+            self.source += range(offsets[i], offsets[i] + len(tokens))
+            positions += range(row.length, row.length + len(tokens))
+            slots += [row.slot] * len(tokens)
+        slab.reserve(max(positions) + 1)
+        self._set_positions(slots, positions)
+        for run in runs:
+            lengths = np.array([entries[i][0].length for i in run], np.int64)
+            keys = int(lengths.max()) + 1
+            mask = None
+            if len(run) > 1:
+                valid = np.arange(keys)[None, :] <= lengths[:, None]
+                mask = mx.array(valid[:, None, None, :])
+            self.runs.append((entries[run[0]][0].slot, len(run), keys, mask))
+
+    def _plan_grid(self, slab: Slab, entries: list[tuple[Row, list[int]]], lo: int, hi: int) -> None:
+        width = grid_width(max(len(tokens) for _, tokens in entries))
+        by_slot = {row.slot: i for i, (row, _) in enumerate(entries)}
+        lengths = np.array([slab.rows[s].length for s in range(lo, hi)], np.int64)
+        keys = -(-(int(lengths.max()) + width) // STEP) * STEP
+        slab.reserve(keys)
+        self.grid = (lo, hi, width)
+        self.order = [by_slot[s] for s in range(lo, hi) if s in by_slot]
+        offsets = _entry_offsets(entries)
+        pad = offsets[-1]  # `values` gets a zero appended at this index
+        self.tokens, self.starts, self.source = [], [], []
+        for s in range(lo, hi):
+            i = by_slot.get(s)
+            tokens = entries[i][1] if i is not None else []
+            if i is not None:
+                self.starts.append(len(self.tokens))
+                self.source += range(offsets[i], offsets[i] + len(tokens))
+            self.tokens += tokens + [0] * (width - len(tokens))
+            self.source += [pad] * (width - len(tokens))
+        # scatter order: (row, head, position), the layout of a (rows, heads, width, dim) key block
+        self._grid_rows = (np.arange(lo, hi, dtype=np.int64), lengths, width)
+        self.positions = mx.array(lengths.astype(np.int32))  # RoPE: one offset per row
+        if hi - lo == 1 and width == 1:
+            # A lone row's decode attends to exactly its keys, unmasked: the one-query
+            # attention kernel takes any key length without building anything new, and
+            # runs faster without a mask array. (Several queries keep the bucket: the
+            # backend plans that attention per key length.)
+            self.grid_keys, self.grid_mask = int(lengths[0]) + 1, None
+            return
+        # query i of a row sees keys 0..length + i (a gap's row: whatever, it is padding)
+        valid = np.arange(keys)[None, None, :] <= (lengths[:, None, None] + np.arange(width)[None, :, None])
+        self.grid_mask = mx.array(valid[:, None])  # (rows, 1, width, keys)
+        self.grid_keys = keys
+
+    def _set_positions(self, slots, positions) -> None:
+        self.positions = mx.array(np.asarray(positions, np.int32))
+        self._slots_pos = (np.asarray(slots, np.int64), np.asarray(positions, np.int64))
+
+    def flat_index(self, heads: int) -> mx.array:
+        """Indices into a layer buffer viewed as (rows * heads * capacity, dim), in the
+        order of the new keys: token-major for packed (tokens, heads, 1, dim) keys,
+        (row, head, position) for a grid's (rows, heads, width, dim)."""
+        if heads not in self._flat:
+            h = np.arange(heads, dtype=np.int64)
+            if self.grid is not None:
+                slots, lengths, width = self._grid_rows
+                pos = lengths[:, None] + np.arange(width, dtype=np.int64)[None, :]
+                flat = ((slots[:, None, None] * heads + h[None, :, None]) * self.capacity + pos[:, None, :])
+            else:
+                slots, pos = self._slots_pos
+                flat = (slots[:, None] * heads + h[None, :]) * self.capacity + pos[:, None]
+            self._flat[heads] = mx.array(flat.reshape(-1))
+        return self._flat[heads]
+
+
+def grid_width(n: int) -> int:
+    """The width a grid forward pads its widest entry of `n` tokens to: `n` itself up to
+    `EXACT_WIDTHS` (decode steps and verifies, a few widths each compiled once), then the
+    next power of two, so prefill chunks of any length share a handful of shapes instead
+    of building kernels and attention plans for every prompt length.
+
+    >>> [grid_width(n) for n in (1, 5, 8, 9, 100, 256, 300, 512)]
+    [1, 5, 8, 16, 128, 256, 512, 512]
+    """
+    return n if n <= EXACT_WIDTHS else 1 << (n - 1).bit_length()
+
+
+def _entry_offsets(entries: list[tuple[Row, list[int]]]) -> list[int]:
+    """Where each entry's tokens start in the entries' concatenated tokens, and the total."""
+    out = [0]
+    for _, tokens in entries:
+        out.append(out[-1] + len(tokens))
+    return out
+
+
+class _Keys:
+    """What `update_and_fetch` hands mlx-lm's attention call for a slab layer."""
+
+    def __init__(self, layer: "SlabLayer") -> None:
+        self.layer = layer
+
+
+class SlabLayer:
+    bits = 0  # routes mlx-lm's attention call to `_attention` (see the module docstring)
+    group_size = 0
+
+    def __init__(self, slab: Slab, index: int, ctx: Forward) -> None:
+        self.slab = slab
+        self.index = index
+        self.ctx = ctx
+        self.offset = ctx.positions
+
+    def make_mask(self, *args, **kwargs) -> Forward:
+        return self.ctx
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[_Keys, _Keys]:
+        slab, i = self.slab, self.index
+        index = self.ctx.flat_index(keys.shape[1])
+        for store, new in ((slab.keys, keys), (slab.values, values)):
+            buffer = store[i]
+            flat = buffer.reshape(-1, buffer.shape[-1])
+            flat[index] = new.reshape(-1, new.shape[-1])
+            store[i] = flat.reshape(buffer.shape)
+        marker = _Keys(self)
+        return marker, marker
+
+
+def _attention(queries, keys, values, scale, mask, group_size=64, bits=8):
+    if not isinstance(keys, _Keys):
+        return _NEXT_SDPA(queries, keys, values, scale=scale, mask=mask, group_size=group_size, bits=bits)
+    layer = keys.layer
+    ctx, k_all, v_all = layer.ctx, layer.slab.keys[layer.index], layer.slab.values[layer.index]
+    heads, dim = queries.shape[1], queries.shape[3]
+    if ctx.grid is not None:  # queries: (rows, heads, width, dim)
+        lo, hi, _ = ctx.grid
+        t = ctx.grid_keys
+        return mx.fast.scaled_dot_product_attention(queries, k_all[lo:hi, :, :t], v_all[lo:hi, :, :t], scale=scale,
+                                                    mask=ctx.grid_mask)
+    outputs, start = [], 0
+    for lo, m, t, mask in ctx.runs:
+        q = queries[start:start + m].reshape(m, heads, 1, dim)
+        out = mx.fast.scaled_dot_product_attention(q, k_all[lo:lo + m, :, :t], v_all[lo:lo + m, :, :t], scale=scale,
+                                                   mask=mask)
+        outputs.append(out.reshape(m, heads, 1, dim))
+        start += m
+    for row, n in ctx.groups:
+        end = row.length + n  # lengths move after the forward
+        q = queries[start:start + n].transpose(2, 1, 0, 3)  # n rows of one token -> one row of n
+        out = mx.fast.scaled_dot_product_attention(
+            q, k_all[row.slot:row.slot + 1, :, :end], v_all[row.slot:row.slot + 1, :, :end], scale=scale,
+            mask="causal" if n > 1 else None)
+        outputs.append(out.transpose(2, 1, 0, 3))
+        start += n
+    return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs)
+
+
+mlx_base.quantized_scaled_dot_product_attention = _attention

@@ -461,9 +461,13 @@ class RaggedBatch:
                 alphas.append(max(s.acceptance.alpha, relaxed.alpha))
             else:
                 alphas.append(None)
-        wants = [0 if a is None else self._budget(a, len(streams), s.max_tokens - s.num_emitted - 1)
-                 for a, s in zip(alphas, streams)]
-        return self._step_pays(alphas, wants, len(streams))
+        return self._step_pays(alphas, self._row_budgets(streams, alphas, ahead=1), len(streams))
+
+    def _row_budgets(self, streams: list[_Stream], alphas: list[float | None], ahead: int = 0) -> list[int]:
+        """Each row's own draft budget at acceptance `alphas` (None: the row does not
+        draft, 0), `ahead` of its tokens left out of what it may still emit."""
+        return [0 if a is None else self._budget(a, len(streams), s.max_tokens - s.num_emitted - ahead)
+                for a, s in zip(alphas, streams)]
 
     def _step_pays(self, alphas: list[float | None], wants: list[int], num_rows: int) -> bool:
         """Whether rows drafting `wants` at acceptances `alphas` gain the step more than
@@ -483,8 +487,7 @@ class RaggedBatch:
             return [[] for _ in streams]
         alphas = [None if s.index is None else s.acceptance.alpha for s in streams]
         out = [s.sampler.allowed_drafts(self._propose(s, k)) if k else []
-               for s, k in ((s, 0 if a is None else self._budget(a, len(streams), s.max_tokens - s.num_emitted))
-                            for a, s in zip(alphas, streams))]
+               for s, k in zip(streams, self._row_budgets(streams, alphas))]
         # Priced by what the rows proposed (a row whose n-grams found nothing adds nothing).
         if not self._step_pays(alphas, [len(d) for d in out], len(streams)):
             return [[] for _ in streams]

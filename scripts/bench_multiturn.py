@@ -43,6 +43,7 @@ import os
 import time
 
 from scripts import bench_util, metrics, servers
+from scripts.bench_vs_mlx_lm import parse_config_spec
 from scripts.prompts import stdlib_snippets
 
 DEFAULT_CONFIG = "configs/local.yaml"
@@ -327,15 +328,14 @@ def run_engine(quick: bool, target: str, seed: int = 0, repeats: int | None = No
                config: str = DEFAULT_CONFIG, overrides: dict | None = None) -> dict:
     """The workload of `run`, in-process on what `config` (with `overrides`) builds,
     with the prefix cache at its configured budget (`cache_on`) and off (`cache_off`)."""
-    import yaml
     from transformers import AutoTokenizer
 
     from models.runner import MlxRunner
     from serve_app.config import ServeArgs
+    from serve_app.launch import read_config
 
     size, ours = split_sizes(quick, repeats, overrides)
-    with open(config) as f:
-        app = yaml.safe_load(f)["applications"][0]
+    app = read_config(config)["applications"][0]
     user_config = app["deployments"][0].get("user_config") or {}
     args = ServeArgs.model_validate({**app["args"], **user_config, "model": target, **ours})
     tokenizer = AutoTokenizer.from_pretrained(target)
@@ -406,8 +406,6 @@ def main(argv=None) -> int:
                     help=f"our deployment config and args overrides (default {DEFAULT_CONFIG}); the keys "
                          f"{', '.join(sizes(False))} set the workload instead")
     args = ap.parse_args(argv)
-    from scripts.bench_vs_mlx_lm import parse_config_spec
-
     config, overrides = parse_config_spec(args.config)
     if args.engine:
         result = run_engine(args.quick, args.target, args.seed, repeats=args.repeats, config=config,

@@ -15,7 +15,7 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from models import bucketed, cache_rollback, ragged, runner_build, slab, tick_costs
+from models import bucketed, cache_rollback, dense_weights, ragged, runner_build, slab, tick_costs
 from models.replica_index import ReplicaIndex
 from models.ragged_batch import RaggedBatch
 from models.drafter_kinds import DRAFTERS
@@ -185,6 +185,9 @@ class MlxRunner:
         if kind is not None and kind.needs_weights and not drafter_path:
             raise ValueError(f"drafter_kind {drafter_kind!r} needs drafter_path")
         target, draft = load_pair(target_path, drafter_path if kind is not None and kind.needs_weights else None)
+        for loaded in (target, draft):
+            if loaded is not None:
+                dense_weights.apply(loaded.model, loaded.name, config.dense_weights)
         drafter: Drafter | None = None if kind is None else kind.load_class().load(draft)
         return cls(target, drafter, config, draft_fingerprint=draft.fingerprint if draft is not None else "")
 

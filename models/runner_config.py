@@ -60,6 +60,15 @@ class RunnerConfig:
         "\"Prefix cache\" below.",
         ge=0, le=1 << 42, deploy_default=None,
         default_doc="an eighth of the memory available once the model is loaded, at most 4 GiB")
+    dense_weights: bool | None = knob(
+        None,
+        "Dequantize a quantized model's layers (target and draft model) once at load and serve "
+        "them as plain bf16 layers. On the H200, MLX CUDA's quantized matmul made a 32-row step 3x "
+        "and an 8 x 512 prefill forward 2.9x slower than the same weights dense (Qwen2.5-1.5B shape, "
+        "4-bit, random weights; docs/gpu.md), at the cost of holding bf16 weights (about 4x a "
+        "4-bit model's). None = on a CUDA GPU only (Apple silicon's and the CPU's quantized kernels "
+        "are the fast ones); false keeps the weights as loaded (a GPU short of memory).",
+        default_doc="on a CUDA GPU, off elsewhere")
     draft_step_share: float = knob(
         0.0,
         "The rows' drafts in one step may add at most this share of the step's time without them "

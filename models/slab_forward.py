@@ -8,7 +8,8 @@ per run of one-token rows in consecutive slots (the classic batch: one SDPA over
 rows of the buffer with a length mask; a row that drafts splits the run in two) and once
 per multi-token row (a verify, a row's drafts or a prompt: causal, over that row alone).
 Grid (a GPU, `Slab.grid`): every row of a run of slots brings as many tokens as the
-widest entry, padded (`grid_width`), one masked attention call over the run.
+widest entry, padded (`grid_width`), one masked attention call over the run (two
+matmuls and a softmax when rows bring several tokens, `_grid_attention`).
 
 mlx-lm routes attention through `base.scaled_dot_product_attention`, which hands caches
 with a `bits` attribute to `base.quantized_scaled_dot_product_attention`; the slab's
@@ -206,8 +207,10 @@ def _attention(queries, keys, values, scale, mask, group_size=64, bits=8):
     ctx, k_all, v_all = layer.ctx, layer.slab.keys[layer.index], layer.slab.values[layer.index]
     heads, dim = queries.shape[1], queries.shape[3]
     if ctx.grid is not None:  # queries: (rows, heads, width, dim)
-        lo, hi, _ = ctx.grid
+        lo, hi, width = ctx.grid
         t = ctx.grid_keys
+        if width > 1:
+            return _grid_attention(queries, k_all[lo:hi, :, :t], v_all[lo:hi, :, :t], scale, ctx.grid_mask)
         return mx.fast.scaled_dot_product_attention(queries, k_all[lo:hi, :, :t], v_all[lo:hi, :, :t], scale=scale,
                                                     mask=ctx.grid_mask)
     outputs, start = [], 0
@@ -226,6 +229,22 @@ def _attention(queries, keys, values, scale, mask, group_size=64, bits=8):
         outputs.append(out.transpose(2, 1, 0, 3))
         start += n
     return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs)
+
+
+def _grid_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
+    """A grid's attention with several queries per row, as two matmuls and a softmax:
+    `mx.fast.scaled_dot_product_attention` with a mask builds a plan on MLX CUDA for every
+    new (rows, width, keys) shape, 50-70 ms each on the H200, which the first requests of a
+    new concurrency waited for; this way a new shape costs a few ms (and a forward the
+    same to ~13 % more, `scripts/experiments/gpu_prefill.py`). Queries (rows, heads, width,
+    dim), keys and values (rows, kv heads, keys, dim), mask (rows, 1, width, keys)."""
+    rows, heads, width, dim = queries.shape
+    kv_heads = keys.shape[1]
+    q = (queries * scale).reshape(rows, kv_heads, heads // kv_heads, width, dim)
+    scores = q @ keys[:, :, None].swapaxes(-1, -2)  # (rows, kv heads, group, width, keys)
+    scores = mx.where(mask[:, :, None], scores, mx.array(-mx.inf, scores.dtype))
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    return (probs @ values[:, :, None]).reshape(rows, heads, width, dim)
 
 
 mlx_base.quantized_scaled_dot_product_attention = _attention

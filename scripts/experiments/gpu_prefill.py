@@ -1,0 +1,101 @@
+"""Two ways to make the slab's multi-token grid forwards cheaper on MLX CUDA (made for the
+lent H200; random weights at the Qwen2.5-1.5B shape, 4-bit, vocabulary 2,048):
+
+- `manual`: grid attention of more than one query per row as two matmuls and a softmax
+  instead of `mx.fast.scaled_dot_product_attention` with a mask (which builds a plan per
+  shape, ~50-70 ms each, `gpu_shapes.py`);
+- `dense`: the transformer blocks' quantized linears dequantized to bf16 (cuBLAS GEMMs).
+
+One process per variant (a shape's first call is what it costs a fresh process; run the
+variants with one `MLX_PTX_CACHE_DIR`, after a warm-up process, so kernels come from disk):
+
+    python scripts/experiments/gpu_prefill.py --model /tmp/q15 --variant base --out DIR/base.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, HERE)
+
+SHAPES = ([(r, w, n) for n in (100, 700) for w in (2, 5) for r in (1, 4, 8, 16, 32)]
+          + [(r, w, n) for n in (0, 1536) for w in (16, 64, 256, 512) for r in (1, 8)]
+          + [(r, 1, n) for n in (100, 700) for r in (1, 8, 32)])
+
+
+def manual_attention():
+    import mlx.core as mx
+    from models import slab_forward
+
+    original = slab_forward._attention
+
+    def attention(queries, keys, values, scale, mask, group_size=64, bits=8):
+        if isinstance(keys, slab_forward._Keys) and keys.layer.ctx.grid is not None and queries.shape[2] > 1:
+            layer = keys.layer
+            ctx = layer.ctx
+            lo, hi, _ = ctx.grid
+            t = ctx.grid_keys
+            k = layer.slab.keys[layer.index][lo:hi, :, :t]
+            v = layer.slab.values[layer.index][lo:hi, :, :t]
+            r, h, w, d = queries.shape
+            kv = k.shape[1]
+            q = (queries * scale).reshape(r, kv, h // kv, w, d)
+            scores = q @ k[:, :, None].swapaxes(-1, -2)  # (r, kv, g, w, t)
+            scores = mx.where(ctx.grid_mask[:, :, None], scores, mx.array(-1e9, scores.dtype))
+            probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype)
+            return (probs @ v[:, :, None]).reshape(r, h, w, d)
+        return original(queries, keys, values, scale, mask, group_size, bits)
+
+    import mlx_lm.models.base as mlx_base
+    mlx_base.quantized_scaled_dot_product_attention = attention
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--variant", default="base")
+    args = parser.parse_args()
+    import mlx.core as mx
+    from models.loader import load_pair
+    from models.slab import Slab
+    from scripts.experiments.gpu_shapes import dequantize, timed
+
+    target, _ = load_pair(args.model, None)
+    model = target.model
+    if "dense" in args.variant:
+        dequantize(model)
+    if "manual" in args.variant:
+        manual_attention()
+    mx.eval(model.parameters())
+    slab = Slab(model, rows=34, grid=True)
+    rows = [slab.add() for _ in range(34)]
+
+    def run(r: int, w: int, length: int):
+        for row in rows[:r]:
+            for view in row.cache:
+                view.offset = length
+        out = slab.forward(model, [(row, [7] * w) for row in rows[:r]])
+        mx.eval(*(out[-1:] if w <= 8 else []), *slab.arrays())
+        for row in rows[:r]:
+            for view in row.cache:
+                view.offset = length
+
+    run(1, 1, 10)
+    out = []
+    for r, w, n in SHAPES:
+        first = timed(lambda: run(r, w, n))
+        again = timed(lambda: run(r, w, n), 3)
+        out.append(dict(rows=r, width=w, length=n, first_ms=first * 1e3, again_ms=again * 1e3))
+        print(r, w, n, round(first * 1e3, 1), round(again * 1e3, 1), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(variant=args.variant, shapes=out, peak_gb=mx.get_peak_memory() / 2**30), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

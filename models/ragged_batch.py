@@ -231,10 +231,10 @@ class RaggedBatch:
     def prefill(self, requests: Sequence[Request]) -> list[TokenBatch]:
         """Admit `requests` and emit each one's first token; existing rows do not
         advance. A row starts from its prompt's longest cached prefix (setting the
-        request's `num_cached_tokens`); the other prompt tokens but the last run in
-        chunked forwards whose logits are never computed, and are stored in the prefix
-        cache right away, so requests that share the prompt and come while this one
-        runs start from it; the last tokens run together and give the first tokens."""
+        request's `num_cached_tokens`); the other prompt tokens run in chunked forwards
+        whose logits are computed at each row's last prompt token only, and are stored
+        in the prefix cache right away (all but the last token), so requests that share
+        the prompt and come while this one runs start from it."""
         if not requests:
             return []
         check_admissible(requests, self.request_ids())
@@ -246,38 +246,49 @@ class RaggedBatch:
 
     def _prefill_group(self, requests: Sequence[Request]) -> list[TokenBatch]:
         """Requests with the same prompt (the choices of an `n` > 1 request) prefill it
-        once: the first one's row runs it, the others copy its keys and values, and
-        every row runs its own last prompt token (its own first draw)."""
+        once: the first one's row runs it, the others copy its keys and values and draw
+        their first tokens from its logits. A row's last prompt token joins its last
+        chunk (when the chunk has room for it) and the head runs on that position alone
+        (`Slab.forward(last_only=True)`), so a prompt costs no forward of its own for
+        its first token."""
         rows = [self.slab.add() for _ in requests]
         first_of: dict[tuple[int, ...], int] = {}
         leader = [first_of.setdefault(tuple(r.prompt_ids), i) for i, r in enumerate(requests)]
         for i, (r, row) in enumerate(zip(requests, rows)):
             if leader[i] == i:
                 r.num_cached_tokens = self._reuse_prefix(row, r.prompt_ids)
-        heads = [list(r.prompt_ids[row.length:-1]) if leader[i] == i else []
-                 for i, (r, row) in enumerate(zip(requests, rows))]
-        done = 0
-        while any(len(h) > done for h in heads):
-            entries = [(row, h[done:done + PREFILL_CHUNK]) for row, h in zip(rows, heads) if len(h) > done]
-            self.slab.forward(self._model, entries)
+        todo = [list(r.prompt_ids[row.length:]) if leader[i] == i else []
+                for i, (r, row) in enumerate(zip(requests, rows))]
+        computed = [len(t) > 1 for t in todo]  # more than the last token ran: store the prompt
+        logits: list[mx.array | None] = [None] * len(requests)
+        while any(todo):
+            # A row's remaining tokens run whole when they fit a chunk, else a chunk of them.
+            owners = [i for i, t in enumerate(todo) if t]
+            chunks = [todo[i] if len(todo[i]) <= PREFILL_CHUNK else todo[i][:PREFILL_CHUNK] for i in owners]
+            out = self.slab.forward(self._model, [(rows[i], c) for i, c in zip(owners, chunks)], last_only=True)
+            for i, c, x in zip(owners, chunks, out):
+                todo[i] = todo[i][len(c):]
+                if not todo[i]:
+                    logits[i] = x
             mx.eval(self.slab.arrays())
-            done += PREFILL_CHUNK
-        for r, row, head in zip(requests, rows, heads):
-            if head:
+        for r, row, stored in zip(requests, rows, computed):
+            if stored:
                 self._store_prefix(row, r.prompt_ids)
         for i, (r, row) in enumerate(zip(requests, rows)):
             source = rows[leader[i]]
             if source is not row:
-                if source.length:
-                    self.slab.write_prefix(row, *self.slab.copy_prefix(source, source.length), source.length)
-                r.num_cached_tokens = source.length  # none of it computed for this row
+                self.slab.write_prefix(row, *self.slab.copy_prefix(source, source.length), source.length)
+                r.num_cached_tokens = source.length - 1  # none of it computed for this row
+                logits[i] = logits[leader[i]]
         streams = []
         for r, row in zip(requests, rows):
             stream = self._add_stream(r.request_id, row, RequestSampler(r.sampling, r.prompt_ids, self._grammars),
                                       stop_token_ids(self._eos_token_ids, r.sampling), r.sampling.max_tokens,
                                       0, r.prompt_ids[-1], r.prompt_ids[:-1], int(r.lane))
             streams.append(stream)
-        return self._step(streams, None, False)
+        none: list[list[int]] = [[] for _ in streams]
+        verified, reports = self._sample(streams, logits, none)
+        return self._apply(streams, none, verified, False, reports)
 
     def adopt(self, request_id: str, cache: list, sampler: RequestSampler, pending_token: int, *,
               max_tokens: int, num_emitted: int, stop_ids: Sequence[int],

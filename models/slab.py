@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, create_attention_mask, make_prompt_cache
 
-from models.slab_forward import STEP, Forward, SlabLayer
+from models.slab_forward import STEP, Forward, SlabLayer, last_positions
 
 # bf16 keeps 8 bits of mantissa (relative step 2^-7 ~ 0.008); a few roundings apart.
 HALF_RTOL = 0.03
@@ -254,7 +254,7 @@ class Slab:
         return self.keys + self.values
 
     def forward(self, model: nn.Module, entries: list[tuple[Row, list[int]]],
-                values: mx.array | None = None) -> list[mx.array]:
+                values: mx.array | None = None, last_only: bool = False) -> list[mx.array]:
         """Logits (lazy), (n, V) per entry, of one forward in which each entry's row
         gains its tokens, exactly as if each row had run its own forward.
 
@@ -271,7 +271,11 @@ class Slab:
 
         `values`: the entries' tokens as one (lazy) int32 array, the entries' lists
         concatenated in entry order; the lists then only give each entry's length (a
-        pipelined step feeds tokens the device has not produced yet)."""
+        pipelined step feeds tokens the device has not produced yet).
+
+        `last_only`: each entry's logits at its last token only, (1, V): the output head
+        runs on those positions alone (`slab_forward.last_positions`), so a prompt
+        chunk that ends with the token to draw from costs no head over the others."""
         if not entries:
             return []
         ctx = Forward(self, entries)
@@ -282,16 +286,24 @@ class Slab:
             tokens = mx.concatenate([values.astype(mx.int32), mx.zeros((1,), mx.int32)])[mx.array(ctx.source)]
         if ctx.grid is not None:  # (rows, width), as a batch of rows at their own offsets
             lo, hi, width = ctx.grid
-            logits = model(tokens.reshape(hi - lo, width), cache=layers)
-            logits = logits.reshape(-1, logits.shape[-1])
+            tokens = tokens.reshape(hi - lo, width)
         else:  # (tokens, 1): every token a row of its own
-            logits = model(tokens[:, None], cache=layers)[:, 0, :]
+            tokens = tokens[:, None]
+        ends = [start + len(entries[index][1]) - 1 for index, start in zip(ctx.order, ctx.starts)]
+        with last_positions(model, ends if last_only else None) as gathered:
+            logits = model(tokens, cache=layers)
+        logits = logits.reshape(-1, logits.shape[-1])
         for row, tokens in entries:
             for view in row.cache:
                 view.offset += len(tokens)
         out = [None] * len(entries)
-        for index, start in zip(ctx.order, ctx.starts):
-            out[index] = logits[start:start + len(entries[index][1])]
+        for k, (index, start) in enumerate(zip(ctx.order, ctx.starts)):
+            if gathered:
+                out[index] = logits[k:k + 1]
+            elif last_only:
+                out[index] = logits[ends[k]:ends[k] + 1]
+            else:
+                out[index] = logits[start:start + len(entries[index][1])]
         return out
 
 

@@ -19,9 +19,11 @@ import) for slab calls and passes every other call through.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
+import mlx.nn as nn
 import mlx_lm.models.base as mlx_base
 import numpy as np
 
@@ -158,6 +160,41 @@ def grid_width(n: int) -> int:
     [1, 5, 8, 16, 128, 256, 512, 512]
     """
     return n if n <= EXACT_WIDTHS else 1 << (n - 1).bit_length()
+
+
+class _Gather:
+    """Stands in for a model's body (`model.model`) during one call: runs it and keeps
+    the given flat positions of its output, so the model's own head code (a tied or
+    separate output projection, a soft cap, a scale) runs on those positions only.
+    Attribute reads go to the body (heads read `model.model.embed_tokens`)."""
+
+    def __init__(self, body: nn.Module, positions: list[int]) -> None:
+        self._body = body
+        self._positions = mx.array(positions)
+
+    def __call__(self, *args, **kwargs) -> mx.array:
+        hidden = self._body(*args, **kwargs)
+        return hidden.reshape(-1, hidden.shape[-1])[self._positions][None]
+
+    def __getattr__(self, name: str):
+        return getattr(self._body, name)
+
+
+@contextlib.contextmanager
+def last_positions(model: nn.Module, positions: list[int] | None):
+    """Within the block, `model(...)` returns logits (1, len(positions), V) for those
+    flat token positions only, when `positions` is given and the model's body is its
+    `model` attribute (mlx-lm's text models); yields whether it does (else the caller
+    slices the full logits)."""
+    body = getattr(model, "model", None) if positions is not None else None
+    if not isinstance(body, nn.Module):
+        yield False
+        return
+    object.__setattr__(model, "model", _Gather(body, positions))
+    try:
+        yield True
+    finally:
+        object.__delattr__(model, "model")
 
 
 def _entry_offsets(entries: list[tuple[Row, list[int]]]) -> list[int]:

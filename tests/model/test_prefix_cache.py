@@ -287,8 +287,8 @@ def test_rows_of_one_prefill_group_share_an_entry(loaded, base, grid):
 @pytest.mark.parametrize("grid", [False, True], ids=["packed", "grid"])
 def test_choices_of_one_prompt_prefill_it_once(loaded, base, grid, with_cache):
     """The choices of an n > 1 request arrive together with one prompt: its first row
-    runs the prompt, the others copy its keys (their own last token still runs), and
-    every stream equals the same request prefilled alone."""
+    runs the prompt, its last token included, the others copy its keys and draw from
+    its logits, and every stream equals the same request prefilled alone."""
     model = loaded[0].model
 
     def new_batch():
@@ -308,7 +308,7 @@ def test_choices_of_one_prompt_prefill_it_once(loaded, base, grid, with_cache):
         stepping or fed.append(sum(len(t) for _, t in entries)), forward(m, entries, *a, **k))[1]
     batch._step = lambda *a, **k: (stepping.append(1), step(*a, **k))[1]
     got = drive(batch, requests)
-    assert sum(fed) == len(base) - 1 + len(other) - 1  # the shared prompt ran once
+    assert sum(fed) == len(base) + len(other)  # the shared prompt ran once, in the one forward
     assert [r.num_cached_tokens for r in requests] == [0, len(base) - 1, 0, len(base) - 1, len(base) - 1]
     for r in requests:
         alone = Request(r.request_id, list(r.prompt_ids), r.sampling)
@@ -381,8 +381,9 @@ def test_rows_that_draft_store_only_the_tokens_they_emitted(loaded, monkeypatch)
     first = make_request("t1", history, 16, stop_token_ids=(stop,))
     out1 = drive(batch, [first], drafts=True)["t1"]
     assert out1 == isolated(target.model, first) and out1[-1] == stop
-    # The prompt, once prefilled; then the stream, without the accepted drafts past the stop.
-    assert stored[0] == (len(history) - 1, len(history) - 1)
+    # The prompt, once prefilled (the row holds its last token too, which is not stored);
+    # then the stream, without the accepted drafts past the stop.
+    assert stored[0] == (len(history), len(history) - 1)
     assert stored[1:] == [(stored[1][0], len(history) + len(out1) - 1)] and stored[1][0] > stored[1][1]
     second = make_request("t2", history + out1 + prompt[:9], 16)
     assert drive(batch, [second], drafts=True)["t2"] == isolated(target.model, second)

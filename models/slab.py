@@ -320,7 +320,8 @@ def check_support(model: nn.Module, atol: float = 1e-3) -> str | None:
 
     Within `atol` in float32; in half precision within `HALF_RTOL` of the largest
     logit (a batched kernel rounds differently from a one-row one). Throwaway rows: two one-token rows at different lengths (a run) and one
-    row verifying three tokens, against the same forwards run on private caches."""
+    row verifying three tokens, against the same forwards run on private caches; and the
+    same with the logits of each row's last token only (`last_only`)."""
     if not plain_caches(model):
         return "its cache is not a plain KVCache in every layer"
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12]]
@@ -331,11 +332,13 @@ def check_support(model: nn.Module, atol: float = 1e-3) -> str | None:
             cache = make_prompt_cache(model)
             model(mx.array([prompt]), cache=cache)
             alone.append(model(mx.array([new]), cache=cache)[0])
-        slab = Slab(model, rows=2)
-        rows = [slab.add() for _ in prompts]
-        slab.forward(model, [(r, p) for r, p in zip(rows, prompts)])
-        packed = slab.forward(model, [(r, n) for r, n in zip(rows, news)])
-        diff = max(mx.abs(p - a).max().item() for p, a in zip(packed, alone))
+        diff = 0.0
+        for last_only in (False, True):  # every position; the last ones alone (a prefill's draw)
+            slab = Slab(model, rows=2)
+            rows = [slab.add() for _ in prompts]
+            slab.forward(model, [(r, p) for r, p in zip(rows, prompts)])
+            packed = slab.forward(model, [(r, n) for r, n in zip(rows, news)], last_only=last_only)
+            diff = max(diff, *(mx.abs(p - (a[-1:] if last_only else a)).max().item() for p, a in zip(packed, alone)))
         if alone[0].dtype != mx.float32:  # half precision: kernels round differently
             atol = max(atol, HALF_RTOL * max(mx.abs(a).max().item() for a in alone))
     except Exception as exc:  # noqa: BLE001 - any failure means: not supported

@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from models import slab
+from models import slab, slab_forward
 from models.slab_forward import Forward
 from models.drafters import NgramIndex, ngram_lookup
 from models.ragged_batch import RaggedBatch
@@ -53,6 +53,29 @@ def test_slab_forward_matches_separate_forwards(make_model, widths, grid):
     out = store.forward(model, [(r, [7]) for r in rows])
     for got, prompt, new in zip(out, PROMPTS, news):
         assert mx.abs(got - _alone(model, prompt + new, [7])).max().item() < ATOL
+
+
+@pytest.mark.parametrize("make_model", [lambda: _llama(False), lambda: _llama(True)], ids=["untied", "tied"])
+@pytest.mark.parametrize("grid", [False, True], ids=["packed", "grid"])
+def test_last_only_gives_each_rows_last_logits_and_runs_the_head_on_those_alone(make_model, grid):
+    model = make_model()
+    store = slab.Slab(model, rows=4, grid=grid)
+    rows = [store.add() for _ in PROMPTS]
+    store.forward(model, [(r, p[:-3]) for r, p in zip(rows, PROMPTS)])
+    head_inputs = []  # what the model's head got: one position per row
+    gather = slab_forward._Gather.__call__
+    try:
+        slab_forward._Gather.__call__ = lambda self, *a, **k: (lambda h: (head_inputs.append(h.shape), h)[1])(
+            gather(self, *a, **k))
+        out = store.forward(model, [(r, p[-3:]) for r, p in zip(rows, PROMPTS)], last_only=True)
+    finally:
+        slab_forward._Gather.__call__ = gather
+    assert [tuple(x.shape) for x in out] == [(1, model.args.vocab_size)] * len(PROMPTS)
+    for got, prompt in zip(out, PROMPTS):
+        assert mx.abs(got - _alone(model, prompt[:-3], prompt[-3:])[-1:]).max().item() < ATOL
+    assert [r.length for r in rows] == [len(p) for p in PROMPTS]
+    assert model.model is not None and "model" not in vars(model)  # the body is back in place
+    assert head_inputs == [(1, len(PROMPTS), model.args.hidden_size)]
 
 
 def test_freeing_a_row_moves_another_without_changing_it():

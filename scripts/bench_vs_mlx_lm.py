@@ -30,6 +30,12 @@ goes from ~3 s cold to ~0.1 s on the bundled pair). `--repeat-prompts` restores
 reuse (seed = seed + repeat at every concurrency), to measure that cache on purpose;
 the JSON records each run's `cached_prompt_tokens` as the server reports them.
 
+TTFT is the load generator's: the first streamed chunk with text. For our servers each
+run also reads the replica's own TTFT histogram before and after
+(`specslot:time_to_first_token_seconds`: the first token, text or not), and the table
+counts the requests whose first token came after 1 s there (a random-weight model's
+first tokens can decode to no text, which moves the client's TTFT later).
+
 `--config` (repeatable) starts one of our servers per config, each alternating with the
 peers: `configs/classic-only.yaml`, or `configs/local.yaml:backlog_cap=0,grant_rounds=2`
 to override `args` keys (YAML values). With more than one config each is named
@@ -41,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import os
 import statistics
+import urllib.request
 
 import yaml
 
@@ -126,14 +133,21 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "res
                                      max_tokens=max_tokens, seed=prompt_seed, progress=False, ignore_eos="off",
                                      temperature=temperature, prompt_chars=prompt_chars,
                                      shared_prefix_chars=shared_prefix_chars)
+                    before = server_ttft(server) if server in ours else None
                     result = asyncio.run(run_load(cfg))
+                    server_side = None if before is None else metrics.bucket_delta(before, server_ttft(server))
                     runs.append({"server": server.name, "concurrency": concurrency, "repeat": rep,
                                  "prompt_seed": prompt_seed, "cached_prompt_tokens": result["cached_prompt_tokens"],
-                                 "summary": result["summary"], "output_lengths": result["output_lengths"]})
+                                 "summary": result["summary"], "output_lengths": result["output_lengths"],
+                                 "server_ttft_buckets": None if server_side is None else
+                                 {str(k): v for k, v in server_side.items()}})
                     s = result["summary"]
+                    within = "" if server_side is None else \
+                        " server TTFT <= 1 s: %d / %d" % metrics.share_within(server_side, 1.0)
                     print(f"c={concurrency} rep={rep} {server.name:<18} {s['output_throughput']:8.1f} tok/s "
                           f"TTFT {s['mean_ttft_ms']:8.1f} ms  TPOT {metrics.fmt(s['median_tpot_ms'])} ms "
-                          f"failed {s['failed']} cached prompt tokens {result['cached_prompt_tokens']}", flush=True)
+                          f"failed {s['failed']} cached prompt tokens {result['cached_prompt_tokens']}{within}",
+                          flush=True)
     finally:
         stops = {server.name: server.stop() for server in fleet}
     startup = {server.name: server.startup_s for server in fleet}
@@ -142,6 +156,17 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "res
             "machine": bench_util.machine(), "servers": {s.name: s.cmd for s in fleet}, "startup_s": startup,
             "exit_codes": stops, "runs": runs,
             "rows": pair_ratios(runs, [p[0] for p in peers], [s.name for s in ours])}
+
+
+TTFT_HISTOGRAM = "specslot:time_to_first_token_seconds"
+
+
+def server_ttft(server) -> dict[float, float]:
+    """Our server's TTFT histogram as it stands (docs/metrics.md: replica arrival to the
+    first token, whether or not it decodes to text; the load generator times the first
+    chunk with text, which a random-weight model's first tokens may not have)."""
+    with urllib.request.urlopen(server.base_url + "/metrics", timeout=10) as resp:
+        return metrics.histogram_buckets(resp.read().decode(), TTFT_HISTOGRAM)
 
 
 def run_seed(seed: int, concurrency: int, repeat: int) -> int:
@@ -164,6 +189,10 @@ def pair_ratios(runs: list[dict], peers: list[str], ours_names: list[str] = ("sp
 def _pairs_at(runs: list[dict], concurrency: int, ours_name: str, peers: list[str]) -> list[dict]:
     rows = []
     ours = {r["repeat"]: r["summary"] for r in runs if r["concurrency"] == concurrency and r["server"] == ours_name}
+    buckets = [r["server_ttft_buckets"] for r in runs if r["concurrency"] == concurrency
+               and r["server"] == ours_name and r.get("server_ttft_buckets")]
+    # requests whose first token (server side, text or not) came after 1 s, in all repeats
+    over = [n - k for k, n in (metrics.share_within({float(b): c for b, c in d.items()}, 1.0) for d in buckets)]
     for peer in peers:
         theirs = {r["repeat"]: r["summary"] for r in runs if r["concurrency"] == concurrency and r["server"] == peer}
         reps = sorted(set(ours) & set(theirs))
@@ -178,7 +207,8 @@ def _pairs_at(runs: list[dict], concurrency: int, ours_name: str, peers: list[st
                      "ttft_ratios": ttft, "ttft_ratio_median": statistics.median(ttft),
                      "ours_ttft_ms": statistics.median(ours[k]["mean_ttft_ms"] for k in reps),
                      "peer_ttft_ms": statistics.median(theirs[k]["mean_ttft_ms"] for k in reps),
-                     **_latency(ours, reps, "ours"), **_latency(theirs, reps, "peer")})
+                     **_latency(ours, reps, "ours"), **_latency(theirs, reps, "peer"),
+                     "ours_server_ttft_over_1s": sum(over) if over else None})
     return rows
 
 
@@ -199,7 +229,8 @@ COLUMNS = [("concurrency", "concurrency"), ("ours", "ours"), ("peer", "peer"), (
            ("peer_p99_ttft_ms", "peer TTFT p99"), ("ours_median_tpot_ms", "specslot TPOT p50"),
            ("peer_median_tpot_ms", "peer TPOT p50"), ("ours_p99_tpot_ms", "specslot TPOT p99"),
            ("peer_p99_tpot_ms", "peer TPOT p99"), ("ours_first_p99_ttft_ms", "specslot 1st-wave TTFT p99"),
-           ("peer_first_p99_ttft_ms", "peer 1st-wave TTFT p99")]
+           ("peer_first_p99_ttft_ms", "peer 1st-wave TTFT p99"),
+           ("ours_server_ttft_over_1s", "specslot requests with a server-side TTFT over 1 s")]
 
 
 def plot(result: dict, path: str) -> None:

@@ -114,3 +114,33 @@ def table(rows: list[dict], columns: list[tuple[str, str]], digits: int = 1) -> 
     sep = "|" + "|".join("---" for _ in columns) + "|"
     body = ["| " + " | ".join(fmt(r.get(k), digits) for k, _ in columns) + " |" for r in rows]
     return "\n".join([head, sep, *body])
+
+
+def histogram_buckets(text: str, name: str) -> dict[float, float]:
+    """Cumulative bucket counts (upper bound -> count, summed over label sets) of the
+    Prometheus histogram `name` in an exposition `text`.
+
+    >>> histogram_buckets('h_bucket{le="1.0",m="a"} 3.0\\nh_bucket{le="+Inf",m="a"} 5.0\\nh_count 5.0', "h")
+    {1.0: 3.0, inf: 5.0}
+    """
+    out: dict[float, float] = {}
+    prefix = name + "_bucket{"
+    for line in text.splitlines():
+        if not line.startswith(prefix):
+            continue
+        labels, _, value = line[len(prefix):].rpartition("} ")
+        le = next(part.split("=", 1)[1].strip('"') for part in labels.split(",") if part.startswith("le="))
+        bound = math.inf if le == "+Inf" else float(le)
+        out[bound] = out.get(bound, 0.0) + float(value)
+    return out
+
+
+def bucket_delta(before: dict[float, float], after: dict[float, float]) -> dict[float, float]:
+    """What a histogram gained between two scrapes, per bucket."""
+    return {le: count - before.get(le, 0.0) for le, count in sorted(after.items())}
+
+
+def share_within(delta: dict[float, float], bound: float) -> tuple[int, int]:
+    """(observations at or under `bound`, all observations) of a bucket delta; `bound`
+    must be one of its buckets' bounds."""
+    return int(delta.get(bound, 0.0)), int(delta.get(math.inf, 0.0))

@@ -58,3 +58,35 @@ def test_speculative_totals_exclude_probe_rounds_from_acceptance_length():
     assert s["speculative"]["rounds"] == 12
     assert s["acceptance_length"] == pytest.approx(25 / 10 + 1)
     assert s["acceptance_rate"] == pytest.approx(25 / 40)
+
+
+EXPOSITION = """# HELP specslot:time_to_first_token_seconds TTFT
+# TYPE specslot:time_to_first_token_seconds histogram
+specslot:time_to_first_token_seconds_bucket{le="0.5",model_name="m"} 2.0
+specslot:time_to_first_token_seconds_bucket{le="1.0",model_name="m"} 3.0
+specslot:time_to_first_token_seconds_bucket{le="+Inf",model_name="m"} 5.0
+specslot:time_to_first_token_seconds_count{model_name="m"} 5.0
+specslot:time_to_first_token_seconds_bucket{le="1.0",model_name="other"} 1.0
+specslot:time_to_first_token_seconds_bucket{le="+Inf",model_name="other"} 1.0
+specslot:time_per_output_token_seconds_bucket{le="1.0",model_name="m"} 9.0
+"""
+
+
+def test_server_side_ttft_over_a_run_from_two_scrapes():
+    before = metrics.histogram_buckets(EXPOSITION, "specslot:time_to_first_token_seconds")
+    assert before == {0.5: 2.0, 1.0: 4.0, float("inf"): 6.0}  # label sets summed, other histograms left out
+    after = {**before, 1.0: 7.0, float("inf"): 12.0}
+    delta = metrics.bucket_delta(before, after)
+    assert metrics.share_within(delta, 1.0) == (3, 6)  # 6 requests in the run, 3 of them within 1 s
+
+
+def test_pair_rows_count_requests_whose_server_side_ttft_passed_a_second():
+    from scripts.bench_vs_mlx_lm import pair_ratios
+
+    summary = {"output_throughput": 10.0, **{f"{stat}_{name}_ms": 100.0 for stat in ("mean", "median", "p99")
+                                             for name in ("ttft", "tpot")}}
+    runs = [{"server": "specslot", "concurrency": 4, "repeat": r, "summary": summary,
+             "server_ttft_buckets": {"1.0": 3.0, "inf": 4.0 + r}} for r in range(2)]
+    runs += [{"server": "mlx_lm", "concurrency": 4, "repeat": r, "summary": summary} for r in range(2)]
+    (row,) = pair_ratios(runs, ["mlx_lm"])
+    assert row["ours_server_ttft_over_1s"] == 1 + 2

@@ -1,15 +1,19 @@
 """Two ways to make the slab's multi-token grid forwards cheaper on MLX CUDA (made for the
-lent H200; random weights at the Qwen2.5-1.5B shape, 4-bit, vocabulary 2,048):
+lent H200; random weights at the Qwen2.5-1.5B shape, 4-bit, vocabulary 2,048), both now
+the GPU default; a variant's name turns either back:
 
-- `manual`: grid attention of more than one query per row as two matmuls and a softmax
-  instead of `mx.fast.scaled_dot_product_attention` with a mask (which builds a plan per
-  shape, ~50-70 ms each, `gpu_shapes.py`);
-- `dense`: the transformer blocks' quantized linears dequantized to bf16 (cuBLAS GEMMs).
+- `fused`: grid attention of several queries per row through
+  `mx.fast.scaled_dot_product_attention` with a mask (which builds a plan per shape,
+  ~50-70 ms each, `gpu_shapes.py`), instead of the default two matmuls and a softmax
+  (`slab_forward._grid_attention`);
+- `q4`: the quantized linears as loaded, instead of dequantized to bf16
+  (`models.dense_weights`, cuBLAS GEMMs).
 
-One process per variant (a shape's first call is what it costs a fresh process; run the
-variants with one `MLX_PTX_CACHE_DIR`, after a warm-up process, so kernels come from disk):
+Variants combine with `+` (`q4+fused` is what ran before both changes). One process per
+variant (a shape's first call is what it costs a fresh process; run the variants with
+one `MLX_PTX_CACHE_DIR`, after a warm-up process, so kernels come from disk):
 
-    python scripts/experiments/gpu_prefill.py --model /tmp/q15 --variant base --out DIR/base.json
+    python scripts/experiments/gpu_prefill.py --model /tmp/q15 --variant q4+fused --out DIR/q4_fused.json
 """
 
 from __future__ import annotations
@@ -28,50 +32,33 @@ SHAPES = ([(r, w, n) for n in (100, 700) for w in (2, 5) for r in (1, 4, 8, 16, 
           + [(r, 1, n) for n in (100, 700) for r in (1, 8, 32)])
 
 
-def manual_attention():
+def fused_attention() -> None:
+    """Grid attention with several queries per row back on the fused kernel (with a mask)."""
     import mlx.core as mx
     from models import slab_forward
 
-    original = slab_forward._attention
-
-    def attention(queries, keys, values, scale, mask, group_size=64, bits=8):
-        if isinstance(keys, slab_forward._Keys) and keys.layer.ctx.grid is not None and queries.shape[2] > 1:
-            layer = keys.layer
-            ctx = layer.ctx
-            lo, hi, _ = ctx.grid
-            t = ctx.grid_keys
-            k = layer.slab.keys[layer.index][lo:hi, :, :t]
-            v = layer.slab.values[layer.index][lo:hi, :, :t]
-            r, h, w, d = queries.shape
-            kv = k.shape[1]
-            q = (queries * scale).reshape(r, kv, h // kv, w, d)
-            scores = q @ k[:, :, None].swapaxes(-1, -2)  # (r, kv, g, w, t)
-            scores = mx.where(ctx.grid_mask[:, :, None], scores, mx.array(-1e9, scores.dtype))
-            probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype)
-            return (probs @ v[:, :, None]).reshape(r, h, w, d)
-        return original(queries, keys, values, scale, mask, group_size, bits)
-
-    import mlx_lm.models.base as mlx_base
-    mlx_base.quantized_scaled_dot_product_attention = attention
+    slab_forward._grid_attention = lambda q, k, v, scale, mask: mx.fast.scaled_dot_product_attention(
+        q, k, v, scale=scale, mask=mask)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--variant", default="base")
+    parser.add_argument("--variant", default="default", help="default, q4, fused, q4+fused")
     args = parser.parse_args()
     import mlx.core as mx
     from models.loader import load_pair
     from models.slab import Slab
-    from scripts.experiments.gpu_shapes import dequantize, timed
+    from models.dense_weights import dequantize
+    from scripts.experiments.gpu_shapes import timed
 
     target, _ = load_pair(args.model, None)
     model = target.model
-    if "dense" in args.variant:
+    if "q4" not in args.variant:
         dequantize(model)
-    if "manual" in args.variant:
-        manual_attention()
+    if "fused" in args.variant:
+        fused_attention()
     mx.eval(model.parameters())
     slab = Slab(model, rows=34, grid=True)
     rows = [slab.add() for _ in range(34)]

@@ -1,7 +1,7 @@
 """What a new grid-forward shape costs on MLX CUDA, and how fast the slab prefills (made
 for the lent H200; random weights at the Qwen2.5-1.5B shape, 4-bit, vocabulary 2,048).
 
-Part "shapes": one grid slab (`Slab(grid=True)`, 34 rows), forwards of R rows x W tokens
+Part "shapes" (with `--fused`, as measured before the grid's matmul attention): one grid slab (`Slab(grid=True)`, 34 rows), forwards of R rows x W tokens
 against keys of bucket K (rows set to a length inside the bucket), each timed at its first
 call and again (synchronised, logits of the last row evaluated as a decode step does).
 Run it twice with the same `MLX_PTX_CACHE_DIR`: the second process shows what a new shape
@@ -25,26 +25,6 @@ HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, HERE)
 
 
-def dequantize(model) -> int:
-    """Replace every quantized linear layer of the transformer blocks by a bf16 one."""
-    import mlx.core as mx
-    import mlx.nn as nn
-
-    count = 0
-    for _, module in model.named_modules():
-        for name, child in list(module.children().items()):
-            if isinstance(child, nn.QuantizedLinear):
-                w = mx.dequantize(child.weight, child.scales, child.biases, child.group_size, child.bits)
-                lin = nn.Linear(w.shape[1], w.shape[0], bias="bias" in child)
-                lin.weight = w.astype(mx.bfloat16)
-                if "bias" in child:
-                    lin.bias = child.bias
-                setattr(module, name, lin)
-                count += 1
-    mx.eval(model.parameters())
-    return count
-
-
 def timed(fn, repeats: int = 1) -> float:
     tic = time.perf_counter()
     for _ in range(repeats):
@@ -57,11 +37,17 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--parts", default="shapes,prefill")
+    parser.add_argument("--fused", action="store_true",
+                        help="grid attention on the fused kernel, as before the matmul attention (gpu_prefill.py)")
     args = parser.parse_args()
     import mlx.core as mx
+    from models.dense_weights import dequantize
     from models.loader import load_pair
     from models.slab import Slab
+    from scripts.experiments.gpu_prefill import fused_attention
 
+    if args.fused:
+        fused_attention()
     tic = time.perf_counter()
     target, _ = load_pair(args.model, None)
     model = target.model

@@ -1,4 +1,5 @@
-"""Quantized weights, dequantized once at load (`dense_weights`, on by default on a CUDA GPU).
+"""Quantized weights, dequantized once at load (`dense_weights`, on by default on a CUDA GPU
+where the memory allows).
 
 MLX CUDA's quantized matmul is fast for one token and slow for many: on the H200, at the
 Qwen2.5-1.5B shape (4-bit, random weights, `scripts/experiments/gpu_prefill.py`), a step
@@ -6,8 +7,9 @@ of 32 rows took 26 ms with the 4-bit weights and 8.7 ms with the same weights as
 (cuBLAS), a prefill forward of 8 x 512 tokens 88 ms against 31, and one row's step 5.4
 against 5.1 ms. So on a CUDA GPU every quantized layer becomes a plain one holding its
 dequantized weights: the same values the quantized kernels compute with, at twice the
-memory of bf16 weights instead of about a quarter. On Apple silicon and on a CPU the
-quantized kernels are the fast ones, and the model stays as loaded.
+memory of bf16 weights instead of about a quarter; by default only while that growth
+fits in half the memory available. On Apple silicon and on a CPU the quantized kernels
+are the fast ones, and the model stays as loaded.
 """
 
 from __future__ import annotations
@@ -20,11 +22,43 @@ import mlx.nn as nn
 log = logging.getLogger(__name__)
 
 
-def wanted(setting: bool | None) -> bool:
-    """Whether to dequantize: `setting` when given, else whether MLX runs on a CUDA GPU."""
+MAX_SHARE = 0.5  # by default, the weights grow by at most this share of the memory available
+
+
+def on_cuda() -> bool:
+    cuda = getattr(mx, "cuda", None)  # a build without the CUDA backend may lack the module
+    return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
+
+
+def wanted(setting: bool | None, extra_bytes: int = 0, available_bytes: int | None = None) -> bool:
+    """Whether to dequantize: `setting` when given, else on a CUDA GPU when the weights'
+    growth (`extra_bytes`) fits in `MAX_SHARE` of the memory available
+    (`prefix_cache.available_memory()` unless given)."""
     if setting is not None:
         return setting
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    if not on_cuda():
+        return False
+    if available_bytes is None:
+        from models.prefix_cache import available_memory
+
+        available_bytes = available_memory()
+    return extra_bytes <= MAX_SHARE * available_bytes
+
+
+def _quantized(model: nn.Module) -> list[nn.Module]:
+    return [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+
+
+def growth(model: nn.Module) -> int:
+    """Bytes the model's weights would grow by, dequantized."""
+    extra = 0
+    for layer in _quantized(model):
+        weight, scales = layer["weight"], layer["scales"]
+        columns = weight.shape[-1] * 32 // layer.bits
+        size = scales.dtype.size if mx.issubdtype(scales.dtype, mx.floating) else 2
+        extra += weight.shape[0] * columns * size - weight.nbytes - scales.nbytes
+        extra -= layer["biases"].nbytes if "biases" in layer else 0
+    return extra
 
 
 def _dense(layer: nn.Module) -> mx.array:
@@ -62,7 +96,11 @@ def dequantize(model: nn.Module) -> int:
 def apply(model: nn.Module, name: str, setting: bool | None) -> int:
     """Dequantize `model` when `wanted(setting)`, logging what it cost; returns the layers
     replaced (0: left as loaded, or nothing was quantized)."""
-    if not wanted(setting):
+    extra = growth(model) if setting is None else 0
+    if not wanted(setting, extra):
+        if setting is None and extra and on_cuda():
+            log.info("%s: dense_weights off: dequantized, the weights would grow by %.2f GB, over %d %% of "
+                     "the memory available", name, extra / 1e9, MAX_SHARE * 100)
         return 0
     before = _nbytes(model)
     count = dequantize(model)

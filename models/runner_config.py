@@ -66,9 +66,10 @@ class RunnerConfig:
         "them as plain bf16 layers. On the H200, MLX CUDA's quantized matmul made a 32-row step 3x "
         "and an 8 x 512 prefill forward 2.9x slower than the same weights dense (Qwen2.5-1.5B shape, "
         "4-bit, random weights; docs/gpu.md), at the cost of holding bf16 weights (about 4x a "
-        "4-bit model's). None = on a CUDA GPU only (Apple silicon's and the CPU's quantized kernels "
-        "are the fast ones); false keeps the weights as loaded (a GPU short of memory).",
-        default_doc="on a CUDA GPU, off elsewhere")
+        "4-bit model's). None = on a CUDA GPU when that growth fits in half the memory available "
+        "(Apple silicon's and the CPU's quantized kernels are the fast ones); false keeps the weights as "
+        "loaded, true dequantizes wherever.",
+        default_doc="on a CUDA GPU where the memory allows, off elsewhere")
     draft_step_share: float = knob(
         0.0,
         "The rows' drafts in one step may add at most this share of the step's time without them "

@@ -39,10 +39,24 @@ def test_a_dense_model_is_left_alone():
     assert dense_weights.apply(model, "tiny", True) == 0
 
 
-def test_default_is_a_cuda_gpu_only():
+def test_default_is_a_cuda_gpu_with_room_for_the_dense_weights(monkeypatch):
     assert dense_weights.wanted(True) and not dense_weights.wanted(False)
     on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
-    assert dense_weights.wanted(None) == on_cuda
+    assert dense_weights.wanted(None, 0, 100) == on_cuda
+    monkeypatch.setattr(dense_weights, "on_cuda", lambda: True)
+    assert dense_weights.wanted(None, 50, 100) and not dense_weights.wanted(None, 51, 100)
+    assert dense_weights.wanted(True, 51, 100)  # asked for: wherever
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_growth_is_what_dequantizing_adds(tie):
+    model = _quantized(tie, bias=True)
+    before = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    extra = dense_weights.growth(model)
+    assert extra > 0
+    dense_weights.dequantize(model)
+    assert sum(v.nbytes for _, v in tree_flatten(model.parameters())) == before + extra
+    assert dense_weights.growth(model) == 0
 
 
 def test_from_paths_applies_the_knob(tiny_pair, tmp_path):

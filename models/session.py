@@ -40,7 +40,8 @@ from models.bucketed import BucketedForward
 from models.cache_rollback import trim_exact
 from models.drafters import Drafter
 from models.grammar import Grammars
-from models.prefill import prefill_chunks
+from models.prefill import PREFILL_STEP, prefill_chunks
+from models.slab_forward import last_positions
 from models.rejection import verify_drafts, with_bonus_row
 from models.rollback import accept_count, clip_tokens, draft_budget, target_cache_trim
 from models.sampling import ROUNDS, LogprobArrays, RequestSampler, stop_token_ids
@@ -171,21 +172,22 @@ class SpeculativeSession:
     def begin(self) -> RoundOutcome:
         """Prefill target (and draft state, if bound) and emit the first token.
 
-        Like classic prefill: all but the last prompt token in chunks, then the last
-        token alone, whose logits give the first token. A cache that `new_cache`
-        hands over already holding a prefix of the prompt (its offset, at most all
-        but the last token) is prefilled from there.
+        Like classic prefill: the prompt in chunks, the last token in the last one,
+        whose logits (the output head runs on that position alone) give the first
+        token. A cache that `new_cache` hands over already holding a prefix of the
+        prompt (its offset, at most all but the last token) is prefilled from there.
         """
         tic = time.perf_counter()
         self.cache = self._new_cache()
-        head = self.prompt_ids[self.cache[0].offset:-1]
         if self.verifier is not None and self.verifier.prefill_chunk:
             # Shape-stable and lazy: one host sync for the whole begin.
-            self.verifier.prefill(self.cache, head)
+            self.verifier.prefill(self.cache, self.prompt_ids[self.cache[0].offset:-1])
             logits = self.verifier.logits(self.cache, mx.array([self.prompt_ids[-1:]], dtype=mx.int32))[0]
         else:
-            prefill_chunks(self.target, self.cache, head, forward=self.forward)
-            logits = self.forward(self.prompt_ids[-1:])
+            rest = self.prompt_ids[self.cache[0].offset:]
+            cut = max(0, len(rest) - PREFILL_STEP)  # the last chunk carries the last token
+            prefill_chunks(self.target, self.cache, rest[:cut], forward=self.forward)
+            logits = self.forward(rest[cut:], last_only=True)
         first, logprobs = self._sample(logits)
         if self.drafter is not None:
             self.draft_state = self.drafter.new_state(self.prompt_ids)
@@ -223,15 +225,18 @@ class SpeculativeSession:
         self.counters.phase_seconds["verify"] += time.perf_counter() - t1
         return self.complete_round(tokens, logits, tic)
 
-    def forward(self, tokens: list[int]) -> mx.array:
+    def forward(self, tokens: list[int], last_only: bool = False) -> mx.array:
         """The target's (lazy) logits, (n, V), for `tokens` appended to the session's
-        cache: through the slab when the cache is a row of a grid slab (bucketed
-        shapes: the GPU reuses its kernels and attention plans round after round),
-        else the plain mlx-lm forward."""
+        cache (`last_only`: (1, V) at the last token, the output head run on it alone):
+        through the slab when the cache is a row of a grid slab (bucketed shapes: the
+        GPU reuses its kernels and attention plans round after round), else the plain
+        mlx-lm forward."""
         row = getattr(self.cache[0], "row", None) if self.cache else None
         if row is not None and row.slab.grid:
-            return row.slab.forward(self.target, [(row, list(tokens))])[0]
-        return self.target(mx.array([tokens], dtype=mx.int32), cache=self.cache)[0]
+            return row.slab.forward(self.target, [(row, list(tokens))], last_only=last_only)[0]
+        with last_positions(self.target, [len(tokens) - 1] if last_only else None) as gathered:
+            logits = self.target(mx.array([tokens], dtype=mx.int32), cache=self.cache)[0]
+        return logits[-1:] if last_only and not gathered else logits
 
     def prepare_round(self) -> list[int]:
         """The first half of a round on the plain path: draft, and return the tokens

@@ -34,15 +34,20 @@ QUIET_COSTS = dict(decode={1: 0.0100, 2: 0.0110, 4: 0.0130, 8: 0.0170},
                    all_verify={2: 0.0160, 4: 0.0220, 8: 0.0330})
 
 
-@pytest.fixture(scope="module", params=["draft_model", "ngram"])
-def runner(request):
+def quiet_costs(runner, kind: str):
+    """Give `runner` (drafting with `kind`) the fixed `QUIET_COSTS` instead of its own."""
     from scheduler.costs import TickCosts
 
+    costs = TickCosts(draft=0.0055 if kind == "draft_model" else 0.0, **QUIET_COSTS)
+    runner._tick_costs = costs
+    runner._classic.costs = costs
+
+
+@pytest.fixture(scope="module", params=["draft_model", "ngram"])
+def runner(request):
     r = bundled_runner(request.param)
     assert r.can_fuse(), r.fuse_blocker
-    costs = TickCosts(draft=0.0055 if request.param == "draft_model" else 0.0, **QUIET_COSTS)
-    r._tick_costs = costs
-    r._classic.costs = costs
+    quiet_costs(r, request.param)
     yield r
     r.close()
 

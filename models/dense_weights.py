@@ -18,6 +18,9 @@ import logging
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from models.prefix_cache import available_memory
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +42,6 @@ def wanted(setting: bool | None, extra_bytes: int = 0, available_bytes: int | No
     if not on_cuda():
         return False
     if available_bytes is None:
-        from models.prefix_cache import available_memory
-
         available_bytes = available_memory()
     return extra_bytes <= MAX_SHARE * available_bytes
 
@@ -55,17 +56,22 @@ def growth(model: nn.Module) -> int:
     for layer in _quantized(model):
         weight, scales = layer["weight"], layer["scales"]
         columns = weight.shape[-1] * 32 // layer.bits
-        size = scales.dtype.size if mx.issubdtype(scales.dtype, mx.floating) else 2
-        extra += weight.shape[0] * columns * size - weight.nbytes - scales.nbytes
+        extra += weight.shape[0] * columns * _dense_dtype(layer).size - weight.nbytes - scales.nbytes
         extra -= layer["biases"].nbytes if "biases" in layer else 0
     return extra
 
 
-def _dense(layer: nn.Module) -> mx.array:
+def _dense_dtype(layer: nn.Module) -> mx.Dtype:
+    """The dtype a quantized layer's weights take dequantized: its scales' (the model's
+    float dtype), bf16 where the scales are not floats."""
     scales = layer["scales"]
-    weight = mx.dequantize(layer["weight"], scales, layer.get("biases"), layer.group_size, layer.bits,
+    return scales.dtype if mx.issubdtype(scales.dtype, mx.floating) else mx.bfloat16
+
+
+def _dense(layer: nn.Module) -> mx.array:
+    weight = mx.dequantize(layer["weight"], layer["scales"], layer.get("biases"), layer.group_size, layer.bits,
                            mode=getattr(layer, "mode", "affine"))
-    return weight.astype(scales.dtype if mx.issubdtype(scales.dtype, mx.floating) else mx.bfloat16)
+    return weight.astype(_dense_dtype(layer))
 
 
 def dequantize(model: nn.Module) -> int:
@@ -111,6 +117,4 @@ def apply(model: nn.Module, name: str, setting: bool | None) -> int:
 
 
 def _nbytes(model: nn.Module) -> int:
-    from mlx.utils import tree_flatten
-
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))

@@ -264,7 +264,7 @@ class RaggedBatch:
         while any(todo):
             # A row's remaining tokens run whole when they fit a chunk, else a chunk of them.
             owners = [i for i, t in enumerate(todo) if t]
-            chunks = [todo[i] if len(todo[i]) <= PREFILL_CHUNK else todo[i][:PREFILL_CHUNK] for i in owners]
+            chunks = [todo[i][:PREFILL_CHUNK] for i in owners]
             out = self.slab.forward(self._model, [(rows[i], c) for i, c in zip(owners, chunks)], last_only=True)
             for i, c, x in zip(owners, chunks, out):
                 todo[i] = todo[i][len(c):]

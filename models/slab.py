@@ -289,8 +289,10 @@ class Slab:
             tokens = tokens.reshape(hi - lo, width)
         else:  # (tokens, 1): every token a row of its own
             tokens = tokens[:, None]
-        ends = [start + len(entries[index][1]) - 1 for index, start in zip(ctx.order, ctx.starts)]
-        with last_positions(model, ends if last_only else None) as gathered:
+        ends = None  # with last_only: each entry's last token, in the flat token order
+        if last_only:
+            ends = [start + len(entries[index][1]) - 1 for index, start in zip(ctx.order, ctx.starts)]
+        with last_positions(model, ends) as gathered:
             logits = model(tokens, cache=layers)
         logits = logits.reshape(-1, logits.shape[-1])
         for row, tokens in entries:

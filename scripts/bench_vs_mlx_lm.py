@@ -98,7 +98,8 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "res
         configs: list[str] | None = None, peer_names: list[str] | None = None,
         repeats: int | None = None, repeat_prompts: bool = False, max_tokens: int | None = None,
         prompts_per_stream: int | None = None, temperature: float = 0.0,
-        startup_timeout_s: float = 300.0, prompt_chars: int = 600, shared_prefix_chars: int = 0) -> dict:
+        startup_timeout_s: float = 300.0, prompt_chars: int = 600, shared_prefix_chars: int = 0,
+        engine: bool = False) -> dict:
     max_tokens = max_tokens or (32 if quick else 128)
     repeats = repeats or (2 if quick else 3)
     peers = [("mlx_lm", target, None, ()), ("mlx_lm+draft", target, draft, ()), ("mlx_lm-wide", target, None, WIDE)]
@@ -116,46 +117,109 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "res
     fleet = ours + [servers.mlx_lm_server(base_port + len(ours) + i, out_dir, model, d, name=name, extra=extra)
                     for i, (name, model, d, extra) in enumerate(peers)]
     runs = []
+
+    def load_config(base_url: str, concurrency: int, prompt_seed: int) -> LoadConfig:
+        num_prompts = max(4 if quick else 8, (prompts_per_stream or (1 if quick else 4)) * concurrency)
+        return LoadConfig(base_url=base_url, num_prompts=num_prompts, concurrency=concurrency,
+                          max_tokens=max_tokens, seed=prompt_seed, progress=False, ignore_eos="off",
+                          temperature=temperature, prompt_chars=prompt_chars, shared_prefix_chars=shared_prefix_chars)
+
+    def seeds():
+        for concurrency in concurrencies:
+            for rep in range(repeats):
+                yield concurrency, rep, seed + rep if repeat_prompts else run_seed(seed, concurrency, rep)
+
     try:
         for server in fleet:
             server.start("/v1/models", timeout_s=startup_timeout_s)
         for server in fleet:  # warm-up: first-call costs out of the measured runs
             asyncio.run(run_load(LoadConfig(base_url=server.base_url, num_prompts=2, concurrency=2,
                                             max_tokens=8, seed=seed + 999, progress=False)))
-        for concurrency in concurrencies:
-            num_prompts = max(4 if quick else 8, (prompts_per_stream or (1 if quick else 4)) * concurrency)
-            for rep in range(repeats):
-                prompt_seed = seed + rep if repeat_prompts else run_seed(seed, concurrency, rep)
-                for server in fleet:
-                    if quick and concurrency > 1 and server.name.endswith("+draft"):
-                        continue
-                    cfg = LoadConfig(base_url=server.base_url, num_prompts=num_prompts, concurrency=concurrency,
-                                     max_tokens=max_tokens, seed=prompt_seed, progress=False, ignore_eos="off",
-                                     temperature=temperature, prompt_chars=prompt_chars,
-                                     shared_prefix_chars=shared_prefix_chars)
-                    before = server_ttft(server) if server in ours else None
-                    result = asyncio.run(run_load(cfg))
-                    server_side = None if before is None else metrics.bucket_delta(before, server_ttft(server))
-                    runs.append({"server": server.name, "concurrency": concurrency, "repeat": rep,
-                                 "prompt_seed": prompt_seed, "cached_prompt_tokens": result["cached_prompt_tokens"],
-                                 "summary": result["summary"], "output_lengths": result["output_lengths"],
-                                 "server_ttft_buckets": None if server_side is None else
-                                 {str(k): v for k, v in server_side.items()}})
-                    s = result["summary"]
-                    within = "" if server_side is None else \
-                        " server TTFT <= 1 s: %d / %d" % metrics.share_within(server_side, 1.0)
-                    print(f"c={concurrency} rep={rep} {server.name:<18} {s['output_throughput']:8.1f} tok/s "
-                          f"TTFT {s['mean_ttft_ms']:8.1f} ms  TPOT {metrics.fmt(s['median_tpot_ms'])} ms "
-                          f"failed {s['failed']} cached prompt tokens {result['cached_prompt_tokens']}{within}",
-                          flush=True)
+        for concurrency, rep, prompt_seed in seeds():
+            for server in fleet:
+                if quick and concurrency > 1 and server.name.endswith("+draft"):
+                    continue
+                cfg = load_config(server.base_url, concurrency, prompt_seed)
+                before = server_ttft(server) if server in ours else None
+                result = asyncio.run(run_load(cfg))
+                server_side = None if before is None else metrics.bucket_delta(before, server_ttft(server))
+                runs.append({"server": server.name, "concurrency": concurrency, "repeat": rep,
+                             "prompt_seed": prompt_seed, "cached_prompt_tokens": result["cached_prompt_tokens"],
+                             "summary": result["summary"], "output_lengths": result["output_lengths"],
+                             "server_ttft_buckets": None if server_side is None else
+                             {str(k): v for k, v in server_side.items()}})
+                s = result["summary"]
+                within = "" if server_side is None else \
+                    " server TTFT <= 1 s: %d / %d" % metrics.share_within(server_side, 1.0)
+                print(f"c={concurrency} rep={rep} {server.name:<18} {s['output_throughput']:8.1f} tok/s "
+                      f"TTFT {s['mean_ttft_ms']:8.1f} ms  TPOT {metrics.fmt(s['median_tpot_ms'])} ms "
+                      f"failed {s['failed']} cached prompt tokens {result['cached_prompt_tokens']}{within}",
+                      flush=True)
     finally:
         stops = {server.name: server.stop() for server in fleet}
+    if engine:  # the same runs in-process, once the servers are gone
+        runs += engine_runs((configs or [DEFAULT_CONFIG])[0], target, seeds(), load_config, seed)
     startup = {server.name: server.startup_s for server in fleet}
     return {"scenario": "vs_mlx_lm", "quick": quick, "max_tokens": max_tokens, "repeats": repeats,
             "repeat_prompts": repeat_prompts, "shared_prefix_chars": shared_prefix_chars, "temperature": temperature,
             "machine": bench_util.machine(), "servers": {s.name: s.cmd for s in fleet}, "startup_s": startup,
             "exit_codes": stops, "runs": runs,
-            "rows": pair_ratios(runs, [p[0] for p in peers], [s.name for s in ours])}
+            "rows": pair_ratios(runs, [p[0] for p in peers], [s.name for s in ours]),
+            "engine_rows": engine_rows(runs, ours[0].name) if engine else []}
+
+
+ENGINE = "specslot-engine"
+
+
+def engine_runs(spec: str, target: str, seeds, load_config, seed: int) -> list[dict]:
+    """The runs of `seeds` ((concurrency, repeat, prompt seed)) on the engine config
+    `spec` builds, in-process (`scripts.engine_load`), after the same warm-up."""
+    from scripts.engine_load import engine_from_config, run_engine_load
+    from serve_app.codec import TextCodec
+
+    engine, info = engine_from_config(spec, target)
+    codec, eos = TextCodec.from_path(target), info["eos_token_ids"]
+    runs = []
+    try:
+        warm = LoadConfig(base_url="", num_prompts=2, concurrency=2, max_tokens=8, seed=seed + 999)
+        run_engine_load(engine, codec, eos, warm)
+        for concurrency, rep, prompt_seed in seeds:
+            result = run_engine_load(engine, codec, eos, load_config("", concurrency, prompt_seed))
+            s = result["summary"]
+            runs.append({"server": ENGINE, "concurrency": concurrency, "repeat": rep, "prompt_seed": prompt_seed,
+                         "cached_prompt_tokens": result["cached_prompt_tokens"], "summary": s,
+                         "output_lengths": result["output_lengths"], "server_ttft_buckets": None})
+            print(f"c={concurrency} rep={rep} {ENGINE:<18} {s['output_throughput']:8.1f} tok/s "
+                  f"TTFT {s['mean_ttft_ms']:8.1f} ms  TPOT {metrics.fmt(s['median_tpot_ms'])} ms", flush=True)
+    finally:
+        engine.stop()
+    return runs
+
+
+def engine_rows(runs: list[dict], ours_name: str) -> list[dict]:
+    """Per concurrency: our server's TPOT and TTFT p50 against the in-process engine's
+    on the same prompts (medians over repeats), and the share of the server's TPOT the
+    serving path adds."""
+    rows = []
+    for concurrency in sorted({r["concurrency"] for r in runs if r["server"] == ENGINE}):
+        def median(server, key):
+            values = [r["summary"][key] for r in runs if r["server"] == server and r["concurrency"] == concurrency
+                      and r["summary"][key] is not None]
+            return statistics.median(values) if values else None
+        http, inproc = median(ours_name, "median_tpot_ms"), median(ENGINE, "median_tpot_ms")
+        rows.append({"concurrency": concurrency, "http_tpot_ms": http, "engine_tpot_ms": inproc,
+                     "http_share": None if not http or inproc is None else 1 - inproc / http,
+                     "http_ttft_ms": median(ours_name, "median_ttft_ms"),
+                     "engine_ttft_ms": median(ENGINE, "median_ttft_ms"),
+                     "http_tok_s": median(ours_name, "output_throughput"),
+                     "engine_tok_s": median(ENGINE, "output_throughput")})
+    return rows
+
+
+ENGINE_COLUMNS = [("concurrency", "concurrency"), ("http_tok_s", "server tok/s"), ("engine_tok_s", "engine tok/s"),
+                  ("http_tpot_ms", "server TPOT p50 ms"), ("engine_tpot_ms", "engine TPOT p50 ms"),
+                  ("http_share", "serving path's share of TPOT"), ("http_ttft_ms", "server TTFT p50 ms"),
+                  ("engine_ttft_ms", "engine TTFT p50 ms")]
 
 
 TTFT_HISTOGRAM = "specslot:time_to_first_token_seconds"
@@ -268,14 +332,21 @@ def main(argv=None) -> int:
     ap.add_argument("--shared-prefix-chars", type=int, default=0,
                     help="every prompt of every run starts with the same text of this many characters, as an "
                          "agent's system prompt does (both servers' prefix caches; default none)")
+    ap.add_argument("--engine", action="store_true",
+                    help="then the same runs in-process on the engine the first config builds "
+                         "(no HTTP, no Ray): what the serving path adds, per concurrency")
     args = ap.parse_args(argv)
     result = run(args.quick, args.target, args.draft, args.seed, out_dir=args.out,
                  concurrencies=tuple(args.concurrency or CONCURRENCIES), configs=args.config,
                  peer_names=args.peer, repeats=args.repeats, repeat_prompts=args.repeat_prompts,
                  max_tokens=args.max_tokens, prompts_per_stream=args.prompts_per_stream,
                  temperature=args.temperature, startup_timeout_s=args.startup_timeout,
-                 prompt_chars=args.prompt_chars, shared_prefix_chars=args.shared_prefix_chars)
+                 prompt_chars=args.prompt_chars, shared_prefix_chars=args.shared_prefix_chars,
+                 engine=args.engine)
     text = metrics.table(result["rows"], COLUMNS, digits=2)
+    if result["engine_rows"]:
+        text += "\n\nThe same runs in-process (`--engine`):\n\n" + metrics.table(result["engine_rows"], ENGINE_COLUMNS,
+                                                                                 digits=2)
     bench_util.publish(args, "vs_mlx_lm", result, text, plot)
     return 0
 

@@ -8,7 +8,9 @@ rather than a prompt format the model never saw.
 
 from __future__ import annotations
 
+import codecs
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from jinja2 import TemplateError, TemplateSyntaxError
@@ -17,6 +19,10 @@ from serve_app.errors import APIError
 from serve_app.tool_formats import ToolFormat, detect, marker_special_ids
 
 MAX_TEMPLATE_MESSAGE = 300  # characters of a template's own error passed on to the client
+# Tokens a stream's text may wait on for one character. A UTF-8 character has at most four
+# bytes, so real text never waits this long; a model emitting stray bytes would otherwise
+# hold its whole stream back until it ends.
+MAX_HELD_TOKENS = 16
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
 
 
@@ -35,16 +41,23 @@ class IncrementalDecoder:
     """Text deltas for a growing token list, never splitting a UTF-8 character.
 
     Decodes a sliding window (previous read point onward) so the cost per call stays
-    small; a delta ending in U+FFFD (an incomplete multi-byte character) is held back
-    until the next tokens complete it. Special tokens are dropped, except `kept_ids`
-    (id -> text), which are spelled out (a tool call's markers).
+    small. A delta ending in U+FFFD is held back while its trailing bytes are the start
+    of a character the next tokens can complete; bytes that can never form one (a stray
+    continuation byte, a lead byte followed by a non-continuation) go out as U+FFFD at
+    once, and no character waits more than `MAX_HELD_TOKENS` tokens. `token_bytes` gives a
+    token's bytes, or None where the vocabulary does not say (then the delta is held, up
+    to the same cap). Special tokens are dropped, except `kept_ids` (id -> text), which are
+    spelled out (a tool call's markers).
     """
 
     def __init__(self, tokenizer, skip_ids: frozenset[int] = frozenset(),
-                 kept_ids: dict[int, str] | None = None) -> None:
+                 kept_ids: dict[int, str] | None = None,
+                 token_bytes: Callable[[int], bytes | None] | None = None) -> None:
         self._tok = tokenizer
         self._skip_ids = skip_ids
         self._kept_ids = dict(kept_ids or {})
+        self._token_bytes = token_bytes
+        self._special = frozenset(getattr(tokenizer, "all_special_ids", None) or ())  # decode drops them
         self._ids: list[int] = []
         self._prefix = 0
         self._read = 0
@@ -61,11 +74,30 @@ class IncrementalDecoder:
             return ""
         prefix_text = self._decode(self._ids[self._prefix:self._read])
         new_text = self._decode(self._ids[self._prefix:])
-        if not final and new_text.endswith("\ufffd"):
+        if not final and new_text.endswith("\ufffd") and self._incomplete():
             return ""
         delta = new_text[len(prefix_text):]
         self._prefix, self._read = self._read, len(self._ids)
         return delta
+
+    def _incomplete(self) -> bool:
+        """Whether the unread tokens end inside a character that later tokens can complete."""
+        pending = self._ids[self._read:]
+        if len(pending) >= MAX_HELD_TOKENS:
+            return False
+        raw = [self._bytes(t) for t in pending]
+        if None in raw:
+            return True
+        utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        utf8.decode(b"".join(raw))
+        return bool(utf8.getstate()[0])
+
+    def _bytes(self, token_id: int) -> bytes | None:
+        if token_id in self._kept_ids:
+            return self._kept_ids[token_id].encode("utf-8")
+        if token_id in self._special:
+            return b""
+        return self._token_bytes(token_id) if self._token_bytes else None
 
     def _decode(self, ids: list[int]) -> str:
         if not self._kept_ids or not self._kept_ids.keys() & set(ids):
@@ -155,7 +187,7 @@ class TextCodec:
         return list(ids)
 
     def decoder(self, skip_ids=(), kept_ids: dict[int, str] | None = None) -> IncrementalDecoder:
-        return IncrementalDecoder(self._tok, frozenset(skip_ids), kept_ids)
+        return IncrementalDecoder(self._tok, frozenset(skip_ids), kept_ids, self.known_bytes)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
@@ -171,6 +203,12 @@ class TextCodec:
         """One token's own UTF-8 bytes. A token holding part of a multi-byte character
         decodes to U+FFFD; its bytes are read from its vocabulary entry instead (a
         byte-level BPE piece, or a SentencePiece byte token `<0xE2>`)."""
+        raw = self.known_bytes(token_id)
+        return self.token_text(token_id).encode("utf-8") if raw is None else raw
+
+    def known_bytes(self, token_id: int) -> bytes | None:
+        """`token_bytes`, or None when the token's text is U+FFFD and its vocabulary entry
+        is neither byte form."""
         text = self.token_text(token_id)
         if "\ufffd" not in text:
             return text.encode("utf-8")
@@ -181,7 +219,7 @@ class TextCodec:
                 return bytes([int(byte.group(1), 16)])
             if all(c in _BYTE_LEVEL for c in piece):
                 return bytes(_BYTE_LEVEL[c] for c in piece)
-        return text.encode("utf-8")
+        return None
 
     @property
     def vocab_size(self) -> int:

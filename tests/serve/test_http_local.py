@@ -35,6 +35,50 @@ def test_incremental_decoder_matches_full_decode(codec):
     assert text == codec.decode(ids)
 
 
+def _byte_token(codec, byte: int) -> int:
+    """The bundled byte-level tokenizer's token for one byte."""
+    return next(t for t in range(codec.vocab_size) if codec.token_bytes(t) == bytes([byte]))
+
+
+def test_decoder_holds_a_split_character_until_it_completes(codec):
+    lead, tail = _byte_token(codec, 0xC3), _byte_token(codec, 0xA9)  # "é" = C3 A9
+    decoder = codec.decoder()
+    assert [decoder.add([lead]), decoder.add([tail])] == ["", "é"]
+
+
+def test_decoder_sends_stray_bytes_at_once(codec):
+    """A model emitting a byte that starts no character (random weights do) must not
+    hold its stream back: each stray byte goes out as U+FFFD with its own token."""
+    stray = _byte_token(codec, 0xA9)
+    decoder = codec.decoder()
+    assert [decoder.add([stray]) for _ in range(5)] == ["\ufffd"] * 5
+
+
+def test_decoder_holds_repeated_lead_bytes_for_a_bounded_number_of_tokens(codec):
+    from serve_app.codec import MAX_HELD_TOKENS
+
+    lead = _byte_token(codec, 0xE4)  # each one could start a character; the next breaks it
+    decoder = codec.decoder()
+    deltas = [decoder.add([lead]) for _ in range(3 * MAX_HELD_TOKENS)]
+    waits = [i for i, d in enumerate(deltas) if d]
+    assert waits[0] < MAX_HELD_TOKENS and all(b - a <= MAX_HELD_TOKENS for a, b in zip(waits, waits[1:]))
+    assert "".join(deltas) + decoder.flush() == codec.decode([lead] * 3 * MAX_HELD_TOKENS)
+
+
+def test_decoder_deltas_add_up_to_the_full_decode_on_random_tokens(codec):
+    import random
+
+    rng = random.Random(7)
+    bytes_tokens = [t for t in range(codec.vocab_size) if "\ufffd" in codec.token_text(t)]
+    for _ in range(50):
+        pool = bytes_tokens if rng.random() < 0.5 else range(codec.vocab_size)
+        ids = [rng.choice(pool) if rng.random() < 0.7 else rng.randrange(codec.vocab_size)
+               for _ in range(rng.randrange(1, 60))]
+        decoder = codec.decoder()
+        text = "".join(decoder.add(ids[i:i + 2]) for i in range(0, len(ids), 2)) + decoder.flush()
+        assert text == codec.decode(ids), ids
+
+
 @pytest.mark.parametrize("header, cap, expected", [
     ("high", "high", Lane.HIGH), ("high", "normal", Lane.NORMAL), ("low", "normal", Lane.LOW),
     (None, "low", Lane.LOW), ("weird", "high", Lane.NORMAL),

@@ -326,7 +326,8 @@ class NgramDrafter(DrafterBase):
 
     Looks for the last `n` tokens of the history (n from `max_ngram` down to
     `min_ngram`) earlier in the history and proposes what followed its most recent
-    earlier occurrence. No weights and no per-session state. With `replica` (the
+    earlier occurrence, read on as a repeat where that runs into the history's end
+    (`continuation`). No weights and no per-session state. With `replica` (the
     runner's `replica_drafts`), a match of the history's tail in the replica's past
     outputs comes first, as for classic rows.
     """
@@ -351,9 +352,29 @@ class NgramDrafter(DrafterBase):
         return None
 
 
+def continuation(seq: Sequence[int], at: int, k: int) -> list[int]:
+    """`k` tokens from `seq[at:]`, where `seq[:at]` ends with an earlier occurrence of
+    `seq`'s tail. Past the end of `seq` they go on as the repeat that match implies: a
+    tail that recurs `len(seq) - at` tokens after its last occurrence repeats with that
+    period (a run of one token, a loop of lines), so a match near the end still drafts
+    `k` tokens.
+
+    >>> continuation([7, 7, 7], 2, 4), continuation([1, 2, 3, 1, 2, 3, 1], 4, 4)
+    ([7, 7, 7, 7], [2, 3, 1, 2])
+    """
+    out = list(seq[at:at + k])
+    period = len(seq) - at
+    while 0 < period and len(out) < k:
+        out.append(out[len(out) - period])
+    return out
+
+
 def ngram_lookup(history: Sequence[int], k: int, max_ngram: int, min_ngram: int = 1) -> list[int]:
-    """>>> ngram_lookup([1, 2, 3, 9, 1, 2], k=2, max_ngram=2)
-    [3, 9]
+    """What followed the most recent earlier occurrence of the longest tail of `history`
+    (n-grams from `max_ngram` down to `min_ngram`), `k` tokens (`continuation`).
+
+    >>> ngram_lookup([1, 2, 3, 9, 1, 2], k=2, max_ngram=2), ngram_lookup([5, 6, 6, 6], k=3, max_ngram=3)
+    ([3, 9], [6, 6, 6])
     """
     if k <= 0:
         return []
@@ -362,7 +383,7 @@ def ngram_lookup(history: Sequence[int], k: int, max_ngram: int, min_ngram: int 
         suffix = seq[-n:]
         for start in range(len(seq) - n - 1, -1, -1):
             if seq[start : start + n] == suffix:
-                return seq[start + n : start + n + k]
+                return continuation(seq, start + n, k)
     return []
 
 
@@ -413,13 +434,14 @@ class NgramIndex:
                     self._starts[n][tuple(seq[end - n:end])] = end - n
 
     def propose(self, k: int) -> list[int]:
-        """Up to `k` tokens that followed the most recent earlier occurrence of the
-        longest suffix (n from max_ngram down), as `ngram_lookup` proposes."""
+        """`k` tokens that followed the most recent earlier occurrence of the longest
+        suffix (n from max_ngram down), read on as a repeat past the history's end, as
+        `ngram_lookup` proposes."""
         seq = self.history
         if k <= 0:
             return []
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             start = self._starts[n].get(tuple(seq[-n:]))
             if start is not None:
-                return seq[start + n:start + n + k]
+                return continuation(seq, start + n, k)
         return []

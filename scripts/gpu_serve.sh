@@ -36,5 +36,9 @@ PS=""; for p in ${PEERS:-mlx_lm}; do PS="$PS --peer $p"; done
 timeout "${LIMIT:-470}" python3 -m scripts.bench_vs_mlx_lm --target "$MODEL" \
   --config "configs/gpu.yaml:model=$MODEL,drafter={kind: ngram},policy_cache_dir=/tmp/specslot-policy,kernel_cache_dir=/tmp/specslot-kernels,actor_num_gpus=${GPUS:-1}${EXTRA:-}" \
   $PS $CS --prompt-chars "${CHARS:-600}" --repeats "${REPEATS:-2}" --prompts-per-stream "${PPS:-2}" --temperature "${TEMP:-0}" \
-  ${ARGS:-} --out "$OUT/${NAME:-vs_mlx_lm_$SHAPE}" --no-plot --startup-timeout 300 || echo "bench exited with $?"
+  ${ARGS:-} --out "$OUT/${NAME:-vs_mlx_lm_$SHAPE}" --no-plot --startup-timeout 300 || {
+  echo "bench exited with $?"
+  # killed at LIMIT: its servers outlive it and would hold the next run's ports
+  pkill -TERM -f "[s]erve_app[.]cli" || true; pkill -TERM -f "[m]lx_lm server" || true
+  ray stop --force >/dev/null 2>&1 || true; }
 for f in "$OUT/${NAME:-vs_mlx_lm_$SHAPE}"/*.log; do echo "== $f"; grep -v "^\s*$" "$f" | tail -15; done

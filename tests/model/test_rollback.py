@@ -69,7 +69,10 @@ def test_draft_budget(k, remaining, budget):
     "history,k,max_n,expected",
     [
         ([1, 2, 3, 9, 1, 2], 2, 2, [3, 9]),
-        ([1, 2, 3, 9, 1, 2], 5, 2, [3, 9, 1, 2]),  # runs up to the end of history
+        # past the end of history the match's period repeats: 3 9 1 2 | 3
+        ([1, 2, 3, 9, 1, 2], 5, 2, [3, 9, 1, 2, 3]),
+        ([5, 6, 6, 6], 3, 3, [6, 6, 6]),  # a run of one token drafts the run on
+        ([1, 2, 3, 1, 2, 3, 1], 4, 3, [2, 3, 1, 2]),
         ([1, 2, 3, 4], 3, 3, []),  # no earlier occurrence
         ([7, 1, 8, 2, 1], 2, 3, [8, 2]),  # falls back to a 1-gram
         ([1, 2, 5, 1, 2, 6, 1, 2], 1, 2, [6]),  # most recent occurrence wins

@@ -1,0 +1,111 @@
+"""Where a burst of long prompts' time to first token goes, tick by tick (made for the lent
+H200; runs on a CPU with a small model too).
+
+Builds the scheduler and runner a deployment config builds (`scripts.engine_load`'s
+config reading), submits `--requests` prompts of `--prompt-chars` characters at once (the
+load generator's prompts), and ticks on this thread as the engine thread does, until
+every request has its first token and `--tokens` tokens. Per tick: the action, the
+requests prefilled, the live rows, milliseconds. Prints the timeline folded into runs
+of the same action, each request's first-token time, and writes both to `--out`.
+
+    python scripts/experiments/gpu_ticks.py --target /tmp/specslot-q15 \\
+        --config "configs/gpu.yaml:drafter={kind: ngram}" --requests 32 --prompt-chars 5600 --out DIR/ticks.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, HERE)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--config", default="configs/gpu.yaml:drafter={kind: ngram}")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--prompt-chars", type=int, default=5600)
+    ap.add_argument("--tokens", type=int, default=16, help="tokens per request")
+    ap.add_argument("--seed", type=int, default=32000)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    from scheduler.core import Scheduler
+    from scheduler.request import Request, SamplingParams
+    from scripts.bench_vs_mlx_lm import parse_config_spec
+    from scripts.loadgen import LoadConfig, build_requests
+    from serve_app.codec import TextCodec
+    from serve_app.config import ServeArgs
+    from serve_app.launch import read_config
+
+    path, overrides = parse_config_spec(args.config)
+    app = read_config(path)["applications"][0]
+    serve = ServeArgs.model_validate({**app["args"], **(app["deployments"][0].get("user_config") or {}),
+                                      **overrides, "model": args.target})
+    from models import kernel_cache
+    kernel_cache.use(serve.kernel_cache_dir)
+    from models.runner import MlxRunner
+
+    tic = time.perf_counter()
+    runner = MlxRunner.from_paths(args.target, drafter_kind=serve.drafter.kind, drafter_path=serve.drafter.path,
+                                  **serve.runner_knobs())
+    load_s = time.perf_counter() - tic
+    codec = TextCodec.from_path(args.target)
+    eos = tuple(runner.eos_token_ids)
+    scheduler = Scheduler(runner, serve.scheduler_config(), clock=time.perf_counter)
+
+    def burst(seed: int, count: int) -> dict:
+        items = build_requests(LoadConfig(base_url="", num_prompts=count, concurrency=count, max_tokens=args.tokens,
+                                          seed=seed, prompt_chars=args.prompt_chars))
+        t0 = time.perf_counter()
+        first, done, ticks, lengths = {}, set(), [], []
+        for i, item in enumerate(items):
+            ids = codec.encode(item["body"]["prompt"])
+            lengths.append(len(ids))
+            scheduler.submit(Request(f"r{seed}-{i}", ids, SamplingParams(max_tokens=args.tokens, stop_token_ids=eos),
+                                     arrival_time=time.perf_counter()))
+        while len(done) < count:
+            start = time.perf_counter()
+            events = scheduler.tick()
+            end = time.perf_counter()
+            decision = scheduler.last_decision
+            ticks.append({"at_ms": round((start - t0) * 1e3, 1), "ms": round((end - start) * 1e3, 2),
+                          "action": decision.action.value, "prefilled": decision.num_prefill,
+                          "rows": scheduler.snapshot()["classic_rows"]})
+            for event in events:
+                if event.token_ids and event.request_id not in first:
+                    first[event.request_id] = round((end - t0) * 1e3, 1)
+                if event.finish_reason is not None:
+                    done.add(event.request_id)
+        return {"prompt_tokens": lengths, "first_token_ms": sorted(first.values()), "ticks": ticks}
+
+    warm = burst(args.seed + 1, min(8, args.requests))  # shapes and kernels out of the measured burst
+    measured = burst(args.seed, args.requests)
+    folded = []
+    for t in measured["ticks"]:
+        if folded and folded[-1]["action"] == t["action"] and t["action"] != "prefill":
+            folded[-1]["n"] += 1
+            folded[-1]["ms"] = round(folded[-1]["ms"] + t["ms"], 1)
+        else:
+            folded.append({"action": t["action"], "n": 1, "ms": t["ms"], "at_ms": t["at_ms"],
+                           "prefilled": t["prefilled"]})
+    for f in folded:
+        print(f"{f['at_ms']:8.1f} ms  {f['action']:<12} x{f['n']:<4} {f['ms']:8.1f} ms  prefilled {f['prefilled']}")
+    ftt = measured["first_token_ms"]
+    print(f"load {load_s:.1f} s; prompts {min(measured['prompt_tokens'])}-{max(measured['prompt_tokens'])} tokens; "
+          f"first tokens (ms): {ftt}")
+    print(f"over 1 s: {sum(1 for t in ftt if t > 1000)} / {len(ftt)}; warm burst's last first token "
+          f"{max(warm['first_token_ms'])} ms")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"config": args.config, "load_s": load_s, "folded": folded, **measured,
+                   "warm_first_token_ms": warm["first_token_ms"]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

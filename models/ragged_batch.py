@@ -63,7 +63,8 @@ from scheduler.costs import (DraftFit, ReplicaAcceptance, RowAcceptance, TickCos
 from scheduler.model_api import TokenBatch
 from scheduler.request import Request, TokenLogprob
 
-PREFILL_CHUNK = 512  # prompt positions per row per prefill forward
+PREFILL_CHUNK = 512  # prompt positions per row per prefill forward, with every row of a group running
+MAX_PREFILL_CHUNK = 2048  # a row's positions in one forward once fewer rows are left
 CLEAR_CACHE_EVERY = 256  # decode steps between releases of MLX's buffer cache
 
 
@@ -261,10 +262,13 @@ class RaggedBatch:
                 for i, (r, row) in enumerate(zip(requests, rows))]
         computed = [len(t) > 1 for t in todo]  # more than the last token ran: store the prompt
         logits: list[mx.array | None] = [None] * len(requests)
+        budget = PREFILL_CHUNK * self._prefill_batch_size  # positions per forward
         while any(todo):
-            # A row's remaining tokens run whole when they fit a chunk, else a chunk of them.
+            # A row's remaining tokens run whole when they fit its chunk, else a chunk of
+            # them; rows left alone by shorter prompts take the finished rows' share.
             owners = [i for i, t in enumerate(todo) if t]
-            chunks = [todo[i][:PREFILL_CHUNK] for i in owners]
+            width = prefill_width(budget, len(owners))
+            chunks = [todo[i][:width] for i in owners]
             out = self.slab.forward(self._model, [(rows[i], c) for i, c in zip(owners, chunks)], last_only=True)
             for i, c, x in zip(owners, chunks, out):
                 todo[i] = todo[i][len(c):]
@@ -609,6 +613,17 @@ class RaggedBatch:
         self._ahead = None
         self._streams.clear()
         self._finished.clear()
+
+
+def prefill_width(budget: int, num_rows: int) -> int:
+    """Prompt positions per row in a prefill forward of `num_rows` rows: `PREFILL_CHUNK`
+    while the group's rows fill `budget`, more as rows finish (a long prompt among short
+    ones runs in fewer forwards), at most `MAX_PREFILL_CHUNK` (its attention scores).
+
+    >>> prefill_width(4096, 8), prefill_width(4096, 3), prefill_width(4096, 1), prefill_width(512, 1)
+    (512, 1365, 2048, 512)
+    """
+    return min(MAX_PREFILL_CHUNK, max(PREFILL_CHUNK, budget // max(1, num_rows)))
 
 
 def _arrays(reports: list[LogprobArrays | None]) -> list[mx.array]:

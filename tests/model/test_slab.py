@@ -248,6 +248,28 @@ def test_rows_that_draft_emit_exactly_what_classic_decode_emits(loaded, prompt_i
     assert plain == expected and none == {"drafted": 0, "accepted": 0}
 
 
+def test_a_long_prompt_left_alone_in_its_group_takes_the_finished_rows_share(loaded, monkeypatch):
+    """Prefill forwards hold 512 positions per row while every row of the group has
+    tokens left; once the short prompt is done the long one runs the rest in one wider
+    chunk (`prefill_width`). The tokens are classic decode's."""
+    target = loaded[0]
+    eos = sorted(target.tokenizer.eos_token_ids)
+    long = (list(range(3, 200)) * 7)[:1300]
+    requests = [make_request("long", long, 6), make_request("short", list(range(40, 80)), 6)]
+    batch = RaggedBatch(target.model, eos_token_ids=eos, prefill_batch_size=2)
+    widths, forward = [], batch.slab.forward
+
+    def spy(model, entries, **kw):
+        if kw.get("last_only"):
+            widths.append([len(tokens) for _, tokens in entries])
+        return forward(model, entries, **kw)
+
+    monkeypatch.setattr(batch.slab, "forward", spy)
+    got, _ = _run(batch, requests, drafts=False)
+    assert widths == [[512, 40], [788]]  # 512 per row was [[512, 40], [512], [276]]
+    assert got == run_classic(target.model, requests, eos)
+
+
 def test_rows_do_not_draft_where_a_verify_position_costs_too_much(loaded):
     target = loaded[0]
     repeating = list(target.tokenizer.encode(REPEATING))

@@ -70,8 +70,11 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> Iterator[int]:
 
 
 def common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:
-    """>>> common_prefix_length(np.array([1, 2, 3]), np.array([1, 2, 4, 5]))
-    2"""
+    """How many leading entries `a` and `b` share.
+
+    >>> common_prefix_length(np.array([1, 2, 3]), np.array([1, 2, 4, 5]))
+    2
+    """
     m = min(len(a), len(b))
     differ = np.flatnonzero(a[:m] != b[:m])
     return int(differ[0]) if len(differ) else m

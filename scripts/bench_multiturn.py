@@ -331,13 +331,10 @@ def run_engine(quick: bool, target: str, seed: int = 0, repeats: int | None = No
     from transformers import AutoTokenizer
 
     from models.runner import MlxRunner
-    from serve_app.config import ServeArgs
-    from serve_app.launch import read_config
+    from scripts.engine_load import serve_args
 
     size, ours = split_sizes(quick, repeats, overrides)
-    app = read_config(config)["applications"][0]
-    user_config = app["deployments"][0].get("user_config") or {}
-    args = ServeArgs.model_validate({**app["args"], **user_config, "model": target, **ours})
+    args = serve_args(config, {"model": target, **ours})
     tokenizer = AutoTokenizer.from_pretrained(target)
     names, records = ["cache_on", "cache_off"], []
     for name in names:

@@ -148,12 +148,10 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "res
                              "summary": result["summary"], "output_lengths": result["output_lengths"],
                              "server_ttft_buckets": None if server_side is None else
                              {str(k): v for k, v in server_side.items()}})
-                s = result["summary"]
                 within = "" if server_side is None else \
                     " server TTFT <= 1 s: %d / %d" % metrics.share_within(server_side, 1.0)
-                print(f"c={concurrency} rep={rep} {server.name:<18} {s['output_throughput']:8.1f} tok/s "
-                      f"TTFT {s['mean_ttft_ms']:8.1f} ms  TPOT {metrics.fmt(s['median_tpot_ms'])} ms "
-                      f"failed {s['failed']} cached prompt tokens {result['cached_prompt_tokens']}{within}",
+                print(f"{run_line(server.name, concurrency, rep, result['summary'])} failed "
+                      f"{result['summary']['failed']} cached prompt tokens {result['cached_prompt_tokens']}{within}",
                       flush=True)
     finally:
         stops = {server.name: server.stop() for server in fleet}
@@ -171,6 +169,12 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "res
 ENGINE = "specslot-engine"
 
 
+def run_line(name: str, concurrency: int, repeat: int, summary: dict) -> str:
+    """The progress line of one run: throughput, mean TTFT, TPOT p50."""
+    return (f"c={concurrency} rep={repeat} {name:<18} {summary['output_throughput']:8.1f} tok/s "
+            f"TTFT {summary['mean_ttft_ms']:8.1f} ms  TPOT {metrics.fmt(summary['median_tpot_ms'])} ms")
+
+
 def engine_runs(spec: str, target: str, seeds, load_config, seed: int) -> list[dict]:
     """The runs of `seeds` ((concurrency, repeat, prompt seed)) on the engine config
     `spec` builds, in-process (`scripts.engine_load`), after the same warm-up."""
@@ -185,12 +189,10 @@ def engine_runs(spec: str, target: str, seeds, load_config, seed: int) -> list[d
         run_engine_load(engine, codec, eos, warm)
         for concurrency, rep, prompt_seed in seeds:
             result = run_engine_load(engine, codec, eos, load_config("", concurrency, prompt_seed))
-            s = result["summary"]
             runs.append({"server": ENGINE, "concurrency": concurrency, "repeat": rep, "prompt_seed": prompt_seed,
-                         "cached_prompt_tokens": result["cached_prompt_tokens"], "summary": s,
+                         "cached_prompt_tokens": result["cached_prompt_tokens"], "summary": result["summary"],
                          "output_lengths": result["output_lengths"], "server_ttft_buckets": None})
-            print(f"c={concurrency} rep={rep} {ENGINE:<18} {s['output_throughput']:8.1f} tok/s "
-                  f"TTFT {s['mean_ttft_ms']:8.1f} ms  TPOT {metrics.fmt(s['median_tpot_ms'])} ms", flush=True)
+            print(run_line(ENGINE, concurrency, rep, result["summary"]), flush=True)
     finally:
         engine.stop()
     return runs

@@ -10,7 +10,7 @@ Times: arrival at submit; a request's first token and every later one when
 `get_events` hands them to this thread. The load generator times the first chunk that
 has text instead (a random-weight model's first tokens may decode to none).
 `engine_from_config(spec, target)` builds the engine a deployment config would run
-(`serve_app.actor.build_engine`).
+(`serve_app.actor.build_engine`), from the `serve_args` the config gives.
 """
 
 from __future__ import annotations
@@ -22,20 +22,25 @@ from scripts import metrics
 from scripts.loadgen import LoadConfig, build_requests
 
 
+def serve_args(path: str, overrides: dict):
+    """The `ServeArgs` the deployment config at `path` gives its first application (its
+    `args`, then its first deployment's `user_config`), with `overrides` on top."""
+    from serve_app.config import ServeArgs
+    from serve_app.launch import read_config
+
+    app = read_config(path)["applications"][0]
+    user_config = app["deployments"][0].get("user_config") or {}
+    return ServeArgs.model_validate({**app["args"], **user_config, **overrides})
+
+
 def engine_from_config(spec: str, target: str, overrides: dict | None = None):
     """(started Engine, its runner info) for config `spec` (PATH[:key=value,...]) with
     `model` = `target` and `overrides` on top of the spec's."""
     from scripts.bench_vs_mlx_lm import parse_config_spec
     from serve_app.actor import build_engine
-    from serve_app.config import ServeArgs
-    from serve_app.launch import read_config
 
     path, spec_overrides = parse_config_spec(spec)
-    app = read_config(path)["applications"][0]
-    user_config = app["deployments"][0].get("user_config") or {}
-    args = ServeArgs.model_validate({**app["args"], **user_config, **spec_overrides, **(overrides or {}),
-                                     "model": target})
-    engine, info = build_engine(args)
+    engine, info = build_engine(serve_args(path, {**spec_overrides, **(overrides or {}), "model": target}))
     engine.start()
     return engine, info
 

@@ -1,8 +1,7 @@
 """Where a burst of long prompts' time to first token goes, tick by tick (made for the lent
 H200; runs on a CPU with a small model too).
 
-Builds the scheduler and runner a deployment config builds (`scripts.engine_load`'s
-config reading), submits `--requests` prompts of `--prompt-chars` characters at once (the
+Builds the scheduler and runner a deployment config builds (`scripts.engine_load.serve_args`), submits `--requests` prompts of `--prompt-chars` characters at once (the
 load generator's prompts), and ticks on this thread as the engine thread does, until
 every request has its first token and `--tokens` tokens. Per tick: the action, the
 requests prefilled, the live rows, milliseconds. Prints the timeline folded into runs
@@ -38,15 +37,12 @@ def main() -> None:
     from scheduler.core import Scheduler
     from scheduler.request import Request, SamplingParams
     from scripts.bench_vs_mlx_lm import parse_config_spec
+    from scripts.engine_load import serve_args
     from scripts.loadgen import LoadConfig, build_requests
     from serve_app.codec import TextCodec
-    from serve_app.config import ServeArgs
-    from serve_app.launch import read_config
 
     path, overrides = parse_config_spec(args.config)
-    app = read_config(path)["applications"][0]
-    serve = ServeArgs.model_validate({**app["args"], **(app["deployments"][0].get("user_config") or {}),
-                                      **overrides, "model": args.target})
+    serve = serve_args(path, {**overrides, "model": args.target})
     from models import kernel_cache
     kernel_cache.use(serve.kernel_cache_dir)
     from models.runner import MlxRunner

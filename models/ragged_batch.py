@@ -253,6 +253,10 @@ class RaggedBatch:
         (`Slab.forward(last_only=True)`), so a prompt costs no forward of its own for
         its first token."""
         rows = [self.slab.add() for _ in requests]
+        # the classic rows, then these (each where its stream's `_add_stream` wants it),
+        # then the session rows: the session rows move once, not once per new row
+        classic, new = self.slab.rows[:len(self._streams)], {id(row) for row in rows}
+        self.slab.arrange(classic + rows + [r for r in self.slab.rows[len(classic):] if id(r) not in new])
         first_of: dict[tuple[int, ...], int] = {}
         leader = [first_of.setdefault(tuple(r.prompt_ids), i) for i, r in enumerate(requests)]
         for i, (r, row) in enumerate(zip(requests, rows)):
@@ -618,12 +622,15 @@ class RaggedBatch:
 def prefill_width(budget: int, num_rows: int) -> int:
     """Prompt positions per row in a prefill forward of `num_rows` rows: `PREFILL_CHUNK`
     while the group's rows fill `budget`, more as rows finish (a long prompt among short
-    ones runs in fewer forwards), at most `MAX_PREFILL_CHUNK` (its attention scores).
+    ones runs in fewer forwards), at most `MAX_PREFILL_CHUNK` (its attention scores). A
+    power of two: a GPU's grid pads a chunk's width up to one (`slab_forward.grid_width`),
+    so 4,096 / 3 = 1,365 positions per row would compute 2,048.
 
-    >>> prefill_width(4096, 8), prefill_width(4096, 3), prefill_width(4096, 1), prefill_width(512, 1)
-    (512, 1365, 2048, 512)
+    >>> [prefill_width(4096, n) for n in (8, 5, 3, 2, 1)], prefill_width(512, 1)
+    ([512, 512, 1024, 2048, 2048], 512)
     """
-    return min(MAX_PREFILL_CHUNK, max(PREFILL_CHUNK, budget // max(1, num_rows)))
+    share = max(PREFILL_CHUNK, budget // max(1, num_rows))
+    return min(MAX_PREFILL_CHUNK, 1 << (share.bit_length() - 1))
 
 
 def _arrays(reports: list[LogprobArrays | None]) -> list[mx.array]:

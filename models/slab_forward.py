@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 _NEXT_SDPA = mlx_base.quantized_scaled_dot_product_attention
 STEP = 256  # capacity grows in these many positions, and grid forwards bucket keys by it
 EXACT_WIDTHS = 8  # grid forwards up to this many tokens per row run at their own width
+CAUSAL_CHUNKS = False  # prompt chunks of rows of one length on the fused causal kernel (see `_plan_grid`)
 
 
 class Forward:
@@ -117,6 +118,12 @@ class Forward:
         # scatter order: (row, head, position), the layout of a (rows, heads, width, dim) key block
         self._grid_rows = (np.arange(lo, hi, dtype=np.int64), lengths, width)
         self.positions = mx.array(lengths.astype(np.int32))  # RoPE: one offset per row
+        if width > EXACT_WIDTHS and CAUSAL_CHUNKS and len(entries) == hi - lo and (lengths == lengths[0]).all():
+            # Prompt chunks of rows that all hold the same length (a group of fresh
+            # prompts): query i of every row sees keys 0..length + i, which is the
+            # fused kernel's causal mask against exactly length + width keys.
+            self.grid_keys, self.grid_mask = int(lengths[0]) + width, "causal"
+            return
         if hi - lo == 1 and width == 1:
             # A lone row's decode attends to exactly its keys, unmasked: the one-query
             # attention kernel takes any key length without building anything new, and
@@ -246,7 +253,7 @@ def _attention(queries, keys, values, scale, mask, group_size=64, bits=8):
     if ctx.grid is not None:  # queries: (rows, heads, width, dim)
         lo, hi, width = ctx.grid
         t = ctx.grid_keys
-        if width > 1:
+        if width > 1 and not isinstance(ctx.grid_mask, str):
             return _grid_attention(queries, k_all[lo:hi, :, :t], v_all[lo:hi, :, :t], scale, ctx.grid_mask)
         return mx.fast.scaled_dot_product_attention(queries, k_all[lo:hi, :, :t], v_all[lo:hi, :, :t], scale=scale,
                                                     mask=ctx.grid_mask)

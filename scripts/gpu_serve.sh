@@ -11,25 +11,13 @@
 #   PEERS="mlx_lm mlx_lm-wide" (the peer's defaults, its batching opened up)  CHARS=600 (prompt characters)
 #   ARGS="--repeat-prompts" (more bench_vs_mlx_lm flags)  NAME=vs_mlx_lm_q15 (results folder under OUT)
 #
-# On the offline lent H200, first install MLX (../shared/device/README.md) and the
-# service's wheels (scripts/device_wheels.sh) into /tmp/site; this script does that
-# itself when /tmp/site is missing and the parts are where those two describe.
+# On the offline lent H200 MLX and the service's wheels go into /tmp/site first
+# (scripts/device_env.sh does that when the parts are in place).
 set -euo pipefail
 : "${OUT:?set OUT to a results folder}"
 T0=$(date +%s)
-if [ -d "$HOME/mlx-parts" ] && [ ! -d /tmp/site ]; then
-  cat "$HOME/mlx-parts/part.aa" .whl_b/part.ab > "/tmp/$(cat .whl_b/NAME)"
-  mkdir -p /tmp/dw && cat "$HOME"/dw/part.* | tar -x -C /tmp/dw
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-    "/tmp/$(cat .whl_b/NAME)" .whl/*.whl /tmp/dw/*.whl 2>&1 | tail -3
-fi
-if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH; fi
-echo "installed after $(( $(date +%s) - T0 )) s"
-python3 -c "import ray, mlx.core as mx; print('ray', ray.__version__, 'mlx', mx.__version__, mx.default_device())"
-SHAPE=${SHAPE:-q15}
-MODEL=${MODEL_DIR:-/tmp/specslot-$SHAPE}
-test -f "$MODEL/model.safetensors" || python3 -m scripts.shapes "$SHAPE" "$MODEL" --tokenizer-vocab
-echo "model after $(( $(date +%s) - T0 )) s"
+# shellcheck source=scripts/device_env.sh
+source scripts/device_env.sh
 CS=""; for c in ${CS_LIST:-1 4 16 64}; do CS="$CS --concurrency $c"; done
 PS=""; for p in ${PEERS:-mlx_lm}; do PS="$PS --peer $p"; done
 # shellcheck disable=SC2086

@@ -32,6 +32,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16, help="tokens per request")
     ap.add_argument("--seed", type=int, default=32000)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--parts", action="store_true",
+                    help="split each prefill tick's time into its parts (synchronizes the device around each part)")
+    ap.add_argument("--sync-attention", action="store_true",
+                    help="with --parts: time each layer's grid attention on its own too")
+    ap.add_argument("--reserve", type=int, default=0,
+                    help="grow the classic slab to this many positions before the measured burst (0: as it comes)")
+    ap.add_argument("--causal-chunks", choices=("on", "off"), default="off",
+                    help="slab_forward.CAUSAL_CHUNKS: prompt chunks of rows of one length on the fused causal kernel")
     args = ap.parse_args()
 
     from scheduler.core import Scheduler
@@ -43,7 +51,8 @@ def main() -> None:
 
     path, overrides = parse_config_spec(args.config)
     serve = serve_args(path, {**overrides, "model": args.target})
-    from models import kernel_cache
+    from models import kernel_cache, slab_forward
+    slab_forward.CAUSAL_CHUNKS = args.causal_chunks == "on"
     kernel_cache.use(serve.kernel_cache_dir)
     from models.runner import MlxRunner
 
@@ -54,6 +63,10 @@ def main() -> None:
     codec = TextCodec.from_path(args.target)
     eos = tuple(runner.eos_token_ids)
     scheduler = Scheduler(runner, serve.scheduler_config(), clock=time.perf_counter)
+    parts: dict[str, float] = {}
+    forwards: list[dict] = []
+    if args.parts:
+        instrument(parts, forwards, args.sync_attention)
 
     def burst(seed: int, count: int) -> dict:
         items = build_requests(LoadConfig(base_url="", num_prompts=count, concurrency=count, max_tokens=args.tokens,
@@ -66,13 +79,17 @@ def main() -> None:
             scheduler.submit(Request(f"r{seed}-{i}", ids, SamplingParams(max_tokens=args.tokens, stop_token_ids=eos),
                                      arrival_time=time.perf_counter()))
         while len(done) < count:
+            parts.clear()
+            forwards.clear()
             start = time.perf_counter()
             events = scheduler.tick()
             end = time.perf_counter()
             decision = scheduler.last_decision
             ticks.append({"at_ms": round((start - t0) * 1e3, 1), "ms": round((end - start) * 1e3, 2),
                           "action": decision.action.value, "prefilled": decision.num_prefill,
-                          "rows": scheduler.snapshot()["classic_rows"]})
+                          "rows": scheduler.snapshot()["classic_rows"],
+                          **({"parts_ms": {k: round(v * 1e3, 2) for k, v in parts.items()},
+                              "forwards": list(forwards)} if parts else {})})
             for event in events:
                 if event.token_ids and event.request_id not in first:
                     first[event.request_id] = round((end - t0) * 1e3, 1)
@@ -81,6 +98,10 @@ def main() -> None:
         return {"prompt_tokens": lengths, "first_token_ms": sorted(first.values()), "ticks": ticks}
 
     warm = burst(args.seed + 1, min(8, args.requests))  # shapes and kernels out of the measured burst
+    if args.reserve:  # after the warm burst, whose rows' end gave its capacity back
+        import mlx.core as mx
+        runner._classic.slab.reserve(args.reserve)
+        mx.eval(runner._classic.slab.arrays())
     measured = burst(args.seed, args.requests)
     folded = []
     for t in measured["ticks"]:
@@ -92,6 +113,11 @@ def main() -> None:
                            "prefilled": t["prefilled"]})
     for f in folded:
         print(f"{f['at_ms']:8.1f} ms  {f['action']:<12} x{f['n']:<4} {f['ms']:8.1f} ms  prefilled {f['prefilled']}")
+    for t in measured["ticks"]:
+        if "parts_ms" in t and t["action"] == "prefill":
+            print(f"  prefill {t['prefilled']} at {t['at_ms']} ms: {t['ms']} ms = {t['parts_ms']}")
+            for f in t["forwards"]:
+                print(f"    forward {f}")
     ftt = measured["first_token_ms"]
     print(f"load {load_s:.1f} s; prompts {min(measured['prompt_tokens'])}-{max(measured['prompt_tokens'])} tokens; "
           f"first tokens (ms): {ftt}")
@@ -99,8 +125,91 @@ def main() -> None:
           f"{max(warm['first_token_ms'])} ms")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"config": args.config, "load_s": load_s, "folded": folded, **measured,
+        json.dump({"config": args.config, "causal_chunks": args.causal_chunks, "load_s": load_s, "folded": folded, **measured,
                    "warm_first_token_ms": warm["first_token_ms"]}, f, indent=1)
+
+
+def instrument(parts: dict[str, float], forwards: list[dict], attention: bool) -> None:
+    """Time the parts of a prefill into `parts` (seconds, summed per name; nested parts
+    count in their callers too): each wrapped call waits for the device before and after.
+    `Slab.forward` splits into building the graph (`forward.build`) and running it
+    (`forward.run`: its logits and the slab's buffers evaluated); each forward's shape
+    and times go to `forwards`. Python's garbage collections count as `gc`."""
+    import gc
+
+    import mlx.core as mx
+    from models import prefix_cache, ragged_batch, slab, slab_forward
+
+    def sync() -> None:
+        mx.synchronize()
+
+    def add(name: str, seconds: float) -> None:
+        parts[name] = parts.get(name, 0.0) + seconds
+
+    def wrap(owner, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*a, **k):
+            sync()
+            tic = time.perf_counter()
+            out = inner(*a, **k)
+            sync()
+            add(label, time.perf_counter() - tic)
+            return out
+        setattr(owner, name, timed)
+
+    collecting = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            collecting.append(time.perf_counter())
+        elif collecting:
+            add("gc", time.perf_counter() - collecting.pop())
+    gc.callbacks.append(on_gc)
+    forward = slab.Slab.forward
+
+    def timed_forward(self, model, entries, *a, **k):
+        sync()
+        capacity = self.capacity
+        tic = time.perf_counter()
+        out = forward(self, model, entries, *a, **k)
+        mid = time.perf_counter()
+        mx.eval([x for x in out if x is not None], self.arrays())
+        end = time.perf_counter()
+        widths = [len(t) for _, t in entries]
+        forwards.append({"rows": len(entries), "width": max(widths), "tokens": sum(widths),
+                         "start": min(r.length for r, _ in entries) - min(widths),
+                         "capacity": f"{capacity}->{self.capacity}", "slab_rows": self.keys[0].shape[0],
+                         "build_ms": round((mid - tic) * 1e3, 2), "run_ms": round((end - mid) * 1e3, 2),
+                         "active_gb": round(mx.get_active_memory() / 1e9, 2),
+                         "cache_gb": round(mx.get_cache_memory() / 1e9, 2)})
+        add("forward.build", mid - tic)
+        add("forward.run", end - mid)
+        add("forward.tokens", sum(len(t) for _, t in entries) / 1e3)  # thousands of tokens, not seconds
+        add("forward.calls", 1e-3)
+        return out
+    slab.Slab.forward = timed_forward
+    wrap(slab.Slab, "reserve", "reserve")
+    wrap(slab.Slab, "copy_prefix", "copy_prefix")
+    wrap(slab.Slab, "write_prefix", "write_prefix")
+    wrap(prefix_cache.PrefixCache, "store", "prefix_store")
+    wrap(prefix_cache.PrefixCache, "lookup", "prefix_lookup")
+    wrap(ragged_batch.RaggedBatch, "_sample", "sample")
+    wrap(ragged_batch.RaggedBatch, "_apply", "apply")
+    wrap(ragged_batch.RaggedBatch, "_add_stream", "add_stream")
+    wrap(slab.Slab, "arrange", "arrange")
+    wrap(ragged_batch.RaggedBatch, "_prefill_group", "group")
+    if attention:
+        grid = slab_forward._grid_attention
+
+        def timed_attention(*a):
+            sync()
+            tic = time.perf_counter()
+            out = grid(*a)
+            mx.eval(out)
+            add("attention", time.perf_counter() - tic)
+            return out
+        slab_forward._grid_attention = timed_attention
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from models import bucketed, cache_rollback, dense_weights, ragged, runner_build, slab, tick_costs
+from models import bucketed, cache_rollback, dense_weights, device_memory, ragged, runner_build, slab, tick_costs
 from models.replica_index import ReplicaIndex
 from models.ragged_batch import RaggedBatch
 from models.drafter_kinds import DRAFTERS
@@ -184,6 +184,7 @@ class MlxRunner:
             raise ValueError(f"drafter_kind must be one of {tuple(DRAFTERS)} or None, got {drafter_kind!r}")
         if kind is not None and kind.needs_weights and not drafter_path:
             raise ValueError(f"drafter_kind {drafter_kind!r} needs drafter_path")
+        device_memory.bound_cache()
         target, draft = load_pair(target_path, drafter_path if kind is not None and kind.needs_weights else None)
         for loaded in (target, draft):
             if loaded is not None:

@@ -301,8 +301,7 @@ class Slab:
         else:  # padding reads the appended zero
             tokens = mx.concatenate([values.astype(mx.int32), mx.zeros((1,), mx.int32)])[mx.array(ctx.source)]
         if ctx.grid is not None:  # (rows, width), as a batch of rows at their own offsets
-            lo, hi, width = ctx.grid
-            tokens = tokens.reshape(hi - lo, width)
+            tokens = tokens.reshape(*ctx.grid)
         else:  # (tokens, 1): every token a row of its own
             tokens = tokens[:, None]
         ends = None  # with last_only: each entry's last token, in the flat token order

@@ -52,12 +52,19 @@ class Forward:
         # share one attention call.
         self.runs: list[tuple[int, int, int, mx.array | None]] = []
         self.groups: list[tuple[Row, int]] = []
-        self.grid: tuple[int, int, int] | None = None  # (first slot, end slot, width)
+        self.grid: tuple[int, int] | None = None  # (rows, width)
+        self.grid_rows: slice | mx.array = slice(0)  # the grid's slots: a run, or gathered
         self.grid_mask = None
         slots = [row.slot for row, _ in entries]
         lo, hi = min(slots), max(slots) + 1
         if slab.grid and (hi - lo) - len(entries) <= max(1, len(entries) // 4):
-            self._plan_grid(slab, entries, lo, hi)
+            self._plan_grid(slab, entries, list(range(lo, hi)))
+        elif slab.grid and max(len(tokens) for _, tokens in entries) > EXACT_WIDTHS:
+            # Prompt chunks of rows far apart (a group whose shorter prompts are done):
+            # the entries' rows alone, their keys gathered for attention. Packed, every
+            # row's causal attention would build a plan for its own shape (tens of ms each
+            # on MLX CUDA: 5 rows of a group took 260-1,240 ms where 8 took 33).
+            self._plan_grid(slab, entries, sorted(slots))
         else:
             self._plan_packed(slab, entries)
         self.capacity = slab.capacity
@@ -96,18 +103,22 @@ class Forward:
                 mask = mx.array(valid[:, None, None, :])
             self.runs.append((entries[run[0]][0].slot, len(run), keys, mask))
 
-    def _plan_grid(self, slab: Slab, entries: list[tuple[Row, list[int]]], lo: int, hi: int) -> None:
+    def _plan_grid(self, slab: Slab, entries: list[tuple[Row, list[int]]], grid_slots: list[int]) -> None:
+        """A grid over `grid_slots`: a run of slots (those between entries run as padding)
+        or, when they are not one run, the entries' own slots."""
         width = grid_width(max(len(tokens) for _, tokens in entries))
         by_slot = {row.slot: i for i, (row, _) in enumerate(entries)}
-        lengths = np.array([slab.rows[s].length for s in range(lo, hi)], np.int64)
+        lo, hi = grid_slots[0], grid_slots[-1] + 1
+        lengths = np.array([slab.rows[s].length for s in grid_slots], np.int64)
         keys = -(-(int(lengths.max()) + width) // STEP) * STEP
         slab.reserve(keys)
-        self.grid = (lo, hi, width)
-        self.order = [by_slot[s] for s in range(lo, hi) if s in by_slot]
+        self.grid = (len(grid_slots), width)
+        self.grid_rows = slice(lo, hi) if hi - lo == len(grid_slots) else mx.array(grid_slots)
+        self.order = [by_slot[s] for s in grid_slots if s in by_slot]
         offsets = _entry_offsets(entries)
         pad = offsets[-1]  # `values` gets a zero appended at this index
         self.tokens, self.starts, self.source = [], [], []
-        for s in range(lo, hi):
+        for s in grid_slots:
             i = by_slot.get(s)
             tokens = entries[i][1] if i is not None else []
             if i is not None:
@@ -116,15 +127,15 @@ class Forward:
             self.tokens += tokens + [0] * (width - len(tokens))
             self.source += [pad] * (width - len(tokens))
         # scatter order: (row, head, position), the layout of a (rows, heads, width, dim) key block
-        self._grid_rows = (np.arange(lo, hi, dtype=np.int64), lengths, width)
+        self._grid_rows = (np.asarray(grid_slots, np.int64), lengths, width)
         self.positions = mx.array(lengths.astype(np.int32))  # RoPE: one offset per row
-        if width > EXACT_WIDTHS and CAUSAL_CHUNKS and len(entries) == hi - lo and (lengths == lengths[0]).all():
+        if width > EXACT_WIDTHS and CAUSAL_CHUNKS and len(entries) == len(grid_slots) and (lengths == lengths[0]).all():
             # Prompt chunks of rows that all hold the same length (a group of fresh
             # prompts): query i of every row sees keys 0..length + i, which is the
             # fused kernel's causal mask against exactly length + width keys.
             self.grid_keys, self.grid_mask = int(lengths[0]) + width, "causal"
             return
-        if hi - lo == 1 and width == 1:
+        if len(grid_slots) == 1 and width == 1:
             # A lone row's decode attends to exactly its keys, unmasked: the one-query
             # attention kernel takes any key length without building anything new, and
             # runs faster without a mask array. (Several queries keep the bucket: the
@@ -251,12 +262,14 @@ def _attention(queries, keys, values, scale, mask, group_size=64, bits=8):
     ctx, k_all, v_all = layer.ctx, layer.slab.keys[layer.index], layer.slab.values[layer.index]
     heads, dim = queries.shape[1], queries.shape[3]
     if ctx.grid is not None:  # queries: (rows, heads, width, dim)
-        lo, hi, width = ctx.grid
-        t = ctx.grid_keys
+        width, t, rows = ctx.grid[1], ctx.grid_keys, ctx.grid_rows
+        if isinstance(rows, slice):
+            keys, values = k_all[rows, :, :t], v_all[rows, :, :t]
+        else:  # rows apart: their keys gathered (prompt chunks, where compute outweighs the copy)
+            keys, values = mx.take(k_all[:, :, :t], rows, axis=0), mx.take(v_all[:, :, :t], rows, axis=0)
         if width > 1 and not isinstance(ctx.grid_mask, str):
-            return _grid_attention(queries, k_all[lo:hi, :, :t], v_all[lo:hi, :, :t], scale, ctx.grid_mask)
-        return mx.fast.scaled_dot_product_attention(queries, k_all[lo:hi, :, :t], v_all[lo:hi, :, :t], scale=scale,
-                                                    mask=ctx.grid_mask)
+            return _grid_attention(queries, keys, values, scale, ctx.grid_mask)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=ctx.grid_mask)
     outputs, start = [], 0
     for lo, m, t, mask in ctx.runs:
         q = queries[start:start + m].reshape(m, heads, 1, dim)

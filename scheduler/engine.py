@@ -9,6 +9,7 @@ until something arrives.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -22,6 +23,16 @@ from scheduler.model_api import ModelRunner
 from scheduler.request import Request
 
 log = logging.getLogger(__name__)
+
+
+def freeze_heap() -> None:
+    """Collect once, then leave every object the process holds after loading out of later
+    garbage collections (`gc.freeze`). A full collection walks every tracked object, and
+    a loaded replica holds many (the libraries, the tokenizer, the runner's tables): one
+    landed inside a burst's prefill tick on the H200 host and took ~300 ms of it
+    (`scripts/experiments/gpu_ticks.py --parts`)."""
+    gc.collect()
+    gc.freeze()
 
 
 class Engine:
@@ -139,6 +150,7 @@ class Engine:
         try:
             runner = self._runner_factory()
             scheduler = Scheduler(runner, self._config, clock=self._clock, ledger=self._ledger)
+            freeze_heap()
         except BaseException as exc:  # noqa: BLE001 - handed to start()
             self._load_error = exc
             self._ready.set()

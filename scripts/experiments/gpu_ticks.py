@@ -43,6 +43,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from scheduler.core import Scheduler
+    from scheduler.engine import freeze_heap
     from scheduler.request import Request, SamplingParams
     from scripts.bench_vs_mlx_lm import parse_config_spec
     from scripts.engine_load import serve_args
@@ -63,6 +64,7 @@ def main() -> None:
     codec = TextCodec.from_path(args.target)
     eos = tuple(runner.eos_token_ids)
     scheduler = Scheduler(runner, serve.scheduler_config(), clock=time.perf_counter)
+    freeze_heap()  # as the engine thread does once loaded
     parts: dict[str, float] = {}
     forwards: list[dict] = []
     if args.parts:

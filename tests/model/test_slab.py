@@ -103,7 +103,7 @@ def test_grid_rows_between_entries_are_padding_and_keep_their_keys():
     rows = [store.add() for _ in PROMPTS]
     store.forward(model, [(r, p) for r, p in zip(rows, PROMPTS)])
     ctx = Forward(store, [(rows[0], [1]), (rows[2], [2, 3]), (rows[3], [4])])
-    assert ctx.grid == (0, 4, 2) and ctx.grid_keys % slab.STEP == 0
+    assert ctx.grid == (4, 2) and ctx.grid_rows == slice(0, 4) and ctx.grid_keys % slab.STEP == 0
     assert Forward(store, [(rows[0], [1]), (rows[3], [2])]).grid is None  # two gaps for two rows
     picks = [(rows[0], [9]), (rows[2], [5, 6, 7]), (rows[3], [8])]
     out = store.forward(model, picks)
@@ -112,6 +112,27 @@ def test_grid_rows_between_entries_are_padding_and_keep_their_keys():
         assert mx.abs(got - _alone(model, PROMPTS[rows.index(row)], new)).max().item() < ATOL
     out = store.forward(model, [(rows[1], [3])])[0]
     assert mx.abs(out - _alone(model, PROMPTS[1], [3])).max().item() < ATOL
+
+
+def test_grid_prompt_chunks_of_rows_apart_gather_their_keys():
+    """Prompt chunks (wider than `EXACT_WIDTHS`) of rows too far apart for a run of slots
+    (a prefill group whose shorter prompts are done) still run as one grid: the entries'
+    rows alone, their keys gathered for attention; the rows between keep their keys.
+    One-token entries that far apart run packed."""
+    model = _llama(False)
+    store = slab.Slab(model, rows=4, grid=True)
+    rows = [store.add() for _ in PROMPTS]
+    store.forward(model, [(r, p) for r, p in zip(rows, PROMPTS)])
+    picks = [(rows[0], list(range(200, 230))), (rows[3], list(range(230, 242)))]
+    ctx = Forward(store, picks)
+    assert ctx.grid == (2, 32) and ctx.grid_rows.tolist() == [0, 3]
+    assert Forward(store, [(rows[0], [1]), (rows[3], [2])]).grid is None
+    for got, (row, new) in zip(store.forward(model, picks), picks):
+        assert mx.abs(got - _alone(model, PROMPTS[rows.index(row)], new)).max().item() < ATOL
+    for row, prompt in zip(rows[1:3], PROMPTS[1:3]):
+        assert row.length == len(prompt)
+        out = store.forward(model, [(row, [3])])[0]
+        assert mx.abs(out - _alone(model, prompt, [3])).max().item() < ATOL
 
 
 def test_grid_lone_row_attends_to_exactly_its_keys():
@@ -123,7 +144,7 @@ def test_grid_lone_row_attends_to_exactly_its_keys():
     store.forward(model, [(r, p) for r, p in zip(rows, PROMPTS)])
     for new in ([7], [7, 8, 9, 10, 11]):
         ctx = Forward(store, [(rows[1], new)])
-        assert ctx.grid == (1, 2, len(new))
+        assert ctx.grid == (1, len(new)) and ctx.grid_rows == slice(1, 2)
         if len(new) == 1:
             assert ctx.grid_keys == rows[1].length + 1 and ctx.grid_mask is None
         else:
@@ -146,7 +167,7 @@ def test_grid_prompt_chunks_of_rows_of_one_length_run_causal(monkeypatch):
     prompts = [list(range(3, 43)), list(range(50, 80)), list(range(7, 47))]
     first = [(row, p[:20]) for row, p in zip(rows, prompts)]
     ctx = Forward(store, first)
-    assert ctx.grid == (0, 3, 32) and ctx.grid_mask == "causal" and ctx.grid_keys == 32
+    assert ctx.grid == (3, 32) and ctx.grid_mask == "causal" and ctx.grid_keys == 32
     for got, (_, chunk) in zip(store.forward(model, first), first):
         assert mx.abs(got - model(mx.array([chunk]))[0]).max().item() < ATOL
     second = [(row, p[20:]) for row, p in zip(rows, prompts)]  # 20, 10 and 20 tokens, one length before

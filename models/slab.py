@@ -253,9 +253,8 @@ class Slab:
         """Copy slot `src` to slot `dst` for each (src, dst), every read before any write.
         The rows read are evaluated copies first: a write whose source is a view of the
         buffer it writes to copies the whole buffer (MLX cannot update it in place while
-        another array shares its memory), which per row moved and per layer cost as much
-        as a forward (`Slab.arrange` on a 2-core CPU: 9 rows of a 32-row slab, 490 ms as
-        pairwise swaps, 38 ms this way)."""
+        another array shares its memory): on a 2-core CPU, 9 rows of a 32-row, 1,024-position
+        float32 slab of 24 layers moved in 490 ms as 8 pairwise swaps, in 38 ms this way."""
         if not moves:
             return
         index = mx.array([src for src, _ in moves])

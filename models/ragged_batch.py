@@ -257,6 +257,22 @@ class RaggedBatch:
         # then the session rows: the session rows move once, not once per new row
         classic, new = self.slab.rows[:len(self._streams)], {id(row) for row in rows}
         self.slab.arrange(classic + rows + [r for r in self.slab.rows[len(classic):] if id(r) not in new])
+        try:
+            return self._run_group(requests, rows)
+        except BaseException:
+            self._abandon(requests, rows)
+            raise
+
+    def _abandon(self, requests: Sequence[Request], rows: list[Row]) -> None:
+        """Undo a prefill group that failed part way (a device error surfaces at the
+        next evaluation): its streams go without storing anything in the prefix cache
+        (their keys may never have been computed) and its rows are freed."""
+        for r in requests:
+            self._streams.pop(r.request_id, None)
+        for row in sorted(rows, key=lambda row: -row.slot):  # the last first: fewer rows move
+            self.slab.free(row)
+
+    def _run_group(self, requests: Sequence[Request], rows: list[Row]) -> list[TokenBatch]:
         first_of: dict[tuple[int, ...], int] = {}
         leader = [first_of.setdefault(tuple(r.prompt_ids), i) for i, r in enumerate(requests)]
         for i, (r, row) in enumerate(zip(requests, rows)):
@@ -278,7 +294,15 @@ class RaggedBatch:
                 todo[i] = todo[i][len(c):]
                 if not todo[i]:
                     logits[i] = x
-            mx.eval(self.slab.arrays())
+            # queued, not waited for: the next chunk's graph (and after the last one the
+            # streams' samplers and n-gram indexes) is built while the device runs this one
+            mx.async_eval(self.slab.arrays())
+        streams = []
+        for r, row in zip(requests, rows):  # each already in the slot `_add_stream` moves it to
+            stream = self._add_stream(r.request_id, row, RequestSampler(r.sampling, r.prompt_ids, self._grammars),
+                                      stop_token_ids(self._eos_token_ids, r.sampling), r.sampling.max_tokens,
+                                      0, r.prompt_ids[-1], r.prompt_ids[:-1], int(r.lane))
+            streams.append(stream)
         for r, row, stored in zip(requests, rows, computed):
             if stored:
                 self._store_prefix(row, r.prompt_ids)
@@ -288,12 +312,6 @@ class RaggedBatch:
                 self.slab.write_prefix(row, *self.slab.copy_prefix(source, source.length), source.length)
                 r.num_cached_tokens = source.length - 1  # none of it computed for this row
                 logits[i] = logits[leader[i]]
-        streams = []
-        for r, row in zip(requests, rows):
-            stream = self._add_stream(r.request_id, row, RequestSampler(r.sampling, r.prompt_ids, self._grammars),
-                                      stop_token_ids(self._eos_token_ids, r.sampling), r.sampling.max_tokens,
-                                      0, r.prompt_ids[-1], r.prompt_ids[:-1], int(r.lane))
-            streams.append(stream)
         none: list[list[int]] = [[] for _ in streams]
         verified, reports = self._sample(streams, logits, none)
         return self._apply(streams, none, verified, False, reports)

@@ -12,6 +12,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from models import slab, slab_forward
 from models.slab_forward import Forward
 from models.drafters import NgramIndex, ngram_lookup
+from models.prefix_cache import PrefixCache
 from models.ragged_batch import RaggedBatch
 from scheduler.costs import TickCosts
 from scheduler.request import Request
@@ -294,6 +295,40 @@ def test_rows_that_draft_emit_exactly_what_classic_decode_emits(loaded, prompt_i
     assert stats["accepted"] > 0 and stats["drafted"] >= stats["accepted"]
     plain, none = _run(RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True), requests, drafts=False)
     assert plain == expected and none == {"drafted": 0, "accepted": 0}
+
+
+@pytest.mark.parametrize("grid", [False, True])
+def test_a_prefill_group_that_fails_leaves_no_rows_and_stores_nothing(loaded, monkeypatch, grid):
+    """A device error surfaces at the next evaluation, which with the chunks queued
+    (`mx.async_eval`) can come after the group's streams exist: the group's rows are freed,
+    its streams dropped without storing their prompts in the prefix cache, and the next
+    prefill runs on a batch in the state it was before, with classic decode's tokens."""
+    target = loaded[0]
+    eos = sorted(target.tokenizer.eos_token_ids)
+    cache = PrefixCache(64 << 20, block_size=16)
+    batch = RaggedBatch(target.model, eos_token_ids=eos, prefill_batch_size=2, prefix_cache=cache, grid=grid)
+    session = batch.new_session_cache()  # a session row after the classic rows moves with each group
+    live = [make_request("live", list(range(5, 60)), 6)]
+    batch.prefill(live)
+    before = batch.slab.num_rows
+    failing = [make_request("a", list(range(3, 200)), 4), make_request("b", list(range(40, 90)), 4)]
+    store = batch._store_prefix
+
+    def broken(row, token_ids):  # the queued forwards' error, surfacing at the first store
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(batch, "_store_prefix", broken)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        batch.prefill(failing)
+    monkeypatch.setattr(batch, "_store_prefix", store)
+    assert batch.slab.num_rows == before and batch.request_ids() == ["live"]
+    assert cache.lookup(failing[0].prompt_ids) is None
+    assert session[0].row.slot == before - 1 and not session[0].row.freed
+    batch.remove("live")
+    batch.release(session)
+    again = [make_request("a", list(range(3, 200)), 4), make_request("b", list(range(40, 90)), 4)]
+    got, _ = _run(batch, again, drafts=False)
+    assert got == run_classic(target.model, again, eos)
 
 
 def test_a_long_prompt_left_alone_in_its_group_takes_the_finished_rows_share(loaded, monkeypatch):

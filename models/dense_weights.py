@@ -20,17 +20,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from models.device_memory import on_cuda
 from models.prefix_cache import available_memory
 
 log = logging.getLogger(__name__)
 
 
 MAX_SHARE = 0.5  # by default, the weights grow by at most this share of the memory available
-
-
-def on_cuda() -> bool:
-    cuda = getattr(mx, "cuda", None)  # a build without the CUDA backend may lack the module
-    return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
 
 
 def wanted(setting: bool | None, extra_bytes: int = 0, available_bytes: int | None = None) -> bool:

@@ -23,6 +23,19 @@ CACHE_SHARE = 1 / 8  # of the device's memory, at least MIN_CACHE_BYTES
 MIN_CACHE_BYTES = 2 << 30
 
 
+def on_cuda() -> bool:
+    """Whether MLX runs on a CUDA GPU."""
+    cuda = getattr(mx, "cuda", None)  # a build without the CUDA backend may lack the module
+    return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
+
+
+def total_memory() -> int | None:
+    """The device's memory in bytes as MLX reports it (None where it does not)."""
+    info = mx.device_info()
+    total = info.get("memory_size") or info.get("total_memory")
+    return int(total) if total else None
+
+
 def cache_limit(total_bytes: int) -> int:
     """The cache limit for a device of `total_bytes`.
 
@@ -36,15 +49,11 @@ def bound_cache() -> int | None:
     """Cap MLX's buffer cache on a CUDA GPU (`cache_limit`); returns the limit set, None
     elsewhere (a CPU's cache is host memory, Apple silicon's is unified and bounded by
     MLX's own default)."""
-    cuda = getattr(mx, "cuda", None)
-    if mx.default_device() != mx.gpu or cuda is None or not cuda.is_available():
+    total = total_memory() if on_cuda() else None
+    if total is None:
         return None
-    info = mx.device_info()
-    total = info.get("memory_size") or info.get("total_memory")
-    if not total:
-        return None
-    limit = cache_limit(int(total))
+    limit = cache_limit(total)
     mx.set_cache_limit(limit)
     log.info("MLX buffer cache capped at %.1f GB (%d%% of the GPU's %.0f GB)", limit / 1e9, CACHE_SHARE * 100,
-             int(total) / 1e9)
+             total / 1e9)
     return limit

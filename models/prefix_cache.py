@@ -37,6 +37,8 @@ from typing import Callable, Iterator, Sequence
 import mlx.core as mx
 import numpy as np
 
+from models.device_memory import total_memory
+
 BLOCK_SIZE = 64
 DEFAULT_BUDGET_CAP = 4 << 30
 DEFAULT_BUDGET_SHARE = 8  # unset: 1/8 of the memory available at load, at most the cap
@@ -93,10 +95,9 @@ def default_budget(available_bytes: int) -> int:
 def available_memory() -> int:
     """Bytes the KV may still take: the device's memory less what MLX holds on a GPU,
     the host's available memory on a CPU."""
-    info = mx.device_info()
-    total = info.get("memory_size") or info.get("total_memory")
+    total = total_memory()
     if mx.default_device() == mx.gpu and total:
-        return max(int(total) - mx.get_active_memory(), 0)
+        return max(total - mx.get_active_memory(), 0)
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 

@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 _NEXT_SDPA = mlx_base.quantized_scaled_dot_product_attention
 STEP = 256  # capacity grows in these many positions, and grid forwards bucket keys by it
 EXACT_WIDTHS = 8  # grid forwards up to this many tokens per row run at their own width
-CAUSAL_CHUNKS = False  # prompt chunks of rows of one length on the fused causal kernel (see `_plan_grid`)
 
 
 class Forward:
@@ -129,12 +128,6 @@ class Forward:
         # scatter order: (row, head, position), the layout of a (rows, heads, width, dim) key block
         self._grid_rows = (np.asarray(grid_slots, np.int64), lengths, width)
         self.positions = mx.array(lengths.astype(np.int32))  # RoPE: one offset per row
-        if width > EXACT_WIDTHS and CAUSAL_CHUNKS and len(entries) == len(grid_slots) and (lengths == lengths[0]).all():
-            # Prompt chunks of rows that all hold the same length (a group of fresh
-            # prompts): query i of every row sees keys 0..length + i, which is the
-            # fused kernel's causal mask against exactly length + width keys.
-            self.grid_keys, self.grid_mask = int(lengths[0]) + width, "causal"
-            return
         if len(grid_slots) == 1 and width == 1:
             # A lone row's decode attends to exactly its keys, unmasked: the one-query
             # attention kernel takes any key length without building anything new, and
@@ -267,7 +260,7 @@ def _attention(queries, keys, values, scale, mask, group_size=64, bits=8):
             keys, values = k_all[rows, :, :t], v_all[rows, :, :t]
         else:  # rows apart: their keys gathered (prompt chunks, where compute outweighs the copy)
             keys, values = mx.take(k_all[:, :, :t], rows, axis=0), mx.take(v_all[:, :, :t], rows, axis=0)
-        if width > 1 and not isinstance(ctx.grid_mask, str):
+        if width > 1:
             return _grid_attention(queries, keys, values, scale, ctx.grid_mask)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=ctx.grid_mask)
     outputs, start = [], 0

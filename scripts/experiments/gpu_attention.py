@@ -1,8 +1,8 @@
 """Prompt-chunk attention on MLX CUDA, three ways, at the shapes a prefill group meets
 (made for the lent H200; runs on a CPU too): the slab's masked grid attention as two
 matmuls and a softmax (`slab_forward._grid_attention`), the fused kernel with that mask
-array, and the fused kernel with its causal mask (what `slab_forward.CAUSAL_CHUNKS` runs
-when a chunk's rows hold one length). Qwen2.5-1.5B's attention shape (12 query heads, 2
+array, and the fused kernel with its causal mask (which serves chunks whose rows all hold
+one length, a group of fresh prompts). Qwen2.5-1.5B's attention shape (12 query heads, 2
 key-value heads, 128 dims), bf16 on a GPU, random values. Per shape: the first call
 (what a fresh process pays, plans included) and the median of the next ones, in ms.
 

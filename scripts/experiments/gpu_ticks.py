@@ -38,8 +38,6 @@ def main() -> None:
                     help="with --parts: time each layer's grid attention on its own too")
     ap.add_argument("--reserve", type=int, default=0,
                     help="grow the classic slab to this many positions before the measured burst (0: as it comes)")
-    ap.add_argument("--causal-chunks", choices=("on", "off"), default="off",
-                    help="slab_forward.CAUSAL_CHUNKS: prompt chunks of rows of one length on the fused causal kernel")
     args = ap.parse_args()
 
     from scheduler.core import Scheduler
@@ -52,8 +50,7 @@ def main() -> None:
 
     path, overrides = parse_config_spec(args.config)
     serve = serve_args(path, {**overrides, "model": args.target})
-    from models import kernel_cache, slab_forward
-    slab_forward.CAUSAL_CHUNKS = args.causal_chunks == "on"
+    from models import kernel_cache
     kernel_cache.use(serve.kernel_cache_dir)
     from models.runner import MlxRunner
 
@@ -127,7 +124,7 @@ def main() -> None:
           f"{max(warm['first_token_ms'])} ms")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"config": args.config, "causal_chunks": args.causal_chunks, "load_s": load_s, "folded": folded, **measured,
+        json.dump({"config": args.config, "load_s": load_s, "folded": folded, **measured,
                    "warm_first_token_ms": warm["first_token_ms"]}, f, indent=1)
 
 

@@ -156,33 +156,6 @@ def test_grid_lone_row_attends_to_exactly_its_keys():
     assert mx.abs(out - _alone(model, PROMPTS[1], [7, 8, 9, 10, 11, 12])[-1:]).max().item() < ATOL
 
 
-def test_grid_prompt_chunks_of_rows_of_one_length_run_causal(monkeypatch):
-    """Prompt chunks (wider than `EXACT_WIDTHS`) of rows that hold the same length run
-    the fused kernel with its causal mask against exactly length + width keys, the
-    shorter chunks padded; rows of different lengths keep the masked bucket. Either way
-    each row's logits are its own forward's, and the next chunk continues from them."""
-    monkeypatch.setattr(slab_forward, "CAUSAL_CHUNKS", True)
-    model = _llama(False)
-    store = slab.Slab(model, rows=3, grid=True)
-    rows = [store.add() for _ in range(3)]
-    prompts = [list(range(3, 43)), list(range(50, 80)), list(range(7, 47))]
-    first = [(row, p[:20]) for row, p in zip(rows, prompts)]
-    ctx = Forward(store, first)
-    assert ctx.grid == (3, 32) and ctx.grid_mask == "causal" and ctx.grid_keys == 32
-    for got, (_, chunk) in zip(store.forward(model, first), first):
-        assert mx.abs(got - model(mx.array([chunk]))[0]).max().item() < ATOL
-    second = [(row, p[20:]) for row, p in zip(rows, prompts)]  # 20, 10 and 20 tokens, one length before
-    ctx = Forward(store, second)
-    assert ctx.grid_mask == "causal" and ctx.grid_keys == 20 + 32
-    for got, (row, chunk), p in zip(store.forward(model, second), second, prompts):
-        assert mx.abs(got - _alone(model, p[:20], chunk)).max().item() < ATOL
-    uneven = [(rows[0], list(range(100, 120))), (rows[1], list(range(120, 140)))]  # lengths 40 and 30
-    ctx = Forward(store, uneven)
-    assert not isinstance(ctx.grid_mask, str) and ctx.grid_keys % slab.STEP == 0
-    for got, (row, chunk), p in zip(store.forward(model, uneven), uneven, prompts):
-        assert mx.abs(got - _alone(model, p, chunk)).max().item() < ATOL
-
-
 def test_shrink_returns_capacity_once_the_long_row_is_gone():
     """A grid slab grows by `STEP` and gives capacity back when the longest row fits in
     half of it; a packed slab doubles (fewer copies as a conversation grows), gives it

@@ -143,11 +143,7 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "res
                 before = server_ttft(server) if server in ours else None
                 result = asyncio.run(run_load(cfg))
                 server_side = None if before is None else metrics.bucket_delta(before, server_ttft(server))
-                runs.append({"server": server.name, "concurrency": concurrency, "repeat": rep,
-                             "prompt_seed": prompt_seed, "cached_prompt_tokens": result["cached_prompt_tokens"],
-                             "summary": result["summary"], "output_lengths": result["output_lengths"],
-                             "server_ttft_buckets": None if server_side is None else
-                             {str(k): v for k, v in server_side.items()}})
+                runs.append(run_record(server.name, concurrency, rep, prompt_seed, result, server_side))
                 within = "" if server_side is None else \
                     " server TTFT <= 1 s: %d / %d" % metrics.share_within(server_side, 1.0)
                 print(f"{run_line(server.name, concurrency, rep, result['summary'])} failed "
@@ -167,6 +163,17 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "res
 
 
 ENGINE = "specslot-engine"
+
+
+def run_record(name: str, concurrency: int, repeat: int, prompt_seed: int, result: dict,
+               server_side: dict | None = None) -> dict:
+    """One run as the results keep it: `result` from the load generator (or the
+    in-process load), `server_side` the replica's TTFT histogram over the run (None: not
+    read)."""
+    return {"server": name, "concurrency": concurrency, "repeat": repeat, "prompt_seed": prompt_seed,
+            "cached_prompt_tokens": result["cached_prompt_tokens"], "summary": result["summary"],
+            "output_lengths": result["output_lengths"],
+            "server_ttft_buckets": None if server_side is None else {str(k): v for k, v in server_side.items()}}
 
 
 def run_line(name: str, concurrency: int, repeat: int, summary: dict) -> str:
@@ -189,9 +196,7 @@ def engine_runs(spec: str, target: str, seeds, load_config, seed: int) -> list[d
         run_engine_load(engine, codec, eos, warm)
         for concurrency, rep, prompt_seed in seeds:
             result = run_engine_load(engine, codec, eos, load_config("", concurrency, prompt_seed))
-            runs.append({"server": ENGINE, "concurrency": concurrency, "repeat": rep, "prompt_seed": prompt_seed,
-                         "cached_prompt_tokens": result["cached_prompt_tokens"], "summary": result["summary"],
-                         "output_lengths": result["output_lengths"], "server_ttft_buckets": None})
+            runs.append(run_record(ENGINE, concurrency, rep, prompt_seed, result))
             print(run_line(ENGINE, concurrency, rep, result["summary"]), flush=True)
     finally:
         engine.stop()

@@ -27,6 +27,13 @@ EMA_WEIGHT = 0.3  # weight of the newest round in a request's acceptance estimat
 # scripts/bench_concurrency.py (docs/benchmarks.md, scenario 6).
 BATCH_MARGIN = 1.1
 RELAX_WEIGHT = 0.05  # how far each turn-away moves an estimate back toward all-accepted
+# A stream the gate parked for its acceptance waits this many turn-aways (one a tick
+# while the slot is free: about one of its tokens each) before its estimate starts to
+# relax, twice as many after each further such park, at most `HOLD_MAX` times as many:
+# a stream that accepts nothing (sampled text with no repeats) stops paying a grant and
+# a park every few tokens, while one whose text turns repetitive is still tried again.
+HOLD_TURNS = 16
+HOLD_MAX = 16
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,8 @@ class AcceptanceTracker:
     optimistic: float
     replica: float | None = None
     _per_request: dict[str, float] = field(default_factory=dict)
+    _holds: dict[str, int] = field(default_factory=dict)  # turn-aways left before relaxing
+    _cost_parks: dict[str, int] = field(default_factory=dict)
 
     def estimate(self, request_id: str) -> float:
         prior = self.optimistic if self.replica is None else self.replica
@@ -122,18 +131,29 @@ class AcceptanceTracker:
 
     def relax(self, request_id: str | None = None) -> None:
         """A stream was turned away on its estimate (None: a newcomer, judged by the
-        replica's): forget a little of it, so that it is tried again before long."""
+        replica's): forget a little of it, so that it is tried again before long (a
+        stream parked for its acceptance, once its hold is over: `parked_for_cost`)."""
         def relaxed(value: float) -> float:
             return value + RELAX_WEIGHT * (self.optimistic - value)
 
         if request_id is None:
             if self.replica is not None:
                 self.replica = relaxed(self.replica)
+        elif self._holds.get(request_id, 0) > 0:
+            self._holds[request_id] -= 1
         elif request_id in self._per_request:
             self._per_request[request_id] = relaxed(self._per_request[request_id])
 
+    def parked_for_cost(self, request_id: str) -> None:
+        """The gate parked this stream where speculating cost more than it returned:
+        its estimate relaxes only after `HOLD_TURNS` turn-aways, doubled per such park."""
+        parks = self._cost_parks[request_id] = self._cost_parks.get(request_id, 0) + 1
+        self._holds[request_id] = HOLD_TURNS * min(1 << (parks - 1), HOLD_MAX)
+
     def forget(self, request_id: str) -> None:
         self._per_request.pop(request_id, None)
+        self._holds.pop(request_id, None)
+        self._cost_parks.pop(request_id, None)
 
 
 class LiveCosts:

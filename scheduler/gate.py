@@ -66,6 +66,10 @@ class CostGate:
         self.acceptance.relax(request_id)
         return False
 
+    def parked_for_cost(self, request_id: str) -> None:
+        """`pays` said no to the holder: hold off relaxing its estimate (`AcceptanceTracker`)."""
+        self.acceptance.parked_for_cost(request_id)
+
     def record(self, outcome: RoundOutcome) -> None:
         if outcome.num_drafted:  # a round with nothing to draft says nothing of acceptance
             self.acceptance.record(outcome.request_id, outcome.num_accepted)

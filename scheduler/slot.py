@@ -342,6 +342,8 @@ class SpecSlot:
         if not costs_more and not grant_expired(job.slices_run, job.budget, len(self.backlog) > 0):
             return
         self.counters.cost_parks += int(costs_more)
+        if costs_more:
+            self.gate.parked_for_cost(request.request_id)
         try:
             if into_batch:
                 moved = self.runner.spec_park_to_classic(request.request_id)

@@ -29,6 +29,9 @@ def main() -> None:
     ap.add_argument("--config", default="configs/gpu.yaml:drafter={kind: ngram}")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt-chars", type=int, default=5600)
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="every prompt this many tokens: a line naming it, then its text and the next ones' "
+                         "(0: the texts as --prompt-chars gives them)")
     ap.add_argument("--tokens", type=int, default=16, help="tokens per request")
     ap.add_argument("--seed", type=int, default=32000)
     ap.add_argument("--out", required=True)
@@ -38,6 +41,10 @@ def main() -> None:
                     help="with --parts: time each layer's grid attention on its own too")
     ap.add_argument("--reserve", type=int, default=0,
                     help="grow the classic slab to this many positions before the measured burst (0: as it comes)")
+    ap.add_argument("--profile", action="store_true",
+                    help="the measured burst's GPU kernel time by kernel, read with torch's CUPTI profiler")
+    ap.add_argument("--chunk", type=int, default=0,
+                    help="prompt positions per row per prefill forward (ragged_batch.PREFILL_CHUNK; 0: as it is)")
     args = ap.parse_args()
 
     from scheduler.core import Scheduler
@@ -53,6 +60,9 @@ def main() -> None:
     from models import kernel_cache
     kernel_cache.use(serve.kernel_cache_dir)
     from models.runner import MlxRunner
+    if args.chunk:
+        from models import ragged_batch
+        ragged_batch.PREFILL_CHUNK = args.chunk
 
     tic = time.perf_counter()
     runner = MlxRunner.from_paths(args.target, drafter_kind=serve.drafter.kind, drafter_path=serve.drafter.path,
@@ -70,11 +80,18 @@ def main() -> None:
     def burst(seed: int, count: int) -> dict:
         items = build_requests(LoadConfig(base_url="", num_prompts=count, concurrency=count, max_tokens=args.tokens,
                                           seed=seed, prompt_chars=args.prompt_chars))
-        t0 = time.perf_counter()
-        first, done, ticks, lengths = {}, set(), [], []
-        for i, item in enumerate(items):
-            ids = codec.encode(item["body"]["prompt"])
-            lengths.append(len(ids))
+        prompts = [codec.encode(item["body"]["prompt"]) for item in items]
+        if args.prompt_tokens:  # a line of its own first (no two share a prefix), then texts to the length
+            for i in range(count):
+                ids, k = codec.encode(f"# request {seed}-{i}\n"), i
+                while len(ids) < args.prompt_tokens:
+                    ids += prompts[k % count]
+                    k += 1
+                prompts[i] = ids[:args.prompt_tokens]
+        lengths = [len(ids) for ids in prompts]
+        first, done, ticks = {}, set(), []
+        t0 = time.perf_counter()  # the prompts are tokenized: time runs from their arrival
+        for i, ids in enumerate(prompts):
             scheduler.submit(Request(f"r{seed}-{i}", ids, SamplingParams(max_tokens=args.tokens, stop_token_ids=eos),
                                      arrival_time=time.perf_counter()))
         while len(done) < count:
@@ -101,7 +118,10 @@ def main() -> None:
         import mlx.core as mx
         runner._classic.slab.reserve(args.reserve)
         mx.eval(runner._classic.slab.arrays())
-    measured = burst(args.seed, args.requests)
+    if args.profile:
+        measured, kernels = profiled(lambda: burst(args.seed, args.requests))
+    else:
+        measured, kernels = burst(args.seed, args.requests), None
     folded = []
     for t in measured["ticks"]:
         if folded and folded[-1]["action"] == t["action"] and t["action"] != "prefill":
@@ -122,10 +142,32 @@ def main() -> None:
           f"first tokens (ms): {ftt}")
     print(f"over 1 s: {sum(1 for t in ftt if t > 1000)} / {len(ftt)}; warm burst's last first token "
           f"{max(warm['first_token_ms'])} ms")
+    if kernels:
+        total = sum(kernels.values())
+        end = max(t["at_ms"] + t["ms"] for t in measured["ticks"])
+        print(f"GPU kernels busy {total:.0f} ms of the burst's {end:.0f} ms; the costliest (ms):")
+        for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:15]:
+            print(f"  {ms:8.1f}  {name}")
+        measured["kernels_ms"] = {k: round(v, 2) for k, v in kernels.items()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"config": args.config, "load_s": load_s, "folded": folded, **measured,
                    "warm_first_token_ms": warm["first_token_ms"]}, f, indent=1)
+
+
+def profiled(run) -> tuple[dict, dict[str, float]]:
+    """`run()`'s result and the GPU time of the kernels it launched, ms by kernel name
+    (torch's CUPTI profiler sees MLX's kernels too; the device image has PyTorch)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = run()
+    kernels: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name[:90]] = kernels.get(e.name[:90], 0.0) + e.device_time / 1e3
+    return out, kernels
 
 
 def instrument(parts: dict[str, float], forwards: list[dict], attention: bool) -> None:

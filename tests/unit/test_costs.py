@@ -2,7 +2,7 @@
 
 import pytest
 
-from scheduler.costs import (BATCH_MARGIN, AcceptanceTracker, DraftFit, LiveCosts, TickCosts, draft_net, drafts_pay,
+from scheduler.costs import (BATCH_MARGIN, HOLD_TURNS, AcceptanceTracker, DraftFit, LiveCosts, TickCosts, draft_net, drafts_pay,
                              row_draft_budget, share_drafts, speculation_pays, step_draft_budget, verify_costs)
 
 COSTS = TickCosts(decode={1: 4.0, 2: 5.0, 4: 6.0, 8: 8.0}, fused={0: 6.0, 1: 7.0, 4: 9.0, 8: 12.0}, draft=1.0)
@@ -65,6 +65,27 @@ def test_acceptance_is_the_requests_own_and_newcomers_start_from_the_replica():
     assert 2.8 < tracker.estimate("a") < 4.0
     tracker.forget("a")
     assert tracker.estimate("a") == tracker.replica
+
+
+def test_a_stream_parked_for_cost_waits_longer_each_time_before_its_estimate_relaxes():
+    tracker = AcceptanceTracker(optimistic=4.0)
+    tracker.record("a", 0)
+    low = tracker.estimate("a")
+    for parks in (1, 2, 3):
+        tracker.parked_for_cost("a")
+        for _ in range(HOLD_TURNS * (1 << (parks - 1))):
+            tracker.relax("a")
+        assert tracker.estimate("a") == low  # held: no turn-away moved it
+        tracker.relax("a")
+        assert tracker.estimate("a") > low
+        tracker.record("a", 0)  # tried again, accepted nothing
+        low = tracker.estimate("a")
+    tracker.relax("b")  # no hold on other streams (none of its own yet: nothing to move)
+    tracker.forget("a")
+    tracker.record("a", 0)
+    before = tracker.estimate("a")
+    tracker.relax("a")  # forgotten: the hold went with it
+    assert tracker.estimate("a") > before
 
 
 @pytest.mark.parametrize("rows, fit, budget", [

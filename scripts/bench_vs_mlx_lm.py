@@ -99,7 +99,7 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "res
         repeats: int | None = None, repeat_prompts: bool = False, max_tokens: int | None = None,
         prompts_per_stream: int | None = None, temperature: float = 0.0,
         startup_timeout_s: float = 300.0, prompt_chars: int = 600, shared_prefix_chars: int = 0,
-        engine: bool = False) -> dict:
+        engine: bool = False, prompt_tokens: int = 0) -> dict:
     max_tokens = max_tokens or (32 if quick else 128)
     repeats = repeats or (2 if quick else 3)
     peers = [("mlx_lm", target, None, ()), ("mlx_lm+draft", target, draft, ()), ("mlx_lm-wide", target, None, WIDE)]
@@ -122,7 +122,8 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "res
         num_prompts = max(4 if quick else 8, (prompts_per_stream or (1 if quick else 4)) * concurrency)
         return LoadConfig(base_url=base_url, num_prompts=num_prompts, concurrency=concurrency,
                           max_tokens=max_tokens, seed=prompt_seed, progress=False, ignore_eos="off",
-                          temperature=temperature, prompt_chars=prompt_chars, shared_prefix_chars=shared_prefix_chars)
+                          temperature=temperature, prompt_chars=prompt_chars, shared_prefix_chars=shared_prefix_chars,
+                          prompt_tokens=prompt_tokens, tokenizer=target if prompt_tokens else None)
 
     def seeds():
         for concurrency in concurrencies:
@@ -336,6 +337,9 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (default greedy)")
     ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for each server to be ready")
     ap.add_argument("--prompt-chars", type=int, default=600, help="characters per prompt (default 600)")
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="prompts of this many tokens instead of --prompt-chars characters (the target's "
+                         "tokenizer counts them; each starts with a line of its own)")
     ap.add_argument("--shared-prefix-chars", type=int, default=0,
                     help="every prompt of every run starts with the same text of this many characters, as an "
                          "agent's system prompt does (both servers' prefix caches; default none)")
@@ -349,7 +353,7 @@ def main(argv=None) -> int:
                  max_tokens=args.max_tokens, prompts_per_stream=args.prompts_per_stream,
                  temperature=args.temperature, startup_timeout_s=args.startup_timeout,
                  prompt_chars=args.prompt_chars, shared_prefix_chars=args.shared_prefix_chars,
-                 engine=args.engine)
+                 engine=args.engine, prompt_tokens=args.prompt_tokens)
     text = metrics.table(result["rows"], COLUMNS, digits=2)
     if result["engine_rows"]:
         text += "\n\nThe same runs in-process (`--engine`):\n\n" + metrics.table(result["engine_rows"], ENGINE_COLUMNS,

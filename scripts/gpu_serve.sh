@@ -9,6 +9,7 @@
 #   SHAPE=q15|q7|llama1b  TEMP=0|0.7  CS_LIST="1 4 16 64"  REPEATS=2  PPS=2 (requests per stream)
 #   EXTRA=",max_batch_size=64"  (more args overrides)  GPUS=1 (actor_num_gpus)  LIMIT=470 (seconds)
 #   PEERS="mlx_lm mlx_lm-wide" (the peer's defaults, its batching opened up)  CHARS=600 (prompt characters)
+#   TOKENS=2048 (prompts of this many tokens instead of CHARS characters)
 #   ARGS="--repeat-prompts" (more bench_vs_mlx_lm flags)  NAME=vs_mlx_lm_q15 (results folder under OUT)
 #
 # On the offline lent H200 MLX and the service's wheels go into /tmp/site first
@@ -23,7 +24,7 @@ PS=""; for p in ${PEERS:-mlx_lm}; do PS="$PS --peer $p"; done
 # shellcheck disable=SC2086
 timeout "${LIMIT:-470}" python3 -m scripts.bench_vs_mlx_lm --target "$MODEL" \
   --config "configs/gpu.yaml:model=$MODEL,drafter={kind: ngram},policy_cache_dir=/tmp/specslot-policy,kernel_cache_dir=/tmp/specslot-kernels,actor_num_gpus=${GPUS:-1}${EXTRA:-}" \
-  $PS $CS --prompt-chars "${CHARS:-600}" --repeats "${REPEATS:-2}" --prompts-per-stream "${PPS:-2}" --temperature "${TEMP:-0}" \
+  $PS $CS --prompt-chars "${CHARS:-600}" --prompt-tokens "${TOKENS:-0}" --repeats "${REPEATS:-2}" --prompts-per-stream "${PPS:-2}" --temperature "${TEMP:-0}" \
   ${ARGS:-} --out "$OUT/${NAME:-vs_mlx_lm_$SHAPE}" --no-plot --startup-timeout 300 || {
   echo "bench exited with $?"
   # killed at LIMIT: its servers outlive it and would hold the next run's ports

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from scripts import metrics
-from scripts.prompts import chat_messages, stdlib_snippets
+from scripts.prompts import chat_messages, sized_snippets, stdlib_snippets
 
 
 SHARED_PREFIX_SEED = 7919  # the shared prefix's snippet, the same in every run
@@ -42,6 +42,10 @@ class LoadConfig:
     request_rate: float | None = None  # Poisson arrivals per second; overrides concurrency
     max_tokens: int = 64
     prompt_chars: int = 600
+    # Completions prompts of this many tokens instead (as `tokenizer`'s tokenizer counts
+    # them, a model directory's; `prompts.sized_snippets`); 0: `prompt_chars` characters.
+    prompt_tokens: int = 0
+    tokenizer: str | None = None
     # Every prompt starts with the same text of about this many characters (a system
     # prompt or tool definitions that every request of an agent resends); 0: none.
     shared_prefix_chars: int = 0
@@ -86,6 +90,12 @@ def build_requests(cfg: LoadConfig) -> list[dict]:
     if cfg.endpoint == "chat":
         system = [{"role": "system", "content": shared}] if shared else []
         prompts = [{"messages": system + m} for m in chat_messages(cfg.num_prompts, cfg.seed, cfg.prompt_chars)]
+    elif cfg.prompt_tokens:
+        if cfg.endpoint != "completions" or shared or not cfg.tokenizer:
+            raise ValueError("prompt_tokens sizes completions prompts without a shared prefix, and needs a tokenizer")
+        from serve_app.codec import TextCodec
+        codec = TextCodec.from_path(cfg.tokenizer)
+        prompts = [{"prompt": p} for p in sized_snippets(codec, cfg.num_prompts, cfg.seed, cfg.prompt_tokens)]
     else:
         prompts = [{"prompt": shared + p} for p in stdlib_snippets(cfg.num_prompts, cfg.seed, cfg.prompt_chars)]
     out = []
@@ -277,6 +287,9 @@ def main(argv=None) -> int:
     ap.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-chars", type=int, default=600)
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="completions prompts of this many tokens instead, as --tokenizer counts them")
+    ap.add_argument("--tokenizer", default=None, help="a model directory whose tokenizer sizes --prompt-tokens")
     ap.add_argument("--shared-prefix-chars", type=int, default=0,
                     help="every prompt starts with the same text of this many characters (default none)")
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -290,6 +303,7 @@ def main(argv=None) -> int:
     cfg = LoadConfig(base_url=args.base_url.rstrip("/"), endpoint=args.endpoint, model=args.model,
                      num_prompts=args.num_prompts, concurrency=args.concurrency, request_rate=args.request_rate,
                      max_tokens=args.max_tokens, prompt_chars=args.prompt_chars,
+                     prompt_tokens=args.prompt_tokens, tokenizer=args.tokenizer,
                      shared_prefix_chars=args.shared_prefix_chars, temperature=args.temperature, seed=args.seed,
                      priority_mix=parse_mix(args.priority_mix), ignore_eos=args.ignore_eos,
                      progress=not args.no_progress, allow_remote=args.allow_remote)

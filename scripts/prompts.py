@@ -35,6 +35,22 @@ def stdlib_snippets(num_prompts: int, seed: int = 0, num_chars: int = 600) -> li
     return prompts
 
 
+def sized_snippets(codec, num_prompts: int, seed: int = 0, num_tokens: int = 2048) -> list[str]:
+    """`num_prompts` code texts of `num_tokens` tokens each as `codec` (a
+    `serve_app.codec.TextCodec`) tokenizes them, give or take the token at the cut
+    (re-encoding a text cut at a token boundary can merge its last tokens): a line
+    naming the prompt first, so no two share a prefix, then snippets until the length."""
+    texts = [codec.encode(t) for t in stdlib_snippets(num_prompts, seed, num_chars=num_tokens * 6)]
+    out = []
+    for i in range(num_prompts):
+        ids, k = codec.encode(f"# prompt {seed}-{i}\n"), i
+        while len(ids) < num_tokens:
+            ids += texts[k % num_prompts]
+            k += 1
+        out.append(codec.decode(ids[:num_tokens]))
+    return out
+
+
 def chat_messages(num_prompts: int, seed: int = 0, num_chars: int = 600) -> list[list[dict]]:
     """The same snippets as chat requests asking to continue the code."""
     return [[{"role": "user", "content": "Continue this Python code:\n" + s}]

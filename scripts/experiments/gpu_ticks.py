@@ -30,8 +30,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt-chars", type=int, default=5600)
     ap.add_argument("--prompt-tokens", type=int, default=0,
-                    help="every prompt this many tokens: a line naming it, then its text and the next ones' "
-                         "(0: the texts as --prompt-chars gives them)")
+                    help="prompts of this many tokens (scripts.prompts.sized_snippets; 0: --prompt-chars characters)")
     ap.add_argument("--tokens", type=int, default=16, help="tokens per request")
     ap.add_argument("--seed", type=int, default=32000)
     ap.add_argument("--out", required=True)
@@ -53,6 +52,7 @@ def main() -> None:
     from scripts.bench_vs_mlx_lm import parse_config_spec
     from scripts.engine_load import serve_args
     from scripts.loadgen import LoadConfig, build_requests
+    from scripts.prompts import sized_snippets
     from serve_app.codec import TextCodec
 
     path, overrides = parse_config_spec(args.config)
@@ -78,16 +78,12 @@ def main() -> None:
         instrument(parts, forwards, args.sync_attention)
 
     def burst(seed: int, count: int) -> dict:
-        items = build_requests(LoadConfig(base_url="", num_prompts=count, concurrency=count, max_tokens=args.tokens,
-                                          seed=seed, prompt_chars=args.prompt_chars))
-        prompts = [codec.encode(item["body"]["prompt"]) for item in items]
-        if args.prompt_tokens:  # a line of its own first (no two share a prefix), then texts to the length
-            for i in range(count):
-                ids, k = codec.encode(f"# request {seed}-{i}\n"), i
-                while len(ids) < args.prompt_tokens:
-                    ids += prompts[k % count]
-                    k += 1
-                prompts[i] = ids[:args.prompt_tokens]
+        if args.prompt_tokens:  # each starts with a line of its own: no two share a prefix
+            texts = sized_snippets(codec, count, seed, args.prompt_tokens)
+        else:
+            texts = [item["body"]["prompt"] for item in build_requests(LoadConfig(
+                base_url="", num_prompts=count, concurrency=count, seed=seed, prompt_chars=args.prompt_chars))]
+        prompts = [codec.encode(text) for text in texts]
         lengths = [len(ids) for ids in prompts]
         first, done, ticks = {}, set(), []
         t0 = time.perf_counter()  # the prompts are tokenized: time runs from their arrival

@@ -29,3 +29,22 @@ def test_a_shared_prefix_is_a_system_message_in_chat():
     systems = {b["messages"][0]["content"] for b in bodies}
     assert len(systems) == 1 and all(b["messages"][0]["role"] == "system" for b in bodies)
     assert [b["messages"][1:] for b in bodies] == [b["messages"] for b in _prompts(seed=1, endpoint="chat")]
+
+
+BUNDLED = os.path.join(os.path.dirname(__file__), "..", "..", "models", "bundled", "target")
+
+
+def test_sized_prompts_have_the_asked_tokens_and_share_no_prefix():
+    import pytest
+
+    from serve_app.codec import TextCodec
+
+    codec = TextCodec.from_path(BUNDLED)
+    prompts = [b["prompt"] for b in _prompts(seed=5, prompt_tokens=700, tokenizer=BUNDLED)]
+    lengths = [len(codec.encode(p)) for p in prompts]
+    assert all(698 <= n <= 700 for n in lengths), lengths  # the cut may merge the last tokens
+    heads = {p.split("\n", 1)[0] for p in prompts}
+    assert len(heads) == len(prompts)  # each starts with a line of its own
+    assert prompts == [b["prompt"] for b in _prompts(seed=5, prompt_tokens=700, tokenizer=BUNDLED)]
+    with pytest.raises(ValueError, match="tokenizer"):
+        _prompts(seed=5, prompt_tokens=700)

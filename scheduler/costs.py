@@ -27,9 +27,11 @@ EMA_WEIGHT = 0.3  # weight of the newest round in a request's acceptance estimat
 # scripts/bench_concurrency.py (docs/benchmarks.md, scenario 6).
 BATCH_MARGIN = 1.1
 RELAX_WEIGHT = 0.05  # how far each turn-away moves an estimate back toward all-accepted
-# A stream the gate parked for its acceptance waits this many turn-aways (one a tick
-# while the slot is free: about one of its tokens each) before its estimate starts to
-# relax, twice as many after each further such park, at most `HOLD_MAX` times as many:
+# A stream the gate parked because speculating cost more than it returned waits this
+# many turn-aways (one a tick while the slot is free: about one of its tokens each)
+# before its estimate starts to relax, twice as many after each further such park, at
+# most `HOLD_MAX` times as many (a park because the batch grew is undone by the batch
+# shrinking: `pays` then admits the same estimate, held or not):
 # a stream that accepts nothing (sampled text with no repeats) stops paying a grant and
 # a park every few tokens, while one whose text turns repetitive is still tried again.
 HOLD_TURNS = 16

@@ -87,12 +87,12 @@ def build_requests(cfg: LoadConfig) -> list[dict]:
     lanes, weights = zip(*cfg.priority_mix.items())
     # The shared text depends on its length only: runs of any seed share it.
     shared = stdlib_snippets(1, SHARED_PREFIX_SEED, cfg.shared_prefix_chars)[0] if cfg.shared_prefix_chars else ""
+    if cfg.prompt_tokens and (cfg.endpoint == "chat" or shared or not cfg.tokenizer):
+        raise ValueError("prompt_tokens sizes completions prompts without a shared prefix, and needs a tokenizer")
     if cfg.endpoint == "chat":
         system = [{"role": "system", "content": shared}] if shared else []
         prompts = [{"messages": system + m} for m in chat_messages(cfg.num_prompts, cfg.seed, cfg.prompt_chars)]
     elif cfg.prompt_tokens:
-        if cfg.endpoint != "completions" or shared or not cfg.tokenizer:
-            raise ValueError("prompt_tokens sizes completions prompts without a shared prefix, and needs a tokenizer")
         from serve_app.codec import TextCodec
         codec = TextCodec.from_path(cfg.tokenizer)
         prompts = [{"prompt": p} for p in sized_snippets(codec, cfg.num_prompts, cfg.seed, cfg.prompt_tokens)]

@@ -40,12 +40,12 @@ def sized_snippets(codec, num_prompts: int, seed: int = 0, num_tokens: int = 204
     `serve_app.codec.TextCodec`) tokenizes them, give or take the token at the cut
     (re-encoding a text cut at a token boundary can merge its last tokens): a line
     naming the prompt first, so no two share a prefix, then snippets until the length."""
-    texts = [codec.encode(t) for t in stdlib_snippets(num_prompts, seed, num_chars=num_tokens * 6)]
+    encoded = [codec.encode(t) for t in stdlib_snippets(num_prompts, seed, num_chars=num_tokens * 6)]
     out = []
     for i in range(num_prompts):
         ids, k = codec.encode(f"# prompt {seed}-{i}\n"), i
         while len(ids) < num_tokens:
-            ids += texts[k % num_prompts]
+            ids += encoded[k % num_prompts]
             k += 1
         out.append(codec.decode(ids[:num_tokens]))
     return out

@@ -3,7 +3,10 @@ prompt of every run starts with the same text (what both servers' prefix caches 
 
 import os
 
+import pytest
+
 from scripts.loadgen import LoadConfig, build_requests
+from serve_app.codec import TextCodec
 
 
 def _prompts(**kw):
@@ -35,10 +38,6 @@ BUNDLED = os.path.join(os.path.dirname(__file__), "..", "..", "models", "bundled
 
 
 def test_sized_prompts_have_the_asked_tokens_and_share_no_prefix():
-    import pytest
-
-    from serve_app.codec import TextCodec
-
     codec = TextCodec.from_path(BUNDLED)
     prompts = [b["prompt"] for b in _prompts(seed=5, prompt_tokens=700, tokenizer=BUNDLED)]
     lengths = [len(codec.encode(p)) for p in prompts]
@@ -48,3 +47,5 @@ def test_sized_prompts_have_the_asked_tokens_and_share_no_prefix():
     assert prompts == [b["prompt"] for b in _prompts(seed=5, prompt_tokens=700, tokenizer=BUNDLED)]
     with pytest.raises(ValueError, match="tokenizer"):
         _prompts(seed=5, prompt_tokens=700)
+    with pytest.raises(ValueError, match="completions"):  # chat prompts are not sized
+        _prompts(seed=5, prompt_tokens=700, tokenizer=BUNDLED, endpoint="chat")

@@ -2,8 +2,9 @@
 
 import pytest
 
-from scheduler.costs import (BATCH_MARGIN, HOLD_TURNS, AcceptanceTracker, DraftFit, LiveCosts, TickCosts, draft_net, drafts_pay,
-                             row_draft_budget, share_drafts, speculation_pays, step_draft_budget, verify_costs)
+from scheduler.costs import (BATCH_MARGIN, HOLD_TURNS, AcceptanceTracker, DraftFit, LiveCosts, TickCosts, draft_net,
+                             drafts_pay, row_draft_budget, share_drafts, speculation_pays, step_draft_budget,
+                             verify_costs)
 
 COSTS = TickCosts(decode={1: 4.0, 2: 5.0, 4: 6.0, 8: 8.0}, fused={0: 6.0, 1: 7.0, 4: 9.0, 8: 12.0}, draft=1.0)
 

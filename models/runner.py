@@ -273,9 +273,9 @@ class MlxRunner:
     def can_fuse(self) -> bool:
         return self.fuse_blocker is None
 
-    def rows_draft_like_slot(self) -> bool:
-        return (self._ragged and self._classic.row_drafts
-                and self._slot.drafter.drafts_like_rows)
+    def rows_draft_like_slot(self, greedy: bool) -> bool:
+        return (self._ragged and self._classic.row_drafts and self._slot.drafter.drafts_like_rows
+                and (greedy or self._classic.sampled_drafts))
 
     def tick_costs(self) -> TickCosts | None:
         """Decode and fused forward costs on this machine (`models.tick_costs`),

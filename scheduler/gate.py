@@ -13,6 +13,7 @@ from typing import Callable
 from scheduler.config import SchedulerConfig
 from scheduler.costs import AcceptanceTracker, LiveCosts
 from scheduler.model_api import ModelRunner, RoundOutcome
+from scheduler.request import Request
 
 
 class CostGate:
@@ -39,31 +40,34 @@ class CostGate:
         and tick. True unless the mode is `off`."""
         return self._config().b1_policy != "off"
 
-    def pays(self, request_id: str, num_rows: int) -> bool:
+    def pays(self, request: Request, num_rows: int) -> bool:
         """Whether this request speculating beside `num_rows` classic rows beats it
         decoding as one more row (`scheduler.costs`); always True unless the B=1 policy
-        is `auto` and the runner measured its costs. Where classic rows verify drafts
-        of the slot's own kind (n-gram rows beside an n-gram slot), the slot buys
-        nothing beside rows: the holder speculates on as a row."""
+        is `auto` and the runner measured its costs. Where classic rows of the request's
+        kind verify drafts of the slot's own kind (greedy n-gram rows beside an n-gram
+        slot), the slot buys it nothing beside rows: it speculates on as a row. A
+        sampled request beside rows that do not draft sampled streams (the default)
+        is priced like any other."""
         if self._config().b1_policy != "auto" or self.costs is None:
             return True
-        if num_rows > 0 and self._config().rows_draft and self._runner.rows_draft_like_slot():
+        if (num_rows > 0 and self._config().rows_draft
+                and self._runner.rows_draft_like_slot(request.sampling.is_greedy)):
             return False  # as a row it drafts and verifies the same way, without the slot
-        return self.costs.pays(num_rows, self.acceptance.estimate(request_id))
+        return self.costs.pays(num_rows, self.acceptance.estimate(request.request_id))
 
-    def admits_newcomer(self, request_id: str, num_rows: int) -> bool:
+    def admits_newcomer(self, request: Request, num_rows: int) -> bool:
         """`pays` for a request that has not speculated yet; a turn-away relaxes the
         replica's estimate a little (so newcomers are tried again before long)."""
-        if self.pays(request_id, num_rows):
+        if self.pays(request, num_rows):
             return True
         self.acceptance.relax()
         return False
 
-    def admits_row(self, request_id: str, num_rows: int) -> bool:
+    def admits_row(self, request: Request, num_rows: int) -> bool:
         """`pays` for a ring row at a promotion; a turn-away relaxes its own estimate."""
-        if self.pays(request_id, num_rows):
+        if self.pays(request, num_rows):
             return True
-        self.acceptance.relax(request_id)
+        self.acceptance.relax(request.request_id)
         return False
 
     def parked_for_cost(self, request_id: str) -> None:

@@ -121,10 +121,11 @@ class ModelRunner(Protocol):
         """Whether `spec_round_with_decode` runs one forward for both (the model passed
         the packed-forward check and the slot verifies on the plain path)."""
 
-    def rows_draft_like_slot(self) -> bool:
-        """Whether classic rows verify drafts of the slot drafter's own kind in their
-        decode steps (n-gram rows beside an n-gram slot): then the slot adds nothing
-        beside rows, and the fused tick's gate keeps the holder a row."""
+    def rows_draft_like_slot(self, greedy: bool) -> bool:
+        """Whether classic rows of this kind (greedy, or sampled) verify drafts of the
+        slot drafter's own kind in their decode steps (n-gram rows beside an n-gram
+        slot): then the slot adds nothing beside rows for such a stream, and the fused
+        tick's gate keeps it a row. Sampled rows draft only with `sampled_row_drafts`."""
 
     def spec_round_with_decode(self, request_id: str, drafts: bool = False,
                                skip_cap: int = 2) -> tuple[RoundOutcome, list[TokenBatch]]:

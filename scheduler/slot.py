@@ -122,7 +122,7 @@ class SpecSlot:
         """
         config = self._config()
         if not self.busy:
-            if not as_row or self.gate.admits_newcomer(request.request_id, self._num_rows()):
+            if not as_row or self.gate.admits_newcomer(request, self._num_rows()):
                 self._install(request, started=False)
                 return None
         if config.tick_slice and can_join_backlog(len(self.backlog), config.backlog_cap, config.grant_rounds):
@@ -220,7 +220,7 @@ class SpecSlot:
         request = entry.request
         if request.status not in (RequestStatus.QUEUED, RequestStatus.CLASSIC):
             return True
-        return self.gate.admits_row(request.request_id, self._num_rows() - (request.status is RequestStatus.CLASSIC))
+        return self.gate.admits_row(request, self._num_rows() - (request.status is RequestStatus.CLASSIC))
 
     def _promote_row(self, entry: BacklogEntry) -> bool:
         """Grant the slot to a ring entry that decodes as a classic row (fused tick).
@@ -338,7 +338,7 @@ class SpecSlot:
     def _park_if_expired(self, job: ActiveJob) -> None:
         request = job.request
         into_batch = self._fuse and self._adopt_row is not None  # fused: it decodes on as a row
-        costs_more = into_batch and not self.gate.pays(request.request_id, self._num_rows())
+        costs_more = into_batch and not self.gate.pays(request, self._num_rows())
         if not costs_more and not grant_expired(job.slices_run, job.budget, len(self.backlog) > 0):
             return
         self.counters.cost_parks += int(costs_more)

@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=0,
                     help="prompts of this many tokens (scripts.prompts.sized_snippets; 0: --prompt-chars characters)")
     ap.add_argument("--tokens", type=int, default=16, help="tokens per request")
+    ap.add_argument("--temperature", type=float, default=0.0, help="every request's, seeded by its index")
     ap.add_argument("--seed", type=int, default=32000)
     ap.add_argument("--out", required=True)
     ap.add_argument("--parts", action="store_true",
@@ -88,8 +89,9 @@ def main() -> None:
         first, done, ticks = {}, set(), []
         t0 = time.perf_counter()  # the prompts are tokenized: time runs from their arrival
         for i, ids in enumerate(prompts):
-            scheduler.submit(Request(f"r{seed}-{i}", ids, SamplingParams(max_tokens=args.tokens, stop_token_ids=eos),
-                                     arrival_time=time.perf_counter()))
+            sampling = SamplingParams(max_tokens=args.tokens, stop_token_ids=eos, temperature=args.temperature,
+                                      seed=i if args.temperature else None)
+            scheduler.submit(Request(f"r{seed}-{i}", ids, sampling, arrival_time=time.perf_counter()))
         while len(done) < count:
             parts.clear()
             forwards.clear()
@@ -102,6 +104,7 @@ def main() -> None:
                           "rows": scheduler.snapshot()["classic_rows"],
                           **({"parts_ms": {k: round(v * 1e3, 2) for k, v in parts.items()},
                               "forwards": list(forwards)} if parts else {})})
+            ticks[-1]["tokens"] = sum(len(event.token_ids) for event in events)
             for event in events:
                 if event.token_ids and event.request_id not in first:
                     first[event.request_id] = round((end - t0) * 1e3, 1)
@@ -128,6 +131,15 @@ def main() -> None:
                            "prefilled": t["prefilled"]})
     for f in folded:
         print(f"{f['at_ms']:8.1f} ms  {f['action']:<12} x{f['n']:<4} {f['ms']:8.1f} ms  prefilled {f['prefilled']}")
+    by_action: dict[str, list[dict]] = {}
+    for t in measured["ticks"]:
+        by_action.setdefault(t["action"], []).append(t)
+    for action, ticks in sorted(by_action.items()):  # what a decode-heavy run's TPOT is made of
+        ms = sorted(t["ms"] for t in ticks)
+        print(f"{action:<12} {len(ms):5d} ticks, ms p50 {ms[len(ms) // 2]:.2f} mean {sum(ms) / len(ms):.2f}, "
+              f"{sum(t['tokens'] for t in ticks) / len(ms):.2f} tokens a tick")
+    print(f"steps pipelined {getattr(runner._classic, 'num_pipelined', 0)}; counters "
+          f"{ {k: v for k, v in scheduler.snapshot()['counters'].items() if v} }")
     for t in measured["ticks"]:
         if "parts_ms" in t and t["action"] == "prefill":
             print(f"  prefill {t['prefilled']} at {t['at_ms']} ms: {t['ms']} ms = {t['parts_ms']}")

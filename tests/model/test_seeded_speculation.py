@@ -89,7 +89,7 @@ def test_seeded_sampled_streams_are_the_same_with_speculation_on_and_off(runner,
     streams, requests, _, _ = drive(runner, prompts, sampling=sampling, grant_rounds=2, logprobs=on_logprobs)
     assert streams == off
     assert num_accepted + sum(r.spec.num_accepted for r in requests) > 0  # drafts accepted at T > 0
-    if runner.rows_draft_like_slot():
+    if runner.rows_draft_like_slot(greedy=False):
         assert sum(r.spec.num_row_rounds for r in requests) > 0  # sampled rows drafted
     assert_same_logprobs(on_logprobs, off_logprobs)
     assert bool(off_logprobs) == (sampling.get("logprobs") is not None)

@@ -57,6 +57,7 @@ class FakeRunner:
         # row emits that many tokens more, reported as accepted drafts.
         self.row_draft_tokens = 0
         self.row_drafts_like_slot = False
+        self.sampled_row_drafts = False
         self.draft_flags: list[bool] = []  # the `drafts` argument of every decode step
         self.prefix_stats: dict | None = None  # what `prefix_cache_stats` reports
 
@@ -147,8 +148,8 @@ class FakeRunner:
     def can_fuse(self):
         return self.fuse
 
-    def rows_draft_like_slot(self):
-        return self.row_drafts_like_slot
+    def rows_draft_like_slot(self, greedy):
+        return self.row_drafts_like_slot and (greedy or self.sampled_row_drafts)
 
     def tick_costs(self):
         return self.costs if self.fuse else None

@@ -2,6 +2,8 @@
 advance in the same tick as the slot's verify, and the seed's grant schedules, ring
 bound and skip cap are the same in both tick modes."""
 
+import dataclasses
+
 import pytest
 
 from scheduler.costs import TickCosts
@@ -300,3 +302,26 @@ def test_an_ngram_slot_holder_beside_drafting_rows_speculates_on_as_a_row():
         run_until_idle(scheduler, trace)
         assert trace.streams()["S"] == isolated_stream(spec)
         assert (scheduler.counters.cost_parks >= 1) is row_drafts
+
+
+@pytest.mark.parametrize("sampled_row_drafts", [False, True])
+def test_a_sampled_holder_keeps_the_slot_beside_rows_that_do_not_draft_sampled_streams(sampled_row_drafts):
+    """Rows draft sampled streams only with `sampled_row_drafts`: without it a sampled
+    holder beside rows speculates in the slot (priced like any stream, and here it
+    pays), with it the holder speculates on as a row, as a greedy one does."""
+    runner = FakeRunner(fuse=True, tick_costs=TickCosts({1: 5.0, 2: 5.2}, {0: 5.5, 1: 5.6}, 0.0))
+    runner.row_drafts_like_slot = True
+    runner.sampled_row_drafts = sampled_row_drafts
+    scheduler = make_scheduler(runner, tick_mode="fused", grant_rounds=8, b1_policy="auto", row_drafts=True)
+    spec = make_request("S", rounds=12)
+    spec.sampling = dataclasses.replace(spec.sampling, temperature=0.7, seed=1)
+    row = make_request("c0", rounds=4, prompt_ids=[5, 1])
+    runner.unsupported = {row.request_id}
+    trace = Trace()
+    scheduler.submit(spec)
+    tick(scheduler, trace)  # S holds the slot alone
+    scheduler.submit(row)
+    run_until_idle(scheduler, trace)
+    assert trace.streams()["S"] == isolated_stream(spec)
+    assert (scheduler.counters.cost_parks >= 1) is sampled_row_drafts
+    assert (scheduler.counters.actions["fused"] > 1) is not sampled_row_drafts  # one tick before a park

@@ -43,7 +43,9 @@ class SchedulerConfig:
         "(prompt lookup) drafts in its decode "
         "step, as many (0–`num_draft_tokens`) as its running acceptance pays for at the current batch "
         "size, judged against the forward costs measured at load; beside such rows an n-gram slot "
-        "holder speculates on as a row (the slot is then for lone requests and for a draft model). "
+        "holder whose kind they draft for (greedy; sampled too with `sampled_row_drafts`) speculates on "
+        "as a row (the slot is then for lone requests, for a draft model, and for sampled streams beside "
+        "rows that do not draft them, where the cost gate says speculating pays). "
         "Needs the slab batch (models the packed forward serves, on the plain verify path; "
         "`fuse_blocker` in `/v1/internal/scheduler`), a configured drafter, and `b1_policy` other "
         "than `off`. See docs/CONTINUOUS_BATCHING.md \"Rows that draft\".",

@@ -283,23 +283,32 @@ def test_rows_draft_in_every_decode_step_unless_speculation_is_off():
         assert scheduler.counters.accepted_tokens == sum(r.spec.num_accepted for r in rows)
 
 
+def holder_then_a_row(row_drafts: bool = True, sampled_row_drafts: bool = False, temperature: float = 0.0):
+    """A fused-tick scheduler over rows that draft like the slot (n-gram rows beside an
+    n-gram slot): "S" holds the slot alone for a tick, then classic row "c0" arrives;
+    run until idle. Returns (scheduler, trace, S)."""
+    runner = FakeRunner(fuse=True, tick_costs=TickCosts({1: 5.0, 2: 5.2}, {0: 5.5, 1: 5.6}, 0.0))
+    runner.row_drafts_like_slot = True
+    runner.sampled_row_drafts = sampled_row_drafts
+    scheduler = make_scheduler(runner, tick_mode="fused", grant_rounds=8, b1_policy="auto", row_drafts=row_drafts)
+    spec = make_request("S", rounds=12)
+    spec.sampling = dataclasses.replace(spec.sampling, temperature=temperature, seed=1 if temperature else None)
+    row = make_request("c0", rounds=4, prompt_ids=[5, 1])
+    runner.unsupported = {row.request_id}
+    trace = Trace()
+    scheduler.submit(spec)
+    tick(scheduler, trace)  # S holds the slot alone
+    scheduler.submit(row)
+    run_until_idle(scheduler, trace)
+    return scheduler, trace, spec
+
+
 def test_an_ngram_slot_holder_beside_drafting_rows_speculates_on_as_a_row():
     """Rows that draft like the slot's drafter make the slot worth nothing beside them:
     the gate parks the holder into the batch (it drafts there), and takes it back when
     it is alone again; with `row_drafts: false` the measured costs decide as before."""
     for row_drafts in (True, False):
-        runner = FakeRunner(fuse=True, tick_costs=TickCosts({1: 5.0, 2: 5.2}, {0: 5.5, 1: 5.6}, 0.0))
-        runner.row_drafts_like_slot = True
-        scheduler = make_scheduler(runner, tick_mode="fused", grant_rounds=8, b1_policy="auto",
-                                   row_drafts=row_drafts)
-        spec = make_request("S", rounds=12)
-        row = make_request("c0", rounds=4, prompt_ids=[5, 1])
-        runner.unsupported = {row.request_id}
-        trace = Trace()
-        scheduler.submit(spec)
-        tick(scheduler, trace)  # S holds the slot alone
-        scheduler.submit(row)
-        run_until_idle(scheduler, trace)
+        scheduler, trace, spec = holder_then_a_row(row_drafts=row_drafts)
         assert trace.streams()["S"] == isolated_stream(spec)
         assert (scheduler.counters.cost_parks >= 1) is row_drafts
 
@@ -309,19 +318,7 @@ def test_a_sampled_holder_keeps_the_slot_beside_rows_that_do_not_draft_sampled_s
     """Rows draft sampled streams only with `sampled_row_drafts`: without it a sampled
     holder beside rows speculates in the slot (priced like any stream, and here it
     pays), with it the holder speculates on as a row, as a greedy one does."""
-    runner = FakeRunner(fuse=True, tick_costs=TickCosts({1: 5.0, 2: 5.2}, {0: 5.5, 1: 5.6}, 0.0))
-    runner.row_drafts_like_slot = True
-    runner.sampled_row_drafts = sampled_row_drafts
-    scheduler = make_scheduler(runner, tick_mode="fused", grant_rounds=8, b1_policy="auto", row_drafts=True)
-    spec = make_request("S", rounds=12)
-    spec.sampling = dataclasses.replace(spec.sampling, temperature=0.7, seed=1)
-    row = make_request("c0", rounds=4, prompt_ids=[5, 1])
-    runner.unsupported = {row.request_id}
-    trace = Trace()
-    scheduler.submit(spec)
-    tick(scheduler, trace)  # S holds the slot alone
-    scheduler.submit(row)
-    run_until_idle(scheduler, trace)
+    scheduler, trace, spec = holder_then_a_row(sampled_row_drafts=sampled_row_drafts, temperature=0.7)
     assert trace.streams()["S"] == isolated_stream(spec)
     assert (scheduler.counters.cost_parks >= 1) is sampled_row_drafts
     assert (scheduler.counters.actions["fused"] > 1) is not sampled_row_drafts  # one tick before a park

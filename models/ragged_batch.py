@@ -215,6 +215,10 @@ class RaggedBatch:
                                 lambda: self.slab.copy_prefix(row, n))
 
     # -- admission ----------------------------------------------------------------------
+    def drafts_rows_of(self, greedy: bool) -> bool:
+        """Whether rows of this kind (greedy, or sampled) verify their own drafts."""
+        return self.row_drafts and (greedy or self.sampled_drafts)
+
     def _add_stream(self, request_id: str, row: Row, sampler: RequestSampler, stop_ids, max_tokens: int,
                     num_emitted: int, pending: int, history: Sequence[int] | None, lane: int) -> _Stream:
         """`history`: the stream's tokens before `pending` (None: unknown, no drafts)."""
@@ -222,7 +226,7 @@ class RaggedBatch:
         stream = _Stream(request_id, row, sampler, frozenset(stop_ids), max_tokens, num_emitted, pending, lane=lane)
         if self.prefix_cache is not None and history is not None:
             stream.token_ids = [*history, pending]
-        if self.row_drafts and history is not None and (sampler.is_greedy or self.sampled_drafts):
+        if history is not None and self.drafts_rows_of(sampler.is_greedy):
             stream.index = NgramIndex([*history, pending])
             stream.acceptance = self.replica_acceptance[sampler.is_greedy].start()
         self._streams[request_id] = stream

@@ -274,8 +274,7 @@ class MlxRunner:
         return self.fuse_blocker is None
 
     def rows_draft_like_slot(self, greedy: bool) -> bool:
-        return (self._ragged and self._classic.row_drafts and self._slot.drafter.drafts_like_rows
-                and (greedy or self._classic.sampled_drafts))
+        return self._ragged and self._classic.drafts_rows_of(greedy) and self._slot.drafter.drafts_like_rows
 
     def tick_costs(self) -> TickCosts | None:
         """Decode and fused forward costs on this machine (`models.tick_costs`),

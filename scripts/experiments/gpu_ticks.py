@@ -102,9 +102,9 @@ def main() -> None:
             ticks.append({"at_ms": round((start - t0) * 1e3, 1), "ms": round((end - start) * 1e3, 2),
                           "action": decision.action.value, "prefilled": decision.num_prefill,
                           "rows": scheduler.snapshot()["classic_rows"],
+                          "tokens": sum(len(event.token_ids) for event in events),
                           **({"parts_ms": {k: round(v * 1e3, 2) for k, v in parts.items()},
                               "forwards": list(forwards)} if parts else {})})
-            ticks[-1]["tokens"] = sum(len(event.token_ids) for event in events)
             for event in events:
                 if event.token_ids and event.request_id not in first:
                     first[event.request_id] = round((end - t0) * 1e3, 1)

@@ -77,15 +77,17 @@ class Scheduler:
 
     # -- the tick --------------------------------------------------------------------
     def tick(self) -> list[TokenEvent]:
+        start = self.clock()
         self._drain()
         decision = self._decide(allow_spec=True)
         num_rows, tic = len(self._rows), self.clock()
         kind = None  # what the cost gate may learn from this tick
+        fused = False
         if decision.action is Action.SPECULATIVE:
             step = self.slot.step(fuse=self._fusing())
             if step.ran:
                 self._yielded_last = True
-                self.counters.actions["fused"] += int(step.fused)
+                fused = step.fused
                 kind = "fused" if step.round else None
                 num_rows = num_rows if step.fused else 0  # a round alone rode with no rows
             else:  # nothing runnable in the slot: the tick goes to classic work
@@ -99,9 +101,10 @@ class Scheduler:
         if decision.action in (Action.PREFILL, Action.DECODE):
             self._yielded_last = False
         self.last_decision = decision
-        self.counters.actions[decision.action.value] += 1
         self.counters.observe_sessions(self.runner.num_live_sessions())
-        return self.sink.drain()
+        events = self.sink.drain()
+        self.counters.record_tick(decision.action.value, self.clock() - start, fused=fused)
+        return events
 
     def _observe_tick(self, kind: str | None, num_rows: int, seconds: float) -> None:
         """Feed the cost gate steady-state ticks only: a tick of the same kind as the

@@ -111,6 +111,7 @@ class Counters:
     classic_fallbacks: Counter = field(default_factory=Counter)  # by reason
     cancelled_by_phase: Counter = field(default_factory=Counter)  # CANCEL_PHASES
     actions: Counter = field(default_factory=Counter)  # ticks by action
+    tick_seconds: Counter = field(default_factory=Counter)  # their wall time by action, summed
     queue_wait: LatencySamples = field(default_factory=LatencySamples)
     ttft: LatencySamples = field(default_factory=LatencySamples)
 
@@ -135,6 +136,15 @@ class Counters:
             self.probe_rounds += int(probe)
         self.drafted_tokens += num_drafted
         self.accepted_tokens += num_accepted
+
+    def record_tick(self, action: str, seconds: float, *, fused: bool = False) -> None:
+        """One tick that ran `action` (a `TICK_ACTIONS` value) in `seconds` of wall time,
+        drain to events; a `fused` speculative tick counts under "fused" as well."""
+        self.actions[action] += 1
+        self.tick_seconds[action] += seconds
+        if fused:
+            self.actions["fused"] += 1
+            self.tick_seconds["fused"] += seconds
 
     def record_fallback(self, reason: str) -> None:
         if reason not in FALLBACK_REASONS:
@@ -162,6 +172,7 @@ class Counters:
         plain["classic_fallbacks_total"] = sum(self.classic_fallbacks.values())
         plain["cancelled_by_phase"] = {p: self.cancelled_by_phase[p] for p in CANCEL_PHASES}
         plain["actions"] = {a: self.actions[a] for a in TICK_ACTIONS}
+        plain["tick_seconds"] = {a: self.tick_seconds[a] for a in TICK_ACTIONS}
         plain["queue_wait"] = self.queue_wait.to_dict()
         plain["ttft"] = self.ttft.to_dict()
         return plain

@@ -49,6 +49,7 @@ class Engine:
         self._events: list[TokenEvent] = []
         self._events_ready = threading.Condition()
         self._state_lock = threading.Lock()  # held by the engine thread during a tick
+        self._tick_gap_s = 0.0  # engine-thread time between ticks while work waited (`snapshot`)
         self._scheduler: Scheduler | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -121,6 +122,7 @@ class Engine:
             if scheduler is None:  # the ledger's requests wait for the scheduler
                 state["num_waiting"] = state["unfinished"] = self._ledger.num_unfinished
             state["running"] = self.running
+            state["tick_gap_seconds"] = self._tick_gap_s
             state["config"] = self._config.to_dict()
         return state
 
@@ -159,14 +161,18 @@ class Engine:
             self._scheduler = scheduler
         self._ready.set()
         idle = False
+        ended = None  # when the last tick ended, unless the loop waited idle since
         while True:
             with self._lock:
                 while idle and not (self._stopping or self._ledger.has_inputs() or self._reconfigs):
                     self._wake.wait()
+                    ended = None
                 if self._stopping:
                     break
                 reconfigs, self._reconfigs = self._reconfigs, []
             with self._state_lock:
+                if ended is not None:
+                    self._tick_gap_s += time.perf_counter() - ended
                 for changes in reconfigs:
                     scheduler.reconfigure(**changes)
                 try:
@@ -176,6 +182,7 @@ class Engine:
                     events = self._fail_everything(scheduler, exc)
                 idle = not scheduler.has_work()
             self._publish(events)
+            ended = time.perf_counter()
         with self._state_lock:
             events = scheduler.cancel_all()
         self._publish(events)

@@ -141,15 +141,19 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "res
                 if quick and concurrency > 1 and server.name.endswith("+draft"):
                     continue
                 cfg = load_config(server.base_url, concurrency, prompt_seed)
-                before = server_ttft(server) if server in ours else None
+                before = scrape(server) if server in ours else None
                 result = asyncio.run(run_load(cfg))
-                server_side = None if before is None else metrics.bucket_delta(before, server_ttft(server))
-                runs.append(run_record(server.name, concurrency, rep, prompt_seed, result, server_side))
+                server_side = ticks = None
+                if before is not None:
+                    after = scrape(server)
+                    server_side = metrics.bucket_delta(before["ttft"], after["ttft"])
+                    ticks = tick_delta(before, after)
+                runs.append(run_record(server.name, concurrency, rep, prompt_seed, result, server_side, ticks))
                 within = "" if server_side is None else \
                     " server TTFT <= 1 s: %d / %d" % metrics.share_within(server_side, 1.0)
                 print(f"{run_line(server.name, concurrency, rep, result['summary'])} failed "
-                      f"{result['summary']['failed']} cached prompt tokens {result['cached_prompt_tokens']}{within}",
-                      flush=True)
+                      f"{result['summary']['failed']} cached prompt tokens {result['cached_prompt_tokens']}{within}"
+                      f"{tick_line(ticks)}", flush=True)
     finally:
         stops = {server.name: server.stop() for server in fleet}
     if engine:  # the same runs in-process, once the servers are gone
@@ -167,14 +171,15 @@ ENGINE = "specslot-engine"
 
 
 def run_record(name: str, concurrency: int, repeat: int, prompt_seed: int, result: dict,
-               server_side: dict | None = None) -> dict:
+               server_side: dict | None = None, ticks: dict | None = None) -> dict:
     """One run as the results keep it: `result` from the load generator (or the
-    in-process load), `server_side` the replica's TTFT histogram over the run (None: not
-    read)."""
+    in-process load), `server_side` the replica's TTFT histogram over the run and
+    `ticks` its scheduler's ticks (`tick_delta`; None: not read)."""
     return {"server": name, "concurrency": concurrency, "repeat": repeat, "prompt_seed": prompt_seed,
             "cached_prompt_tokens": result["cached_prompt_tokens"], "summary": result["summary"],
             "output_lengths": result["output_lengths"],
-            "server_ttft_buckets": None if server_side is None else {str(k): v for k, v in server_side.items()}}
+            "server_ttft_buckets": None if server_side is None else {str(k): v for k, v in server_side.items()},
+            "server_ticks": ticks}
 
 
 def run_line(name: str, concurrency: int, repeat: int, summary: dict) -> str:
@@ -231,14 +236,44 @@ ENGINE_COLUMNS = [("concurrency", "concurrency"), ("http_tok_s", "server tok/s")
 
 
 TTFT_HISTOGRAM = "specslot:time_to_first_token_seconds"
+TICK_SUMMARY = "specslot_scheduler_tick_seconds"
+TICK_GAP = "specslot_scheduler_tick_gap_seconds_total"
 
 
-def server_ttft(server) -> dict[float, float]:
-    """Our server's TTFT histogram as it stands (docs/metrics.md: replica arrival to the
-    first token, whether or not it decodes to text; the load generator times the first
-    chunk with text, which a random-weight model's first tokens may not have)."""
+def scrape(server) -> dict:
+    """Our server's series as they stand: the TTFT histogram (docs/metrics.md: replica
+    arrival to the first token, whether or not it decodes to text; the load generator
+    times the first chunk with text, which a random-weight model's first tokens may not
+    have), the scheduler's ticks by action (count and seconds) and the engine thread's
+    time between ticks."""
     with urllib.request.urlopen(server.base_url + "/metrics", timeout=10) as resp:
-        return metrics.histogram_buckets(resp.read().decode(), TTFT_HISTOGRAM)
+        text = resp.read().decode()
+    return {"ttft": metrics.histogram_buckets(text, TTFT_HISTOGRAM),
+            "tick_count": metrics.labelled_samples(text, TICK_SUMMARY + "_count", "action"),
+            "tick_sum": metrics.labelled_samples(text, TICK_SUMMARY + "_sum", "action"),
+            "gap_s": metrics.labelled_samples(text, TICK_GAP, "").get("", 0.0)}
+
+
+def tick_delta(before: dict, after: dict) -> dict:
+    """The scheduler's ticks between two scrapes: per action that ran, how many and their
+    mean milliseconds; and the engine thread's mean gap between ticks in ms."""
+    actions = {}
+    for action, count in after["tick_count"].items():
+        n = count - before["tick_count"].get(action, 0.0)
+        if n > 0:
+            seconds = after["tick_sum"].get(action, 0.0) - before["tick_sum"].get(action, 0.0)
+            actions[action] = {"count": int(n), "mean_ms": 1000.0 * seconds / n}
+    ticks = sum(a["count"] for name, a in actions.items() if name != "fused")
+    gap_ms = 1000.0 * (after["gap_s"] - before["gap_s"]) / ticks if ticks else None
+    return {"actions": actions, "gap_ms": gap_ms}
+
+
+def tick_line(ticks: dict | None) -> str:
+    """The progress line's part about the scheduler's ticks ("" when not read)."""
+    if not ticks:
+        return ""
+    parts = [f"{name} {a['count']} x {a['mean_ms']:.2f} ms" for name, a in ticks["actions"].items() if name != "idle"]
+    return f"; ticks: {', '.join(parts)}; gap {metrics.fmt(ticks['gap_ms'], 2)} ms/tick"
 
 
 def run_seed(seed: int, concurrency: int, repeat: int) -> int:

@@ -144,3 +144,23 @@ def share_within(delta: dict[float, float], bound: float) -> tuple[int, int]:
     """(observations at or under `bound`, all observations) of a bucket delta; `bound`
     must be one of its buckets' bounds."""
     return int(delta.get(bound, 0.0)), int(delta.get(math.inf, 0.0))
+
+
+def labelled_samples(text: str, name: str, label: str) -> dict[str, float]:
+    """The samples of series `name` in an exposition `text` by the value of `label`
+    (summed over the other labels; a sample without labels under "").
+
+    >>> labelled_samples('t_sum{action="decode"} 0.5\\nt_sum{action="idle"} 0.0\\nt_sum2 1.0', "t_sum", "action")
+    {'decode': 0.5, 'idle': 0.0}
+    """
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(name) or line[len(name):len(name) + 1] not in ("{", " "):
+            continue
+        head, _, value = line.rpartition(" ")
+        key = ""
+        if "{" in head:
+            parts = head[head.index("{") + 1:head.rindex("}")].split(",")
+            key = next((p.split("=", 1)[1].strip('"') for p in parts if p.startswith(label + "=")), "")
+        out[key] = out.get(key, 0.0) + float(value)
+    return out

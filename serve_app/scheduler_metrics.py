@@ -50,6 +50,9 @@ SUMMARIES = (
     ("queue_wait", "Arrival to first scheduled, per lane, on the scheduler's clock."),
     ("ttft", "Arrival to first token, per lane, on the scheduler's clock."),
 )
+# `counters` key -> help; per action, its count the `actions` tally
+TICK_TIMES = ("tick_seconds", "Scheduler ticks' wall time (drain to events), by the action they ran; "
+              "a fused tick counts under speculative and under fused.")
 # The `prefix_cache` snapshot (the runner's `PrefixCache.stats()`, None when off; every
 # series reads 0 then). vLLM's token counters, under our prefix with `model_name`:
 PREFIX_CACHE_TOKEN_COUNTERS = (
@@ -95,6 +98,16 @@ def scheduler_families(snapshot: dict, model_name: str) -> list:
     for key, doc in GAUGES:
         families.append(GaugeMetricFamily(PREFIX + key, doc, value=counters.get(key, 0)))
     families += _prefix_cache_families(snapshot.get("prefix_cache") or {}, model_name)
+    key, doc = TICK_TIMES
+    fam = SummaryMetricFamily(PREFIX + key, doc, labels=["action"])
+    seconds = counters.get(key) or {}
+    actions = counters.get("actions") or {}
+    for name in _ordered(TICK_ACTIONS, seconds):
+        fam.add_metric([name], count_value=actions.get(name, 0), sum_value=seconds.get(name, 0.0))
+    families.append(fam)
+    families.append(CounterMetricFamily(PREFIX + "tick_gap_seconds", "Engine thread time between consecutive "
+                                        "ticks while work was waiting (handing events out, reconfiguring, locks).",
+                                        value=snapshot.get("tick_gap_seconds", 0.0)))
     for key, doc in SUMMARIES:
         samples = counters.get(key) or {}
         fam = SummaryMetricFamily(f"{PREFIX}{key}_seconds", doc, labels=["lane"])

@@ -71,7 +71,7 @@ def run_rotation_with_fallbacks(metrics: ReplicaMetrics, on_tick):
 
 def test_every_scheduler_tally_is_declared_as_a_series():
     declared = {key for key, *_ in scheduler_metrics.COUNTERS + scheduler_metrics.LABELLED_COUNTERS
-                + scheduler_metrics.GAUGES + scheduler_metrics.SUMMARIES}
+                + scheduler_metrics.GAUGES + scheduler_metrics.SUMMARIES + (scheduler_metrics.TICK_TIMES,)}
     assert set(Counters().to_dict()) == declared | set(scheduler_metrics.NOT_EXPORTED)
 
 
@@ -79,6 +79,7 @@ def test_labelled_tallies_have_every_key_before_any_event():
     plain = Counters().to_dict()
     assert plain["classic_fallbacks"] == dict.fromkeys(FALLBACK_REASONS, 0)
     assert plain["actions"] == dict.fromkeys(TICK_ACTIONS, 0)
+    assert plain["tick_seconds"] == dict.fromkeys(TICK_ACTIONS, 0)
     assert plain["cancelled_by_phase"] == dict.fromkeys(CANCEL_PHASES, 0)
     with pytest.raises(ValueError):
         Counters().record_fallback("no_such_reason")
@@ -255,3 +256,33 @@ def test_prefix_cache_series_read_the_snapshot_and_read_zero_without_a_cache():
                 ("specslot_prefix_cache_draft_budget_bytes", ()): ("gauge", float(1 << 29))}
     assert {key: on[key] for key in expected} == expected
     assert {key: off[key] for key in expected} == {key: (kind, 0.0) for key, (kind, _) in expected.items()}
+
+
+def test_tick_seconds_sum_each_ticks_wall_time_by_action():
+    """The tick summary's sums are the scheduler clock's time inside each tick, drain to
+    events, under the action the tick ran; its counts are the `actions` tally."""
+    clock = FakeClock()
+    runner = FakeRunner(unsupported=("A", "B"))  # both go classic: prefill, then decode ticks
+    spent = {"classic_prefill": 0.030, "classic_decode": 0.007}
+    for name, seconds in spent.items():
+        method = getattr(runner, name)
+
+        def timed(*args, _method=method, _seconds=seconds, **kwargs):
+            clock.advance(_seconds)
+            return _method(*args, **kwargs)
+        setattr(runner, name, timed)
+    scheduler = make_scheduler(runner, clock=clock)
+    for rid in "AB":
+        scheduler.submit(make_request(rid, rounds=3))
+    while scheduler.has_work():
+        tick(scheduler)
+        clock.advance(1.0)  # between ticks: never counted
+    plain = scheduler.counters.to_dict()
+    assert plain["actions"]["decode"] >= 2
+    for action, name in (("prefill", "classic_prefill"), ("decode", "classic_decode")):
+        assert plain["tick_seconds"][action] == pytest.approx(plain["actions"][action] * spent[name])
+    text = ReplicaMetrics("tiny", num_draft_tokens=4).render(scheduler.snapshot()).decode()
+    assert series(text)[("specslot_scheduler_tick_seconds_sum", (("action", "decode"),))] == \
+        ("summary", pytest.approx(plain["tick_seconds"]["decode"]))
+    assert series(text)[("specslot_scheduler_tick_seconds_count", (("action", "decode"),))][1] == \
+        plain["actions"]["decode"]

@@ -111,9 +111,11 @@ async def stream_chat(session, base_url: str, messages: list[dict], max_tokens: 
             chunk = json.loads(line[5:])
             for choice in chunk.get("choices") or []:
                 text = (choice.get("delta") or {}).get("content")
+                # The first token: the first text, or the end of a reply without any (its
+                # first token was a stop token), so an empty reply still has a TTFT.
+                if (text or choice.get("finish_reason")) and rec["ttft_s"] is None:
+                    rec["ttft_s"] = time.perf_counter() - tic
                 if text:
-                    if rec["ttft_s"] is None:
-                        rec["ttft_s"] = time.perf_counter() - tic
                     rec["text"] += text
             usage = chunk.get("usage")
             if usage:

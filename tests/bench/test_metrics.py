@@ -90,3 +90,28 @@ def test_pair_rows_count_requests_whose_server_side_ttft_passed_a_second():
     runs += [{"server": "mlx_lm", "concurrency": 4, "repeat": r, "summary": summary} for r in range(2)]
     (row,) = pair_ratios(runs, ["mlx_lm"])
     assert row["ours_server_ttft_over_1s"] == 1 + 2
+
+
+def test_tick_delta_reads_a_runs_ticks_from_two_scrapes():
+    """What bench_vs_mlx_lm prints per run of ours: ticks per action that ran between
+    two /metrics scrapes, their mean ms, and the engine's mean gap per tick."""
+    from scripts.bench_vs_mlx_lm import TICK_GAP, TICK_SUMMARY, tick_delta, tick_line
+
+    def text(decode_n, decode_s, spec_n, spec_s, gap_s):
+        return "\n".join([
+            f'{TICK_SUMMARY}_count{{action="decode"}} {decode_n}', f'{TICK_SUMMARY}_sum{{action="decode"}} {decode_s}',
+            f'{TICK_SUMMARY}_count{{action="speculative"}} {spec_n}',
+            f'{TICK_SUMMARY}_sum{{action="speculative"}} {spec_s}',
+            f'{TICK_SUMMARY}_count{{action="idle"}} 3.0', f'{TICK_SUMMARY}_sum{{action="idle"}} 0.0',
+            f"{TICK_GAP} {gap_s}"])
+
+    def scrape(t):
+        return {"tick_count": metrics.labelled_samples(t, TICK_SUMMARY + "_count", "action"),
+                "tick_sum": metrics.labelled_samples(t, TICK_SUMMARY + "_sum", "action"),
+                "gap_s": metrics.labelled_samples(t, TICK_GAP, "").get("", 0.0)}
+
+    delta = tick_delta(scrape(text(10, 0.1, 5, 0.1, 0.001)), scrape(text(110, 1.1, 5, 0.1, 0.011)))
+    assert delta["actions"] == {"decode": {"count": 100, "mean_ms": pytest.approx(10.0)}}
+    assert delta["gap_ms"] == pytest.approx(0.1)
+    assert tick_line(delta) == "; ticks: decode 100 x 10.00 ms; gap 0.10 ms/tick"
+    assert tick_line(None) == ""

@@ -8,9 +8,9 @@ and `RunnerConfig`, with the knob's range, choices and description; `live_fields
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
 from models.runner_config import deployed_runner_knobs
 from scheduler.config import SchedulerConfig
@@ -49,6 +49,8 @@ def _field(field: KnobField, live_only: bool) -> tuple[Any, Any]:
     base, optional = unwrap_optional(field.type)
     if spec.choices:
         base = Literal[spec.choices]
+        if {"on", "off"} <= set(spec.choices):
+            base = Annotated[base, BeforeValidator(_switch_word)]
     default = field.deploy_default
     extra: dict[str, Any] = {"live": spec.live}
     if spec.env or live_only:
@@ -62,3 +64,14 @@ def _field(field: KnobField, live_only: bool) -> tuple[Any, Any]:
     annotation = base | None if optional else base
     info = Field(default, ge=spec.ge, le=spec.le, description=spec.description, json_schema_extra=extra)
     return annotation, info
+
+
+def _switch_word(value: Any) -> Any:
+    """A YAML 1.1 reader (PyYAML, which Serve's config loader and `serve run` use) reads
+    a bare `on` / `off` as a bool; for a knob whose choices are those words (`b1_policy:
+    off`), take the bool back as the word the user wrote."""
+    if value is True:
+        return "on"
+    if value is False:
+        return "off"
+    return value

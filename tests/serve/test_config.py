@@ -140,6 +140,14 @@ def test_bad_args_are_rejected_with_the_field_named(bad, fragment):
         build_app(bad)
 
 
+@pytest.mark.parametrize("text, expected", [("off", "off"), ("on", "on"), ("auto", "auto"), ('"off"', "off")])
+def test_bare_on_and_off_in_yaml_are_the_words(text, expected):
+    """PyYAML (YAML 1.1) reads a bare `off` as False: `b1_policy: off` in a config file
+    is still the policy "off", not a validation error."""
+    args = yaml.safe_load(f"model: m\nb1_policy: {text}\n")
+    assert ServeArgs.model_validate(args).scheduler_config(env={}).b1_policy == expected
+
+
 def test_policy_profiling_knobs_reach_the_scheduler_config():
     config = ServeArgs.model_validate({"model": "m", "b1_profile_requests": 5, "b1_probe_rounds": 4})
     scheduler_config = config.scheduler_config(env={})

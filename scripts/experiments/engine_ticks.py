@@ -22,14 +22,12 @@ HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, HERE)
 
 
-def tick_means(before: dict, after: dict) -> str:
-    parts = []
-    for action, count in after["actions"].items():
-        n = count - before["actions"].get(action, 0)
-        if n and action != "idle":
-            ms = 1000 * (after["tick_seconds"][action] - before["tick_seconds"][action]) / n
-            parts.append(f"{action} {n} x {ms:.2f} ms")
-    return ", ".join(parts)
+def tick_state(engine) -> dict:
+    """The engine's tick tallies in the shape `bench_vs_mlx_lm.tick_delta` reads from a
+    server's /metrics."""
+    state = engine.snapshot()
+    return {"tick_count": state["counters"]["actions"], "tick_sum": state["counters"]["tick_seconds"],
+            "gap_s": state["tick_gap_seconds"]}
 
 
 def main() -> None:
@@ -44,6 +42,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.7)
     args = ap.parse_args()
 
+    from scripts.bench_vs_mlx_lm import tick_delta, tick_line
     from scripts.engine_load import engine_from_config, run_engine_load
     from scripts.loadgen import LoadConfig
     from serve_app.codec import TextCodec
@@ -55,14 +54,14 @@ def main() -> None:
                                                        seed=999, progress=False))
         for rep in range(args.repeats):
             for streams in args.streams:
-                before = engine.snapshot()["counters"]
+                before = tick_state(engine)
                 cfg = LoadConfig(base_url="", num_prompts=args.requests_per_stream * streams, concurrency=streams,
                                  max_tokens=args.tokens, seed=1000 * streams + rep, temperature=args.temperature,
                                  prompt_chars=args.prompt_chars, ignore_eos="off", progress=False)
                 summary = run_engine_load(engine, codec, eos, cfg)["summary"]
-                after = engine.snapshot()["counters"]
+                ticks = tick_delta(before, tick_state(engine))
                 print(f"engine thread, {streams} streams, repeat {rep}: {summary['output_throughput']:.1f} tok/s, "
-                      f"TPOT p50 {summary['median_tpot_ms']:.2f} ms; ticks: {tick_means(before, after)}", flush=True)
+                      f"TPOT p50 {summary['median_tpot_ms']:.2f} ms{tick_line(ticks)}", flush=True)
     finally:
         engine.stop()
 

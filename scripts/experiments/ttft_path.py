@@ -84,11 +84,13 @@ def engine_mode(config: str, target: str, cases, repeats: int) -> None:
 
 
 def service_series(url: str) -> dict[str, float]:
+    from scripts import metrics
+
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
 
-    def total(prefix: str) -> float:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+    def total(name: str) -> float:  # summed over every label set
+        return sum(metrics.labelled_samples(text, name, "").values())
 
     return {"scheduler_s": total("specslot_scheduler_ttft_seconds_sum"),
             "scheduler_n": total("specslot_scheduler_ttft_seconds_count"),

@@ -15,6 +15,13 @@ Threads: `OPENBLAS_NUM_THREADS` wins, then `OMP_NUM_THREADS` as the user launche
 process with it, else every core this process may run on. Ray sets `OMP_NUM_THREADS=1`
 inside its workers when a task or actor reserves under one CPU (ours reserve 0); that
 value is Ray's, not the user's, so it is ignored. This module must not import mlx.
+
+Idle threads: OpenBLAS keeps a thread that has finished its share of a matmul spinning
+for 2^28 cycles (~0.1 s) before it sleeps, so under a model's stream of small matmuls its
+threads never sleep: on two cores one of them burnt a core beside the engine thread (8-10
+CPU-seconds of a 10-second multi-turn run) and slowed the engine's own steps. We start it
+with `OPENBLAS_THREAD_TIMEOUT=4` (2^4 cycles: a finished thread sleeps at once) unless
+the environment sets `OPENBLAS_THREAD_TIMEOUT` or `GOTO_THREAD_TIMEOUT`.
 """
 
 from __future__ import annotations
@@ -133,6 +140,24 @@ def thread_count(environ: dict, launch_environ: dict, in_ray_worker: bool, num_c
     return num_cores, f"all {num_cores} usable cores"
 
 
+THREAD_TIMEOUT = "4"  # log2 of the cycles an idle OpenBLAS thread spins before it sleeps (4 is its least)
+
+
+def thread_timeout(environ: dict) -> tuple[str, str]:
+    """(OpenBLAS's idle-thread timeout, where it came from); see the module docstring.
+
+    >>> thread_timeout({})
+    ('4', 'specslot default')
+    >>> thread_timeout({"GOTO_THREAD_TIMEOUT": "28"})
+    ('28', 'GOTO_THREAD_TIMEOUT')
+    """
+    for name in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT"):
+        value = environ.get(name, "").strip()
+        if value:
+            return value, name
+    return THREAD_TIMEOUT, "specslot default"
+
+
 @dataclass
 class Loaded:
     """What `load_fast_blas` did in this process."""
@@ -141,6 +166,8 @@ class Loaded:
     path: str | None = None
     threads: int | None = None
     threads_from: str = ""
+    thread_timeout: str = ""  # OPENBLAS_THREAD_TIMEOUT as the library read it at load
+    thread_timeout_from: str = ""
     config: str = ""
     core: str = ""
     warning: str = ""
@@ -193,7 +220,17 @@ def _load_openblas(state: Loaded, flags: frozenset[str]) -> None:
     source = openblas_library()
     if source is None:
         raise OSError(f"the {OPENBLAS} wheel is not installed")
-    lib = ctypes.CDLL(_plain_named_copy(source), mode=ctypes.RTLD_GLOBAL)
+    path = _plain_named_copy(source)
+    # Read once, by the library's constructor at load, from the C environment os.environ writes.
+    state.thread_timeout, state.thread_timeout_from = thread_timeout(os.environ)
+    ours = state.thread_timeout_from == "specslot default"
+    if ours:
+        os.environ["OPENBLAS_THREAD_TIMEOUT"] = state.thread_timeout
+    try:
+        lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    finally:
+        if ours:  # children choose for themselves when they load it
+            del os.environ["OPENBLAS_THREAD_TIMEOUT"]
     lib.cblas_sgemm  # noqa: B018  (AttributeError, reported by the caller, if the rename failed)
     threads, state.threads_from = thread_count(os.environ, _launch_environ(), _in_ray_worker(), _usable_cores())
     lib.scipy_openblas_set_num_threads(threads)

@@ -20,7 +20,8 @@ from models import _blas
 # Flags that change which kernels run (x86-64 levels, AVX-512 extensions, arm64 SIMD).
 FLAGS_THAT_MATTER = ("sse2", "sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl",
                      "avx512_bf16", "amx_tile", "asimd", "sve", "sve2")
-ENV_THAT_MATTERS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_CORETYPE", "SPECSLOT_FAST_BLAS")
+ENV_THAT_MATTERS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_THREAD_TIMEOUT",
+                    "GOTO_THREAD_TIMEOUT", "SPECSLOT_FAST_BLAS")
 
 
 def _cpu_model() -> str:
@@ -47,6 +48,7 @@ def report(size: int = 1024) -> dict:
 
     state = _blas.loaded()
     flags = _blas.cpu_flags()
+    launch = _blas._launch_environ()  # as the user started it: loading the BLAS sets variables of its own
     return {
         "platform": f"{platform.system()} {platform.machine()}",
         "cpu": _cpu_model(),
@@ -59,13 +61,15 @@ def report(size: int = 1024) -> dict:
         "blas_kernels": state.core,
         "blas_threads": state.threads,
         "blas_threads_from": state.threads_from,
+        "blas_thread_timeout": state.thread_timeout,
+        "blas_thread_timeout_from": state.thread_timeout_from,
         "matmul_gflops": round(_blas.measure_gflops(size), 1),
         "matmul_size": size,
         "mlx_device": str(mx.default_device()),
         "versions": {"python": platform.python_version(), "mlx": _version("mlx"),
                      "mlx-lm": _version("mlx-lm"), "ray": _version("ray"),
                      "scipy-openblas32": _version("scipy-openblas32")},
-        "env": {name: os.environ.get(name) for name in ENV_THAT_MATTERS if name in os.environ},
+        "env": {name: launch[name] for name in ENV_THAT_MATTERS if name in launch},
     }
 
 
@@ -80,7 +84,8 @@ def render(info: dict) -> str:
         lines += [f"  library     {info['blas_path']}",
                   f"  build       {info['blas_config']}",
                   f"  kernels     {info['blas_kernels']}",
-                  f"  threads     {info['blas_threads']} ({info['blas_threads_from']})"]
+                  f"  threads     {info['blas_threads']} ({info['blas_threads_from']}); idle ones sleep after "
+                  f"2^{info['blas_thread_timeout']} cycles ({info['blas_thread_timeout_from']})"]
     lines += [
         f"matmul        {info['matmul_gflops']} GFLOP/s (float32 {info['matmul_size']}², MLX CPU stream)",
         f"mlx device    {info['mlx_device']}",

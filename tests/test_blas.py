@@ -68,6 +68,41 @@ def test_thread_count(environ, launch, in_ray, expected):
     assert blas.thread_count(environ, launch, in_ray, 8) == expected
 
 
+@pytest.mark.parametrize("environ, expected", [
+    ({}, ("4", "specslot default")),
+    ({"OPENBLAS_THREAD_TIMEOUT": "28"}, ("28", "OPENBLAS_THREAD_TIMEOUT")),
+    ({"GOTO_THREAD_TIMEOUT": "20"}, ("20", "GOTO_THREAD_TIMEOUT")),
+    ({"OPENBLAS_THREAD_TIMEOUT": "6", "GOTO_THREAD_TIMEOUT": "20"}, ("6", "OPENBLAS_THREAD_TIMEOUT")),
+    ({"OPENBLAS_THREAD_TIMEOUT": " "}, ("4", "specslot default")),
+])
+def test_thread_timeout(environ, expected):
+    assert blas.thread_timeout(environ) == expected
+
+
+_IDLE_CPU = ("import time, models, mlx.core as mx\n"
+             "a = mx.random.normal((512, 512)); mx.eval(a @ a)\n"
+             "c = time.process_time(); time.sleep(0.5); print(time.process_time() - c)")
+
+
+@linux_only
+def test_idle_blas_threads_sleep_instead_of_spinning():
+    """After a matmul that used every thread the process burns no CPU while it waits:
+    OpenBLAS's own default (2^28 cycles, what a user's OPENBLAS_THREAD_TIMEOUT=28 asks
+    for) keeps the finished threads spinning ~0.1 s."""
+    if blas._usable_cores() < 2:
+        pytest.skip("one usable core: OpenBLAS runs no second thread to spin")
+
+    def idle_cpu_s(env: dict) -> float:
+        proc = subprocess.run([sys.executable, "-c", _IDLE_CPU], cwd=REPO, capture_output=True, text=True,
+                              timeout=300, env={k: v for k, v in {**os.environ, **env}.items()
+                                                if k not in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")
+                                                or k in env})
+        return float(_assert_ran(proc))
+
+    assert idle_cpu_s({}) < 0.03
+    assert idle_cpu_s({"OPENBLAS_THREAD_TIMEOUT": "28"}) > 0.05
+
+
 def test_cpu_flags_reads_x86_and_arm64_cpuinfo(tmp_path):
     x86 = tmp_path / "x86"
     x86.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2\n\nprocessor\t: 1\nflags\t\t: fpu\n")
@@ -167,6 +202,8 @@ def test_doctor_reports_the_choice():
         assert any(line.startswith(heading) for line in out.splitlines()), (heading, out)
     if sys.platform.startswith("linux"):
         assert "threads" in out and "GFLOP/s" in out
+        user_set = {"OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT"} & set(blas._launch_environ())
+        assert user_set or "idle ones sleep after 2^4 cycles (specslot default)" in out, out
 
 
 def test_no_fast_library_warns_once_with_reason_and_rate_and_keeps_working():

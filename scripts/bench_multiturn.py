@@ -24,10 +24,11 @@ conversations (an idle server uses no CPU):
 - `cache_on_xN_prompt` with `--replicas N --prompt-key`: the same with
   `affinity_key: prompt`, and the conversations send no session id (affinity from the
   prompt's leading messages, through `SpecslotIngress`).
-With `--engine` no server starts: the same conversations run in-process on the
-scheduler and runner `configs/local.yaml` builds (`cache_on`, and `cache_off` with the
-prefix cache off), no HTTP and no Ray; TTFT is from the submit to the tick that emits the
-first token. What the serving path adds is the difference between the two tables.
+With `--engine` no server starts: the same conversations run in-process on the engine
+`configs/local.yaml` builds (the scheduler actor's engine thread, `cache_on`, and
+`cache_off` with the prefix cache off), no HTTP and no Ray; TTFT is from the submit to
+the event that carries the first token. What the serving path adds is the difference
+between the two tables.
 Every repeat (`--repeats`, default 1) uses fresh conversations (its own seed), so no
 server reuses a previous run's cache. TTFT is the time to the first streamed content chunk. Peak RSS is each
 server's largest process (VmHWM from /proc: the scheduler actor for ours) when the run
@@ -276,24 +277,25 @@ def run(quick: bool, target: str, seed: int = 0, out_dir: str = "results/multitu
             "server_names": names}
 
 
-def engine_conversations(runner, config, tokenizer, conversations: list[list[str]], concurrency: int,
-                         max_tokens: int) -> list[dict]:
-    """`run_conversations` in-process: the conversations' turns on a fresh scheduler over
-    `runner`, `concurrency` conversations at a time, each turn submitted when the last
-    one's reply is complete (ticks run on this thread, as the engine thread runs them)."""
-    from scheduler.core import Scheduler
+def engine_conversations(engine, tokenizer, conversations: list[list[str]], concurrency: int,
+                         max_tokens: int, run_id: str = "run") -> list[dict]:
+    """`run_conversations` in-process: the conversations' turns on `engine` (a started
+    `scheduler.engine.Engine`, the scheduler actor's engine thread without Ray),
+    `concurrency` conversations at a time, each turn submitted from this thread when the
+    last one's reply is complete. A turn's TTFT runs from its submit to the moment this
+    thread reads the event carrying its first token; a turn arrives while the engine
+    thread may be mid-tick for the others, as a request does in the actor."""
     from scheduler.request import Request, SamplingParams
 
-    scheduler = Scheduler(runner, config, clock=time.perf_counter)
     pending, live, records = list(enumerate(conversations)), {}, []
 
     def start(index: int, turn: int, history: list[dict]) -> None:
         text = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
         ids = tokenizer.encode(text, add_special_tokens=False)
-        request_id = f"c{index}t{turn}"
+        request_id = f"{run_id}-c{index}t{turn}"
         live[request_id] = {"conversation": index, "turn": turn + 1, "history": history, "out": [],
                             "submitted": time.perf_counter(), "ttft_s": None, "prompt_tokens": len(ids)}
-        scheduler.submit(Request(request_id, ids, SamplingParams(max_tokens=max_tokens), arrival_time=time.perf_counter()))
+        engine.submit(Request(request_id, ids, SamplingParams(max_tokens=max_tokens)))
 
     def next_conversation() -> None:
         if pending:
@@ -303,10 +305,12 @@ def engine_conversations(runner, config, tokenizer, conversations: list[list[str
     for _ in range(concurrency):
         next_conversation()
     while live:
-        events = scheduler.tick()
+        events = engine.get_events(timeout=0.1)
         now = time.perf_counter()
         for event in events:
-            state = live[event.request_id]
+            state = live.get(event.request_id)
+            if state is None:
+                continue
             if event.token_ids and state["ttft_s"] is None:
                 state["ttft_s"] = now - state["submitted"]
             state["out"] += event.token_ids
@@ -328,31 +332,32 @@ def engine_conversations(runner, config, tokenizer, conversations: list[list[str
 
 def run_engine(quick: bool, target: str, seed: int = 0, repeats: int | None = None,
                config: str = DEFAULT_CONFIG, overrides: dict | None = None) -> dict:
-    """The workload of `run`, in-process on what `config` (with `overrides`) builds,
-    with the prefix cache at its configured budget (`cache_on`) and off (`cache_off`)."""
+    """The workload of `run`, in-process on the engine `config` (with `overrides`) builds
+    (`serve_app.actor.build_engine`, as the scheduler actor does), with the prefix cache
+    at its configured budget (`cache_on`) and off (`cache_off`)."""
     from transformers import AutoTokenizer
 
-    from models.runner import MlxRunner
-    from scripts.engine_load import serve_args
+    from scripts.engine_load import engine_from_config
 
     size, ours = split_sizes(quick, repeats, overrides)
-    args = serve_args(config, {"model": target, **ours})
     tokenizer = AutoTokenizer.from_pretrained(target)
     names, records = ["cache_on", "cache_off"], []
     for name in names:
-        knobs = {**args.runner_knobs(), **({"prefix_cache_bytes": 0} if name == "cache_off" else {})}
-        runner = MlxRunner.from_paths(target, drafter_kind=args.drafter.kind, drafter_path=args.drafter.path, **knobs)
-        warm = user_texts(tokenizer, 1, 2, 64, 16, seed + 999)
-        engine_conversations(runner, args.scheduler_config(), tokenizer, warm, 1, 4)
-        for rep in range(size["repeats"]):
-            conversations = user_texts(tokenizer, size["num_conversations"], size["num_turns"],
-                                       size["first_tokens"], size["turn_tokens"], seed + rep)
-            tic = time.perf_counter()
-            run_records = engine_conversations(runner, args.scheduler_config(), tokenizer, conversations,
-                                               size["concurrency"], size["max_tokens"])
-            records += [{"server": name, "repeat": rep, **r} for r in run_records]
-            print(f"rep={rep} engine {name:<10} {len(run_records)} turns in {time.perf_counter() - tic:.1f} s", flush=True)
-        runner.close()
+        engine, _ = engine_from_config(config, target, {**ours, **({"prefix_cache_bytes": 0} if name == "cache_off" else {})})
+        try:
+            warm = user_texts(tokenizer, 1, 2, 64, 16, seed + 999)
+            engine_conversations(engine, tokenizer, warm, 1, 4, run_id="warm")
+            for rep in range(size["repeats"]):
+                conversations = user_texts(tokenizer, size["num_conversations"], size["num_turns"],
+                                           size["first_tokens"], size["turn_tokens"], seed + rep)
+                tic = time.perf_counter()
+                run_records = engine_conversations(engine, tokenizer, conversations, size["concurrency"],
+                                                   size["max_tokens"], run_id=f"rep{rep}")
+                records += [{"server": name, "repeat": rep, **r} for r in run_records]
+                print(f"rep={rep} engine {name:<10} {len(run_records)} turns in {time.perf_counter() - tic:.1f} s",
+                      flush=True)
+        finally:
+            engine.stop()
     return {"scenario": "multiturn", "level": "engine", "quick": quick, **size, "machine": bench_util.machine(),
             "config": config, "overrides": ours, "peak_rss": {}, "records": records,
             "num_errors": sum(1 for r in records if r["error"]), "rows": turn_rows(records, names),

@@ -6,7 +6,7 @@
 # Figures from it come from random weights: say so next to them.
 #
 #   OUT=results/gpu bash scripts/gpu_serve.sh
-#   SHAPE=q15|q7|llama1b  TEMP=0|0.7  CS_LIST="1 4 16 64"  REPEATS=2  PPS=2 (requests per stream)
+#   SHAPE=q15|q7|llama1b  BITS=4|0 (bf16)  TEMP=0|0.7  CS_LIST="1 4 16 64"  REPEATS=2  PPS=2 (requests per stream)
 #   EXTRA=",max_batch_size=64"  (more args overrides)  GPUS=1 (actor_num_gpus)  LIMIT=470 (seconds)
 #   PEERS="mlx_lm mlx_lm-wide" (the peer's defaults, its batching opened up)  CHARS=600 (prompt characters)
 #   TOKENS=2048 (prompts of this many tokens instead of CHARS characters)

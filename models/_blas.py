@@ -12,9 +12,13 @@ arm64 core, so it runs wherever its baseline does. Its symbols carry a `scipy_` 
 `models._elf` writes a cached copy that exports `cblas_*` under their plain names.
 
 Threads: `OPENBLAS_NUM_THREADS` wins, then `OMP_NUM_THREADS` as the user launched the
-process with it, else every core this process may run on. Ray sets `OMP_NUM_THREADS=1`
-inside its workers when a task or actor reserves under one CPU (ours reserve 0); that
-value is Ray's, not the user's, so it is ignored. This module must not import mlx.
+process with it, else every core this process may run on, less one inside a Ray worker
+(the scheduler actor): Serve's proxy, the replicas and Ray's own processes share the
+node's cores with it, and a matmul split over every core waits for whichever of its
+threads they preempt (on 2 cores, one thread made the served multi-turn workload's
+decode ticks 31-36 ms against 39-46 with two). Ray sets `OMP_NUM_THREADS=1` inside its
+workers when a task or actor reserves under one CPU (ours reserve 0); that value is
+Ray's, not the user's, so it is ignored. This module must not import mlx.
 
 Idle threads: OpenBLAS keeps a thread that has finished its share of a matmul spinning
 for 2^28 cycles (~0.1 s) before it sleeps, so under a model's stream of small matmuls its
@@ -137,6 +141,8 @@ def thread_count(environ: dict, launch_environ: dict, in_ray_worker: bool, num_c
             continue  # Ray's own default for workers, not the user's
         if value.isdigit() and int(value) > 0:
             return int(value), name
+    if in_ray_worker and num_cores > 1:
+        return num_cores - 1, f"{num_cores - 1} of {num_cores} usable cores: one left to the node's other processes"
     return num_cores, f"all {num_cores} usable cores"
 
 

@@ -59,13 +59,19 @@ def test_forced_coretype_is_checked_against_the_flags(coretype, flags, conflict)
     ({}, {}, False, (8, "all 8 usable cores")),
     ({"OPENBLAS_NUM_THREADS": "3", "OMP_NUM_THREADS": "5"}, {}, False, (3, "OPENBLAS_NUM_THREADS")),
     ({"OMP_NUM_THREADS": "5"}, {"OMP_NUM_THREADS": "5"}, False, (5, "OMP_NUM_THREADS")),
-    ({"OMP_NUM_THREADS": "1"}, {}, True, (8, "all 8 usable cores")),  # Ray's worker default
+    ({"OMP_NUM_THREADS": "1"}, {}, True,  # Ray's worker default is ignored; one core is left to the others
+     (7, "7 of 8 usable cores: one left to the node's other processes")),
+    ({"OPENBLAS_NUM_THREADS": "8"}, {}, True, (8, "OPENBLAS_NUM_THREADS")),
     ({"OMP_NUM_THREADS": "2"}, {"OMP_NUM_THREADS": "2"}, True, (2, "OMP_NUM_THREADS")),  # the user's
     ({"OPENBLAS_NUM_THREADS": "0"}, {}, False, (8, "all 8 usable cores")),
     ({"OPENBLAS_NUM_THREADS": "many"}, {}, False, (8, "all 8 usable cores")),
 ])
 def test_thread_count(environ, launch, in_ray, expected):
     assert blas.thread_count(environ, launch, in_ray, 8) == expected
+
+
+def test_a_ray_worker_on_one_core_keeps_its_thread():
+    assert blas.thread_count({}, {}, True, 1) == (1, "all 1 usable cores")
 
 
 @pytest.mark.parametrize("environ, expected", [

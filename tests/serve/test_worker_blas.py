@@ -1,5 +1,6 @@
 """Ray workers (where replicas and scheduler actors run) get the fast BLAS too, on every
-core: Ray's OMP_NUM_THREADS=1 for workers that reserve no CPU is not the user's choice."""
+core but one (left to Serve's proxy, the replicas and Ray: models/_blas.py): Ray's
+OMP_NUM_THREADS=1 for workers that reserve no CPU is not the user's choice."""
 
 import os
 import sys
@@ -10,7 +11,7 @@ pytestmark = [pytest.mark.serve,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="macOS uses Accelerate")]
 
 
-def test_ray_worker_runs_mlx_on_openblas_with_every_core(ray_cluster):
+def test_ray_worker_runs_mlx_on_openblas_with_every_core_but_one(ray_cluster):
     import ray
 
     @ray.remote(num_cpus=0)
@@ -28,5 +29,5 @@ def test_ray_worker_runs_mlx_on_openblas_with_every_core(ray_cluster):
     if {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"} & set(os.environ):
         pytest.skip("the user chose the thread count")  # pragma: no cover (CI sets neither)
     assert result["omp"] == "1", "Ray no longer sets OMP_NUM_THREADS=1 in workers: revisit models._blas"
-    assert result["threads"] == min(result["cores"], 64), result
+    assert result["threads"] == min(max(result["cores"] - 1, 1), 64), result
     assert result["gflops"] > 25, f"{result['gflops']:.1f} GFLOP/s in a Ray worker: slow BLAS"

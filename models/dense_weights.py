@@ -27,6 +27,37 @@ log = logging.getLogger(__name__)
 
 
 MAX_SHARE = 0.5  # by default, the weights grow by at most this share of the memory available
+# `quantized_steps`: forwards of at most this many tokens run on the 4-bit weights, their
+# tokens flattened and padded to at least QUANTIZED_MIN_TOKENS (MLX CUDA's quantized
+# matmul runs a (rows, 1, hidden) input one row at a time, and 2-7 tokens one at a time;
+# from 8 flattened tokens it is one fast kernel; scripts/experiments/gpu_qmm.py).
+QUANTIZED_MAX_TOKENS = 128
+QUANTIZED_MIN_TOKENS = 8
+
+
+class SplitLinear(nn.Module):
+    """A quantized linear layer that also holds its dequantized weight: a forward of at
+    most `QUANTIZED_MAX_TOKENS` tokens runs the quantized kernel over the tokens as one
+    (tokens, features) matrix, padded to `QUANTIZED_MIN_TOKENS` rows; a longer one the
+    dense matmul (`quantized_steps`)."""
+
+    def __init__(self, quantized: nn.QuantizedLinear, weight: mx.array) -> None:
+        super().__init__()
+        self.quantized = quantized
+        self.weight = weight
+
+    def __call__(self, x: mx.array) -> mx.array:
+        lead = x.shape[:-1]
+        tokens = 1
+        for n in lead:
+            tokens *= n
+        if tokens > QUANTIZED_MAX_TOKENS:
+            y = x @ self.weight.T
+            return y + self.quantized["bias"] if "bias" in self.quantized else y
+        flat = x.reshape(tokens, x.shape[-1])
+        if 1 < tokens < QUANTIZED_MIN_TOKENS:
+            flat = mx.concatenate([flat, mx.zeros((QUANTIZED_MIN_TOKENS - tokens, x.shape[-1]), x.dtype)])
+        return self.quantized(flat)[:tokens].reshape(*lead, -1)
 
 
 def wanted(setting: bool | None, extra_bytes: int = 0, available_bytes: int | None = None) -> bool:
@@ -70,14 +101,17 @@ def _dense(layer: nn.Module) -> mx.array:
     return weight.astype(_dense_dtype(layer))
 
 
-def dequantize(model: nn.Module) -> int:
+def dequantize(model: nn.Module, keep_quantized: bool = False) -> int:
     """Replace every `QuantizedLinear` and `QuantizedEmbedding` of `model` by a plain
     `Linear` / `Embedding` holding the dequantized weights, in place (a tied output head,
-    `Embedding.as_linear`, follows). Returns the number of layers replaced."""
+    `Embedding.as_linear`, follows); with `keep_quantized` a `QuantizedLinear` becomes a
+    `SplitLinear` holding both. Returns the number of layers replaced."""
     count = 0
     for _, module in model.named_modules():
         for name, child in list(module.children().items()):
-            if isinstance(child, nn.QuantizedLinear):
+            if isinstance(child, nn.QuantizedLinear) and keep_quantized:
+                dense = SplitLinear(child, _dense(child))
+            elif isinstance(child, nn.QuantizedLinear):
                 weight = _dense(child)
                 dense = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in child)
                 dense.weight = weight
@@ -95,17 +129,21 @@ def dequantize(model: nn.Module) -> int:
     return count
 
 
-def apply(model: nn.Module, name: str, setting: bool | None) -> int:
-    """Dequantize `model` when `wanted(setting)`, logging what it cost; returns the layers
+def apply(model: nn.Module, name: str, setting: bool | None, keep_quantized: bool = False) -> int:
+    """Dequantize `model` when `wanted(setting)`, logging what it cost (`keep_quantized`:
+    linear layers keep their quantized weights too, `SplitLinear`); returns the layers
     replaced (0: left as loaded, or nothing was quantized)."""
     extra = growth(model) if setting is None else 0
+    if keep_quantized:  # nothing of the quantized weights is freed
+        extra += sum(sum(v.nbytes for _, v in tree_flatten(layer.parameters()))
+                     for layer in _quantized(model) if isinstance(layer, nn.QuantizedLinear))
     if not wanted(setting, extra):
         if setting is None and extra and on_cuda():
             log.info("%s: dense_weights off: dequantized, the weights would grow by %.2f GB, over %d %% of "
                      "the memory available", name, extra / 1e9, MAX_SHARE * 100)
         return 0
     before = _nbytes(model)
-    count = dequantize(model)
+    count = dequantize(model, keep_quantized)
     if count:
         log.info("%s: %d quantized layers dequantized (dense_weights): %.2f GB -> %.2f GB of weights",
                  name, count, before / 1e9, _nbytes(model) / 1e9)

@@ -76,3 +76,51 @@ def test_from_paths_applies_the_knob(tiny_pair, tmp_path):
     assert any(isinstance(m, nn.QuantizedLinear) for _, m in kept.target.model.named_modules())
     dense = MlxRunner.from_paths(str(tmp_path / "q"), drafter_kind="ngram", dense_weights=True)
     assert not any(isinstance(m, nn.QuantizedLinear) for _, m in dense.target.model.named_modules())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_split_layers_compute_what_the_quantized_model_does_at_every_token_count(bias, monkeypatch):
+    model = _quantized(tie=False, bias=bias)
+    inputs = [mx.array([[5]]), mx.array([[5], [17]]), mx.array([[5], [17], [42], [9]]),  # rows of one
+              mx.array([[5, 17, 42]]), mx.array([[5, 17, 42, 9, 100, 3, 77, 1, 2, 8]])]
+    expected = [model(tokens) for tokens in inputs]
+    layers = sum(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
+    dense_weights.dequantize(model, keep_quantized=True)
+    split = [m for _, m in model.named_modules() if isinstance(m, dense_weights.SplitLinear)]
+    assert len(split) == layers > 0
+    for limit in (128, 4):  # 4: the 10-token prompt's layers run the dense matmul
+        monkeypatch.setattr(dense_weights, "QUANTIZED_MAX_TOKENS", limit)
+        for tokens, want in zip(inputs, expected):
+            got = model(tokens)
+            assert got.shape == want.shape and got.dtype == want.dtype
+            assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item(), (limit, tokens.shape)
+
+
+def test_split_layer_pads_a_few_tokens_and_flattens_rows(monkeypatch):
+    layer = nn.QuantizedLinear(64, 32, bias=True, group_size=32, bits=4)
+    split = dense_weights.SplitLinear(layer, dense_weights._dense(layer))
+    seen = []
+    original = nn.QuantizedLinear.__call__
+    monkeypatch.setattr(nn.QuantizedLinear, "__call__", lambda self, x: seen.append(x.shape) or original(self, x))
+    x = mx.random.normal((3, 1, 64))
+    assert split(x).shape == (3, 1, 32)
+    assert split(mx.random.normal((2, 6, 64))).shape == (2, 6, 32)
+    assert seen == [(8, 64), (12, 64)]
+    monkeypatch.setattr(dense_weights, "QUANTIZED_MAX_TOKENS", 8)
+    assert split(mx.random.normal((2, 6, 64))).shape == (2, 6, 32) and len(seen) == 2  # dense
+
+
+def test_from_paths_keeps_the_quantized_weights_with_quantized_steps(tiny_pair, tmp_path):
+    from models.runner import MlxRunner
+    from models.tiny import save_model
+
+    import json
+    model = _quantized(tie=False)
+    save_model(model, tiny_args(vocab_size=256, hidden=128), tiny_pair[0], str(tmp_path / "q"))
+    config_path = tmp_path / "q" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization"] = {"group_size": 64, "bits": 4}
+    config["tie_word_embeddings"] = False
+    config_path.write_text(json.dumps(config))
+    runner = MlxRunner.from_paths(str(tmp_path / "q"), drafter_kind="ngram", dense_weights=True, quantized_steps=True)
+    assert any(isinstance(m, dense_weights.SplitLinear) for _, m in runner.target.model.named_modules())

@@ -59,22 +59,28 @@ def test_growth_is_what_dequantizing_adds(tie):
     assert dense_weights.growth(model) == 0
 
 
-def test_from_paths_applies_the_knob(tiny_pair, tmp_path):
-    from models.runner import MlxRunner
+def _saved_quantized(tiny_pair, tmp_path) -> str:
+    """A 4-bit tiny model saved as a model directory (with the tiny pair's tokenizer)."""
+    import json
+
     from models.tiny import save_model
 
-    model = _quantized(tie=False)
-    args = tiny_args(vocab_size=256, hidden=128)
-    save_model(model, args, tiny_pair[0], str(tmp_path / "q"))
-    import json
+    save_model(_quantized(tie=False), tiny_args(vocab_size=256, hidden=128), tiny_pair[0], str(tmp_path / "q"))
     config_path = tmp_path / "q" / "config.json"
     config = json.loads(config_path.read_text())
     config["quantization"] = {"group_size": 64, "bits": 4}
     config["tie_word_embeddings"] = False
     config_path.write_text(json.dumps(config))
-    kept = MlxRunner.from_paths(str(tmp_path / "q"), drafter_kind="ngram", dense_weights=False)
+    return str(tmp_path / "q")
+
+
+def test_from_paths_applies_the_knob(tiny_pair, tmp_path):
+    from models.runner import MlxRunner
+
+    path = _saved_quantized(tiny_pair, tmp_path)
+    kept = MlxRunner.from_paths(path, drafter_kind="ngram", dense_weights=False)
     assert any(isinstance(m, nn.QuantizedLinear) for _, m in kept.target.model.named_modules())
-    dense = MlxRunner.from_paths(str(tmp_path / "q"), drafter_kind="ngram", dense_weights=True)
+    dense = MlxRunner.from_paths(path, drafter_kind="ngram", dense_weights=True)
     assert not any(isinstance(m, nn.QuantizedLinear) for _, m in dense.target.model.named_modules())
 
 
@@ -112,15 +118,7 @@ def test_split_layer_pads_a_few_tokens_and_flattens_rows(monkeypatch):
 
 def test_from_paths_keeps_the_quantized_weights_with_quantized_steps(tiny_pair, tmp_path):
     from models.runner import MlxRunner
-    from models.tiny import save_model
 
-    import json
-    model = _quantized(tie=False)
-    save_model(model, tiny_args(vocab_size=256, hidden=128), tiny_pair[0], str(tmp_path / "q"))
-    config_path = tmp_path / "q" / "config.json"
-    config = json.loads(config_path.read_text())
-    config["quantization"] = {"group_size": 64, "bits": 4}
-    config["tie_word_embeddings"] = False
-    config_path.write_text(json.dumps(config))
-    runner = MlxRunner.from_paths(str(tmp_path / "q"), drafter_kind="ngram", dense_weights=True, quantized_steps=True)
+    runner = MlxRunner.from_paths(_saved_quantized(tiny_pair, tmp_path), drafter_kind="ngram",
+                                  dense_weights=True, quantized_steps=True)
     assert any(isinstance(m, dense_weights.SplitLinear) for _, m in runner.target.model.named_modules())

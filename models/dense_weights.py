@@ -15,6 +15,7 @@ are the fast ones, and the model stays as loaded.
 from __future__ import annotations
 
 import logging
+import math
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -36,24 +37,21 @@ QUANTIZED_MIN_TOKENS = 8
 
 
 class SplitLinear(nn.Module):
-    """A quantized linear layer that also holds its dequantized weight: a forward of at
-    most `QUANTIZED_MAX_TOKENS` tokens runs the quantized kernel over the tokens as one
+    """A quantized linear layer beside its dequantized twin (`dense_linear`): a forward of
+    at most `QUANTIZED_MAX_TOKENS` tokens runs the quantized kernel over the tokens as one
     (tokens, features) matrix, padded to `QUANTIZED_MIN_TOKENS` rows; a longer one the
-    dense matmul (`quantized_steps`)."""
+    dense layer (`quantized_steps`)."""
 
-    def __init__(self, quantized: nn.QuantizedLinear, weight: mx.array) -> None:
+    def __init__(self, quantized: nn.QuantizedLinear, dense: nn.Linear) -> None:
         super().__init__()
         self.quantized = quantized
-        self.weight = weight
+        self.dense = dense
 
     def __call__(self, x: mx.array) -> mx.array:
         lead = x.shape[:-1]
-        tokens = 1
-        for n in lead:
-            tokens *= n
+        tokens = math.prod(lead)
         if tokens > QUANTIZED_MAX_TOKENS:
-            y = x @ self.weight.T
-            return y + self.quantized["bias"] if "bias" in self.quantized else y
+            return self.dense(x)
         flat = x.reshape(tokens, x.shape[-1])
         if 1 < tokens < QUANTIZED_MIN_TOKENS:
             flat = mx.concatenate([flat, mx.zeros((QUANTIZED_MIN_TOKENS - tokens, x.shape[-1]), x.dtype)])
@@ -101,6 +99,16 @@ def _dense(layer: nn.Module) -> mx.array:
     return weight.astype(_dense_dtype(layer))
 
 
+def dense_linear(layer: nn.QuantizedLinear) -> nn.Linear:
+    """A plain `Linear` holding `layer`'s dequantized weight (and its bias)."""
+    weight = _dense(layer)
+    dense = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in layer)
+    dense.weight = weight
+    if "bias" in layer:
+        dense.bias = layer["bias"]
+    return dense
+
+
 def dequantize(model: nn.Module, keep_quantized: bool = False) -> int:
     """Replace every `QuantizedLinear` and `QuantizedEmbedding` of `model` by a plain
     `Linear` / `Embedding` holding the dequantized weights, in place (a tied output head,
@@ -109,14 +117,8 @@ def dequantize(model: nn.Module, keep_quantized: bool = False) -> int:
     count = 0
     for _, module in model.named_modules():
         for name, child in list(module.children().items()):
-            if isinstance(child, nn.QuantizedLinear) and keep_quantized:
-                dense = SplitLinear(child, _dense(child))
-            elif isinstance(child, nn.QuantizedLinear):
-                weight = _dense(child)
-                dense = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in child)
-                dense.weight = weight
-                if "bias" in child:
-                    dense.bias = child["bias"]
+            if isinstance(child, nn.QuantizedLinear):
+                dense = SplitLinear(child, dense_linear(child)) if keep_quantized else dense_linear(child)
             elif isinstance(child, nn.QuantizedEmbedding):
                 weight = _dense(child)
                 dense = nn.Embedding(weight.shape[0], weight.shape[1])
@@ -135,8 +137,7 @@ def apply(model: nn.Module, name: str, setting: bool | None, keep_quantized: boo
     replaced (0: left as loaded, or nothing was quantized)."""
     extra = growth(model) if setting is None else 0
     if keep_quantized:  # nothing of the quantized weights is freed
-        extra += sum(sum(v.nbytes for _, v in tree_flatten(layer.parameters()))
-                     for layer in _quantized(model) if isinstance(layer, nn.QuantizedLinear))
+        extra += sum(_nbytes(layer) for layer in _quantized(model) if isinstance(layer, nn.QuantizedLinear))
     if not wanted(setting, extra):
         if setting is None and extra and on_cuda():
             log.info("%s: dense_weights off: dequantized, the weights would grow by %.2f GB, over %d %% of "

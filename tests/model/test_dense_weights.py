@@ -104,7 +104,7 @@ def test_split_layers_compute_what_the_quantized_model_does_at_every_token_count
 
 def test_split_layer_pads_a_few_tokens_and_flattens_rows(monkeypatch):
     layer = nn.QuantizedLinear(64, 32, bias=True, group_size=32, bits=4)
-    split = dense_weights.SplitLinear(layer, dense_weights._dense(layer))
+    split = dense_weights.SplitLinear(layer, dense_weights.dense_linear(layer))
     seen = []
     original = nn.QuantizedLinear.__call__
     monkeypatch.setattr(nn.QuantizedLinear, "__call__", lambda self, x: seen.append(x.shape) or original(self, x))

@@ -15,7 +15,6 @@ are the fast ones, and the model stays as loaded.
 from __future__ import annotations
 
 import logging
-import math
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,34 +27,6 @@ log = logging.getLogger(__name__)
 
 
 MAX_SHARE = 0.5  # by default, the weights grow by at most this share of the memory available
-# `quantized_steps`: forwards of at most this many tokens run on the 4-bit weights, their
-# tokens flattened and padded to at least QUANTIZED_MIN_TOKENS (MLX CUDA's quantized
-# matmul runs a (rows, 1, hidden) input one row at a time, and 2-7 tokens one at a time;
-# from 8 flattened tokens it is one fast kernel; scripts/experiments/gpu_qmm.py).
-QUANTIZED_MAX_TOKENS = 128
-QUANTIZED_MIN_TOKENS = 8
-
-
-class SplitLinear(nn.Module):
-    """A quantized linear layer beside its dequantized twin (`dense_linear`): a forward of
-    at most `QUANTIZED_MAX_TOKENS` tokens runs the quantized kernel over the tokens as one
-    (tokens, features) matrix, padded to `QUANTIZED_MIN_TOKENS` rows; a longer one the
-    dense layer (`quantized_steps`)."""
-
-    def __init__(self, quantized: nn.QuantizedLinear, dense: nn.Linear) -> None:
-        super().__init__()
-        self.quantized = quantized
-        self.dense = dense
-
-    def __call__(self, x: mx.array) -> mx.array:
-        lead = x.shape[:-1]
-        tokens = math.prod(lead)
-        if tokens > QUANTIZED_MAX_TOKENS:
-            return self.dense(x)
-        flat = x.reshape(tokens, x.shape[-1])
-        if 1 < tokens < QUANTIZED_MIN_TOKENS:
-            flat = mx.concatenate([flat, mx.zeros((QUANTIZED_MIN_TOKENS - tokens, x.shape[-1]), x.dtype)])
-        return self.quantized(flat)[:tokens].reshape(*lead, -1)
 
 
 def wanted(setting: bool | None, extra_bytes: int = 0, available_bytes: int | None = None) -> bool:
@@ -109,16 +80,15 @@ def dense_linear(layer: nn.QuantizedLinear) -> nn.Linear:
     return dense
 
 
-def dequantize(model: nn.Module, keep_quantized: bool = False) -> int:
+def dequantize(model: nn.Module) -> int:
     """Replace every `QuantizedLinear` and `QuantizedEmbedding` of `model` by a plain
     `Linear` / `Embedding` holding the dequantized weights, in place (a tied output head,
-    `Embedding.as_linear`, follows); with `keep_quantized` a `QuantizedLinear` becomes a
-    `SplitLinear` holding both. Returns the number of layers replaced."""
+    `Embedding.as_linear`, follows). Returns the number of layers replaced."""
     count = 0
     for _, module in model.named_modules():
         for name, child in list(module.children().items()):
             if isinstance(child, nn.QuantizedLinear):
-                dense = SplitLinear(child, dense_linear(child)) if keep_quantized else dense_linear(child)
+                dense = dense_linear(child)
             elif isinstance(child, nn.QuantizedEmbedding):
                 weight = _dense(child)
                 dense = nn.Embedding(weight.shape[0], weight.shape[1])
@@ -131,20 +101,17 @@ def dequantize(model: nn.Module, keep_quantized: bool = False) -> int:
     return count
 
 
-def apply(model: nn.Module, name: str, setting: bool | None, keep_quantized: bool = False) -> int:
-    """Dequantize `model` when `wanted(setting)`, logging what it cost (`keep_quantized`:
-    linear layers keep their quantized weights too, `SplitLinear`); returns the layers
+def apply(model: nn.Module, name: str, setting: bool | None) -> int:
+    """Dequantize `model` when `wanted(setting)`, logging what it cost; returns the layers
     replaced (0: left as loaded, or nothing was quantized)."""
     extra = growth(model) if setting is None else 0
-    if keep_quantized:  # nothing of the quantized weights is freed
-        extra += sum(_nbytes(layer) for layer in _quantized(model) if isinstance(layer, nn.QuantizedLinear))
     if not wanted(setting, extra):
         if setting is None and extra and on_cuda():
             log.info("%s: dense_weights off: dequantized, the weights would grow by %.2f GB, over %d %% of "
                      "the memory available", name, extra / 1e9, MAX_SHARE * 100)
         return 0
     before = _nbytes(model)
-    count = dequantize(model, keep_quantized)
+    count = dequantize(model)
     if count:
         log.info("%s: %d quantized layers dequantized (dense_weights): %.2f GB -> %.2f GB of weights",
                  name, count, before / 1e9, _nbytes(model) / 1e9)

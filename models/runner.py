@@ -188,7 +188,7 @@ class MlxRunner:
         target, draft = load_pair(target_path, drafter_path if kind is not None and kind.needs_weights else None)
         for loaded in (target, draft):
             if loaded is not None:
-                dense_weights.apply(loaded.model, loaded.name, config.dense_weights, config.quantized_steps)
+                dense_weights.apply(loaded.model, loaded.name, config.dense_weights)
         drafter: Drafter | None = None if kind is None else kind.load_class().load(draft)
         return cls(target, drafter, config, draft_fingerprint=draft.fingerprint if draft is not None else "")
 

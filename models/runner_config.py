@@ -70,16 +70,6 @@ class RunnerConfig:
         "(Apple silicon's and the CPU's quantized kernels are the fast ones); false keeps the weights as "
         "loaded, true dequantizes wherever.",
         default_doc="on a CUDA GPU where the memory allows, off elsewhere")
-    quantized_steps: bool = knob(
-        False,
-        "With `dense_weights`, keep each quantized linear layer's 4-bit weights beside its bf16 "
-        "ones and run forwards of at most 128 tokens (decode steps, verifies, short prompt chunks) "
-        "through the quantized kernel, their tokens flattened into one matrix and padded to at "
-        "least 8; longer forwards use the bf16 weights. On the H200 (Qwen2.5-1.5B shape, random "
-        "weights, the weight matmuls of one forward alone, scripts/experiments/gpu_qmm.py): 8 tokens "
-        "1.7 ms against 4.7 in bf16, 64 tokens 2.7 against 5.0; bf16 costs ~4.7 ms for any 2 to "
-        "1,024 tokens. Costs ~1.25x the bf16 weights' memory. Not measured in a step or over HTTP "
-        "yet, so off by default.")
     draft_step_share: float = knob(
         0.0,
         "The rows' drafts in one step may add at most this share of the step's time without them "

@@ -8,6 +8,7 @@
 #   OUT=results/gpu bash scripts/gpu_serve.sh
 #   SHAPE=q15|q7|llama1b  BITS=4|0 (bf16)  TEMP=0|0.7  CS_LIST="1 4 16 64"  REPEATS=2  PPS=2 (requests per stream)
 #   EXTRA=",max_batch_size=64"  (more args overrides)  GPUS=1 (actor_num_gpus)  LIMIT=470 (seconds)
+#   EXTRAS="|,scheduler_nice=null"  (several of our configs side by side: EXTRA's values, split at |)
 #   PEERS="mlx_lm mlx_lm-wide" (the peer's defaults, its batching opened up)  CHARS=600 (prompt characters)
 #   TOKENS=2048 (prompts of this many tokens instead of CHARS characters)
 #   ARGS="--repeat-prompts" (more bench_vs_mlx_lm flags)  NAME=vs_mlx_lm_q15 (results folder under OUT)
@@ -19,11 +20,15 @@ set -euo pipefail
 T0=$(date +%s)
 # shellcheck source=scripts/device_env.sh
 source scripts/device_env.sh
+CONFIGS=(); IFS='|' read -r -a extras <<< "${EXTRAS:-${EXTRA:-}}"; [ ${#extras[@]} -gt 0 ] || extras=("")
+for e in "${extras[@]}"; do
+  CONFIGS+=(--config "configs/gpu.yaml:model=$MODEL,drafter={kind: ngram},policy_cache_dir=/tmp/specslot-policy,kernel_cache_dir=/tmp/specslot-kernels,actor_num_gpus=${GPUS:-1}$e")
+done
 CS=""; for c in ${CS_LIST:-1 4 16 64}; do CS="$CS --concurrency $c"; done
 PS=""; for p in ${PEERS:-mlx_lm}; do PS="$PS --peer $p"; done
 # shellcheck disable=SC2086
 timeout "${LIMIT:-470}" python3 -m scripts.bench_vs_mlx_lm --target "$MODEL" \
-  --config "configs/gpu.yaml:model=$MODEL,drafter={kind: ngram},policy_cache_dir=/tmp/specslot-policy,kernel_cache_dir=/tmp/specslot-kernels,actor_num_gpus=${GPUS:-1}${EXTRA:-}" \
+  "${CONFIGS[@]}" \
   $PS $CS --prompt-chars "${CHARS:-600}" --prompt-tokens "${TOKENS:-0}" --repeats "${REPEATS:-2}" --prompts-per-stream "${PPS:-2}" --temperature "${TEMP:-0}" \
   ${ARGS:-} --out "$OUT/${NAME:-vs_mlx_lm_$SHAPE}" --no-plot --startup-timeout 300 || {
   echo "bench exited with $?"

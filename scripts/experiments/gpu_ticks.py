@@ -43,6 +43,9 @@ def main() -> None:
                     help="grow the classic slab to this many positions before the measured burst (0: as it comes)")
     ap.add_argument("--profile", action="store_true",
                     help="the measured burst's GPU kernel time by kernel, read with torch's CUPTI profiler")
+    ap.add_argument("--host", action="store_true",
+                    help="split each tick's wall time into the host's parts without synchronizing: building "
+                         "the forward's and the draws' graphs, queuing work (async_eval), waiting for results (eval)")
     ap.add_argument("--chunk", type=int, default=0,
                     help="prompt positions per row per prefill forward (ragged_batch.PREFILL_CHUNK; 0: as it is)")
     args = ap.parse_args()
@@ -66,7 +69,7 @@ def main() -> None:
         ragged_batch.PREFILL_CHUNK = args.chunk
 
     tic = time.perf_counter()
-    runner = MlxRunner.from_paths(args.target, drafter_kind=serve.drafter.kind, drafter_path=serve.drafter.path,
+    runner = MlxRunner.from_paths(args.target, drafter_kind=serve.drafter.kind if serve.speculative else None, drafter_path=serve.drafter.path,
                                   **serve.runner_knobs())
     load_s = time.perf_counter() - tic
     codec = TextCodec.from_path(args.target)
@@ -77,6 +80,8 @@ def main() -> None:
     forwards: list[dict] = []
     if args.parts:
         instrument(parts, forwards, args.sync_attention)
+    elif args.host:
+        instrument_host(parts)
 
     def burst(seed: int, count: int) -> dict:
         if args.prompt_tokens:  # each starts with a line of its own: no two share a prefix
@@ -140,6 +145,13 @@ def main() -> None:
               f"{sum(t['tokens'] for t in ticks) / len(ms):.2f} tokens a tick")
     print(f"steps pipelined {getattr(runner._classic, 'num_pipelined', 0)}; counters "
           f"{ {k: v for k, v in scheduler.snapshot()['counters'].items() if v} }")
+    if args.host:
+        for action, ticks in sorted(by_action.items()):
+            names = sorted({k for t in ticks for k in t.get("parts_ms", {})})
+            mean = {k: sum(t.get("parts_ms", {}).get(k, 0.0) for t in ticks) / len(ticks) for k in names}
+            rest = sum(t["ms"] for t in ticks) / len(ticks) - sum(v for k, v in mean.items() if k in HOST_PARTS)
+            print(f"  {action:<12} host ms a tick: " + ", ".join(f"{k} {v:.2f}" for k, v in mean.items())
+                  + f", rest {rest:.2f}")
     for t in measured["ticks"]:
         if "parts_ms" in t and t["action"] == "prefill":
             print(f"  prefill {t['prefilled']} at {t['at_ms']} ms: {t['ms']} ms = {t['parts_ms']}")
@@ -176,6 +188,41 @@ def profiled(run) -> tuple[dict, dict[str, float]]:
         if e.device_type == torch.autograd.DeviceType.CUDA:
             kernels[e.name[:90]] = kernels.get(e.name[:90], 0.0) + e.device_time / 1e3
     return out, kernels
+
+
+HOST_PARTS = ("forward.build", "draws.build", "async_eval", "eval")  # disjoint wall-time parts
+
+
+def instrument_host(parts: dict[str, float]) -> None:
+    """Time where a tick's wall time goes on the host, into `parts` (seconds, summed per
+    name), without waiting for the device anywhere it would not: `Slab.forward` and the
+    draws (graph building only: MLX is lazy), `mx.async_eval` (handing the graph to the
+    device: on CUDA the kernel launches), `mx.eval` (launches plus waiting for the
+    device). Nested calls count once, in the outer part; the rest of a tick is the
+    scheduler's and the batch's own Python."""
+    import mlx.core as mx
+    from models import ragged_batch, slab
+
+    depth = [0]
+
+    def wrap(owner, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*a, **k):
+            if depth[0]:
+                return inner(*a, **k)
+            depth[0] += 1
+            tic = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                depth[0] -= 1
+                parts[label] = parts.get(label, 0.0) + time.perf_counter() - tic
+        setattr(owner, name, timed)
+    wrap(slab.Slab, "forward", "forward.build")
+    wrap(ragged_batch.RaggedBatch, "_draws", "draws.build")
+    wrap(mx, "async_eval", "async_eval")
+    wrap(mx, "eval", "eval")
 
 
 def instrument(parts: dict[str, float], forwards: list[dict], attention: bool) -> None:

@@ -81,7 +81,7 @@ def main() -> None:
     if args.parts:
         instrument(parts, forwards, args.sync_attention)
     elif args.host:
-        instrument_host(parts)
+        instrument_host(parts, forwards)
 
     def burst(seed: int, count: int) -> dict:
         if args.prompt_tokens:  # each starts with a line of its own: no two share a prefix
@@ -193,15 +193,28 @@ def profiled(run) -> tuple[dict, dict[str, float]]:
 HOST_PARTS = ("forward.build", "draws.build", "async_eval", "eval")  # disjoint wall-time parts
 
 
-def instrument_host(parts: dict[str, float]) -> None:
+def instrument_host(parts: dict[str, float], forwards: list[dict]) -> None:
     """Time where a tick's wall time goes on the host, into `parts` (seconds, summed per
     name), without waiting for the device anywhere it would not: `Slab.forward` and the
     draws (graph building only: MLX is lazy), `mx.async_eval` (handing the graph to the
     device: on CUDA the kernel launches), `mx.eval` (launches plus waiting for the
     device). Nested calls count once, in the outer part; the rest of a tick is the
-    scheduler's and the batch's own Python."""
+    scheduler's and the batch's own Python. Each slab forward's plan goes to `forwards`:
+    its entries, widest entry, slots, and the grid (rows, width) and key bucket, or
+    "packed"."""
     import mlx.core as mx
-    from models import ragged_batch, slab
+    from models import ragged_batch, slab, slab_forward
+
+    plan = slab_forward.Forward.__init__
+
+    def planned(self, owner, entries):
+        plan(self, owner, entries)
+        slots = sorted(row.slot for row, _ in entries)
+        forwards.append({"entries": len(entries), "width": max(len(t) for _, t in entries),
+                         "slots": [slots[0], slots[-1]],
+                         "grid": list(self.grid) if self.grid else "packed",
+                         "keys": getattr(self, "grid_keys", None)})
+    slab_forward.Forward.__init__ = planned
 
     depth = [0]
 

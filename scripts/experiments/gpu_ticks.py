@@ -46,6 +46,9 @@ def main() -> None:
     ap.add_argument("--host", action="store_true",
                     help="split each tick's wall time into the host's parts without synchronizing: building "
                          "the forward's and the draws' graphs, queuing work (async_eval), waiting for results (eval)")
+    ap.add_argument("--gil", action="store_true",
+                    help="a second Python thread sleeps 1 ms at a time through the measured burst: how late it "
+                         "wakes is how long the engine's thread keeps the GIL (the actor's poll threads wait as long)")
     ap.add_argument("--chunk", type=int, default=0,
                     help="prompt positions per row per prefill forward (ragged_batch.PREFILL_CHUNK; 0: as it is)")
     args = ap.parse_args()
@@ -122,10 +125,16 @@ def main() -> None:
         import mlx.core as mx
         runner._classic.slab.reserve(args.reserve)
         mx.eval(runner._classic.slab.arrays())
+    late = gil_probe() if args.gil else None
     if args.profile:
         measured, kernels = profiled(lambda: burst(args.seed, args.requests))
     else:
         measured, kernels = burst(args.seed, args.requests), None
+    if late is not None:
+        wakes = late()
+        measured["gil_late_ms"] = wakes
+        print(f"GIL: a 1 ms sleep woke late by p50 {wakes['p50']:.2f} / p99 {wakes['p99']:.2f} / max "
+              f"{wakes['max']:.2f} ms over {wakes['n']} sleeps")
     folded = []
     for t in measured["ticks"]:
         if folded and folded[-1]["action"] == t["action"] and t["action"] != "prefill":
@@ -173,6 +182,30 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump({"config": args.config, "load_s": load_s, "folded": folded, **measured,
                    "warm_first_token_ms": warm["first_token_ms"]}, f, indent=1)
+
+
+def gil_probe():
+    """Start a thread that sleeps 1 ms at a time and records how late each wake-up is;
+    returns a function that stops it and gives p50 / p99 / max lateness in ms."""
+    import threading
+
+    stop, late = threading.Event(), []
+
+    def loop() -> None:
+        while not stop.is_set():
+            tic = time.perf_counter()
+            time.sleep(0.001)
+            late.append((time.perf_counter() - tic - 0.001) * 1e3)
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+
+    def finish() -> dict:
+        stop.set()
+        thread.join()
+        values = sorted(late)
+        return {"n": len(values), "p50": values[len(values) // 2], "p99": values[int(len(values) * 0.99)],
+                "max": values[-1]}
+    return finish
 
 
 def profiled(run) -> tuple[dict, dict[str, float]]:

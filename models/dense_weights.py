@@ -70,16 +70,6 @@ def _dense(layer: nn.Module) -> mx.array:
     return weight.astype(_dense_dtype(layer))
 
 
-def dense_linear(layer: nn.QuantizedLinear) -> nn.Linear:
-    """A plain `Linear` holding `layer`'s dequantized weight (and its bias)."""
-    weight = _dense(layer)
-    dense = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in layer)
-    dense.weight = weight
-    if "bias" in layer:
-        dense.bias = layer["bias"]
-    return dense
-
-
 def dequantize(model: nn.Module) -> int:
     """Replace every `QuantizedLinear` and `QuantizedEmbedding` of `model` by a plain
     `Linear` / `Embedding` holding the dequantized weights, in place (a tied output head,
@@ -88,7 +78,11 @@ def dequantize(model: nn.Module) -> int:
     for _, module in model.named_modules():
         for name, child in list(module.children().items()):
             if isinstance(child, nn.QuantizedLinear):
-                dense = dense_linear(child)
+                weight = _dense(child)
+                dense = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in child)
+                dense.weight = weight
+                if "bias" in child:
+                    dense.bias = child["bias"]
             elif isinstance(child, nn.QuantizedEmbedding):
                 weight = _dense(child)
                 dense = nn.Embedding(weight.shape[0], weight.shape[1])

@@ -59,26 +59,20 @@ def test_growth_is_what_dequantizing_adds(tie):
     assert dense_weights.growth(model) == 0
 
 
-def _saved_quantized(tiny_pair, tmp_path) -> str:
-    """A 4-bit tiny model saved as a model directory (with the tiny pair's tokenizer)."""
-    import json
-
+def test_from_paths_applies_the_knob(tiny_pair, tmp_path):
+    from models.runner import MlxRunner
     from models.tiny import save_model
 
-    save_model(_quantized(tie=False), tiny_args(vocab_size=256, hidden=128), tiny_pair[0], str(tmp_path / "q"))
+    model = _quantized(tie=False)
+    args = tiny_args(vocab_size=256, hidden=128)
+    save_model(model, args, tiny_pair[0], str(tmp_path / "q"))
+    import json
     config_path = tmp_path / "q" / "config.json"
     config = json.loads(config_path.read_text())
     config["quantization"] = {"group_size": 64, "bits": 4}
     config["tie_word_embeddings"] = False
     config_path.write_text(json.dumps(config))
-    return str(tmp_path / "q")
-
-
-def test_from_paths_applies_the_knob(tiny_pair, tmp_path):
-    from models.runner import MlxRunner
-
-    path = _saved_quantized(tiny_pair, tmp_path)
-    kept = MlxRunner.from_paths(path, drafter_kind="ngram", dense_weights=False)
+    kept = MlxRunner.from_paths(str(tmp_path / "q"), drafter_kind="ngram", dense_weights=False)
     assert any(isinstance(m, nn.QuantizedLinear) for _, m in kept.target.model.named_modules())
-    dense = MlxRunner.from_paths(path, drafter_kind="ngram", dense_weights=True)
+    dense = MlxRunner.from_paths(str(tmp_path / "q"), drafter_kind="ngram", dense_weights=True)
     assert not any(isinstance(m, nn.QuantizedLinear) for _, m in dense.target.model.named_modules())

@@ -49,12 +49,7 @@ def build_engine(args: ServeArgs):
         draft_note = f", draft {drafter.path}" if drafter.needs_weights else f", drafter {drafter.kind}"
         logger.info("loading target %s%s", args.model, draft_note)
         tic = time.perf_counter()
-        runner = MlxRunner.from_paths(
-            args.model,
-            drafter_kind=drafter.kind if args.speculative else None,
-            drafter_path=drafter.path,
-            **args.runner_knobs(),
-        )
+        runner = MlxRunner.from_paths(args.model, **args.runner_args())
         logger.info("loaded in %.1f s (device %s, %s batch)", time.perf_counter() - tic, hardware_name(),
                     "slab" if runner.fuse_blocker is None else "BatchGenerator")
         info["max_context"] = runner.max_context

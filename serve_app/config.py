@@ -278,9 +278,11 @@ class _ServeArgsBase(BaseModel):
         return SchedulerConfig(**{name: defaults[name] if value is None and name in defaults else value
                                   for name, value in values.items()})
 
-    def runner_knobs(self) -> dict:
-        """The `RunnerConfig` fields this deployment sets, for `MlxRunner.from_paths`."""
-        return {name: getattr(self, name) for name in knob_fields.runner_knob_names()}
+    def runner_args(self) -> dict:
+        """Keyword arguments for `MlxRunner.from_paths(self.model, ...)`: the drafter (none
+        when speculation is off) and the `RunnerConfig` fields this deployment sets."""
+        return {"drafter_kind": self.drafter.kind if self.speculative else None, "drafter_path": self.drafter.path,
+                **{name: getattr(self, name) for name in knob_fields.runner_knob_names()}}
 
     def lane_cap_for(self, api_key: str | None) -> Lane | None:
         """Highest lane a client may claim; None when the key is required and wrong."""

@@ -72,8 +72,7 @@ def main() -> None:
         ragged_batch.PREFILL_CHUNK = args.chunk
 
     tic = time.perf_counter()
-    runner = MlxRunner.from_paths(args.target, drafter_kind=serve.drafter.kind if serve.speculative else None, drafter_path=serve.drafter.path,
-                                  **serve.runner_knobs())
+    runner = MlxRunner.from_paths(args.target, **serve.runner_args())
     load_s = time.perf_counter() - tic
     codec = TextCodec.from_path(args.target)
     eos = tuple(runner.eos_token_ids)

@@ -32,6 +32,9 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=0,
                     help="prompts of this many tokens (scripts.prompts.sized_snippets; 0: --prompt-chars characters)")
     ap.add_argument("--tokens", type=int, default=16, help="tokens per request")
+    ap.add_argument("--per-stream", type=int, default=1,
+                    help="closed loop: each of the --requests streams sends this many requests one after "
+                         "another, the next as its last one finishes (as the load generator's streams do)")
     ap.add_argument("--temperature", type=float, default=0.0, help="every request's, seeded by its index")
     ap.add_argument("--seed", type=int, default=32000)
     ap.add_argument("--out", required=True)
@@ -85,21 +88,28 @@ def main() -> None:
     elif args.host:
         instrument_host(parts, forwards)
 
-    def burst(seed: int, count: int) -> dict:
+    def burst(seed: int, count: int, per_stream: int = 1) -> dict:
+        total = count * per_stream
         if args.prompt_tokens:  # each starts with a line of its own: no two share a prefix
-            texts = sized_snippets(codec, count, seed, args.prompt_tokens)
+            texts = sized_snippets(codec, total, seed, args.prompt_tokens)
         else:
             texts = [item["body"]["prompt"] for item in build_requests(LoadConfig(
-                base_url="", num_prompts=count, concurrency=count, seed=seed, prompt_chars=args.prompt_chars))]
+                base_url="", num_prompts=total, concurrency=count, seed=seed, prompt_chars=args.prompt_chars))]
         prompts = [codec.encode(text) for text in texts]
         lengths = [len(ids) for ids in prompts]
         first, done, ticks = {}, set(), []
-        t0 = time.perf_counter()  # the prompts are tokenized: time runs from their arrival
-        for i, ids in enumerate(prompts):
+        sent = [0]
+
+        def send() -> None:
+            i = sent[0]
+            sent[0] += 1
             sampling = SamplingParams(max_tokens=args.tokens, stop_token_ids=eos, temperature=args.temperature,
                                       seed=i if args.temperature else None)
-            scheduler.submit(Request(f"r{seed}-{i}", ids, sampling, arrival_time=time.perf_counter()))
-        while len(done) < count:
+            scheduler.submit(Request(f"r{seed}-{i}", prompts[i], sampling, arrival_time=time.perf_counter()))
+        t0 = time.perf_counter()  # the prompts are tokenized: time runs from their arrival
+        for _ in range(count):
+            send()
+        while len(done) < total:
             parts.clear()
             forwards.clear()
             start = time.perf_counter()
@@ -117,6 +127,8 @@ def main() -> None:
                     first[event.request_id] = round((end - t0) * 1e3, 1)
                 if event.finish_reason is not None:
                     done.add(event.request_id)
+                    if sent[0] < total:  # that stream's next request
+                        send()
         return {"prompt_tokens": lengths, "first_token_ms": sorted(first.values()), "ticks": ticks}
 
     warm = burst(args.seed + 1, min(8, args.requests))  # shapes and kernels out of the measured burst
@@ -126,9 +138,9 @@ def main() -> None:
         mx.eval(runner._classic.slab.arrays())
     late = gil_probe() if args.gil else None
     if args.profile:
-        measured, kernels = profiled(lambda: burst(args.seed, args.requests))
+        measured, kernels = profiled(lambda: burst(args.seed, args.requests, args.per_stream))
     else:
-        measured, kernels = burst(args.seed, args.requests), None
+        measured, kernels = burst(args.seed, args.requests, args.per_stream), None
     if late is not None:
         wakes = late()
         measured["gil_late_ms"] = wakes
@@ -160,6 +172,16 @@ def main() -> None:
             rest = sum(t["ms"] for t in ticks) / len(ticks) - sum(v for k, v in mean.items() if k in HOST_PARTS)
             print(f"  {action:<12} host ms a tick: " + ", ".join(f"{k} {v:.2f}" for k, v in mean.items())
                   + f", rest {rest:.2f}")
+    if args.host:  # steps of one action and one plan together: does a plan set a step's time?
+        plans: dict[tuple, list[float]] = {}
+        for t in measured["ticks"]:
+            if t["action"] != "prefill" and t.get("forwards"):
+                key = (t["action"],) + tuple((f["entries"], f["width"], tuple(f["slots"]), str(f["grid"]), f["keys"])
+                                             for f in t["forwards"])
+                plans.setdefault(key, []).append(t["ms"])
+        for key, ms in sorted(plans.items(), key=lambda kv: -len(kv[1]))[:12]:
+            ms = sorted(ms)
+            print(f"  x{len(ms):<4} p50 {ms[len(ms) // 2]:6.2f} mean {sum(ms) / len(ms):6.2f} ms  {key}")
     for t in measured["ticks"]:
         if "parts_ms" in t and t["action"] == "prefill":
             print(f"  prefill {t['prefilled']} at {t['at_ms']} ms: {t['ms']} ms = {t['parts_ms']}")

@@ -19,7 +19,7 @@ from models import bucketed, cache_rollback, dense_weights, device_memory, ragge
 from models.replica_index import ReplicaIndex
 from models.ragged_batch import RaggedBatch
 from models.drafter_kinds import DRAFTERS
-from models.drafters import Drafter, DrafterSlot
+from models.drafters import Drafter, DrafterSlot, NgramDrafter, NgramIndex
 from models.grammar import Grammars
 from models.loader import LoadedModel, load_pair
 from models.sampling import supports_sampling
@@ -275,6 +275,15 @@ class MlxRunner:
 
     def rows_draft_like_slot(self, greedy: bool) -> bool:
         return self._ragged and self._classic.drafts_rows_of(greedy) and self._slot.drafter.drafts_like_rows
+
+    def shadow_index(self, history: Sequence[int]) -> NgramIndex | None:
+        """The slot drafter's prompt lookup over `history`, for the scheduler's shadow
+        rounds (its own text only: the replica's outputs, `replica_drafts`, are not looked up);
+        None for a draft model, whose drafts only running it would show."""
+        drafter = self._slot.drafter if self._slot is not None else None
+        if not isinstance(drafter, NgramDrafter):
+            return None
+        return NgramIndex(history, drafter.max_ngram, drafter.min_ngram)
 
     def tick_costs(self) -> TickCosts | None:
         """Decode and fused forward costs on this machine (`models.tick_costs`),

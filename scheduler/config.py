@@ -50,6 +50,17 @@ class SchedulerConfig:
         "`fuse_blocker` in `/v1/internal/scheduler`), a configured drafter, and `b1_policy` other "
         "than `off`. See docs/CONTINUOUS_BATCHING.md \"Rows that draft\".",
         live=True)
+    shadow_rounds: bool = knob(
+        True,
+        "With an n-gram drafter and `b1_policy: auto` in the fused tick, the cost gate reads each "
+        "classic row's acceptance off the tokens it emits anyway: it opens a round where the slot "
+        "would, drafts as the slot's drafter does and counts how many drafts the row's next tokens "
+        "match (at T > 0 too: the verify accepts a draft with the probability the row samples it). "
+        "A row is then granted the slot when its measured acceptance pays, not again and again to "
+        "find out that it accepts nothing; false: an unmeasured row's estimate drifts back toward "
+        "all-accepted with every turn-away and it is tried again. See docs/CONTINUOUS_BATCHING.md "
+        "\"Shadow rounds\".",
+        live=True)
     grant_rounds: int = knob(
         DEFAULT_GRANT_ROUNDS,
         "Slices per slot grant; **0 disables rotation** (whole-generation hold, concurrent requests "

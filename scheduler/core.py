@@ -24,6 +24,7 @@ from scheduler.ledger import RequestLedger
 from scheduler.model_api import ModelRunner, TokenBatch
 from scheduler.request import Lane, Request, RequestStatus
 from scheduler.rules import Action, Decision, decide
+from scheduler.shadow import ShadowRounds
 from scheduler.slot import ROW_IN_RING, SpecSlot
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,11 @@ class Scheduler:
                              num_rows=lambda: len(self._rows), adopt_row=self._adopt_row,
                              release_row=self._release_row, unqueue=self._unqueue,
                              rows_done=self._rows_done)
+        # Classic rows' shadow rounds for the cost gate (None: the drafter proposes no
+        # fixed tokens, e.g. a draft model, so a row's acceptance cannot be read off it).
+        make_index = getattr(runner, "shadow_index", None)
+        self._shadow = (ShadowRounds(make_index, lambda: self.config.num_draft_tokens, self.slot.gate.record_shadow)
+                        if make_index is not None and make_index(()) is not None else None)
         self._queues: dict[Lane, deque[Request]] = {lane: deque() for lane in Lane}
         self._rows: dict[str, Request] = {}
         self._cancelled_in_prefill: set[str] = set()  # rows whose cancel arrived mid-prefill
@@ -238,7 +244,11 @@ class Scheduler:
             return
         self._apply_classic(batches)
 
+    def _shadowing(self) -> bool:
+        return self._shadow is not None and self.config.shadow_rounds and self._gating()
+
     def _apply_classic(self, batches: list[TokenBatch]) -> None:
+        shadowing = self._shadowing()
         for batch in batches:
             request = self._rows.get(batch.request_id)
             if request is None:  # a row dropped this tick (cancelled)
@@ -247,6 +257,10 @@ class Scheduler:
                 self.counters.record_round(request.spec, batch.num_drafted, batch.num_accepted,
                                            row=True, drafter=batch.drafter)
             self.sink.tokens(request, batch.token_ids, batch.logprobs)
+            # A row that drafts like the slot never takes it beside rows (`CostGate.pays`).
+            if (shadowing and batch.token_ids and not batch.num_drafted and not batch.finish_reason
+                    and not self.runner.rows_draft_like_slot(request.sampling.is_greedy)):
+                self._shadow.observe(request, len(batch.token_ids))
             if batch.finish_reason:
                 self._rows.pop(batch.request_id)
                 self.runner.classic_remove(batch.request_id)
@@ -267,6 +281,8 @@ class Scheduler:
     # -- lifecycle -------------------------------------------------------------------
     def _forget(self, request: Request) -> None:
         self.ledger.finish(request)
+        if self._shadow is not None:
+            self._shadow.forget(request.request_id)
         self._cancelled_in_prefill.discard(request.request_id)
 
     def cancel_all(self) -> list[TokenEvent]:
@@ -292,6 +308,7 @@ class Scheduler:
             "counters": self.counters.to_dict(),
             "policy": self.policy.snapshot(),
             "prefix_cache": self.runner.prefix_cache_stats(),
+            "shadow": None if self._shadow is None else {"rows": len(self._shadow), "rounds": self._shadow.num_rounds},
             "config": self.config.to_dict(),
             "speculation": {
                 # why the slot serves no request at all (None: it can), e.g. a target

@@ -121,6 +121,7 @@ class AcceptanceTracker:
     _per_request: dict[str, float] = field(default_factory=dict)
     _holds: dict[str, int] = field(default_factory=dict)  # turn-aways left before relaxing
     _cost_parks: dict[str, int] = field(default_factory=dict)
+    _measured: set[str] = field(default_factory=set)  # estimates kept current by shadow rounds
 
     def estimate(self, request_id: str) -> float:
         prior = self.optimistic if self.replica is None else self.replica
@@ -131,10 +132,21 @@ class AcceptanceTracker:
         old = num_accepted if self.replica is None else self.replica
         self.replica = (1 - EMA_WEIGHT / 4) * old + (EMA_WEIGHT / 4) * num_accepted
 
+    def record_shadow(self, request_id: str, num_matched: int) -> None:
+        """A shadow round of a classic row (`scheduler.shadow`): counted as a round, and
+        from now on the stream's estimate is measured, not relaxed. The first one
+        replaces the prior (rounds come every token or few, not once a grant)."""
+        self._measured.add(request_id)
+        self._per_request.setdefault(request_id, float(num_matched))
+        self.record(request_id, num_matched)
+
     def relax(self, request_id: str | None = None) -> None:
         """A stream was turned away on its estimate (None: a newcomer, judged by the
         replica's): forget a little of it, so that it is tried again before long (a
-        stream parked for its acceptance, once its hold is over: `parked_for_cost`)."""
+        stream parked for its acceptance, once its hold is over: `parked_for_cost`).
+        A stream whose shadow rounds keep its estimate current is left as measured."""
+        if request_id is not None and request_id in self._measured:
+            return
         def relaxed(value: float) -> float:
             return value + RELAX_WEIGHT * (self.optimistic - value)
 
@@ -156,6 +168,7 @@ class AcceptanceTracker:
         self._per_request.pop(request_id, None)
         self._holds.pop(request_id, None)
         self._cost_parks.pop(request_id, None)
+        self._measured.discard(request_id)
 
 
 class LiveCosts:

@@ -78,6 +78,10 @@ class CostGate:
         if outcome.num_drafted:  # a round with nothing to draft says nothing of acceptance
             self.acceptance.record(outcome.request_id, outcome.num_accepted)
 
+    def record_shadow(self, request_id: str, num_matched: int) -> None:
+        """A classic row's shadow round (`scheduler.shadow`): what it would have accepted."""
+        self.acceptance.record_shadow(request_id, num_matched)
+
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)
 

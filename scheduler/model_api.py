@@ -127,6 +127,12 @@ class ModelRunner(Protocol):
         slot): then the slot adds nothing beside rows for such a stream, and the fused
         tick's gate keeps it a row. Sampled rows draft only with `sampled_row_drafts`."""
 
+    def shadow_index(self, history: Sequence[int]):
+        """An index over `history` that proposes what the slot's drafter would (`extend`
+        it with tokens, `propose(k)` drafts), for the scheduler's shadow rounds
+        (`scheduler.shadow`); None when the drafter's drafts are not fixed tokens read off
+        the text (a draft model). Optional: a runner without it gets no shadow rounds."""
+
     def spec_round_with_decode(self, request_id: str, drafts: bool = False,
                                skip_cap: int = 2) -> tuple[RoundOutcome, list[TokenBatch]]:
         """One round of the drafter's holder and one decode step of every classic row,

@@ -1,0 +1,94 @@
+"""Shadow rounds: what a classic row would have accepted in the slot, read off the
+tokens it emits anyway.
+
+The fused tick's cost gate grants the slot to a row only where its acceptance pays
+(`scheduler.costs`). Without a measurement a row's estimate drifts back toward
+all-accepted with every turn-away, so a stream that accepts nothing (sampled text
+with no repeats) is granted again every few dozen tokens to find that out, and each
+such tryout costs the whole batch a slower tick. For a drafter that proposes fixed
+tokens (n-gram prompt lookup), the measurement is free: open a round where the slot
+would (propose `num_draft_tokens` tokens from the row's history), then match the
+row's next tokens against the drafts. The verify accepts draft `d` with probability
+p(d) under the row's own sampling distribution, and the row samples `d` with that
+same probability, so the number of leading matches has the distribution of the
+accepted count (greedy: it is the accepted count). The round ends at the first
+token that does not match, or at the token after the last draft (the verify's
+correction or bonus token), and the next round opens at the history that follows.
+
+`ShadowRounds` keeps one index per row it watches (built once from the last
+`MAX_HISTORY` tokens of prompt and output, then extended token by token) and hands
+every finished round's matches to `record(request_id, matches)`. Tokens a request
+emitted elsewhere (as the slot's holder) are folded into its index unscored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+from scheduler.request import Request
+
+# Positions of prompt + output a row's index starts from: the drafts a lookup finds
+# come mostly from recent text, and the build (one dict entry per n-gram) runs in a
+# tick, so a 32k-token prompt must not cost it tens of milliseconds.
+MAX_HISTORY = 2048
+
+
+class Proposer(Protocol):
+    def extend(self, tokens: Sequence[int]) -> None: ...
+    def propose(self, k: int) -> list[int]: ...
+
+
+@dataclass
+class _Track:
+    index: Proposer
+    seen: int  # output tokens folded into `index`
+    drafts: list[int] | None = None  # the open round's proposal (None: no round open)
+    matched: int = 0
+
+
+class ShadowRounds:
+    def __init__(self, make_index: Callable[[Sequence[int]], Proposer], num_drafts: Callable[[], int],
+                 record: Callable[[str, int], None]) -> None:
+        """`make_index(history)`: a proposer over `history` that proposes as the slot's
+        drafter does; `num_drafts()`: tokens a round drafts (K); `record(request_id,
+        matches)`: a shadow round ended with `matches` leading drafts matched."""
+        self._make_index = make_index
+        self._num_drafts = num_drafts
+        self._record = record
+        self._tracks: dict[str, _Track] = {}
+        self.num_rounds = 0  # shadow rounds recorded (snapshot)
+
+    def __len__(self) -> int:
+        return len(self._tracks)
+
+    def observe(self, request: Request, num_new: int) -> None:
+        """`request` emitted its last `num_new` output tokens as a classic row (they are
+        already in `request.output_ids`): score them against the open round's drafts."""
+        outputs = request.output_ids
+        before = len(outputs) - num_new
+        track = self._tracks.get(request.request_id)
+        if track is None:
+            history = [*request.prompt_ids, *outputs[:before]][-MAX_HISTORY:]
+            track = self._tracks[request.request_id] = _Track(self._make_index(history), before)
+        elif track.seen != before:  # emitted as the slot's holder since: fold them in unscored
+            track.index.extend(outputs[track.seen:before])
+            track.drafts = None
+        for token in outputs[before:]:
+            if track.drafts is None:  # a round opens where the history stands
+                track.drafts, track.matched = track.index.propose(self._num_drafts()), 0
+                if not track.drafts:  # nothing to draft: a plain step, which says nothing
+                    track.drafts = None
+                    track.index.extend((token,))
+                    continue
+            if track.matched < len(track.drafts) and token == track.drafts[track.matched]:
+                track.matched += 1
+            else:  # the verify's correction (or bonus) token: the round ends
+                self.num_rounds += 1
+                self._record(request.request_id, track.matched)
+                track.drafts = None
+            track.index.extend((token,))
+        track.seen = len(outputs)
+
+    def forget(self, request_id: str) -> None:
+        self._tracks.pop(request_id, None)

@@ -59,8 +59,7 @@ class SchedulerConfig:
         "A row is then granted the slot when its measured acceptance pays, not again and again to "
         "find out that it accepts nothing; false: an unmeasured row's estimate drifts back toward "
         "all-accepted with every turn-away and it is tried again. See docs/CONTINUOUS_BATCHING.md "
-        "\"Shadow rounds\".",
-        live=True)
+        "\"Shadow rounds\".")
     grant_rounds: int = knob(
         DEFAULT_GRANT_ROUNDS,
         "Slices per slot grant; **0 disables rotation** (whole-generation hold, concurrent requests "

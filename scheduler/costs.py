@@ -144,9 +144,8 @@ class AcceptanceTracker:
         """A stream was turned away on its estimate (None: a newcomer, judged by the
         replica's): forget a little of it, so that it is tried again before long (a
         stream parked for its acceptance, once its hold is over: `parked_for_cost`).
-        A stream whose shadow rounds keep its estimate current is left as measured."""
-        if request_id is not None and request_id in self._measured:
-            return
+        A stream whose shadow rounds keep its estimate current is left as measured
+        (its hold still counts down: `held`)."""
         def relaxed(value: float) -> float:
             return value + RELAX_WEIGHT * (self.optimistic - value)
 
@@ -155,8 +154,16 @@ class AcceptanceTracker:
                 self.replica = relaxed(self.replica)
         elif self._holds.get(request_id, 0) > 0:
             self._holds[request_id] -= 1
-        elif request_id in self._per_request:
+        elif request_id in self._per_request and request_id not in self._measured:
             self._per_request[request_id] = relaxed(self._per_request[request_id])
+
+    def held(self, request_id: str) -> bool:
+        """A shadow-measured stream waits out its hold after a cost park whatever its
+        estimate says: its estimate moves every few tokens, and a lucky run of matches
+        right after the park (the rounds that follow a good run match less often) would
+        grant it again at once. An unmeasured stream's estimate does not move while it
+        is held, so `pays` keeps it out by itself (and admits it where the batch shrank)."""
+        return request_id in self._measured and self._holds.get(request_id, 0) > 0
 
     def parked_for_cost(self, request_id: str) -> None:
         """The gate parked this stream where speculating cost more than it returned:

@@ -64,8 +64,9 @@ class CostGate:
         return False
 
     def admits_row(self, request: Request, num_rows: int) -> bool:
-        """`pays` for a ring row at a promotion; a turn-away relaxes its own estimate."""
-        if self.pays(request, num_rows):
+        """`pays` for a ring row at a promotion, unless it waits out a hold after a cost
+        park (`AcceptanceTracker.held`); a turn-away relaxes its own estimate."""
+        if not self.acceptance.held(request.request_id) and self.pays(request, num_rows):
             return True
         self.acceptance.relax(request.request_id)
         return False
@@ -75,7 +76,10 @@ class CostGate:
         self.acceptance.parked_for_cost(request_id)
 
     def record(self, outcome: RoundOutcome) -> None:
-        if outcome.num_drafted:  # a round with nothing to draft says nothing of acceptance
+        # A round with nothing to draft gained nothing, and it was not free: where the
+        # lookup rarely finds a draft (sampled text that does not repeat) the rounds
+        # that find one may accept well, yet the stream holds the slot for little.
+        if not outcome.probe:
             self.acceptance.record(outcome.request_id, outcome.num_accepted)
 
     def record_shadow(self, request_id: str, num_matched: int) -> None:

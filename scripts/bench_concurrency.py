@@ -56,6 +56,9 @@ CONFIGS = {
 REPLICA = {"replica": dict(tick_mode="fused", b1_policy="auto")}
 BUDGET = {"budget": dict(tick_mode="fused", b1_policy="auto")}
 SAMPLED = {"sampled": dict(tick_mode="fused", b1_policy="auto")}  # rows at temperature > 0 draft too
+# `default` without shadow rounds: an unmeasured row is granted the slot to find out what it accepts
+UNSHADOWED = {"unshadowed": dict(tick_mode="fused", b1_policy="auto", shadow_rounds=False)}
+NAMED = {**CONFIGS, **REPLICA, **BUDGET, **SAMPLED, **UNSHADOWED}
 ON_BATCHGEN = {"classic_batchgen"}  # configurations run on the BatchGenerator runner
 
 
@@ -64,7 +67,7 @@ def one_run(runner, name: str, prompts: list[list[int]], concurrency: int, max_t
     """One closed-loop run; `with_tokens`: also each prompt's output tokens
     (`token_ids`, in prompt order); `temperature` > 0: request i samples with seed i."""
     config = SchedulerConfig(num_draft_tokens=runner.num_draft_tokens, grant_rounds=grant_rounds,
-                             max_batch_size=max(16, concurrency), **{**CONFIGS, **REPLICA, **BUDGET, **SAMPLED}[name])
+                             max_batch_size=max(16, concurrency), **NAMED[name])
     if name not in ON_BATCHGEN:
         runner.replica_drafts = False  # a fresh index for each run
         runner.replica_drafts = name in REPLICA
@@ -203,14 +206,14 @@ def main(argv=None) -> int:
                          "temperature 1.0, seeded (drafts never land); repeat: the code prompts, each "
                          "asked twice (configurations default, replica, classic)")
     ap.add_argument("--configs", default=None,
-                    help=f"comma-separated configurations (of {', '.join([*CONFIGS, *REPLICA, *BUDGET, *SAMPLED])}; "
+                    help=f"comma-separated configurations (of {', '.join(NAMED)}; "
                          "default: "
                          "all of CONFIGS, or default,replica,classic for --workload repeat)")
     ap.add_argument("--temperature", type=float, default=None,
                     help="every request's temperature, seeded (default: the workload's, 1.0 random, else 0)")
     args = ap.parse_args(argv)
     configs = args.configs.split(",") if args.configs else None
-    unknown = set(configs or ()) - set(CONFIGS) - set(REPLICA) - set(BUDGET) - set(SAMPLED)
+    unknown = set(configs or ()) - set(NAMED)
     if unknown:
         ap.error(f"unknown configurations: {', '.join(sorted(unknown))}")
     repeats = args.repeats or (2 if args.quick else 3)

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from models.drafters import NgramIndex
-from scheduler.costs import AcceptanceTracker, TickCosts
+from scheduler.costs import HOLD_TURNS, AcceptanceTracker, TickCosts
 from scheduler.request import Request, SamplingParams
 from scheduler.shadow import MAX_HISTORY, ShadowRounds
 from tests.unit.factories import Trace, make_request, make_scheduler, run_until_idle, tick
@@ -33,12 +33,12 @@ def test_a_round_ends_at_the_first_miss_or_after_the_bonus_token():
     emit(shadow, request, 8)
     assert rounds == [2]
     # History ... 3 4 8: no earlier 8, no round opens; then 1 2 -> [3, 4] again.
-    emit(shadow, request, 1)  # after 8: nothing to draft, a plain step
+    emit(shadow, request, 1)  # after 8: nothing to draft, a round of one token gaining nothing
     emit(shadow, request, 2)  # after 1: drafts [2, 3]; 2 matches
     emit(shadow, request, 9)  # the miss ends it with one match
-    assert rounds == [2, 1]
+    assert rounds == [2, 0, 1]
     emit(shadow, request, 5)  # after 9: nothing to draft
-    assert rounds == [2, 1] and shadow.num_rounds == 2
+    assert rounds == [2, 0, 1, 0] and shadow.num_rounds == 4
 
 
 def test_a_first_token_miss_is_a_round_with_nothing_accepted():
@@ -53,9 +53,9 @@ def test_tokens_emitted_in_the_slot_are_folded_in_unscored():
     request.output_ids.extend([9, 9, 9])  # the request held the slot for three tokens
     emit(shadow, request, 1)  # the open round is dropped; a new one (after 9 9: [9, 9]) misses
     assert rounds == [0]
-    emit(shadow, request, 5)  # after 1: nothing to draft
+    emit(shadow, request, 5)  # after 1: nothing to draft, nothing gained
     emit(shadow, request, 6, 7)  # after 5: [6, 9] (its last follower, 6 9 ...): 6 matches, 7 misses
-    assert rounds == [0, 1]
+    assert rounds == [0, 0, 1]
 
 
 def test_the_index_starts_from_the_recent_history_only():
@@ -77,7 +77,8 @@ def test_matches_have_the_accepted_count_distribution_of_a_sampled_verify():
     """Against the verify itself, sampled: a Markov chain over six tokens as the target,
     drafts from the prompt lookup (one-hot), accepted with probability p(draft) and
     else resampled from the rest. The mean matches per round of the shadow over
-    sampled text agree with the verify's mean accepted drafts."""
+    sampled text agree with the verify's mean accepted drafts (a position with nothing
+    to draft is a round of one token that accepts nothing, on both sides)."""
     vocab, k = 6, 3
     rng = random.Random(7)
     weights = [[rng.random() ** 3 for _ in range(vocab)] for _ in range(vocab)]
@@ -96,6 +97,7 @@ def test_matches_have_the_accepted_count_distribution_of_a_sampled_verify():
         drafts = NgramIndex(history[-64:]).propose(k)
         if not drafts:
             history.append(sample(history[-1]))
+            verify_accepted.append(0)
             continue
         accepted = 0
         for d in drafts:
@@ -147,6 +149,26 @@ def test_tracker_keeps_a_measured_estimate_when_the_gate_turns_the_row_away():
     tracker.record("a", 0)
     tracker.relax("a")
     assert tracker.estimate("a") > 0.0  # a new stream of the same id starts unmeasured
+
+
+def test_a_measured_stream_waits_out_its_hold_after_a_cost_park():
+    tracker = AcceptanceTracker(optimistic=4.0)
+    tracker.record_shadow("a", 0)
+    tracker.record("b", 0)
+    for request_id in ("a", "b"):
+        tracker.parked_for_cost(request_id)
+    assert tracker.held("a") and not tracker.held("b")  # b's estimate stays put while held
+    tracker.record_shadow("a", 4)  # a lucky run right after the park
+    assert tracker.estimate("a") > 1.0
+    for _ in range(HOLD_TURNS - 1):
+        tracker.relax("a")
+    assert tracker.held("a")
+    tracker.relax("a")
+    assert not tracker.held("a")  # the gate may grant it again on its estimate
+    tracker.parked_for_cost("a")  # a second cost park holds twice as long
+    for _ in range(HOLD_TURNS * 2 - 1):
+        tracker.relax("a")
+    assert tracker.held("a")
 
 
 # Speculating pays beside one row only from more than one accepted draft a round

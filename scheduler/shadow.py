@@ -80,15 +80,9 @@ class ShadowRounds:
         for token in outputs[before:]:
             if track.drafts is None:  # a round opens where the history stands
                 track.drafts, track.matched = track.index.propose(self._num_drafts()), 0
-                if not track.drafts:  # nothing to draft: a round of one token, nothing gained
-                    track.drafts = None
-                    self.num_rounds += 1
-                    self._record(request.request_id, 0)
-                    track.index.extend((token,))
-                    continue
             if track.matched < len(track.drafts) and token == track.drafts[track.matched]:
                 track.matched += 1
-            else:  # the verify's correction (or bonus) token: the round ends
+            else:  # the verify's correction or bonus token (with no drafts, the round's only one): it ends
                 self.num_rounds += 1
                 self._record(request.request_id, track.matched)
                 track.drafts = None

@@ -172,7 +172,7 @@ def main() -> None:
             rest = sum(t["ms"] for t in ticks) / len(ticks) - sum(v for k, v in mean.items() if k in HOST_PARTS)
             print(f"  {action:<12} host ms a tick: " + ", ".join(f"{k} {v:.2f}" for k, v in mean.items())
                   + f", rest {rest:.2f}")
-    if args.host:  # steps of one action and one plan together: does a plan set a step's time?
+        # Steps of one action and one plan together: does a plan set a step's time?
         plans: dict[tuple, list[float]] = {}
         for t in measured["ticks"]:
             if t["action"] != "prefill" and t.get("forwards"):

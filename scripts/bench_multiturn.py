@@ -42,12 +42,18 @@ import itertools
 import json
 import os
 import time
+import urllib.request
 
 from scripts import bench_util, metrics, servers
 from scripts.bench_vs_mlx_lm import parse_config_spec
 from scripts.prompts import stdlib_snippets
 
 DEFAULT_CONFIG = "configs/local.yaml"
+# Where a turn's TTFT goes, from our servers' own series (docs/metrics.md): the replica's
+# TTFT (arrival at the replica to the first token reaching it), and the scheduler's
+# queue (arrival at the engine to first scheduled) and prefill (to the first token).
+PHASES = {"replica": "specslot:time_to_first_token_seconds", "queue": "specslot:request_queue_time_seconds",
+          "prefill": "specslot:request_prefill_time_seconds"}
 
 
 def sizes(quick: bool) -> dict:
@@ -178,6 +184,56 @@ def peak_rss_mb(root_pid: int) -> dict:
     return best
 
 
+def phase_totals(text: str) -> dict[str, list[float]]:
+    """Per phase of `PHASES`, [seconds, observations] summed over label sets, from a
+    /metrics exposition `text`."""
+    return {phase: [sum(metrics.labelled_samples(text, name + suffix, "model_name").values())
+                    for suffix in ("_sum", "_count")] for phase, name in PHASES.items()}
+
+
+def scrape_phases(base_url: str) -> dict[str, list[float]]:
+    with urllib.request.urlopen(base_url + "/metrics", timeout=10) as resp:
+        return phase_totals(resp.read().decode())
+
+
+def add_phases(total: dict, before: dict, after: dict, run_records: list[dict]) -> None:
+    """Adds to `total` what the phases gained over one run, and the client's TTFTs of the
+    run's turns (`client`)."""
+    for phase in PHASES:
+        seconds, count = total.setdefault(phase, [0.0, 0.0])
+        total[phase] = [seconds + after[phase][0] - before[phase][0], count + after[phase][1] - before[phase][1]]
+    ttfts = [r["ttft_s"] for r in run_records if r["ttft_s"] is not None]
+    seconds, count = total.setdefault("client", [0.0, 0.0])
+    total["client"] = [seconds + sum(ttfts), count + len(ttfts)]
+
+
+def phase_rows(phases: dict[str, dict]) -> list[dict]:
+    """Per server, the phases' means in ms over every measured turn: the client's TTFT,
+    the replica's, the scheduler's queue and prefill, and the differences: the proxy
+    and the stream's way out (`serving`: client - replica), and the replica's way to
+    the engine and back (`hop`: replica - queue - prefill).
+
+    >>> phase_rows({"s": {"client": [1.0, 10], "replica": [0.8, 10], "queue": [0.1, 10], "prefill": [0.5, 10]}})
+    [{'server': 's', 'turns': 10, 'client_ms': 100.0, 'replica_ms': 80.0, 'queue_ms': 10.0, 'prefill_ms': 50.0, 'serving_ms': 20.0, 'hop_ms': 20.0}]
+    """
+    rows = []
+    for name, total in phases.items():
+        mean = {phase: 1000 * seconds / count if count else None for phase, (seconds, count) in total.items()}
+        if None in mean.values():
+            continue
+        rows.append({"server": name, "turns": int(total["client"][1]), "client_ms": mean["client"],
+                     "replica_ms": mean["replica"], "queue_ms": mean["queue"], "prefill_ms": mean["prefill"],
+                     "serving_ms": mean["client"] - mean["replica"],
+                     "hop_ms": mean["replica"] - mean["queue"] - mean["prefill"]})
+    return rows
+
+
+PHASE_COLUMNS = [("server", "server"), ("turns", "turns"), ("client_ms", "TTFT at the client"),
+                 ("replica_ms", "at the replica"), ("queue_ms", "engine queue"), ("prefill_ms", "engine prefill"),
+                 ("serving_ms", "proxy and stream out (client - replica)"),
+                 ("hop_ms", "replica to engine and back (replica - queue - prefill)")]
+
+
 def turn_rows(records: list[dict], names: list[str]) -> list[dict]:
     """One row per turn: prompt tokens, and per server TTFT p50/p99 and cached tokens."""
     rows = []
@@ -241,7 +297,8 @@ def run(quick: bool, target: str, seed: int = 0, out_dir: str = "results/multitu
                                       name=f"cache_on_x{replicas}_prompt", deployment={"num_replicas": replicas}))
     without_session = {server.name for server in fleet if server.name.endswith("_prompt")}
     tokenizer = AutoTokenizer.from_pretrained(target)
-    records, rss = [], {}
+    records, rss, phases = [], {}, {}
+    ours_names = {server.name for server in fleet if server.name != "mlx_lm"}
     try:
         for server in fleet:
             server.start("/v1/models")
@@ -256,10 +313,14 @@ def run(quick: bool, target: str, seed: int = 0, out_dir: str = "results/multitu
             conversations = user_texts(tokenizer, size["num_conversations"], size["num_turns"],
                                        size["first_tokens"], size["turn_tokens"], seed + rep)
             for server in fleet:
+                before = scrape_phases(server.base_url) if server.name in ours_names else None
                 tic = time.perf_counter()
                 run_records = asyncio.run(run_conversations(
                     server.base_url, conversations, size["concurrency"], size["max_tokens"], run_id=f"rep{rep}",
                     session_ids=server.name not in without_session))
+                if before is not None:
+                    add_phases(phases.setdefault(server.name, {}), before, scrape_phases(server.base_url),
+                               run_records)
                 records += [{"server": server.name, "repeat": rep, **r} for r in run_records]
                 errors = [r["error"] for r in run_records if r["error"]]
                 print(f"rep={rep} {server.name:<10} {len(run_records)} turns in {time.perf_counter() - tic:.1f} s"
@@ -274,7 +335,7 @@ def run(quick: bool, target: str, seed: int = 0, out_dir: str = "results/multitu
             "records": [{k: v for k, v in r.items() if k != "text"} for r in records],
             "num_errors": sum(1 for r in records if r["error"]), "rows": turn_rows(records, names),
             "affinity": {name: affinity_stats(records, name) for name in names if "_x" in name},
-            "server_names": names}
+            "phases": phase_rows(phases), "server_names": names}
 
 
 def engine_conversations(engine, tokenizer, conversations: list[list[str]], concurrency: int,
@@ -389,8 +450,11 @@ def render(result: dict) -> str:
     affinity = "".join(f"\n{name}: {info['same_replica_share']:.0%} of later turns on their first turn's "
                        f"replica; requests per replica {sorted(info['requests_per_replica'].values())}"
                        for name, info in result.get("affinity", {}).items() if info["same_replica_share"] is not None)
+    phases = result.get("phases")
+    where = ("\n\nWhere a turn's TTFT goes, ms (means over every measured turn, from each server's /metrics):\n\n"
+             + metrics.table(phases, PHASE_COLUMNS, digits=1)) if phases else ""
     return (metrics.table(result["rows"], columns(result["server_names"]), digits=1)
-            + f"\n\nPeak RSS (largest process, per replica for ours): {rss or '-'}" + affinity)
+            + f"\n\nPeak RSS (largest process, per replica for ours): {rss or '-'}" + affinity + where)
 
 
 def main(argv=None) -> int:

@@ -25,6 +25,25 @@ def test_turn_rows_are_per_turn_and_per_server():
     assert rows[1]["off_over_on_p50"] == pytest.approx(2.0)
 
 
+def test_phases_are_what_each_run_added():
+    def text(replica, queue, prefill, n):
+        return "\n".join(f'{bench_multiturn.PHASES[p]}_{kind}{{model_name="m"}} {v}'
+                         for p, s in (("replica", replica), ("queue", queue), ("prefill", prefill))
+                         for kind, v in (("sum", s), ("count", n)))
+
+    total = {}
+    start, mid, end = (bench_multiturn.phase_totals(text(*v)) for v in
+                       ((1.0, 0.1, 0.5, 4), (2.0, 0.2, 1.3, 8), (2.9, 0.3, 2.0, 12)))
+    bench_multiturn.add_phases(total, start, mid, [{"ttft_s": 0.3}] * 4)
+    bench_multiturn.add_phases(total, mid, end, [{"ttft_s": 0.3}] * 3 + [{"ttft_s": None}])
+    (row,) = bench_multiturn.phase_rows({"cache_on": total})
+    assert row["turns"] == 7 and row["client_ms"] == pytest.approx(300.0)
+    assert row["replica_ms"] == pytest.approx(1900 / 8) and row["prefill_ms"] == pytest.approx(1500 / 8)
+    assert row["serving_ms"] == pytest.approx(300.0 - 1900 / 8)
+    assert row["hop_ms"] == pytest.approx((1900 - 200 - 1500) / 8)
+    assert bench_multiturn.phase_rows({"idle": {**total, "client": [0.0, 0]}}) == []
+
+
 @pytest.mark.skipif(not BUNDLED, reason="bundled model not present")
 def test_multiturn_quick(tmp_path):
     assert bench_multiturn.main(["--quick", "--out", str(tmp_path), "--no-plot"]) == 0
@@ -45,7 +64,14 @@ def test_multiturn_quick(tmp_path):
         assert rows[turn]["cache_on_p50_ms"] > 0 and rows[turn]["cache_off_p50_ms"] > 0
     for info in result["peak_rss"].values():
         assert info["peak_rss_mb"] > 0
-    assert (tmp_path / "multiturn.md").read_text().startswith("| turn |")
+    # Every measured turn reached each phase, and the engine's part fits in the replica's.
+    phases = {r["server"]: r for r in result["phases"]}
+    assert sorted(phases) == ["cache_off", "cache_on"]
+    for row in phases.values():
+        assert row["turns"] == result["num_conversations"] * num_turns * result["repeats"]
+        assert 0 < row["prefill_ms"] < row["replica_ms"] < row["client_ms"]
+    text = (tmp_path / "multiturn.md").read_text()
+    assert text.startswith("| turn |") and "Where a turn's TTFT goes" in text
 
 
 def test_affinity_stats_counts_turns_that_stay_home():

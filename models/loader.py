@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from models import upstream_fixes  # noqa: F401 (installs the fixes for every model loaded here)
+from models import cpu_math, upstream_fixes  # noqa: F401 (installs the fixes for every model loaded here)
 from models.checks import ModelLoadError, check_model_dir, model_fingerprint  # noqa: F401 (re-exported)
 from models.hub import cached_name, resolve_model_dir
 
@@ -54,6 +54,7 @@ def load_model(path: str, role: str = "target") -> LoadedModel:
     except Exception as exc:  # mlx-lm raises several kinds; the user needs the path
         raise ModelLoadError(f"{role} model at {path!r} failed to load: {exc}") from exc
     _to_float32_on_cpu(model)
+    cpu_math.install()  # after the load: the model's mlx-lm module is imported by now
     max_context = int(config.get("max_position_embeddings") or 0) or 4096
     return LoadedModel(os.path.abspath(path), cached_name(path), model, tokenizer, max_context,
                        model_fingerprint(path))

@@ -1,0 +1,88 @@
+"""models.cpu_math: the CPU's softmax and SiLU from MLX's fast primitives, against MLX's
+own kernels and float64 numpy."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from models import cpu_math
+
+MLX_SDPA = cpu_math._MLX_SDPA
+
+
+def test_exp_matches_float64_over_the_float32_range():
+    """As accurate as MLX's own `exp`: the float32 input's rounding, scaled by |x|."""
+    x = np.linspace(-87, 88.7, 200001).astype(np.float32)
+    want = np.exp(x.astype(np.float64))
+    got = np.array(cpu_math.exp(mx.array(x)), dtype=np.float64)
+    assert np.max(np.abs(got - want) / want / (1 + np.abs(x))) < 1.5e-7
+    # Outside float32's normal range the result is clamped there: positive and finite.
+    edges = np.array(cpu_math.exp(mx.array([-mx.inf, -1e30, -100.0, 100.0, 1e30, mx.inf])), dtype=np.float64)
+    assert np.all(np.isfinite(edges)) and np.all(edges > 0)
+    assert edges[0] < 2e-38 and edges[-1] > 3e38
+
+
+def test_softmax_and_swiglu_match_mlx():
+    x = mx.random.normal((3, 5, 300), key=mx.random.key(0)) * 8
+    x = mx.where(mx.random.uniform(shape=x.shape, key=mx.random.key(1)) < 0.2, -mx.inf, x)
+    got, want = cpu_math.softmax(x), mx.softmax(x, axis=-1, precise=True)
+    assert mx.max(mx.abs(got - want)).item() < 1e-6
+    assert mx.max(mx.abs(mx.sum(got, axis=-1) - 1)).item() < 1e-6
+    gate, up = (mx.random.normal((7, 768), key=mx.random.key(k)) * 6 for k in (2, 3))
+    assert mx.allclose(cpu_math.swiglu(gate, up), nn.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    # Half precision keeps mlx-lm's own (the polynomial is for float32).
+    half_gate, half_up = gate.astype(mx.bfloat16), up.astype(mx.bfloat16)
+    assert mx.array_equal(cpu_math.swiglu(half_gate, half_up), nn.silu(half_gate) * half_up)
+
+
+def _qkv(n, t, heads, kv_heads, seed=0):
+    keys = mx.random.split(mx.random.key(seed), 3)
+    return (mx.random.normal((2, heads, n, 32), key=keys[0]), mx.random.normal((2, kv_heads, t, 32), key=keys[1]),
+            mx.random.normal((2, kv_heads, t, 32), key=keys[2]))
+
+
+@pytest.mark.parametrize("n,t,heads,kv_heads", [(5, 5, 4, 4), (7, 40, 4, 4), (33, 33, 8, 2), (6, 90, 6, 3)])
+@pytest.mark.parametrize("mask", ["causal", None, "bool", "additive"])
+@pytest.mark.parametrize("block", [cpu_math.BLOCK_SCORES, 64])
+def test_attention_matches_mlx(monkeypatch, n, t, heads, kv_heads, mask, block):
+    """Every mask form it takes, grouped queries, queries fewer than keys, and small
+    blocks (several per call: each reads its own keys and rows of the mask)."""
+    monkeypatch.setattr(cpu_math, "BLOCK_SCORES", block)
+    q, k, v = _qkv(n, t, heads, kv_heads)
+    if mask == "bool":
+        mask = mx.random.uniform(shape=(n, t), key=mx.random.key(9)) < 0.7
+        mask[:, 0] = True  # no row without a key
+    elif mask == "additive":
+        mask = mx.random.normal((n, t), key=mx.random.key(9))
+    got = cpu_math.attention(q, k, v, scale=0.2, mask=mask)
+    want = MLX_SDPA(q, k, v, scale=0.2, mask=mask)
+    assert got.shape == want.shape
+    assert mx.max(mx.abs(got - want)).item() < 2e-6
+
+
+def test_attention_leaves_other_calls_to_mlx():
+    """One query (a decode step), half precision, sinks and 4-D masks go to MLX's kernel:
+    the same result bit for bit."""
+    q, k, v = _qkv(1, 20, 4, 4)
+    assert mx.array_equal(cpu_math.attention(q, k, v, scale=0.3), MLX_SDPA(q, k, v, scale=0.3))
+    q2, k2, v2 = (a.astype(mx.float16) for a in _qkv(6, 20, 4, 4))
+    assert mx.array_equal(cpu_math.attention(q2, k2, v2, scale=0.3, mask="causal"),
+                          MLX_SDPA(q2, k2, v2, scale=0.3, mask="causal"))
+    q3, k3, v3 = _qkv(6, 20, 4, 4)
+    mask4 = mx.ones((2, 1, 6, 20), dtype=mx.bool_)
+    assert mx.array_equal(cpu_math.attention(q3, k3, v3, scale=0.3, mask=mask4),
+                          MLX_SDPA(q3, k3, v3, scale=0.3, mask=mask4))
+    sinks = mx.zeros((4,))
+    assert mx.array_equal(cpu_math.attention(q3, k3, v3, scale=0.3, mask="causal", sinks=sinks),
+                          MLX_SDPA(q3, k3, v3, scale=0.3, mask="causal", sinks=sinks))
+
+
+def test_install_replaces_both_process_wide_on_a_cpu():
+    from mlx_lm.models import activations, llama, qwen2
+
+    assert mx.default_device() == mx.cpu  # CI and the development machine
+    assert cpu_math.install() and cpu_math.install()  # idempotent
+    assert mx.fast.scaled_dot_product_attention is cpu_math.attention
+    assert activations.swiglu is cpu_math.swiglu
+    assert llama.swiglu is cpu_math.swiglu and qwen2.swiglu is cpu_math.swiglu

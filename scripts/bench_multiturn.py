@@ -32,7 +32,8 @@ between the two tables.
 Every repeat (`--repeats`, default 1) uses fresh conversations (its own seed), so no
 server reuses a previous run's cache. TTFT is the time to the first streamed content chunk. Peak RSS is each
 server's largest process (VmHWM from /proc: the scheduler actor for ours) when the run
-ends.
+ends. For our servers the result also says where the turns' TTFT went (`phases`: means
+over the measured turns from each server's /metrics, read before and after every run).
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ exponent bits, ~3x faster than MLX's and as accurate (a relative error of ~1e-7 
 `swiglu` in place of mlx-lm's, process-wide, on a CPU only (`models.loader` calls it for
 every model it loads). Process-wide, so that every path of the process (the slab's
 forward, mlx-lm's caches, a test's reference decode) computes the same function.
-`attention` takes multi-query calls (prompt chunks, verifies) in float32 with no mask,
-a causal one or a 2-D one; anything else (one query, other dtypes, attention sinks,
-other masks) goes to MLX's kernel as before. Not for `mx.compile(shapeless=True)`:
+`attention` takes multi-query calls (prompt chunks, long verifies) in float32 with no
+mask, a causal one or a 2-D one; anything else (one query, fewer than `MIN_SCORES`
+scores, other dtypes, attention sinks, other masks) goes to MLX's kernel as before. Not for `mx.compile(shapeless=True)`:
 reinterpreting the exponent bits (`view`) has no shapeless form, and mlx-lm's one
 shapeless user (`activations.swiglu`) is what `swiglu` replaces.
 """
@@ -34,6 +34,9 @@ _POLY = (2.1871254533521088e-04, 1.2382410007126033e-03, 9.686187987641670e-03, 
          2.402310974359102e-01, 6.931468375864389e-01, 1.0000000061639827)
 
 BLOCK_SCORES = 1 << 18  # attention scores per query block (1 MiB of float32)
+# Below this many scores a call's few exponentials cost less than the ~25 operations
+# here: MLX's kernel (a 5-token verify over 200 keys took 0.13 ms there, 0.18 here).
+MIN_SCORES = 1 << 14
 _MLX_SDPA = mx.fast.scaled_dot_product_attention
 _mlx_lm_swiglu = None  # mlx-lm's own, once `install` has replaced it
 
@@ -75,13 +78,14 @@ def attention(queries, keys, values, *, scale, mask=None, sinks=None, **kwargs):
     most `BLOCK_SCORES` elements (each softmax pass stays in the cache; one over the whole
     grid of a long prompt ran slower than MLX's kernel), and with a causal mask a block
     reads only the keys up to its last query."""
-    n = queries.shape[2]
+    n, heads, t = queries.shape[2], queries.shape[1], keys.shape[2]
     plain_mask = mask is None or (isinstance(mask, str) and mask == "causal") or (
         isinstance(mask, mx.array) and mask.ndim <= 2)
-    if n == 1 or sinks is not None or kwargs or queries.dtype != mx.float32 or not plain_mask:
+    small = n == 1 or heads * n * t < MIN_SCORES
+    if small or sinks is not None or kwargs or queries.dtype != mx.float32 or not plain_mask:
         return _MLX_SDPA(queries, keys, values, scale=scale, mask=mask, sinks=sinks, **kwargs)
-    b, heads, _, dim = queries.shape
-    kv_heads, t = keys.shape[1], keys.shape[2]
+    b, _, _, dim = queries.shape
+    kv_heads = keys.shape[1]
     causal = isinstance(mask, str)
     step = max(1, BLOCK_SCORES // (heads * t))
     outputs = []

@@ -49,6 +49,7 @@ def test_attention_matches_mlx(monkeypatch, n, t, heads, kv_heads, mask, block):
     """Every mask form it takes, grouped queries, queries fewer than keys, and small
     blocks (several per call: each reads its own keys and rows of the mask)."""
     monkeypatch.setattr(cpu_math, "BLOCK_SCORES", block)
+    monkeypatch.setattr(cpu_math, "MIN_SCORES", 0)  # these small shapes take the polynomial path too
     q, k, v = _qkv(n, t, heads, kv_heads)
     if mask == "bool":
         mask = mx.random.uniform(shape=(n, t), key=mx.random.key(9)) < 0.7
@@ -61,11 +62,15 @@ def test_attention_matches_mlx(monkeypatch, n, t, heads, kv_heads, mask, block):
     assert mx.max(mx.abs(got - want)).item() < 2e-6
 
 
-def test_attention_leaves_other_calls_to_mlx():
-    """One query (a decode step), half precision, sinks and 4-D masks go to MLX's kernel:
-    the same result bit for bit."""
+def test_attention_leaves_other_calls_to_mlx(monkeypatch):
+    """One query (a decode step), a small call, half precision, sinks and 4-D masks go
+    to MLX's kernel: the same result bit for bit."""
     q, k, v = _qkv(1, 20, 4, 4)
     assert mx.array_equal(cpu_math.attention(q, k, v, scale=0.3), MLX_SDPA(q, k, v, scale=0.3))
+    q, k, v = _qkv(5, 200, 4, 4)  # 4,000 scores
+    assert mx.array_equal(cpu_math.attention(q, k, v, scale=0.3, mask="causal"),
+                          MLX_SDPA(q, k, v, scale=0.3, mask="causal"))
+    monkeypatch.setattr(cpu_math, "MIN_SCORES", 0)
     q2, k2, v2 = (a.astype(mx.float16) for a in _qkv(6, 20, 4, 4))
     assert mx.array_equal(cpu_math.attention(q2, k2, v2, scale=0.3, mask="causal"),
                           MLX_SDPA(q2, k2, v2, scale=0.3, mask="causal"))

@@ -10,7 +10,7 @@ exponent bits, ~3x faster than MLX's and as accurate (a relative error of ~1e-7 
 (1 + |x|) for both: the float32 input's rounding, scaled).
 
 `install` puts `attention` in place of `mx.fast.scaled_dot_product_attention` and
-`swiglu` in place of mlx-lm's, process-wide, on a CPU only (`models.loader` calls it for
+`swiglu` in place of mlx-lm's, process-wide, on an x86-64 CPU only (`models.loader` calls it for
 every model it loads). Process-wide, so that every path of the process (the slab's
 forward, mlx-lm's caches, a test's reference decode) computes the same function.
 `attention` takes multi-query calls (prompt chunks, long verifies) in float32 with no
@@ -22,11 +22,13 @@ shapeless user (`activations.swiglu`) is what `swiglu` replaces.
 
 from __future__ import annotations
 
+import platform
 import sys
 
 import mlx.core as mx
 import mlx.nn as nn
 
+X86_64 = ("x86_64", "amd64")
 LOG2E = 1.4426950408889634
 # 2^f for f in [0, 1): least-squares polynomial of degree 6 (highest power first), its
 # relative error ~6e-9, under float32's resolution.
@@ -109,11 +111,13 @@ def attention(queries, keys, values, *, scale, mask=None, sinks=None, **kwargs):
 
 
 def install() -> bool:
-    """On a CPU: `attention` and `swiglu` in place of MLX's and mlx-lm's, also in every
-    mlx-lm model module imported so far (call it again after loading a model of a new
-    family). Returns whether they are in place."""
+    """On an x86-64 CPU: `attention` and `swiglu` in place of MLX's and mlx-lm's, also in
+    every mlx-lm model module imported so far (call it again after loading a model of a
+    new family). Returns whether they are in place. Other machines keep MLX's kernels:
+    the slow `exp` was measured on x86-64 only (MLX's CPU code is vectorized differently
+    on arm64)."""
     global _mlx_lm_swiglu
-    if mx.default_device() != mx.cpu:
+    if mx.default_device() != mx.cpu or platform.machine().lower() not in X86_64:
         return False
     from mlx_lm.models import activations
 

@@ -84,10 +84,20 @@ def test_attention_leaves_other_calls_to_mlx(monkeypatch):
 
 
 def test_install_replaces_both_process_wide_on_a_cpu():
+    import platform
+
     from mlx_lm.models import activations, llama, qwen2
 
-    assert mx.default_device() == mx.cpu  # CI and the development machine
+    # CI and the development machine: x86-64, MLX on the CPU
+    assert mx.default_device() == mx.cpu and platform.machine() == "x86_64"
     assert cpu_math.install() and cpu_math.install()  # idempotent
     assert mx.fast.scaled_dot_product_attention is cpu_math.attention
     assert activations.swiglu is cpu_math.swiglu
     assert llama.swiglu is cpu_math.swiglu and qwen2.swiglu is cpu_math.swiglu
+
+
+def test_install_leaves_other_machines_alone(monkeypatch):
+    import platform
+
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert cpu_math.install() is False

@@ -26,7 +26,7 @@ import platform
 import sys
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx_lm.models import activations
 
 X86_64 = ("x86_64", "amd64")
 LOG2E = 1.4426950408889634
@@ -40,7 +40,7 @@ BLOCK_SCORES = 1 << 18  # attention scores per query block (1 MiB of float32)
 # here: MLX's kernel (a 5-token verify over 200 keys took 0.13 ms there, 0.18 here).
 MIN_SCORES = 1 << 14
 _MLX_SDPA = mx.fast.scaled_dot_product_attention
-_mlx_lm_swiglu = None  # mlx-lm's own, once `install` has replaced it
+_MLX_LM_SWIGLU = activations.swiglu
 
 
 def exp(x: mx.array) -> mx.array:
@@ -66,12 +66,8 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     """mlx-lm's `activations.swiglu`: SiLU(gate) * x (in half precision mlx-lm's own: `exp`
     is for float32)."""
     if gate.dtype != mx.float32:
-        return (_mlx_lm_swiglu or _silu_times)(gate, x)
+        return _MLX_LM_SWIGLU(gate, x)
     return gate / (1.0 + exp(-gate)) * x
-
-
-def _silu_times(gate: mx.array, x: mx.array) -> mx.array:
-    return nn.silu(gate) * x
 
 
 def attention(queries, keys, values, *, scale, mask=None, sinks=None, **kwargs):
@@ -116,16 +112,16 @@ def install() -> bool:
     new family). Returns whether they are in place. Other machines keep MLX's kernels:
     the slow `exp` was measured on x86-64 only (MLX's CPU code is vectorized differently
     on arm64)."""
-    global _mlx_lm_swiglu
     if mx.default_device() != mx.cpu or platform.machine().lower() not in X86_64:
         return False
-    from mlx_lm.models import activations
-
-    if _mlx_lm_swiglu is None:
-        _mlx_lm_swiglu = activations.swiglu
-        mx.fast.scaled_dot_product_attention = attention
-        activations.swiglu = swiglu
-    for name, module in list(sys.modules.items()):
-        if name.startswith("mlx_lm.models.") and getattr(module, "swiglu", None) is _mlx_lm_swiglu:
-            module.swiglu = swiglu
+    mx.fast.scaled_dot_product_attention = attention
+    _bind_swiglu(swiglu)
     return True
+
+
+def _bind_swiglu(chosen) -> None:
+    """`chosen` (`swiglu` or mlx-lm's own) as the `swiglu` of `activations` and of every
+    mlx-lm model module that imported either."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models.") and getattr(module, "swiglu", None) in (_MLX_LM_SWIGLU, swiglu):
+            module.swiglu = chosen

@@ -43,7 +43,6 @@ import itertools
 import json
 import os
 import time
-import urllib.request
 
 from scripts import bench_util, metrics, servers
 from scripts.bench_vs_mlx_lm import parse_config_spec
@@ -188,13 +187,12 @@ def peak_rss_mb(root_pid: int) -> dict:
 def phase_totals(text: str) -> dict[str, list[float]]:
     """Per phase of `PHASES`, [seconds, observations] summed over label sets, from a
     /metrics exposition `text`."""
-    return {phase: [sum(metrics.labelled_samples(text, name + suffix, "model_name").values())
-                    for suffix in ("_sum", "_count")] for phase, name in PHASES.items()}
+    return {phase: [metrics.series_total(text, name + suffix) for suffix in ("_sum", "_count")]
+            for phase, name in PHASES.items()}
 
 
 def scrape_phases(base_url: str) -> dict[str, list[float]]:
-    with urllib.request.urlopen(base_url + "/metrics", timeout=10) as resp:
-        return phase_totals(resp.read().decode())
+    return phase_totals(metrics.fetch(base_url))
 
 
 def add_phases(total: dict, before: dict, after: dict, run_records: list[dict]) -> None:

@@ -47,7 +47,6 @@ from __future__ import annotations
 import asyncio
 import os
 import statistics
-import urllib.request
 
 import yaml
 
@@ -246,8 +245,7 @@ def scrape(server) -> dict:
     times the first chunk with text, which a random-weight model's first tokens may not
     have), the scheduler's ticks by action (count and seconds) and the engine thread's
     time between ticks."""
-    with urllib.request.urlopen(server.base_url + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
+    text = metrics.fetch(server.base_url)
     return {"ttft": metrics.histogram_buckets(text, TTFT_HISTOGRAM),
             "tick_count": metrics.labelled_samples(text, TICK_SUMMARY + "_count", "action"),
             "tick_sum": metrics.labelled_samples(text, TICK_SUMMARY + "_sum", "action"),

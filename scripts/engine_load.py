@@ -10,7 +10,8 @@ Times: arrival at submit; a request's first token and every later one when
 `get_events` hands them to this thread. The load generator times the first chunk that
 has text instead (a random-weight model's first tokens may decode to none).
 `engine_from_config(spec, target)` builds the engine a deployment config would run
-(`serve_app.actor.build_engine`), from the `serve_args` the config gives.
+(`serve_app.actor.build_engine`), from the `serve_args` the config gives;
+`first_token(engine, request)` times one request alone to its first token.
 """
 
 from __future__ import annotations
@@ -43,6 +44,23 @@ def engine_from_config(spec: str, target: str, overrides: dict | None = None):
     engine, info = build_engine(serve_args(path, {**spec_overrides, **(overrides or {}), "model": target}))
     engine.start()
     return engine, info
+
+
+def first_token(engine, request) -> tuple[float, object]:
+    """Submits `request` to `engine` (started) and waits for it to finish: (seconds from
+    the submit to the first event carrying a token or the finish, the finishing event).
+    Other requests' events are dropped: run it with nothing else in flight."""
+    tic = time.perf_counter()
+    engine.submit(request)
+    first = None
+    while True:
+        for event in engine.get_events(timeout=1.0):
+            if event.request_id != request.request_id:
+                continue
+            if first is None and (event.token_ids or event.finish_reason):
+                first = time.perf_counter() - tic
+            if event.finish_reason:
+                return first, event
 
 
 def run_engine_load(engine, codec, eos_ids, cfg: LoadConfig) -> dict:

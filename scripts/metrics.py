@@ -11,6 +11,7 @@ several tokens, e.g. a speculative round, is one gap); E2EL = finish - arrival.
 from __future__ import annotations
 
 import math
+import urllib.request
 from typing import Iterable
 
 import numpy as np
@@ -164,3 +165,18 @@ def labelled_samples(text: str, name: str, label: str) -> dict[str, float]:
             key = next((p.split("=", 1)[1].strip('"') for p in parts if p.startswith(label + "=")), "")
         out[key] = out.get(key, 0.0) + float(value)
     return out
+
+
+def series_total(text: str, name: str) -> float:
+    """Series `name` in an exposition `text`, summed over every label set (0 if absent).
+
+    >>> series_total('t_sum{m="a"} 0.5\\nt_sum{m="b"} 0.25\\nt_sum2 1.0', "t_sum")
+    0.75
+    """
+    return sum(labelled_samples(text, name, "").values())
+
+
+def fetch(base_url: str) -> str:
+    """A running server's Prometheus exposition (`GET /metrics`)."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=10) as resp:
+        return resp.read().decode()

@@ -17,7 +17,6 @@ import os
 import random
 import statistics
 import sys
-import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, HERE)
@@ -28,7 +27,7 @@ from mlx_lm.models import activations  # noqa: E402
 
 from models import cpu_math  # noqa: E402
 from scheduler.request import Request, SamplingParams  # noqa: E402
-from scripts.engine_load import engine_from_config  # noqa: E402
+from scripts.engine_load import engine_from_config, first_token  # noqa: E402
 
 CASES = ("fresh 76", "fresh 466", "cached turn (466 + 76)", "fresh 900")
 
@@ -36,27 +35,15 @@ CASES = ("fresh 76", "fresh 466", "cached turn (466 + 76)", "fresh 900")
 def use(fast: bool) -> None:
     """Both kernels of the process to one side, in every mlx-lm module that holds one."""
     mx.fast.scaled_dot_product_attention = cpu_math.attention if fast else cpu_math._MLX_SDPA
-    mine, theirs = cpu_math.swiglu, cpu_math._mlx_lm_swiglu
-    for name, module in list(sys.modules.items()):
-        if name.startswith("mlx_lm.models.") and getattr(module, "swiglu", None) in (mine, theirs):
-            module.swiglu = mine if fast else theirs
-    assert activations.swiglu is (mine if fast else theirs)
+    cpu_math._bind_swiglu(cpu_math.swiglu if fast else cpu_math._MLX_LM_SWIGLU)
+    assert activations.swiglu is (cpu_math.swiglu if fast else cpu_math._MLX_LM_SWIGLU)
 
 
 def first_token_s(engine, ids: list[int], request_id: str) -> float:
-    tic = time.perf_counter()
-    engine.submit(Request(request_id, ids, SamplingParams(max_tokens=1)))
-    first = None
-    while True:
-        for event in engine.get_events(timeout=0.1):
-            if event.request_id != request_id:
-                continue
-            if event.token_ids and first is None:
-                first = time.perf_counter() - tic
-            if event.finish_reason:
-                if event.error:
-                    raise RuntimeError(event.error)
-                return first
+    took, final = first_token(engine, Request(request_id, ids, SamplingParams(max_tokens=1)))
+    if final.error:
+        raise RuntimeError(final.error)
+    return took
 
 
 def main() -> int:

@@ -50,7 +50,7 @@ def prompts(target: str, long_tokens: int) -> list[tuple[str, list[dict]]]:
 
 def engine_mode(config: str, target: str, cases, repeats: int) -> None:
     from scheduler.request import Request, SamplingParams
-    from scripts.engine_load import engine_from_config
+    from scripts.engine_load import engine_from_config, first_token
     from serve_app.codec import TextCodec
 
     engine, info = engine_from_config(config, target)
@@ -58,19 +58,9 @@ def engine_mode(config: str, target: str, cases, repeats: int) -> None:
     ids_counter = itertools.count()
 
     def first_token_s(ids: list[int]) -> float:
-        request_id = f"ttft-{next(ids_counter)}"
         sampling = SamplingParams(max_tokens=1, temperature=0.0, stop_token_ids=tuple(info["eos_token_ids"]))
-        tic = time.perf_counter()
-        engine.submit(Request(request_id=request_id, prompt_ids=ids, sampling=sampling))
-        first = None
-        while True:
-            for event in engine.get_events(timeout=5.0):
-                if event.request_id != request_id:
-                    continue
-                if first is None and (event.token_ids or event.finish_reason):
-                    first = time.perf_counter() - tic
-                if event.finish_reason:
-                    return first
+        return first_token(engine, Request(request_id=f"ttft-{next(ids_counter)}", prompt_ids=ids,
+                                           sampling=sampling))[0]
 
     try:
         for name, messages in cases:
@@ -86,16 +76,11 @@ def engine_mode(config: str, target: str, cases, repeats: int) -> None:
 def service_series(url: str) -> dict[str, float]:
     from scripts import metrics
 
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-
-    def total(name: str) -> float:  # summed over every label set
-        return sum(metrics.labelled_samples(text, name, "").values())
-
-    return {"scheduler_s": total("specslot_scheduler_ttft_seconds_sum"),
-            "scheduler_n": total("specslot_scheduler_ttft_seconds_count"),
-            "replica_s": total("specslot:time_to_first_token_seconds_sum"),
-            "replica_n": total("specslot:time_to_first_token_seconds_count")}
+    text = metrics.fetch(url)
+    return {"scheduler_s": metrics.series_total(text, "specslot_scheduler_ttft_seconds_sum"),
+            "scheduler_n": metrics.series_total(text, "specslot_scheduler_ttft_seconds_count"),
+            "replica_s": metrics.series_total(text, "specslot:time_to_first_token_seconds_sum"),
+            "replica_n": metrics.series_total(text, "specslot:time_to_first_token_seconds_count")}
 
 
 def client_first_token_s(url: str, messages: list[dict]) -> float:

@@ -5,14 +5,15 @@ of one Qwen2.5-1.5B-shaped forward of any 2 to 1,024 tokens, where one token's
 matrix-vector products take 1.5 ms (docs/gpu.md, "Why a 2-4-row step costs what a
 64-row one does"). A decode step of 2 to 16 rows, or a verify of a few rows, therefore
 pays about what 64 rows do. This module computes y = x W^T (+ b) for `N` <= `MAX_TOKENS`
-tokens with a kernel (`mx.fast.cuda_kernel`) in which each warp owns `ROWS` output
-features: it streams those rows of W once, 16 bytes a lane, multiplies them with every
-token of x, accumulates in float32 and reduces across the warp. The weights are read
-once whatever `N` is, as one token's matrix-vector product reads them.
+tokens with a kernel (`mx.fast.cuda_kernel`) in which each block of `BLOCK` threads
+owns `ROWS` output features: its threads stream those rows of W once, 16 bytes each at a
+time, multiply them with every token of x, accumulate in float32 and sum across the
+block. The weights are read once whatever `N` is, as one token's matrix-vector product
+reads them.
 
-`install(model)` turns every plain `nn.Linear` of a model into a `SkinnyLinear` (same
-parameters, same results up to float32 summation order), whose call takes the kernel for
-inputs of 2..`MAX_TOKENS` tokens in bf16 or float16 and `Linear`'s own matmul otherwise.
+`install(model)` turns every plain bf16 or float16 `nn.Linear` of a model into a
+`SkinnyLinear` (same parameters, same results up to float32 summation order), whose call
+takes the kernel for inputs of 2..`MAX_TOKENS` tokens and `Linear`'s own matmul otherwise.
 `models.runner` installs it on a CUDA GPU unless `skinny_matmul` is false; elsewhere
 (Apple silicon, a CPU) nothing changes.
 """
@@ -30,9 +31,9 @@ from models.device_memory import on_cuda
 
 log = logging.getLogger(__name__)
 
-MAX_TOKENS = 16  # inputs of 2..MAX_TOKENS tokens take the kernel
-ROWS = 2  # output features per warp
-BLOCK = 256  # threads per block (8 warps)
+MAX_TOKENS = 8  # inputs of 2..MAX_TOKENS tokens take the kernel
+ROWS = 2  # output features per block
+BLOCK = 128  # threads per block (4 warps)
 _BUCKETS = (2, 4, 8, 16, 32)  # compile-time accumulator counts: N rounds up to one
 
 _HEADER = """
@@ -51,14 +52,19 @@ __device__ __forceinline__ void skinny_load8(const T* p, bool aligned, float* ou
 """
 
 # y (N, M) = x (N, K) @ w (M, K)^T + bias (M). Template: T (a 2-byte float), NB >= N
-# accumulators per output feature, ROWS output features per warp. K % 8 == 0.
+# accumulators per output feature, ROWS output features per block. K % 8 == 0. A block
+# of BLOCK threads owns ROWS rows of w: thread t reads 8 columns at t * 8, then every
+# BLOCK * 8 columns after, so each thread has ROWS loads of 16 bytes in flight at once
+# and a row of 1,536 columns is one pass of 192 threads; the partial sums meet through
+# warp shuffles and shared memory.
 _SOURCE = """
+  constexpr int WARPS = BLOCK / 32;
+  __shared__ float partial[WARPS][ROWS][NB];
   const int N = x_shape[0];
   const int K = x_shape[1];
   const int M = w_shape[0];
-  const int lane = threadIdx.x & 31;
-  const int row0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * ROWS;
-  if (row0 >= M) return;
+  const int t = threadIdx.x;
+  const int row0 = blockIdx.x * ROWS;
   const bool x_aligned = (reinterpret_cast<unsigned long long>(x) & 15) == 0;
   const bool w_aligned = (reinterpret_cast<unsigned long long>(w) & 15) == 0;
   float acc[ROWS][NB];
@@ -66,7 +72,7 @@ _SOURCE = """
   for (int r = 0; r < ROWS; ++r)
 #pragma unroll
     for (int n = 0; n < NB; ++n) acc[r][n] = 0.0f;
-  for (int k = lane * 8; k < K; k += 256) {
+  for (int k = t * 8; k < K; k += BLOCK * 8) {
     float wf[ROWS][8];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
@@ -89,6 +95,8 @@ _SOURCE = """
       }
     }
   }
+  const int lane = t & 31;
+  const int warp = t >> 5;
 #pragma unroll
   for (int r = 0; r < ROWS; ++r)
 #pragma unroll
@@ -96,15 +104,17 @@ _SOURCE = """
       float v = acc[r][n];
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-      acc[r][n] = v;
+      if (lane == 0) partial[warp][r][n] = v;
     }
-  if (lane == 0) {
+  __syncthreads();
+  for (int j = t; j < ROWS * NB; j += BLOCK) {
+    const int r = j / NB;
+    const int n = j % NB;
+    if (n < N && row0 + r < M) {
+      float v = static_cast<float>(bias[row0 + r]);
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      if (row0 + r < M) {
-        const float b = static_cast<float>(bias[row0 + r]);
-        for (int n = 0; n < N; ++n) y[(long long)n * M + row0 + r] = static_cast<T>(acc[r][n] + b);
-      }
+      for (int i = 0; i < WARPS; ++i) v += partial[i][r][n];
+      y[(long long)n * M + row0 + r] = static_cast<T>(v);
     }
   }
 """
@@ -134,25 +144,29 @@ def bucket(n: int) -> int:
     raise ValueError(f"{n} tokens: the kernel takes at most {_BUCKETS[-1]}")
 
 
+def eligible(weight: mx.array) -> bool:
+    """Whether a layer with this weight can take the kernel: a 2-D bf16 or float16 matrix
+    whose inner size is a multiple of 8 (the kernel reads 8 columns at a time)."""
+    return weight.ndim == 2 and weight.shape[1] % 8 == 0 and weight.dtype in (mx.bfloat16, mx.float16)
+
+
 def takes(x: mx.array, weight: mx.array) -> bool:
-    """Whether `x @ weight.T` goes to the kernel: 2..MAX_TOKENS tokens, both in the same
-    2-byte float type, an inner size that is a multiple of 8, on a CUDA GPU."""
-    k = x.shape[-1]
-    n = x.size // k if k else 0
-    return (2 <= n <= MAX_TOKENS and weight.ndim == 2 and weight.shape[1] == k and k % 8 == 0
-            and x.dtype == weight.dtype and weight.dtype in (mx.bfloat16, mx.float16) and on_cuda())
+    """Whether `x @ weight.T` goes to the kernel, for an `eligible` weight: 2..MAX_TOKENS
+    tokens in the weight's dtype. (The device is checked once, by `apply`.)"""
+    return 2 <= x.size // x.shape[-1] <= MAX_TOKENS and x.dtype == weight.dtype
 
 
 def matmul(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
-    """x (..., K) @ weight (M, K)^T + bias (M) through the kernel, for inputs `takes`
-    accepts: (..., M) in x's dtype."""
+    """x (..., K) @ weight (M, K)^T + bias (M) through the kernel (on a CUDA GPU, for an
+    `eligible` weight and an input `takes` accepts): (..., M) in x's dtype."""
     k, m = x.shape[-1], weight.shape[0]
     n = x.size // k
     flat = x.reshape(n, k)
-    b = _zeros(m, weight.dtype) if bias is None else bias.astype(weight.dtype)
+    b = _zeros(m, weight.dtype) if bias is None else bias if bias.dtype == weight.dtype else bias.astype(weight.dtype)
     nb = bucket(n)
-    y = _kernel()(inputs=[flat, weight, b], template=[("T", weight.dtype), ("NB", nb), ("ROWS", ROWS)],
-                  grid=(-(-m // ROWS) * 32, 1, 1), threadgroup=(BLOCK, 1, 1),
+    y = _kernel()(inputs=[flat, weight, b],
+                  template=[("T", weight.dtype), ("NB", nb), ("ROWS", ROWS), ("BLOCK", BLOCK)],
+                  grid=(-(-m // ROWS) * BLOCK, 1, 1), threadgroup=(BLOCK, 1, 1),
                   output_shapes=[(n, m)], output_dtypes=[weight.dtype])[0]
     return y.reshape(*x.shape[:-1], m)
 
@@ -167,11 +181,12 @@ class SkinnyLinear(nn.Linear):
 
 
 def install(model: nn.Module) -> int:
-    """Make every plain `nn.Linear` of `model` a `SkinnyLinear` (in place, parameters
-    untouched); returns how many. Subclasses of `Linear` (LoRA and the like) are left."""
+    """Make every plain `nn.Linear` of `model` with an `eligible` weight a `SkinnyLinear`
+    (in place, parameters untouched); returns how many. Subclasses of `Linear` (LoRA and
+    the like) are left. Only on a CUDA GPU (`apply` checks)."""
     count = 0
     for _, module in model.named_modules():
-        if type(module) is nn.Linear:
+        if type(module) is nn.Linear and eligible(module.weight):
             module.__class__ = SkinnyLinear
             count += 1
     return count
@@ -197,7 +212,7 @@ def warm(model: nn.Module) -> int:
     how many ran."""
     dtypes = {m.weight.dtype for _, m in model.named_modules() if isinstance(m, SkinnyLinear)}
     runs = []
-    for dtype in dtypes & {mx.bfloat16, mx.float16}:
+    for dtype in dtypes:
         w = mx.zeros((8, 8), dtype)
         runs += [matmul(mx.zeros((n, 8), dtype), w) for n in _BUCKETS if n <= MAX_TOKENS]
     mx.eval(runs)

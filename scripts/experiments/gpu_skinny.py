@@ -6,8 +6,9 @@ does it save?
    that is not 16-byte aligned. Prints the largest error of each, relative to the
    reference's largest magnitude.
 2. The weight matmuls of one forward at the Qwen2.5-1.5B shape (28 layers x q, k, v, o,
-   gate, up, down; random weights), cuBLAS against the kernel with 1, 2 and 4 output
-   features per warp, by token count; device synchronized per forward, median of 15.
+   gate, up, down; random weights), cuBLAS against the kernel with 2, 4 and 8 output
+   features per block of 128 or 256 threads, by token count; device synchronized per
+   forward, median of 15.
 3. With `--model DIR`: the model's decode step of R rows (one token each, over a
    256-token cache, trimmed back after each step), plain `nn.Linear` against
    `SkinnyLinear`: synchronized, and ten steps queued back to back (pipelined).
@@ -25,6 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+import models  # noqa: E402,F401  (before mlx, as the service imports it)
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
@@ -57,7 +59,7 @@ def accuracy() -> None:
                 b = bias if with_bias else None
                 ref = x.astype(mx.float32) @ w.astype(mx.float32).T + (b.astype(mx.float32) if b is not None else 0)
                 got = skinny_matmul.matmul(x, w, b)
-                cublas = x @ w.T + (b if b is not None else 0)
+                cublas = (x + 0) @ w.T + (b if b is not None else 0)  # cuBLAS refuses a misaligned x
                 scale = mx.abs(ref).max()
                 err = (mx.abs(got.astype(mx.float32) - ref).max() / scale).item()
                 err_cublas = (mx.abs(cublas.astype(mx.float32) - ref).max() / scale).item()
@@ -71,19 +73,22 @@ def matmuls(token_counts: list[int]) -> None:
             (INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
     dense = [[(mx.random.normal(s) * 0.02).astype(mx.bfloat16) for s in outs] for _ in range(LAYERS)]
     mx.eval(dense)
-    print("| tokens | cuBLAS ms | kernel, 1 row/warp | 2 rows/warp | 4 rows/warp |\n|---|---|---|---|---|")
+    defaults = skinny_matmul.ROWS, skinny_matmul.BLOCK
+    variants = [(rows, block) for block in (128, 256) for rows in (2, 4, 8)]
+    print("| tokens | cuBLAS ms | " + " | ".join(f"kernel {r} rows x {b} threads" for r, b in variants) + " |")
+    print("|---|---|" + "---|" * len(variants))
     for n in token_counts:
         inputs = {d: mx.random.normal((n, d)).astype(mx.bfloat16) for d in (HIDDEN, INTERMEDIATE)}
         mx.eval(inputs)
         row = [median_ms(lambda: [inputs[w.shape[1]] @ w.T for layer in dense for w in layer])]
-        for rows in (1, 2, 4):
-            skinny_matmul.ROWS = rows
+        for rows, block in variants:
+            skinny_matmul.ROWS, skinny_matmul.BLOCK = rows, block
             if n >= 2:
                 row.append(median_ms(lambda: [skinny_matmul.matmul(inputs[w.shape[1]], w) for layer in dense
                                               for w in layer]))
             else:
                 row.append(float("nan"))
-        skinny_matmul.ROWS = 2
+        skinny_matmul.ROWS, skinny_matmul.BLOCK = defaults
         print(f"| {n} | " + " | ".join(f"{v:.2f}" for v in row) + " |", flush=True)
 
 

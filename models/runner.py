@@ -15,8 +15,7 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from models import (bucketed, cache_rollback, dense_weights, device_memory, ragged, runner_build, skinny_matmul,
-                    slab, tick_costs)
+from models import bucketed, cache_rollback, dense_weights, device_memory, ragged, runner_build, slab, tick_costs
 from models.replica_index import ReplicaIndex
 from models.ragged_batch import RaggedBatch
 from models.drafter_kinds import DRAFTERS
@@ -190,7 +189,6 @@ class MlxRunner:
         for loaded in (target, draft):
             if loaded is not None:
                 dense_weights.apply(loaded.model, loaded.name, config.dense_weights)
-                skinny_matmul.apply(loaded.model, loaded.name, config.skinny_matmul)
         drafter: Drafter | None = None if kind is None else kind.load_class().load(draft)
         return cls(target, drafter, config, draft_fingerprint=draft.fingerprint if draft is not None else "")
 

@@ -70,14 +70,6 @@ class RunnerConfig:
         "(Apple silicon's and the CPU's quantized kernels are the fast ones); false keeps the weights as "
         "loaded, true dequantizes wherever.",
         default_doc="on a CUDA GPU where the memory allows, off elsewhere")
-    skinny_matmul: bool | None = knob(
-        None,
-        "Linear layers over 2-16 tokens (decode steps of a few rows, short verifies) run through "
-        "one CUDA kernel that reads the weights once (`models/skinny_matmul.py`) instead of cuBLAS, "
-        "whose bf16 matmul costs about the same for 2 tokens as for 1,024 on the H200 (docs/gpu.md). "
-        "None = on a CUDA GPU (for bf16 and float16 layers); false keeps cuBLAS; elsewhere nothing "
-        "changes.",
-        default_doc="on a CUDA GPU, off elsewhere")
     draft_step_share: float = knob(
         0.0,
         "The rows' drafts in one step may add at most this share of the step's time without them "

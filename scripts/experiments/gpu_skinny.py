@@ -1,17 +1,24 @@
-"""`models.skinny_matmul` on a CUDA GPU (made for the lent H200): is it right, and what
-does it save?
+"""A few-token matmul kernel on a CUDA GPU (made for the lent H200): is it right, and does
+it pay? (docs/gpu.md, "A few-token matmul kernel: measured, not adopted".)
 
-1. Accuracy: the kernel and cuBLAS's bf16 matmul against a float32 reference, for the
-   q15 shape's layer sizes, 2-16 tokens, with and without a bias, and x at an address
-   that is not 16-byte aligned. Prints the largest error of each, relative to the
-   reference's largest magnitude.
-2. The weight matmuls of one forward at the Qwen2.5-1.5B shape (28 layers x q, k, v, o,
-   gate, up, down; random weights), cuBLAS against the kernel with 2, 4 and 8 output
-   features per block of 128 or 256 threads, by token count; device synchronized per
-   forward, median of 15.
+MLX CUDA's bf16 matmul (cuBLAS) costs ~4.7 ms for the 196 weight matmuls of one
+Qwen2.5-1.5B-shaped forward of any 2 to 1,024 tokens, against 1.5 ms for one token. The
+kernel here (`mx.fast.cuda_kernel`) computes y = x W^T + b for a few tokens: each block
+of `BLOCK` threads owns `ROWS` output features, its threads stream those rows of W 16
+bytes at a time, multiply them with every token of x, accumulate in float32 and sum
+across the block, so W is read once whatever the token count.
+
+1. Accuracy: the kernel and cuBLAS against a float32 reference, for the q15 shape's layer
+   sizes, 2-32 tokens, with and without a bias, and x at an address that is not 16-byte
+   aligned: the largest error of each, relative to the reference's largest magnitude.
+2. The weight matmuls of one forward at the q15 shape (28 layers x q, k, v, o, gate, up,
+   down; random weights), cuBLAS against the kernel with 2, 4 and 8 output features per
+   block of 128 or 256 threads, by token count; device synchronized per forward, median
+   of 15.
 3. With `--model DIR`: the model's decode step of R rows (one token each, over a
-   256-token cache, trimmed back after each step), plain `nn.Linear` against
-   `SkinnyLinear`: synchronized, and ten steps queued back to back (pipelined).
+   256-token cache, trimmed back after each step), plain `nn.Linear` against the
+   kernel's layer (`SkinnyLinear`: 2-`MAX_TOKENS` tokens through the kernel):
+   synchronized, and ten steps queued back to back (pipelined).
 
     python3 scripts/experiments/gpu_skinny.py [--model /tmp/specslot-q15] [--rows 1 2 4 8 16]
 """
@@ -26,11 +33,166 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+import functools  # noqa: E402
+
 import models  # noqa: E402,F401  (before mlx, as the service imports it)
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
-from models import skinny_matmul  # noqa: E402
+MAX_TOKENS = 8  # SkinnyLinear's inputs of 2..MAX_TOKENS tokens take the kernel
+ROWS = 2  # output features per block
+BLOCK = 128  # threads per block
+_BUCKETS = (2, 4, 8, 16, 32)  # compile-time accumulator counts: N rounds up to one
+
+_HEADER = """
+template <typename T>
+__device__ __forceinline__ void skinny_load8(const T* p, bool aligned, float* out) {
+  if (aligned) {
+    uint4 v = *reinterpret_cast<const uint4*>(p);
+    const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = static_cast<float>(e[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = static_cast<float>(p[i]);
+  }
+}
+"""
+
+# y (N, M) = x (N, K) @ w (M, K)^T + bias (M). Template: T (a 2-byte float), NB >= N
+# accumulators per output feature, ROWS output features per block. K % 8 == 0. A block
+# of BLOCK threads owns ROWS rows of w: thread t reads 8 columns at t * 8, then every
+# BLOCK * 8 columns after, so each thread has ROWS loads of 16 bytes in flight at once
+# and a row of 1,536 columns is one pass of 192 threads; the partial sums meet through
+# warp shuffles and shared memory.
+_SOURCE = """
+  constexpr int WARPS = BLOCK / 32;
+  __shared__ float partial[WARPS][ROWS][NB];
+  const int N = x_shape[0];
+  const int K = x_shape[1];
+  const int M = w_shape[0];
+  const int t = threadIdx.x;
+  const int row0 = blockIdx.x * ROWS;
+  const bool x_aligned = (reinterpret_cast<unsigned long long>(x) & 15) == 0;
+  const bool w_aligned = (reinterpret_cast<unsigned long long>(w) & 15) == 0;
+  float acc[ROWS][NB];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+    for (int n = 0; n < NB; ++n) acc[r][n] = 0.0f;
+  for (int k = t * 8; k < K; k += BLOCK * 8) {
+    float wf[ROWS][8];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      if (row0 + r < M) {
+        skinny_load8(w + (long long)(row0 + r) * K + k, w_aligned, wf[r]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) wf[r][i] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < NB; ++n) {
+      if (n < N) {
+        float xf[8];
+        skinny_load8(x + (long long)n * K + k, x_aligned, xf);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[r][n] += wf[r][i] * xf[i];
+      }
+    }
+  }
+  const int lane = t & 31;
+  const int warp = t >> 5;
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+    for (int n = 0; n < NB; ++n) {
+      float v = acc[r][n];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+      if (lane == 0) partial[warp][r][n] = v;
+    }
+  __syncthreads();
+  for (int j = t; j < ROWS * NB; j += BLOCK) {
+    const int r = j / NB;
+    const int n = j % NB;
+    if (n < N && row0 + r < M) {
+      float v = static_cast<float>(bias[row0 + r]);
+#pragma unroll
+      for (int i = 0; i < WARPS; ++i) v += partial[i][r][n];
+      y[(long long)n * M + row0 + r] = static_cast<T>(v);
+    }
+  }
+"""
+
+
+@functools.cache
+def _kernel():
+    return mx.fast.cuda_kernel(name="skinny_matmul", input_names=["x", "w", "bias"], output_names=["y"],
+                               source=_SOURCE, header=_HEADER)
+
+
+@functools.cache
+def _zeros(m: int, dtype: mx.Dtype) -> mx.array:
+    """The bias of a layer without one (one shared array per width and dtype)."""
+    return mx.zeros((m,), dtype)
+
+
+def bucket(n: int) -> int:
+    """The accumulator count compiled for `n` tokens: the smallest bucket >= n.
+
+    >>> [bucket(n) for n in (2, 3, 4, 5, 8, 9, 16, 17)]
+    [2, 4, 4, 8, 8, 16, 16, 32]
+    """
+    for b in _BUCKETS:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} tokens: the kernel takes at most {_BUCKETS[-1]}")
+
+
+def matmul(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array:
+    """x (..., K) @ weight (M, K)^T + bias (M) through the kernel (a CUDA GPU; a bf16 or
+    float16 weight whose K is a multiple of 8; 2-32 tokens): (..., M) in x's dtype."""
+    shape = x.shape
+    k, m = shape[-1], weight.shape[0]
+    n = x.size // k
+    args = _launch(n, m, weight.dtype)
+    if bias is not None and bias.dtype != weight.dtype:
+        bias = bias.astype(weight.dtype)
+    y = _kernel()(inputs=[x.reshape(n, k), weight, args.zeros if bias is None else bias], **args.kwargs)[0]
+    return y if len(shape) == 2 else y.reshape(*shape[:-1], m)
+
+
+class _Launch:
+    """One shape's keyword arguments for the kernel, and the bias of a layer without one."""
+
+    def __init__(self, n: int, m: int, dtype: mx.Dtype) -> None:
+        self.zeros = _zeros(m, dtype)
+        self.kwargs = {"template": [("T", dtype), ("NB", bucket(n)), ("ROWS", ROWS), ("BLOCK", BLOCK)],
+                       "grid": (-(-m // ROWS) * BLOCK, 1, 1), "threadgroup": (BLOCK, 1, 1),
+                       "output_shapes": [(n, m)], "output_dtypes": [dtype]}
+
+
+@functools.lru_cache(maxsize=4096)
+def _launch(n: int, m: int, dtype: mx.Dtype) -> _Launch:
+    """The arguments of an (n tokens, m outputs, dtype) call, built once: a forward makes
+    ~200 of these calls, and on the H200's host each microsecond of Python in them is
+    ~0.2 ms a step."""
+    return _Launch(n, m, dtype)
+
+
+class SkinnyLinear(nn.Linear):
+    """`nn.Linear` whose inputs of 2..MAX_TOKENS tokens in its weight's dtype take the kernel."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if 2 <= x.size // x.shape[-1] <= MAX_TOKENS:
+            weight = self["weight"]
+            if x.dtype == weight.dtype:
+                return matmul(x, weight, self["bias"] if "bias" in self else None)
+        return nn.Linear.__call__(self, x)
+
 
 HIDDEN, INTERMEDIATE, KV, LAYERS = 1536, 8960, 256, 28
 SIZES = [(HIDDEN, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
@@ -58,7 +220,7 @@ def accuracy() -> None:
                 x = (base[:n * k] if aligned else base[1:]).reshape(n, k)
                 b = bias if with_bias else None
                 ref = x.astype(mx.float32) @ w.astype(mx.float32).T + (b.astype(mx.float32) if b is not None else 0)
-                got = skinny_matmul.matmul(x, w, b)
+                got = matmul(x, w, b)
                 cublas = (x + 0) @ w.T + (b if b is not None else 0)  # cuBLAS refuses a misaligned x
                 scale = mx.abs(ref).max()
                 err = (mx.abs(got.astype(mx.float32) - ref).max() / scale).item()
@@ -69,11 +231,12 @@ def accuracy() -> None:
 
 
 def matmuls(token_counts: list[int]) -> None:
+    global ROWS, BLOCK
     outs = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN),
             (INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
     dense = [[(mx.random.normal(s) * 0.02).astype(mx.bfloat16) for s in outs] for _ in range(LAYERS)]
     mx.eval(dense)
-    defaults = skinny_matmul.ROWS, skinny_matmul.BLOCK
+    defaults = ROWS, BLOCK
     variants = [(rows, block) for block in (128, 256) for rows in (2, 4, 8)]
     print("| tokens | cuBLAS ms | " + " | ".join(f"kernel {r} rows x {b} threads" for r, b in variants) + " |")
     print("|---|---|" + "---|" * len(variants))
@@ -82,13 +245,15 @@ def matmuls(token_counts: list[int]) -> None:
         mx.eval(inputs)
         row = [median_ms(lambda: [inputs[w.shape[1]] @ w.T for layer in dense for w in layer])]
         for rows, block in variants:
-            skinny_matmul.ROWS, skinny_matmul.BLOCK = rows, block
+            ROWS, BLOCK = rows, block
+            _launch.cache_clear()
             if n >= 2:
-                row.append(median_ms(lambda: [skinny_matmul.matmul(inputs[w.shape[1]], w) for layer in dense
+                row.append(median_ms(lambda: [matmul(inputs[w.shape[1]], w) for layer in dense
                                               for w in layer]))
             else:
                 row.append(float("nan"))
-        skinny_matmul.ROWS, skinny_matmul.BLOCK = defaults
+        ROWS, BLOCK = defaults
+        _launch.cache_clear()
         print(f"| {n} | " + " | ".join(f"{v:.2f}" for v in row) + " |", flush=True)
 
 
@@ -119,7 +284,7 @@ def steps(path: str, row_counts: list[int]) -> None:
             return outs
 
         figures = {}
-        for name, cls in (("plain", nn.Linear), ("skinny", skinny_matmul.SkinnyLinear)):
+        for name, cls in (("plain", nn.Linear), ("skinny", SkinnyLinear)):
             for m in linears:
                 m.__class__ = cls
             figures[name] = (median_ms(step), median_ms(pipelined, 5) / 10)

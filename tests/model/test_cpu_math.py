@@ -1,5 +1,5 @@
-"""models.cpu_math: the CPU's softmax and SiLU from MLX's fast primitives, against MLX's
-own kernels and float64 numpy."""
+"""models.cpu_math: the CPU's softmax and SiLU (numpy for prompt-sized inputs, MLX's fast
+primitives otherwise and inside `mx.compile`), against MLX's own kernels and float64 numpy."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -36,6 +36,31 @@ def test_softmax_and_swiglu_match_mlx():
     assert mx.array_equal(cpu_math.swiglu(half_gate, half_up), nn.silu(half_gate) * half_up)
 
 
+def test_prompt_sized_swiglu_runs_in_numpy_and_matches():
+    """From NUMPY_ELEMENTS elements the SiLU is numpy's; traced (mx.compile), the polynomial's."""
+    gate, up = (mx.random.normal((cpu_math.NUMPY_ELEMENTS // 768 + 1, 768), key=mx.random.key(k)) * 6 for k in (4, 5))
+    want = nn.silu(gate) * up
+    assert gate.size >= cpu_math.NUMPY_ELEMENTS
+    assert mx.allclose(cpu_math.swiglu(gate, up), want, rtol=1e-5, atol=1e-6)
+    assert mx.allclose(mx.compile(cpu_math.swiglu)(gate, up), want, rtol=1e-5, atol=1e-6)
+    edge = mx.array([[-100.0, -88.0, 0.0, 88.0, 100.0] * 8000])
+    assert mx.allclose(cpu_math.swiglu(edge, mx.ones_like(edge)), nn.silu(edge), rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("mask", ["causal", None, "bool"])
+def test_attention_traced_stays_in_mlx_and_matches(monkeypatch, mask):
+    """Inside mx.compile nothing may be evaluated: the softmax falls back to MLX ops."""
+    monkeypatch.setattr(cpu_math, "MIN_SCORES", 0)
+    q, k, v = _qkv(40, 60, 4, 2)
+    if mask == "bool":
+        mask = mx.random.uniform(shape=(40, 60), key=mx.random.key(9)) < 0.7
+        mask[:, 0] = True
+    compiled = mx.compile(lambda q, k, v: cpu_math.attention(q, k, v, scale=0.2, mask=mask))
+    want = MLX_SDPA(q, k, v, scale=0.2, mask=mask)
+    assert mx.max(mx.abs(compiled(q, k, v) - want)).item() < 2e-6
+    assert mx.max(mx.abs(cpu_math.attention(q, k, v, scale=0.2, mask=mask) - want)).item() < 2e-6
+
+
 def _qkv(n, t, heads, kv_heads, seed=0):
     keys = mx.random.split(mx.random.key(seed), 3)
     return (mx.random.normal((2, heads, n, 32), key=keys[0]), mx.random.normal((2, kv_heads, t, 32), key=keys[1]),
@@ -49,7 +74,7 @@ def test_attention_matches_mlx(monkeypatch, n, t, heads, kv_heads, mask, block):
     """Every mask form it takes, grouped queries, queries fewer than keys, and small
     blocks (several per call: each reads its own keys and rows of the mask)."""
     monkeypatch.setattr(cpu_math, "BLOCK_SCORES", block)
-    monkeypatch.setattr(cpu_math, "MIN_SCORES", 0)  # these small shapes take the polynomial path too
+    monkeypatch.setattr(cpu_math, "MIN_SCORES", 0)  # these small shapes take cpu_math's path too
     q, k, v = _qkv(n, t, heads, kv_heads)
     if mask == "bool":
         mask = mx.random.uniform(shape=(n, t), key=mx.random.key(9)) < 0.7

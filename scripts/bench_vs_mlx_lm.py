@@ -38,7 +38,8 @@ first tokens can decode to no text, which moves the client's TTFT later).
 
 `--config` (repeatable) starts one of our servers per config, each alternating with the
 peers: `configs/classic-only.yaml`, or `configs/local.yaml:backlog_cap=0,grant_rounds=2`
-to override `args` keys (YAML values). With more than one config each is named
+to override `args` keys (YAML values), and `deployment.num_replicas=2` (any
+`deployment.NAME`) to set an option of the config's deployment. With more than one config each is named
 `specslot[<spec>]`. `--concurrency` and `--peer` (repeatable) narrow the sweep.
 """
 
@@ -82,13 +83,26 @@ def parse_config_spec(spec: str) -> tuple[str, dict]:
     return path, overrides
 
 
+def split_deployment(overrides: dict) -> tuple[dict, dict]:
+    """(args overrides, deployment options): keys `deployment.NAME` set the first
+    deployment's option NAME (e.g. `num_replicas`), the others its application's `args`.
+
+    >>> split_deployment({"deployment.num_replicas": 2, "actor_num_gpus": 1})
+    ({'actor_num_gpus': 1}, {'num_replicas': 2})
+    """
+    args = {k: v for k, v in overrides.items() if not k.startswith("deployment.")}
+    return args, {k[len("deployment."):]: v for k, v in overrides.items() if k.startswith("deployment.")}
+
+
 def our_servers(specs: list[str], base_port: int, out_dir: str) -> list:
-    """One server per config spec; a lone default spec keeps the plain name `specslot`."""
+    """One server per config spec (`deployment.NAME=value` overrides set deployment
+    options: `split_deployment`); a lone default spec keeps the plain name `specslot`."""
     fleet = []
     for i, spec in enumerate(specs):
         path, overrides = parse_config_spec(spec)
+        args, deployment = split_deployment(overrides)
         name = "specslot" if len(specs) == 1 else f"specslot[{os.path.basename(path)}{spec[len(path):]}]"
-        fleet.append(servers.ours(base_port + i, out_dir, path, overrides, name=name))
+        fleet.append(servers.ours(base_port + i, out_dir, path, args, name=name, deployment=deployment or None))
     return fleet
 
 

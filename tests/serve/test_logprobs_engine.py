@@ -74,7 +74,12 @@ def test_logprobs_and_n_through_the_openai_client():
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
         assert entry.bytes == list(entry.token.encode("utf-8"))
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    # The same values up to float32 rounding, not bit for bit: the second request starts
+    # from the first one's cached prefix and its steps may run at other widths (whether a
+    # row verifies drafts depends on measured tick times), so its logits come from other
+    # kernels' summation orders (a difference of 1e-6 was seen in 1 run of 6).
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
 
     # n: sampled choices differ, greedy ones are identical; usage sums the completions
     assert [c.index for c in many.choices] == [0, 1, 2]

@@ -20,7 +20,17 @@ across the block, so W is read once whatever the token count.
    kernel's layer (`SkinnyLinear`: 2-`MAX_TOKENS` tokens through the kernel):
    synchronized, and ten steps queued back to back (pipelined).
 
-    python3 scripts/experiments/gpu_skinny.py [--model /tmp/specslot-q15] [--rows 1 2 4 8 16]
+4. With `--host`: what a launch costs the host, the part that undid the kernel in the
+   service (`mx.fast.cuda_kernel` assembles the kernel's source text at every call).
+   Microseconds per call to build (no evaluation) and to evaluate 2,000 calls of a
+   (N, 1536) x (1536, 1536) product: cuBLAS's matmul, the kernel through
+   `mx.fast.cuda_kernel`, and the same compiled kernel launched through
+   `mx.fast.precompiled_cuda_kernel` (its PTX read back from MLX's kernel cache, which
+   this mode points at a fresh folder); then the forward table's weight matmuls with the
+   precompiled launch. This variant reads N, K and M from a small int32 input instead of
+   the shapes, so both launch paths share one signature.
+
+    python3 scripts/experiments/gpu_skinny.py [--model /tmp/specslot-q15] [--rows 1 2 4 8 16] [--host]
 """
 
 from __future__ import annotations
@@ -34,6 +44,13 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import functools  # noqa: E402
+import glob  # noqa: E402
+import tempfile  # noqa: E402
+
+if "--host" in sys.argv and "MLX_PTX_CACHE_DIR" not in os.environ:
+    # MLX reads it once, at its first run-time compile: a fresh folder holds only this
+    # process's kernels, whose compiled code `precompiled` reads back.
+    os.environ["MLX_PTX_CACHE_DIR"] = tempfile.mkdtemp(prefix="skinny-ptx-")
 
 import models  # noqa: E402,F401  (before mlx, as the service imports it)
 import mlx.core as mx  # noqa: E402
@@ -194,6 +211,88 @@ class SkinnyLinear(nn.Linear):
         return nn.Linear.__call__(self, x)
 
 
+# The kernel with N, K and M read from `dims` (int32 [N, K, M]): no shape parameters, so
+# its signature is (x, w, bias, dims, y) whichever way it is launched.
+_SOURCE_DIMS = (_SOURCE.replace("x_shape[0]", "dims[0]").replace("x_shape[1]", "dims[1]")
+                .replace("w_shape[0]", "dims[2]"))
+
+
+@functools.cache
+def _kernel_dims():
+    return mx.fast.cuda_kernel(name="skinny_dims", input_names=["x", "w", "bias", "dims"], output_names=["y"],
+                               source=_SOURCE_DIMS, header=_HEADER)
+
+
+@functools.lru_cache(maxsize=256)
+def _dims(n: int, k: int, m: int) -> mx.array:
+    return mx.array([n, k, m], dtype=mx.int32)
+
+
+def matmul_dims(x: mx.array, weight: mx.array) -> mx.array:
+    """`matmul` (no bias) through the `dims` variant and `mx.fast.cuda_kernel`; x (N, K)."""
+    (n, k), m = x.shape, weight.shape[0]
+    args = _launch(n, m, weight.dtype)
+    return _kernel_dims()(inputs=[x, weight, args.zeros, _dims(n, k, m)], **args.kwargs)[0]
+
+
+@functools.cache
+def _compiled(dtype: mx.Dtype, nb: int) -> tuple[str, bytes]:
+    """(mangled kernel name, compiled code) of the `dims` variant for `nb` accumulators,
+    from MLX's kernel cache after one launch in `dtype` has compiled it (one dtype a run:
+    the lookup matches the template's trailing numbers only)."""
+    mx.eval(matmul_dims(mx.zeros((nb, 8), dtype), mx.zeros((8, 8), dtype)))
+    folder = os.environ["MLX_PTX_CACHE_DIR"]
+    suffix = f"_{nb}_{ROWS}_{BLOCK}"  # the template's hash ends with NB, ROWS, BLOCK (T comes first)
+    for listing in glob.glob(os.path.join(folder, "*skinny_dims*.txt")):
+        for line in open(listing):
+            name, _, mangled = line.rstrip("\n").partition("\t")
+            if name.endswith(suffix):
+                with open(listing[:-len(".txt")] + ".ptx", "rb") as f:
+                    return mangled, f.read()
+    raise SystemExit(f"no compiled skinny_dims{suffix} under {folder}: {sorted(os.listdir(folder))[:20]}")
+
+
+def matmul_precompiled(x: mx.array, weight: mx.array) -> mx.array:
+    """`matmul_dims` launched through `mx.fast.precompiled_cuda_kernel` (no source text)."""
+    (n, k), m = x.shape, weight.shape[0]
+    args = _launch(n, m, weight.dtype)
+    name, code = _compiled(weight.dtype, bucket(n))
+    return mx.fast.precompiled_cuda_kernel(
+        name=name, compiled_source=code, inputs=[x, weight, args.zeros, _dims(n, k, m)],
+        output_shapes=args.kwargs["output_shapes"], output_dtypes=args.kwargs["output_dtypes"], scalars=[],
+        grid=args.kwargs["grid"], threadgroup=args.kwargs["threadgroup"], ensure_row_contiguous=True)[0]
+
+
+def host(token_counts: list[int], calls: int = 2000) -> None:
+    w = (mx.random.normal((HIDDEN, HIDDEN)) * 0.02).astype(mx.bfloat16)
+    print("| tokens | launch | build µs a call | evaluate µs a call | largest difference from cuBLAS |")
+    print("|---|---|---|---|---|")
+    for n in token_counts:
+        x = mx.random.normal((n, HIDDEN)).astype(mx.bfloat16)
+        mx.eval(w, x)
+        ref = (x @ w.T).astype(mx.float32)
+        for label, fn in (("cuBLAS", lambda: x @ w.T), ("cuda_kernel", lambda: matmul_dims(x, w)),
+                          ("precompiled", lambda: matmul_precompiled(x, w))):
+            diff = mx.abs(fn().astype(mx.float32) - ref).max().item()
+            tic = time.perf_counter()
+            outs = [fn() for _ in range(calls)]
+            built = time.perf_counter() - tic
+            mx.eval(outs)
+            done = time.perf_counter() - tic - built
+            print(f"| {n} | {label} | {built / calls * 1e6:.1f} | {done / calls * 1e6:.1f} | {diff:.2e} |", flush=True)
+    outs = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN),
+            (INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
+    dense = [[(mx.random.normal(s) * 0.02).astype(mx.bfloat16) for s in outs] for _ in range(LAYERS)]
+    mx.eval(dense)
+    print("| tokens | one forward's weight matmuls, ms: cuBLAS | cuda_kernel | precompiled |\n|---|---|---|---|")
+    for n in token_counts:
+        inputs = {d: mx.random.normal((n, d)).astype(mx.bfloat16) for d in (HIDDEN, INTERMEDIATE)}
+        mx.eval(inputs)
+        row = [median_ms(lambda: [f(inputs[w.shape[1]], w) for layer in dense for w in layer])
+               for f in (lambda a, b: a @ b.T, matmul_dims, matmul_precompiled)]
+        print(f"| {n} | " + " | ".join(f"{v:.2f}" for v in row) + " |", flush=True)
+
+
 HIDDEN, INTERMEDIATE, KV, LAYERS = 1536, 8960, 256, 28
 SIZES = [(HIDDEN, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
 
@@ -299,8 +398,12 @@ def main() -> None:
     ap.add_argument("--model", help="a model directory for the decode-step table")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 20, 32])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--host", action="store_true", help="only the launch-cost tables (section 4)")
     args = ap.parse_args()
     print(f"device {mx.default_device()}, mlx {mx.__version__}")
+    if args.host:
+        host([n for n in args.tokens if 2 <= n <= 8])
+        return
     accuracy()
     matmuls(args.tokens)
     if args.model:

@@ -84,20 +84,25 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     function transformation, from `exp`."""
     if gate.dtype != mx.float32:
         return _MLX_LM_SWIGLU(gate, x)
-    if gate.size >= NUMPY_ELEMENTS:
-        try:
-            mx.eval(gate)
-        except (RuntimeError, ValueError):  # being traced: stay in MLX
-            pass
-        else:
-            g = np.array(gate, copy=True)
-            np.negative(g, out=g)
-            with np.errstate(over="ignore"):  # e^-gate = inf: SiLU's 0, as it should be
-                np.exp(g, out=g)
-            g += 1.0
-            np.reciprocal(g, out=g)
-            return mx.array(g) * gate * x
+    if gate.size >= NUMPY_ELEMENTS and _evaluated(gate):
+        g = np.array(gate, copy=True)
+        np.negative(g, out=g)
+        with np.errstate(over="ignore"):  # e^-gate = inf: SiLU's 0, as it should be
+            np.exp(g, out=g)
+        g += 1.0
+        np.reciprocal(g, out=g)
+        return mx.array(g) * gate * x
     return gate / (1.0 + exp(-gate)) * x
+
+
+def _evaluated(array: mx.array) -> bool:
+    """Evaluates `array`; False inside a function transformation (`mx.compile`, `vmap`),
+    where nothing may be evaluated and the caller stays with MLX operations."""
+    try:
+        mx.eval(array)
+    except (RuntimeError, ValueError):
+        return False
+    return True
 
 
 def attention(queries, keys, values, *, scale, mask=None, sinks=None, **kwargs):
@@ -126,12 +131,10 @@ def attention(queries, keys, values, *, scale, mask=None, sinks=None, **kwargs):
         scores = q @ keys[:, :, None, :end].swapaxes(-1, -2)  # (B, kv heads, group, rows, keys)
         block_mask = None if causal or mask is None else (
             mask[lo:hi] if mask.ndim == 2 and mask.shape[0] == n else mask)
-        try:
-            mx.eval(scores)
-        except (RuntimeError, ValueError):  # being traced (mx.compile, vmap): stay in MLX
-            probs = _softmax_mlx(scores, causal, block_mask, t - n + lo, end)
-        else:
+        if _evaluated(scores):
             probs = _softmax_numpy(scores, causal, block_mask)
+        else:
+            probs = _softmax_mlx(scores, causal, block_mask, t - n + lo, end)
         outputs.append((probs @ values[:, :, None, :end]).reshape(b, heads, hi - lo, dim))
     return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=2)
 

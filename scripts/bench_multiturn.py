@@ -198,12 +198,13 @@ def scrape_phases(base_url: str) -> dict[str, list[float]]:
 def add_phases(total: dict, before: dict, after: dict, run_records: list[dict]) -> None:
     """Adds to `total` what the phases gained over one run, and the client's TTFTs of the
     run's turns (`client`)."""
-    for phase in PHASES:
-        seconds, count = total.setdefault(phase, [0.0, 0.0])
-        total[phase] = [seconds + after[phase][0] - before[phase][0], count + after[phase][1] - before[phase][1]]
     ttfts = [r["ttft_s"] for r in run_records if r["ttft_s"] is not None]
-    seconds, count = total.setdefault("client", [0.0, 0.0])
-    total["client"] = [seconds + sum(ttfts), count + len(ttfts)]
+    gains = {phase: (after[phase][0] - before[phase][0], after[phase][1] - before[phase][1]) for phase in PHASES}
+    gains["client"] = (sum(ttfts), len(ttfts))
+    for phase, (seconds, count) in gains.items():
+        sums = total.setdefault(phase, [0.0, 0.0])
+        sums[0] += seconds
+        sums[1] += count
 
 
 def phase_rows(phases: dict[str, dict]) -> list[dict]:

@@ -1,4 +1,5 @@
-"""Shared plumbing of the benchmark scenarios: CLI, environment record, JSON, warm-up."""
+"""Shared plumbing of the benchmark scenarios: CLI, environment record, JSON, warm-up, and
+the experiments' synchronized timer."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import datetime as dt
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
+import time
 from importlib import metadata
 
 
@@ -108,3 +111,18 @@ def warm_up(runner, tokenizer) -> None:
     for policy in ("off", "on"):
         drive(runner, SchedulerConfig(b1_policy=policy, num_draft_tokens=runner.num_draft_tokens),
               [Arrival(f"warm-{policy}", prompt, 16)])
+
+
+def median_eval_s(fn, repeats: int, warmup: int = 3) -> float:
+    """Median seconds of `mx.eval(fn())` over `repeats` calls, after `warmup` unmeasured
+    ones: each call waits for the device, so a GPU's kernels are counted whole."""
+    import mlx.core as mx
+
+    for _ in range(warmup):
+        mx.eval(fn())
+    times = []
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - tic)
+    return statistics.median(times)

@@ -27,8 +27,12 @@ across the block, so W is read once whatever the token count.
    `mx.fast.cuda_kernel`, and the same compiled kernel launched through
    `mx.fast.precompiled_cuda_kernel` (its PTX read back from MLX's kernel cache, which
    this mode points at a fresh folder); then the forward table's weight matmuls with the
-   precompiled launch. This variant reads N, K and M from a small int32 input instead of
-   the shapes, so both launch paths share one signature.
+   precompiled launch.
+
+The kernel reads N, K and M from a small int32 input (`dims`) rather than from its
+inputs' shapes, so `mx.fast.cuda_kernel` gives it no shape parameters and the precompiled
+launch has the same signature. (The tables of sections 1-3 in docs/gpu.md were taken with
+the shapes read as `x_shape` / `w_shape`, commits 43fa79e and 4530120.)
 
     python3 scripts/experiments/gpu_skinny.py [--model /tmp/specslot-q15] [--rows 1 2 4 8 16] [--host]
 """
@@ -37,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -55,6 +58,8 @@ if "--host" in sys.argv and "MLX_PTX_CACHE_DIR" not in os.environ:
 import models  # noqa: E402,F401  (before mlx, as the service imports it)
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
+
+from scripts.bench_util import median_eval_s  # noqa: E402
 
 MAX_TOKENS = 8  # SkinnyLinear's inputs of 2..MAX_TOKENS tokens take the kernel
 ROWS = 2  # output features per block
@@ -76,7 +81,7 @@ __device__ __forceinline__ void skinny_load8(const T* p, bool aligned, float* ou
 }
 """
 
-# y (N, M) = x (N, K) @ w (M, K)^T + bias (M). Template: T (a 2-byte float), NB >= N
+# y (N, M) = x (N, K) @ w (M, K)^T + bias (M), dims = [N, K, M] (int32). Template: T (a 2-byte float), NB >= N
 # accumulators per output feature, ROWS output features per block. K % 8 == 0. A block
 # of BLOCK threads owns ROWS rows of w: thread t reads 8 columns at t * 8, then every
 # BLOCK * 8 columns after, so each thread has ROWS loads of 16 bytes in flight at once
@@ -85,9 +90,9 @@ __device__ __forceinline__ void skinny_load8(const T* p, bool aligned, float* ou
 _SOURCE = """
   constexpr int WARPS = BLOCK / 32;
   __shared__ float partial[WARPS][ROWS][NB];
-  const int N = x_shape[0];
-  const int K = x_shape[1];
-  const int M = w_shape[0];
+  const int N = dims[0];
+  const int K = dims[1];
+  const int M = dims[2];
   const int t = threadIdx.x;
   const int row0 = blockIdx.x * ROWS;
   const bool x_aligned = (reinterpret_cast<unsigned long long>(x) & 15) == 0;
@@ -147,7 +152,7 @@ _SOURCE = """
 
 @functools.cache
 def _kernel():
-    return mx.fast.cuda_kernel(name="skinny_matmul", input_names=["x", "w", "bias"], output_names=["y"],
+    return mx.fast.cuda_kernel(name="skinny_matmul", input_names=["x", "w", "bias", "dims"], output_names=["y"],
                                source=_SOURCE, header=_HEADER)
 
 
@@ -175,29 +180,36 @@ def matmul(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.ar
     shape = x.shape
     k, m = shape[-1], weight.shape[0]
     n = x.size // k
-    args = _launch(n, m, weight.dtype)
-    if bias is not None and bias.dtype != weight.dtype:
-        bias = bias.astype(weight.dtype)
-    y = _kernel()(inputs=[x.reshape(n, k), weight, args.zeros if bias is None else bias], **args.kwargs)[0]
+    args = _launch(n, k, m, weight.dtype)
+    y = _kernel()(inputs=[x.reshape(n, k), weight, args.bias(bias), args.dims], **args.kwargs)[0]
     return y if len(shape) == 2 else y.reshape(*shape[:-1], m)
 
 
 class _Launch:
-    """One shape's keyword arguments for the kernel, and the bias of a layer without one."""
+    """One shape's keyword arguments for the kernel, its `dims`, and the bias of a layer
+    without one."""
 
-    def __init__(self, n: int, m: int, dtype: mx.Dtype) -> None:
+    def __init__(self, n: int, k: int, m: int, dtype: mx.Dtype) -> None:
         self.zeros = _zeros(m, dtype)
+        self.dims = mx.array([n, k, m], dtype=mx.int32)
         self.kwargs = {"template": [("T", dtype), ("NB", bucket(n)), ("ROWS", ROWS), ("BLOCK", BLOCK)],
                        "grid": (-(-m // ROWS) * BLOCK, 1, 1), "threadgroup": (BLOCK, 1, 1),
                        "output_shapes": [(n, m)], "output_dtypes": [dtype]}
 
+    def bias(self, bias: mx.array | None) -> mx.array:
+        """The bias input: the layer's in the kernel's dtype, or zeros."""
+        if bias is None:
+            return self.zeros
+        dtype = self.kwargs["output_dtypes"][0]
+        return bias if bias.dtype == dtype else bias.astype(dtype)
+
 
 @functools.lru_cache(maxsize=4096)
-def _launch(n: int, m: int, dtype: mx.Dtype) -> _Launch:
-    """The arguments of an (n tokens, m outputs, dtype) call, built once: a forward makes
-    ~200 of these calls, and on the H200's host each microsecond of Python in them is
-    ~0.2 ms a step."""
-    return _Launch(n, m, dtype)
+def _launch(n: int, k: int, m: int, dtype: mx.Dtype) -> _Launch:
+    """The arguments of an (n tokens, k inputs, m outputs, dtype) call, built once: a
+    forward makes ~200 of these calls, and on the H200's host each microsecond of Python
+    in them is ~0.2 ms a step."""
+    return _Launch(n, k, m, dtype)
 
 
 class SkinnyLinear(nn.Linear):
@@ -211,54 +223,31 @@ class SkinnyLinear(nn.Linear):
         return nn.Linear.__call__(self, x)
 
 
-# The kernel with N, K and M read from `dims` (int32 [N, K, M]): no shape parameters, so
-# its signature is (x, w, bias, dims, y) whichever way it is launched.
-_SOURCE_DIMS = (_SOURCE.replace("x_shape[0]", "dims[0]").replace("x_shape[1]", "dims[1]")
-                .replace("w_shape[0]", "dims[2]"))
-
-
-@functools.cache
-def _kernel_dims():
-    return mx.fast.cuda_kernel(name="skinny_dims", input_names=["x", "w", "bias", "dims"], output_names=["y"],
-                               source=_SOURCE_DIMS, header=_HEADER)
-
-
-@functools.lru_cache(maxsize=256)
-def _dims(n: int, k: int, m: int) -> mx.array:
-    return mx.array([n, k, m], dtype=mx.int32)
-
-
-def matmul_dims(x: mx.array, weight: mx.array) -> mx.array:
-    """`matmul` (no bias) through the `dims` variant and `mx.fast.cuda_kernel`; x (N, K)."""
-    (n, k), m = x.shape, weight.shape[0]
-    args = _launch(n, m, weight.dtype)
-    return _kernel_dims()(inputs=[x, weight, args.zeros, _dims(n, k, m)], **args.kwargs)[0]
-
-
 @functools.cache
 def _compiled(dtype: mx.Dtype, nb: int) -> tuple[str, bytes]:
-    """(mangled kernel name, compiled code) of the `dims` variant for `nb` accumulators,
-    from MLX's kernel cache after one launch in `dtype` has compiled it (one dtype a run:
-    the lookup matches the template's trailing numbers only)."""
-    mx.eval(matmul_dims(mx.zeros((nb, 8), dtype), mx.zeros((8, 8), dtype)))
+    """(mangled kernel name, compiled code) of the kernel for `nb` accumulators, from
+    MLX's kernel cache after one launch in `dtype` has compiled it (one dtype a run: the
+    lookup matches the template's trailing numbers only)."""
+    mx.eval(matmul(mx.zeros((nb, 8), dtype), mx.zeros((8, 8), dtype)))
     folder = os.environ["MLX_PTX_CACHE_DIR"]
     suffix = f"_{nb}_{ROWS}_{BLOCK}"  # the template's hash ends with NB, ROWS, BLOCK (T comes first)
-    for listing in glob.glob(os.path.join(folder, "*skinny_dims*.txt")):
+    for listing in glob.glob(os.path.join(folder, "*skinny_matmul*.txt")):
         for line in open(listing):
             name, _, mangled = line.rstrip("\n").partition("\t")
             if name.endswith(suffix):
                 with open(listing[:-len(".txt")] + ".ptx", "rb") as f:
                     return mangled, f.read()
-    raise SystemExit(f"no compiled skinny_dims{suffix} under {folder}: {sorted(os.listdir(folder))[:20]}")
+    raise SystemExit(f"no compiled skinny_matmul{suffix} under {folder}: {sorted(os.listdir(folder))[:20]}")
 
 
 def matmul_precompiled(x: mx.array, weight: mx.array) -> mx.array:
-    """`matmul_dims` launched through `mx.fast.precompiled_cuda_kernel` (no source text)."""
+    """`matmul` (no bias; x (N, K)) launched through `mx.fast.precompiled_cuda_kernel`
+    (no source text)."""
     (n, k), m = x.shape, weight.shape[0]
-    args = _launch(n, m, weight.dtype)
+    args = _launch(n, k, m, weight.dtype)
     name, code = _compiled(weight.dtype, bucket(n))
     return mx.fast.precompiled_cuda_kernel(
-        name=name, compiled_source=code, inputs=[x, weight, args.zeros, _dims(n, k, m)],
+        name=name, compiled_source=code, inputs=[x, weight, args.zeros, args.dims],
         output_shapes=args.kwargs["output_shapes"], output_dtypes=args.kwargs["output_dtypes"], scalars=[],
         grid=args.kwargs["grid"], threadgroup=args.kwargs["threadgroup"], ensure_row_contiguous=True)[0]
 
@@ -271,7 +260,7 @@ def host(token_counts: list[int], calls: int = 2000) -> None:
         x = mx.random.normal((n, HIDDEN)).astype(mx.bfloat16)
         mx.eval(w, x)
         ref = (x @ w.T).astype(mx.float32)
-        for label, fn in (("cuBLAS", lambda: x @ w.T), ("cuda_kernel", lambda: matmul_dims(x, w)),
+        for label, fn in (("cuBLAS", lambda: x @ w.T), ("cuda_kernel", lambda: matmul(x, w)),
                           ("precompiled", lambda: matmul_precompiled(x, w))):
             diff = mx.abs(fn().astype(mx.float32) - ref).max().item()
             tic = time.perf_counter()
@@ -280,16 +269,13 @@ def host(token_counts: list[int], calls: int = 2000) -> None:
             mx.eval(outs)
             done = time.perf_counter() - tic - built
             print(f"| {n} | {label} | {built / calls * 1e6:.1f} | {done / calls * 1e6:.1f} | {diff:.2e} |", flush=True)
-    outs = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN),
-            (INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
-    dense = [[(mx.random.normal(s) * 0.02).astype(mx.bfloat16) for s in outs] for _ in range(LAYERS)]
-    mx.eval(dense)
+    dense = forward_weights()
     print("| tokens | one forward's weight matmuls, ms: cuBLAS | cuda_kernel | precompiled |\n|---|---|---|---|")
     for n in token_counts:
         inputs = {d: mx.random.normal((n, d)).astype(mx.bfloat16) for d in (HIDDEN, INTERMEDIATE)}
         mx.eval(inputs)
         row = [median_ms(lambda: [f(inputs[w.shape[1]], w) for layer in dense for w in layer])
-               for f in (lambda a, b: a @ b.T, matmul_dims, matmul_precompiled)]
+               for f in (lambda a, b: a @ b.T, matmul, matmul_precompiled)]
         print(f"| {n} | " + " | ".join(f"{v:.2f}" for v in row) + " |", flush=True)
 
 
@@ -298,14 +284,17 @@ SIZES = [(HIDDEN, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (INTERMEDIATE, HIDDEN
 
 
 def median_ms(fn, repeats: int = 15) -> float:
-    for _ in range(3):
-        mx.eval(fn())
-    times = []
-    for _ in range(repeats):
-        tic = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - tic)
-    return statistics.median(times) * 1e3
+    return median_eval_s(fn, repeats) * 1e3
+
+
+def forward_weights() -> list[list[mx.array]]:
+    """Random bf16 weights of one forward at the q15 shape: per layer q, k, v, o, gate,
+    up, down, as (out, in)."""
+    outs = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN),
+            (INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
+    dense = [[(mx.random.normal(s) * 0.02).astype(mx.bfloat16) for s in outs] for _ in range(LAYERS)]
+    mx.eval(dense)
+    return dense
 
 
 def accuracy() -> None:
@@ -331,10 +320,7 @@ def accuracy() -> None:
 
 def matmuls(token_counts: list[int]) -> None:
     global ROWS, BLOCK
-    outs = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN),
-            (INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
-    dense = [[(mx.random.normal(s) * 0.02).astype(mx.bfloat16) for s in outs] for _ in range(LAYERS)]
-    mx.eval(dense)
+    dense = forward_weights()
     defaults = ROWS, BLOCK
     variants = [(rows, block) for block in (128, 256) for rows in (2, 4, 8)]
     print("| tokens | cuBLAS ms | " + " | ".join(f"kernel {r} rows x {b} threads" for r, b in variants) + " |")

@@ -15,28 +15,21 @@ part of every figure.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import models  # noqa: E402,F401  (fast BLAS before mlx.core)
 import mlx.core as mx  # noqa: E402
 
+from scripts.bench_util import median_eval_s  # noqa: E402
+
 LAYERS = 16
 HIDDEN, MLP, HEADS, KV_HEADS, HEAD_DIM, KEYS = 2048, 8192, 32, 8, 64, 768
 
 
 def per_op_us(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        mx.eval(fn())
-    times = []
-    for _ in range(reps):
-        tic = time.perf_counter()
-        mx.eval(fn())
-        times.append((time.perf_counter() - tic) / LAYERS * 1e6)
-    return statistics.median(times)
+    return median_eval_s(fn, reps) / LAYERS * 1e6
 
 
 def main() -> None:

@@ -25,9 +25,9 @@ across the block, so W is read once whatever the token count.
    Microseconds per call to build (no evaluation) and to evaluate 2,000 calls of a
    (N, 1536) x (1536, 1536) product: cuBLAS's matmul, the kernel through
    `mx.fast.cuda_kernel`, and the same compiled kernel launched through
-   `mx.fast.precompiled_cuda_kernel` (its PTX read back from MLX's kernel cache, which
-   this mode points at a fresh folder); then the forward table's weight matmuls with the
-   precompiled launch.
+   `mx.fast.precompiled_cuda_kernel` (PTX compiled here through NVRTC from a standalone
+   copy of the source: MLX 0.32.4 writes no custom kernel to its PTX cache); then the
+   forward table's weight matmuls with the precompiled launch.
 
 The kernel reads N, K and M from a small int32 input (`dims`) rather than from its
 inputs' shapes, so `mx.fast.cuda_kernel` gives it no shape parameters and the precompiled
@@ -46,14 +46,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+import ctypes  # noqa: E402
 import functools  # noqa: E402
 import glob  # noqa: E402
-import tempfile  # noqa: E402
-
-if "--host" in sys.argv and "MLX_PTX_CACHE_DIR" not in os.environ:
-    # MLX reads it once, at its first run-time compile: a fresh folder holds only this
-    # process's kernels, whose compiled code `precompiled` reads back.
-    os.environ["MLX_PTX_CACHE_DIR"] = tempfile.mkdtemp(prefix="skinny-ptx-")
 
 import models  # noqa: E402,F401  (before mlx, as the service imports it)
 import mlx.core as mx  # noqa: E402
@@ -223,21 +218,62 @@ class SkinnyLinear(nn.Linear):
         return nn.Linear.__call__(self, x)
 
 
+def _nvrtc() -> ctypes.CDLL:
+    """The NVRTC library MLX compiles its kernels with (mapped into this process once MLX
+    has compiled one), else the first `libnvrtc.so*` found by name."""
+    mx.eval(matmul(mx.zeros((2, 8), mx.bfloat16), mx.zeros((8, 8), mx.bfloat16)))
+    with open("/proc/self/maps") as f:
+        mapped = sorted({line.split()[-1] for line in f if "libnvrtc.so" in line and "builtins" not in line})
+    for name in mapped + ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise SystemExit("no libnvrtc found")
+
+
+def _include_dirs() -> list[str]:
+    """Folders holding cuda_bf16.h: the CUDA toolkit's, or the pip wheels' (nvidia/*)."""
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    found = [os.path.join(r, "include") for r in roots if r and os.path.exists(os.path.join(r, "include", "cuda_bf16.h"))]
+    for entry in sys.path:
+        found += sorted(os.path.dirname(h) for h in glob.glob(os.path.join(entry, "nvidia", "**", "cuda_bf16.h"),
+                                                             recursive=True))
+    return list(dict.fromkeys(found))
+
+
 @functools.cache
-def _compiled(dtype: mx.Dtype, nb: int) -> tuple[str, bytes]:
-    """(mangled kernel name, compiled code) of the kernel for `nb` accumulators, from
-    MLX's kernel cache after one launch in `dtype` has compiled it (one dtype a run: the
-    lookup matches the template's trailing numbers only)."""
-    mx.eval(matmul(mx.zeros((nb, 8), dtype), mx.zeros((8, 8), dtype)))
-    folder = os.environ["MLX_PTX_CACHE_DIR"]
-    suffix = f"_{nb}_{ROWS}_{BLOCK}"  # the template's hash ends with NB, ROWS, BLOCK (T comes first)
-    for listing in glob.glob(os.path.join(folder, "*skinny_matmul*.txt")):
-        for line in open(listing):
-            name, _, mangled = line.rstrip("\n").partition("\t")
-            if name.endswith(suffix):
-                with open(listing[:-len(".txt")] + ".ptx", "rb") as f:
-                    return mangled, f.read()
-    raise SystemExit(f"no compiled skinny_matmul{suffix} under {folder}: {sorted(os.listdir(folder))[:20]}")
+def _compiled(nb: int) -> tuple[str, bytes]:
+    """(kernel name, PTX) of the bf16 kernel for `nb` accumulators, compiled here with
+    NVRTC from a standalone copy of the source (MLX 0.32.4 keeps its custom kernels' code
+    in memory only: its PTX cache stays empty for them)."""
+    name = f"skinny_matmul_nb{nb}"
+    source = ("#include <cuda_bf16.h>\n" + _HEADER + f'extern "C" __global__ void {name}(\n'
+              "    const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* bias, const int* dims,\n"
+              "    __nv_bfloat16* y) {\n"
+              f"  using T = __nv_bfloat16;\n  constexpr int NB = {nb};\n  constexpr int ROWS = {ROWS};\n"
+              f"  constexpr int BLOCK = {BLOCK};\n" + _SOURCE + "}\n")
+    lib = _nvrtc()
+    prog = ctypes.c_void_p()
+
+    def ok(result: int, what: str) -> None:
+        if result != 0:
+            log_size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(log_size))
+            log = ctypes.create_string_buffer(log_size.value + 1)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise SystemExit(f"{what} failed ({result}): {log.value.decode(errors='replace')[:3000]}")
+
+    ok(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None), "create")
+    # PTX for compute_90 (the H200): the driver compiles it for the GPU at load.
+    opts = [b"--gpu-architecture=compute_90"] + [f"--include-path={d}".encode()
+                                                                      for d in _include_dirs()]
+    ok(lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)), "compile")
+    size = ctypes.c_size_t()
+    ok(lib.nvrtcGetPTXSize(prog, ctypes.byref(size)), "ptx size")
+    ptx = ctypes.create_string_buffer(size.value)
+    ok(lib.nvrtcGetPTX(prog, ptx), "ptx")
+    return name, ptx.value
 
 
 def matmul_precompiled(x: mx.array, weight: mx.array) -> mx.array:
@@ -245,7 +281,7 @@ def matmul_precompiled(x: mx.array, weight: mx.array) -> mx.array:
     (no source text)."""
     (n, k), m = x.shape, weight.shape[0]
     args = _launch(n, k, m, weight.dtype)
-    name, code = _compiled(weight.dtype, bucket(n))
+    name, code = _compiled(bucket(n))
     return mx.fast.precompiled_cuda_kernel(
         name=name, compiled_source=code, inputs=[x, weight, args.zeros, args.dims],
         output_shapes=args.kwargs["output_shapes"], output_dtypes=args.kwargs["output_dtypes"], scalars=[],

@@ -81,7 +81,11 @@ def user_texts(tokenizer, num_conversations: int, num_turns: int, first_tokens: 
                seed: int) -> list[list[str]]:
     """Per conversation, its user messages: the first `first_tokens` tokens long, the
     others `turn_tokens`; deterministic in `seed`. A message longer than one held-out
-    file joins snippets until it has its tokens."""
+    file joins snippets until it has its tokens. A first message begins with a line
+    naming its conversation and seed: a snippet longer than its file is the whole file,
+    so without it two conversations (of one run, or of two runs with other seeds) could
+    open with the same text and one would find the other's prompt cached, or share its
+    prefill."""
     snippets = stdlib_snippets(num_conversations * num_turns, seed, num_chars=8 * first_tokens)
     more = (stdlib_snippets(1, seed + 1000 + k, num_chars=8 * first_tokens)[0] for k in itertools.count())
 
@@ -92,8 +96,9 @@ def user_texts(tokenizer, num_conversations: int, num_turns: int, first_tokens: 
         return tokenizer.decode(ids[:num_tokens])
 
     texts = iter(snippets)
-    return [[cut(next(texts), first_tokens if turn == 0 else turn_tokens) for turn in range(num_turns)]
-            for _ in range(num_conversations)]
+    return [[cut((f"# conversation {seed}-{index}\n" if turn == 0 else "") + next(texts),
+                 first_tokens if turn == 0 else turn_tokens) for turn in range(num_turns)]
+            for index in range(num_conversations)]
 
 
 async def stream_chat(session, base_url: str, messages: list[dict], max_tokens: int, session_id: str | None) -> dict:

@@ -106,3 +106,16 @@ def test_multiturn_quick_in_process(tmp_path):
             assert previous - 64 < r["cached_tokens"] < r["prompt_tokens"]
         # the same conversation gets the same prompts with the cache on and off
         assert r["prompt_tokens"] == by_key[("cache_on", conversation, turn)]["prompt_tokens"]
+
+
+@pytest.mark.skipif(not BUNDLED, reason="bundled model missing")
+def test_no_two_conversations_open_alike_at_the_gpu_sizes():
+    """At 2,000-token first messages most snippets are whole held-out files, which two
+    draws of a run (or of two runs' seeds) can repeat: each conversation's first
+    message still differs from every other's within its first line, and keeps its size."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained("models/bundled/target")
+    firsts = [conv[0] for seed in (0, 1) for conv in bench_multiturn.user_texts(tokenizer, 8, 2, 2000, 16, seed)]
+    assert len({text.split("\n", 1)[0] for text in firsts}) == len(firsts) == 16
+    assert all(abs(len(tokenizer.encode(text)) - 2000) <= 2 for text in firsts)

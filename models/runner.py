@@ -15,7 +15,8 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from models import bucketed, cache_rollback, dense_weights, device_memory, ragged, runner_build, slab, tick_costs
+from models import (bucketed, cache_rollback, dense_weights, device_memory, fused_projections, ragged,
+                    runner_build, slab, tick_costs)
 from models.replica_index import ReplicaIndex
 from models.ragged_batch import RaggedBatch
 from models.drafter_kinds import DRAFTERS
@@ -189,6 +190,7 @@ class MlxRunner:
         for loaded in (target, draft):
             if loaded is not None:
                 dense_weights.apply(loaded.model, loaded.name, config.dense_weights)
+                fused_projections.apply(loaded.model, loaded.name, config.fused_projections)
         drafter: Drafter | None = None if kind is None else kind.load_class().load(draft)
         return cls(target, drafter, config, draft_fingerprint=draft.fingerprint if draft is not None else "")
 

@@ -76,8 +76,8 @@ class RunnerConfig:
         "in every forward (llama-family models with plain layers: llama, mistral, qwen2; others are "
         "left as they are). On the H200 4 greedy streams ran in 5-9 % less tick time and a 4-row step "
         "of 5 tokens a row took 17.7-19.2 ms against 19.0-20.4 (Qwen2.5-1.5B shape, dense bf16, "
-        "random weights; docs/gpu.md, \"Fused projections\"); on the development CPU a one-token step "
-        "was slower (12.7 against 11.0 ms). None = on a CUDA GPU; true / false force it.",
+        "random weights; docs/gpu.md, \"Fused projections\"); on the development CPU the engine ran "
+        "level within its noise (0.94-1.08x). None = on a CUDA GPU; true / false force it.",
         default_doc="on a CUDA GPU, off elsewhere")
     draft_step_share: float = knob(
         0.0,

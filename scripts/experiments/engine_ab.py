@@ -1,0 +1,79 @@
+"""Two engines of one config that differ in a few `args` (e.g. a knob on and off), in one
+process, taking turns on the same bursts: N streams of ~300-token prompts, `--tokens`
+each; per configuration, output tok/s of each burst and the median, and the median of
+the bursts' mean TTFT. The first burst of each is a warm-up. (docs/gpu.md, "Fused
+projections", for the CPU figures.)
+
+    python scripts/experiments/engine_ab.py --streams 4 --a '{"fused_projections": false}' --b '{}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, HERE)
+
+import models  # noqa: E402,F401  (fast BLAS before mlx)
+
+from scheduler.request import Request, SamplingParams  # noqa: E402
+from scripts.engine_load import engine_from_config  # noqa: E402
+from scripts.prompts import stdlib_snippets  # noqa: E402
+
+
+def burst(engine, tokenizer, tag: str, seed: int, streams: int, tokens: int, temperature: float) -> tuple[float, float]:
+    """(output tok/s, mean TTFT ms) of `streams` requests submitted at once."""
+    prompts = [tokenizer.encode(s)[:300] for s in stdlib_snippets(streams, seed=seed, num_chars=2400)]
+    tic, firsts, done, count = time.perf_counter(), {}, 0, 0
+    for i, ids in enumerate(prompts):
+        engine.submit(Request(f"{tag}-{i}", ids, SamplingParams(max_tokens=tokens, temperature=temperature, seed=i)))
+    while done < streams:
+        for event in engine.get_events(timeout=1.0):
+            count += len(event.token_ids)
+            if event.token_ids and event.request_id not in firsts:
+                firsts[event.request_id] = time.perf_counter() - tic
+            if event.finish_reason:
+                done += 1
+    return count / (time.perf_counter() - tic), 1e3 * statistics.mean(firsts.values())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="configs/local.yaml")
+    ap.add_argument("--target", default=os.path.join(HERE, "models", "bundled", "target"))
+    ap.add_argument("--a", default="{}", help="configuration A's `args` overrides (JSON)")
+    ap.add_argument("--b", default="{}", help="configuration B's `args` overrides (JSON)")
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=160)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--rounds", type=int, default=7, help="bursts per configuration, the first unmeasured")
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    engines = {"A": engine_from_config(args.config, args.target, json.loads(args.a))[0],
+               "B": engine_from_config(args.config, args.target, json.loads(args.b))[0]}
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
+    try:
+        for r in range(args.rounds):
+            for name in ("A", "B") if r % 2 else ("B", "A"):
+                figures = burst(engines[name], tokenizer, f"{name}{r}", r, args.streams, args.tokens, args.temperature)
+                if r:
+                    results[name].append(figures)
+    finally:
+        for engine in engines.values():
+            engine.stop()
+    for name, runs in results.items():
+        print(f"{name} {getattr(args, name.lower())}: {args.streams} streams, T = {args.temperature}: tok/s "
+              + " ".join(f"{rate:.0f}" for rate, _ in runs)
+              + f"; median {statistics.median(rate for rate, _ in runs):.0f}, mean TTFT median "
+              f"{statistics.median(ttft for _, ttft in runs):.0f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -21,8 +21,8 @@ across the block, so W is read once whatever the token count.
    synchronized, and ten steps queued back to back (pipelined).
 
 4. With `--host`: what a launch costs the host, the part that undid the kernel in the
-   service (`mx.fast.cuda_kernel` assembles the kernel's source text at every call).
-   Microseconds per call to build (no evaluation) and to evaluate 2,000 calls of a
+   service (`mx.fast.cuda_kernel` assembles the kernel's source text at every call; a
+   launch without it measured as costly: docs/gpu.md). Microseconds per call to build (no evaluation) and to evaluate 2,000 calls of a
    (N, 1536) x (1536, 1536) product: cuBLAS's matmul, the kernel through
    `mx.fast.cuda_kernel`, and the same compiled kernel launched through
    `mx.fast.precompiled_cuda_kernel` (PTX compiled here through NVRTC from a standalone
@@ -218,6 +218,7 @@ class SkinnyLinear(nn.Linear):
         return nn.Linear.__call__(self, x)
 
 
+@functools.cache
 def _nvrtc() -> ctypes.CDLL:
     """The NVRTC library MLX compiles its kernels with (mapped into this process once MLX
     has compiled one), else the first `libnvrtc.so*` found by name."""

@@ -42,13 +42,15 @@ TARGET = os.path.join(HERE, "models", "bundled", "target")
 
 class Recorder:
     """Wraps a started engine's `submit` and its scheduler's `tick` (both called with the
-    engine's own objects, so nothing else changes): when each request was submitted, and
-    per tick (start, end, action, the request ids whose first token it gave)."""
+    engine's own objects, so nothing else changes): when each request was submitted, per
+    tick (start, end, action, how many requests got their first token in it), and the
+    index of the tick that gave each request its first token."""
 
     def __init__(self, engine) -> None:
         self.submitted: dict[str, float] = {}
-        self.ticks: list[tuple[float, float, str, list[str]]] = []
-        self._seen: set[str] = set()
+        self.ticks: list[tuple[float, float, str, int]] = []
+        self.starts: list[float] = []  # the ticks' starts, for bisecting
+        self.first_tick: dict[str, int] = {}
         scheduler = engine._scheduler
         submit, tick = engine.submit, scheduler.tick
 
@@ -61,9 +63,11 @@ class Recorder:
             events = tick()
             end = time.perf_counter()
             decision = scheduler.last_decision
-            firsts = [e.request_id for e in events if e.token_ids and e.request_id not in self._seen]
-            self._seen.update(firsts)
-            self.ticks.append((start, end, "idle" if decision is None else decision.action.value, firsts))
+            firsts = {e.request_id for e in events if e.token_ids and e.request_id not in self.first_tick}
+            for request_id in firsts:
+                self.first_tick[request_id] = len(self.ticks)
+            self.ticks.append((start, end, "idle" if decision is None else decision.action.value, len(firsts)))
+            self.starts.append(start)
             return events
 
         engine.submit = timed_submit
@@ -74,13 +78,12 @@ def split_turn(recorder: Recorder, request_id: str, ttft_s: float) -> dict | Non
     """One turn's TTFT in parts (ms), or None when its first-token tick was not seen."""
     submitted = recorder.submitted[request_id]
     ticks = recorder.ticks
-    own = next((i for i, t in enumerate(ticks) if request_id in t[3]), None)
+    own = recorder.first_tick.get(request_id)
     if own is None:
         return None
-    starts = [t[0] for t in ticks]
-    first = bisect.bisect_right(starts, submitted)  # the first tick to start after the submit
+    first = bisect.bisect_right(recorder.starts, submitted)  # the first tick to start after the submit
     parts = {"in flight": 0.0, "own tick": 1e3 * (ticks[own][1] - ticks[own][0]),
-             "with": len(ticks[own][3]) - 1, "own action": ticks[own][2],
+             "with": ticks[own][3] - 1, "own action": ticks[own][2],
              "in flight action": None}
     if first > 0 and ticks[first - 1][1] > submitted and first - 1 < own:
         parts["in flight"] = 1e3 * (ticks[first - 1][1] - submitted)

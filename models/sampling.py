@@ -28,11 +28,11 @@ emits, so they do not depend on how a token was produced (classic, verified draf
 
 from __future__ import annotations
 
+import math
 import secrets
 from typing import Callable, NamedTuple, Sequence, Union
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from models.grammar import GrammarMatcher, Grammars
 from scheduler.request import SamplingParams, TokenLogprob
@@ -341,11 +341,11 @@ class RequestSampler:
         the filters, then 1 / temperature."""
         p = self.params
         if 0.0 < p.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, p.top_p)
+            logprobs = top_p_filter(logprobs, p.top_p)
         if p.min_p > 0.0:
-            logprobs = apply_min_p(logprobs, p.min_p)
+            logprobs = min_p_filter(logprobs, p.min_p)
         if 0 < p.top_k < logprobs.shape[-1]:
-            logprobs = apply_top_k(logprobs, p.top_k)
+            logprobs = top_k_filter(logprobs, p.top_k)
         return logprobs * (1.0 / self.temperature)
 
     def probs(self, logprobs: mx.array) -> mx.array:
@@ -385,6 +385,47 @@ def draw_rows(scaled: mx.array, keys: mx.array) -> mx.array:
     """One categorical draw per row of the unnormalised log-probabilities `scaled`
     (n, V), row i with `keys[i]`: a row's token depends on its own logits and key only."""
     return mx.vmap(lambda row, key: mx.random.categorical(row, key=key))(scaled, keys)
+
+
+def _neg_inf(dtype: mx.Dtype) -> mx.array:
+    return mx.array(-mx.inf, dtype)
+
+
+# The filters: mlx-lm's `apply_top_p`, `apply_min_p` and `apply_top_k`, token for token,
+# with the request's value as data rather than as a constant of a compiled function.
+# mlx-lm compiles them per value: every top_p or min_p value not seen before traced the
+# function again and built a fused kernel for its constant, 0.7-0.8 s on the CPU (a
+# C++ compile) and seconds on a GPU (NVRTC), inside the engine's tick, so every stream
+# waited for it (`scripts/experiments/filter_values.py`). Uncompiled, they run MLX's
+# prebuilt kernels only: nothing is built per value, and a GPU replica's cold start
+# builds three fewer kernels.
+
+def top_p_filter(logprobs: mx.array, top_p: float) -> mx.array:
+    """(n, V) with every token outside the nucleus at -inf: the most likely tokens
+    whose probabilities sum to `top_p` of the row's total (ties at the boundary kept).
+    Example: probabilities [0.5, 0.3, 0.2] with top_p 0.8 keep tokens 0 and 1."""
+    ascending = mx.sort(logprobs, axis=-1)
+    probs = mx.exp(ascending.astype(mx.float32))
+    # the mass of the tokens more likely than each one, and the row's total
+    above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
+    total = above[..., :1] + probs[..., :1]
+    num_dropped = (above >= mx.array(top_p, mx.float32) * total).sum(axis=-1, keepdims=True)
+    floor = mx.take_along_axis(ascending, num_dropped, axis=-1)
+    return mx.where(logprobs < floor, _neg_inf(logprobs.dtype), logprobs)
+
+
+def min_p_filter(logprobs: mx.array, min_p: float) -> mx.array:
+    """(n, V) with every token less likely than `min_p` times the row's most likely
+    one at -inf (0 < min_p <= 1)."""
+    floor = mx.max(logprobs, axis=-1, keepdims=True) + mx.array(math.log(min_p), logprobs.dtype)
+    return mx.where(logprobs < floor, _neg_inf(logprobs.dtype), logprobs)
+
+
+def top_k_filter(logprobs: mx.array, top_k: int) -> mx.array:
+    """(n, V) with all but the `top_k` most likely tokens of each row at -inf
+    (0 < top_k < V)."""
+    dropped = mx.argpartition(-logprobs, kth=top_k - 1, axis=-1)[..., top_k:]
+    return mx.put_along_axis(logprobs, dropped, _neg_inf(logprobs.dtype), axis=-1)
 
 
 def supports_sampling(params: SamplingParams) -> bool:

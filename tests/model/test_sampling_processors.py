@@ -13,8 +13,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from models.sampling import (DRAWS, DRAFTS, RequestSampler, draw_plain, draw_rows, log_probs, penalized_logits,
-                             position_keys, stacked_keys, supports_sampling)
+from models.sampling import (DRAWS, DRAFTS, RequestSampler, draw_plain, draw_rows, log_probs, min_p_filter,
+                             penalized_logits, position_keys, stacked_keys, supports_sampling, top_k_filter,
+                             top_p_filter)
 from scheduler.request import SamplingParams
 
 pytestmark = pytest.mark.model
@@ -150,6 +151,31 @@ def test_without_processors_nothing_changes():
     from mlx_lm.sample_utils import apply_top_p
     expected = draw_rows(apply_top_p(log_probs(logits), 0.9) * (1 / 0.7), keys)
     assert sampler.sample(logits, [4, 5]).tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_the_filters_equal_mlx_lms_for_every_value(dtype):
+    """Our filters take the value as data (mlx-lm's compile it in, one trace and fused
+    kernel per value): the same tokens kept, the same values, for values on both
+    sides of the usual ones, one row and several, peaked rows and flat ones, ties."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+    rng = np.random.default_rng(11)
+    rows = [rng.normal(0, scale, (n, 2048)) for n, scale in ((1, 1.0), (4, 3.0), (3, 8.0))]
+    ties = np.zeros((2, 2048))
+    ties[:, :5] = 2.0  # five tokens tied for the top, the rest tied below them
+    for x in [*rows, ties]:
+        logprobs = log_probs(mx.array(x.astype(np.float32)).astype(dtype))
+        for top_p in (0.05, 0.5, 0.8, 0.9, 0.93, 0.95, 0.999):
+            assert mx.array_equal(top_p_filter(logprobs, top_p), apply_top_p(logprobs, top_p),
+                                  equal_nan=True), top_p
+        for min_p in (0.001, 0.05, 0.1, 0.37, 1.0):
+            assert mx.array_equal(min_p_filter(logprobs, min_p), apply_min_p(logprobs, min_p),
+                                  equal_nan=True), min_p
+        for top_k in (1, 5, 40, 2047):
+            assert mx.array_equal(top_k_filter(logprobs, top_k), apply_top_k(logprobs, top_k)), top_k
+    # a filter keeps at least the row's most likely token
+    flat = log_probs(mx.zeros((1, 2048)))
+    assert (top_p_filter(flat, 0.01) > -mx.inf).sum().item() >= 1
 
 
 @pytest.mark.parametrize("filters", [{}, {"top_p": 0.9}, {"top_k": 5, "min_p": 0.05}])

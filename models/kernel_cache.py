@@ -63,3 +63,16 @@ def use(cache_dir: str | None) -> str | None:
     os.environ.setdefault("CUDA_CACHE_MAXSIZE", str(DRIVER_CACHE_BYTES))
     log.info("GPU kernel cache: %s (%d kernels from earlier runs)", home, len(os.listdir(ptx)))
     return home
+
+
+def prebuild(home: str | None, model_dir: str):
+    """With an NVIDIA GPU and an empty kernel cache (`home`, from `use`; None: MLX's
+    default directory), build the first kernels a forward of `model_dir` needs in
+    parallel while the replica loads (`models.kernel_prebuild`); returns the watching
+    thread, or None when there is nothing to do."""
+    if not gpu_models():
+        return None
+    from models import kernel_prebuild
+
+    ptx = os.path.join(home, "ptx") if home else kernel_prebuild.mlx_default_ptx_dir()
+    return kernel_prebuild.start(ptx, kernel_prebuild.model_dtype(model_dir))

@@ -119,7 +119,9 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "res
     if _is_cpu():
         t32, d32 = servers.float32_copy(target, out_dir), servers.float32_copy(draft, out_dir)
         peers += [("mlx_lm-f32", t32, None, ()), ("mlx_lm-f32+draft", t32, d32, ())]
-    if peer_names:
+    if peer_names == ["none"]:  # ours only (e.g. one replica against two)
+        peers = []
+    elif peer_names:
         unknown = set(peer_names) - {p[0] for p in peers}
         if unknown:
             raise ValueError(f"unknown peer(s) {sorted(unknown)}; choose from {[p[0] for p in peers]}")
@@ -374,7 +376,7 @@ def main(argv=None) -> int:
                     help=f"our deployment config, repeatable (default {DEFAULT_CONFIG})")
     ap.add_argument("--concurrency", action="append", type=int, default=None,
                     help=f"repeatable (default {' '.join(map(str, CONCURRENCIES))})")
-    ap.add_argument("--peer", action="append", default=None, help="only these peers (repeatable)")
+    ap.add_argument("--peer", action="append", default=None, help="only these peers (repeatable; `none`: ours only)")
     ap.add_argument("--repeats", type=int, default=None, help="runs per server and concurrency")
     ap.add_argument("--repeat-prompts", action="store_true",
                     help="reuse the same prompts in every run (exercises the peer's prompt cache)")

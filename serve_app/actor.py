@@ -36,7 +36,9 @@ def build_engine(args: ServeArgs):
     """
     from models import kernel_cache
 
-    kernel_cache.use(args.kernel_cache_dir)  # before anything touches the GPU
+    home = kernel_cache.use(args.kernel_cache_dir)  # before anything touches the GPU
+    if args.prebuild_kernels:
+        kernel_cache.prebuild(home, args.model)
     import models  # noqa: F401  (fast BLAS before mlx)
     from scheduler.engine import Engine
 

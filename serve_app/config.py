@@ -226,6 +226,15 @@ class _ServeArgsBase(BaseModel):
         "system's temporary directory. Ignored on CPU and Apple silicon.",
         json_schema_extra=_doc(default="unset (MLX's default, under the temporary directory)"),
     )
+    prebuild_kernels: bool = Field(
+        True,
+        description="CUDA only: when the kernel cache is empty (a first start on a fresh machine), "
+        "build the kernel families a llama / qwen2 / mistral forward and the sampler need first "
+        "(gathers, the key/value scatter, SiLU, SwiGLU) in parallel, one short-lived process each, "
+        "while the model loads; MLX would build them one after another inside the load (3-7 s each "
+        "on an H200 host). Each helper holds a CUDA context for a few seconds. See docs/gpu.md, "
+        "\"Cold start\".",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> "_ServeArgsBase":

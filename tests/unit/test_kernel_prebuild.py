@@ -1,0 +1,87 @@
+"""`prebuild_kernels`: with an empty kernel cache on a CUDA host the first kernel
+families are built by helper processes while the replica loads, and published into the
+cache so MLX never reads half a family. On this CPU no kernel is compiled, so the
+helpers' ops run and publish nothing; what is checked here is the plumbing."""
+
+import json
+import logging
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from models import kernel_cache, kernel_prebuild
+
+
+def write_family(folder, name, parts=(".cu", ".txt", ".ptx")):
+    for ext in parts:
+        (folder / (name + ext)).write_text(f"{name}{ext}")
+
+
+def test_publish_moves_whole_families_and_leaves_a_half_written_one(tmp_path):
+    src, dst = tmp_path / "helper", tmp_path / "cache"
+    src.mkdir(), dst.mkdir()
+    write_family(src, "gather_bfloat16_int32_1")
+    write_family(src, "silu", parts=(".cu", ".ptx"))  # died before its kernel-name list
+    assert kernel_prebuild.publish(str(src), str(dst)) == 1
+    assert sorted(os.listdir(dst)) == [f"gather_bfloat16_int32_1{ext}" for ext in (".cu", ".ptx", ".txt")]
+    assert (dst / "gather_bfloat16_int32_1.ptx").read_text() == "gather_bfloat16_int32_1.ptx"
+    assert sorted(os.listdir(src)) == ["silu.cu", "silu.ptx"]
+
+
+def test_a_cache_with_kernels_is_left_alone(tmp_path, monkeypatch):
+    write_family(tmp_path, "gather_bfloat16_int32_1")
+    monkeypatch.setattr(kernel_prebuild.subprocess, "Popen", lambda *a, **k: pytest.fail("a helper started"))
+    assert kernel_prebuild.start(str(tmp_path), "bfloat16") is None
+
+
+def test_no_gpu_no_helpers(tmp_path, monkeypatch):
+    monkeypatch.setattr(kernel_cache, "gpu_models", lambda: [])
+    monkeypatch.setattr(kernel_prebuild, "start", lambda *a: pytest.fail("started without a GPU"))
+    assert kernel_cache.prebuild(str(tmp_path), str(tmp_path)) is None
+
+
+def test_the_helpers_run_in_a_cache_of_their_own_and_report_failures(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(kernel_cache, "gpu_models", lambda: ["NVIDIA H200"])
+    monkeypatch.setattr(kernel_prebuild, "FAMILIES", ("gather:{dt}:int32", "no_such_family:{dt}"))
+    seen = []
+    popen = subprocess.Popen
+
+    def spy(args, env, **kw):
+        seen.append((args[-1], env["MLX_PTX_CACHE_DIR"]))
+        return popen(args, env=env, **kw)
+
+    monkeypatch.setattr(kernel_prebuild.subprocess, "Popen", spy)
+    with caplog.at_level(logging.INFO, logger="models.kernel_prebuild"):
+        thread = kernel_cache.prebuild(str(tmp_path), str(tmp_path / "no-model"))
+        thread.join(60)
+    ptx = tmp_path / "ptx"
+    assert [name for name, _ in seen] == ["gather:bfloat16:int32", "no_such_family:bfloat16"]
+    assert all(folder.startswith(str(ptx)) and folder != str(ptx) for _, folder in seen)
+    assert os.listdir(ptx) == []  # the helpers' folders are gone
+    built = [r.getMessage() for r in caplog.records if r.getMessage().startswith("built")]
+    assert len(built) == 1 and "failed: no_such_family:bfloat16 (ValueError: unknown kernel family" in built[0]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_every_familys_op_runs(dtype):
+    """The helpers' ops, as the script runs them (here on the CPU: nothing compiled, the
+    code paths checked)."""
+    names = kernel_prebuild.families(dtype)
+    assert len(names) == len(kernel_prebuild.FAMILIES)
+    subprocess.run([sys.executable, kernel_prebuild.__file__, *names], check=True, timeout=120)
+
+
+def safetensors(path, dtypes):
+    header = json.dumps({f"t{i}": {"dtype": d, "shape": [1], "data_offsets": [0, 0]} for i, d in enumerate(dtypes)})
+    path.write_bytes(struct.pack("<Q", len(header)) + header.encode())
+
+
+def test_the_model_dtype_comes_from_the_weights_headers(tmp_path):
+    safetensors(tmp_path / "model-1.safetensors", ["U32", "U32", "BF16", "BF16", "BF16"])  # a 4-bit model
+    safetensors(tmp_path / "model-2.safetensors", ["F32"])
+    assert kernel_prebuild.model_dtype(str(tmp_path)) == "bfloat16"
+    assert kernel_prebuild.model_dtype(str(tmp_path / "missing")) == "bfloat16"
+    assert kernel_prebuild.model_dtype("models/bundled/target") == "float16"

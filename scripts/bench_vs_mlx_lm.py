@@ -46,6 +46,7 @@ to override `args` keys (YAML values), and `deployment.num_replicas=2` (any
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import statistics
 
@@ -166,9 +167,10 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "res
                 runs.append(run_record(server.name, concurrency, rep, prompt_seed, result, server_side, ticks))
                 within = "" if server_side is None else \
                     " server TTFT <= 1 s: %d / %d" % metrics.share_within(server_side, 1.0)
+                spread = "" if before is None else replica_line(before, after)
                 print(f"{run_line(server.name, concurrency, rep, result['summary'])} failed "
                       f"{result['summary']['failed']} cached prompt tokens {result['cached_prompt_tokens']}{within}"
-                      f"{tick_line(ticks)}", flush=True)
+                      f"{tick_line(ticks)}{spread}", flush=True)
     finally:
         stops = {server.name: server.stop() for server in fleet}
     if engine:  # the same runs in-process, once the servers are gone
@@ -256,16 +258,33 @@ TICK_GAP = "specslot_scheduler_tick_gap_seconds_total"
 
 
 def scrape(server) -> dict:
-    """Our server's series as they stand: the TTFT histogram (docs/metrics.md: replica
-    arrival to the first token, whether or not it decodes to text; the load generator
-    times the first chunk with text, which a random-weight model's first tokens may not
-    have), the scheduler's ticks by action (count and seconds) and the engine thread's
-    time between ticks."""
-    text = metrics.fetch(server.base_url)
-    return {"ttft": metrics.histogram_buckets(text, TTFT_HISTOGRAM),
-            "tick_count": metrics.labelled_samples(text, TICK_SUMMARY + "_count", "action"),
-            "tick_sum": metrics.labelled_samples(text, TICK_SUMMARY + "_sum", "action"),
-            "gap_s": metrics.labelled_samples(text, TICK_GAP, "").get("", 0.0)}
+    """Our server's series as they stand, summed over its replicas: the TTFT histogram
+    (docs/metrics.md: replica arrival to the first token, whether or not it decodes to
+    text; the load generator times the first chunk with text, which a random-weight
+    model's first tokens may not have), the scheduler's ticks by action (count and
+    seconds) and the engine thread's time between ticks; and by replica, the requests
+    each has given a first token (`replicas`)."""
+    texts = metrics.fetch_replicas(server.base_url, getattr(server, "num_replicas", 1))
+    out = {"ttft": {}, "tick_count": {}, "tick_sum": {}, "gap_s": 0.0, "replicas": {}}
+    for replica, text in texts.items():
+        ttft = metrics.histogram_buckets(text, TTFT_HISTOGRAM)
+        for key, series in (("ttft", ttft),
+                            ("tick_count", metrics.labelled_samples(text, TICK_SUMMARY + "_count", "action")),
+                            ("tick_sum", metrics.labelled_samples(text, TICK_SUMMARY + "_sum", "action"))):
+            for label, value in series.items():
+                out[key][label] = out[key].get(label, 0.0) + value
+        out["gap_s"] += metrics.labelled_samples(text, TICK_GAP, "").get("", 0.0)
+        out["replicas"][replica] = ttft.get(math.inf, 0.0)
+    return out
+
+
+def replica_line(before: dict, after: dict) -> str:
+    """The progress line's part about how the requests spread over replicas ("" with one)."""
+    if len(after["replicas"]) < 2:
+        return ""
+    counts = [int(n - before["replicas"].get(rid, 0.0)) for rid, n in sorted(after["replicas"].items(),
+                                                                             key=lambda kv: str(kv[0]))]
+    return f"; requests by replica {' / '.join(map(str, counts))}"
 
 
 def tick_delta(before: dict, after: dict) -> dict:

@@ -10,7 +10,7 @@
 #   EXTRA=",max_batch_size=64"  (more args overrides)  GPUS=1 (actor_num_gpus)  LIMIT=470 (seconds)
 #   EXTRAS="|,scheduler_nice=null"  (several of our configs side by side: EXTRA's values, split at |)
 #   EXTRAS="|,deployment.num_replicas=2"  (one replica against two: one GPU each with GPUS=1)
-#   PEERS="mlx_lm mlx_lm-wide" (the peer's defaults, its batching opened up)  CHARS=600 (prompt characters)
+#   PEERS="mlx_lm mlx_lm-wide" (the peer's defaults, its batching opened up; PEERS=none: ours only)  CHARS=600 (prompt characters)
 #   TOKENS=2048 (prompts of this many tokens instead of CHARS characters)
 #   ARGS="--repeat-prompts" (more bench_vs_mlx_lm flags)  NAME=vs_mlx_lm_q15 (results folder under OUT)
 #

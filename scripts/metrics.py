@@ -178,5 +178,25 @@ def series_total(text: str, name: str) -> float:
 
 def fetch(base_url: str) -> str:
     """A running server's Prometheus exposition (`GET /metrics`)."""
+    return fetch_tagged(base_url)[1]
+
+
+def fetch_tagged(base_url: str) -> tuple[str | None, str]:
+    """(the answering replica's id from its `X-Specslot-Replica` header, or None; the
+    exposition of `GET /metrics`)."""
     with urllib.request.urlopen(base_url + "/metrics", timeout=10) as resp:
-        return resp.read().decode()
+        return resp.headers.get("X-Specslot-Replica"), resp.read().decode()
+
+
+def fetch_replicas(base_url: str, num_replicas: int, tries: int = 40) -> dict[str | None, str]:
+    """Every replica's exposition, by replica id: Serve's proxy sends each `GET /metrics`
+    to one replica of its choosing, so ask until `num_replicas` different ones answered
+    (at most `tries` times: with two replicas chosen at random, missing one 39 times
+    running has odds of 2^-39)."""
+    texts: dict[str | None, str] = {}
+    for _ in range(tries):
+        replica, text = fetch_tagged(base_url)
+        texts[replica] = text
+        if len(texts) >= num_replicas:
+            break
+    return texts

@@ -24,6 +24,7 @@ class Server:
         self.env = env
         self.proc: subprocess.Popen | None = None
         self.startup_s: float | None = None
+        self.num_replicas = 1  # ours: the deployment's replicas
 
     @property
     def base_url(self) -> str:
@@ -80,8 +81,10 @@ def ours(port: int, out_dir: str, base_config: str = "configs/local.yaml", args:
     # A private Ray temp dir: otherwise `ray.init()` joins whatever cluster last wrote
     # /tmp/ray/ray_current_cluster on this machine (e.g. someone's test cluster).
     ray_tmp = f"/tmp/specslot-bench-ray-{port}"
-    return Server(name, [sys.executable, "-m", "serve_app.cli", path], port,
-                  os.path.join(out_dir, f"specslot-{port}.log"), env={"RAY_ADDRESS": "", "RAY_TMPDIR": ray_tmp})
+    server = Server(name, [sys.executable, "-m", "serve_app.cli", path], port,
+                    os.path.join(out_dir, f"specslot-{port}.log"), env={"RAY_ADDRESS": "", "RAY_TMPDIR": ray_tmp})
+    server.num_replicas = int(config["applications"][0]["deployments"][0].get("num_replicas", 1))
+    return server
 
 
 def mlx_lm_server(port: int, out_dir: str, model: str, draft: str | None = None,

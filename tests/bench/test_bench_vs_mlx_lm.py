@@ -1,7 +1,13 @@
-"""scripts.bench_vs_mlx_lm: how a --config spec becomes our server's deployment config."""
+"""scripts.bench_vs_mlx_lm: how a --config spec becomes our server's deployment config,
+and how a server of several replicas is scraped."""
+
+import http.server
+import itertools
+import threading
 
 import yaml
 
+from scripts import bench_vs_mlx_lm
 from scripts.bench_vs_mlx_lm import our_servers
 
 
@@ -15,3 +21,45 @@ def test_a_config_spec_sets_deployment_options_and_args(tmp_path):
     assert configs[1]["applications"][0]["args"]["grant_rounds"] == 3
     assert "deployment.num_replicas" not in configs[1]["applications"][0]["args"]
     assert one.name != two.name and two.port == 8951
+    assert (one.num_replicas, two.num_replicas) == (1, 2)
+
+
+def exposition(requests: int, ticks: int) -> str:
+    return (f'specslot_ttft_seconds_bucket{{le="1.0",lane="normal"}} {requests}\n'
+            f'specslot_ttft_seconds_bucket{{le="+Inf",lane="normal"}} {requests}\n'
+            f'specslot_scheduler_tick_seconds_count{{action="decode"}} {ticks}\n'
+            f'specslot_scheduler_tick_seconds_sum{{action="decode"}} {ticks / 100}\n')
+
+
+def test_a_two_replica_server_is_scraped_replica_by_replica(monkeypatch):
+    """Serve's proxy sends each /metrics to one replica: the scrape asks until both
+    answered, sums their series, and the progress line shows how requests spread."""
+    state = {"a": [3, 30], "b": [5, 50]}
+    order = itertools.cycle("aaab")  # the proxy's choice need not alternate
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            replica = next(order)
+            body = exposition(*state[replica]).encode()
+            self.send_response(200)
+            self.send_header("X-Specslot-Replica", replica)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    monkeypatch.setattr(bench_vs_mlx_lm, "TTFT_HISTOGRAM", "specslot_ttft_seconds")
+    monkeypatch.setattr(bench_vs_mlx_lm, "TICK_SUMMARY", "specslot_scheduler_tick_seconds")
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        ours = type("Ours", (), {"base_url": f"http://127.0.0.1:{server.server_port}", "num_replicas": 2})()
+        before = bench_vs_mlx_lm.scrape(ours)
+        state["a"], state["b"] = [13, 130], [9, 90]
+        after = bench_vs_mlx_lm.scrape(ours)
+    finally:
+        server.shutdown()
+    assert before["ttft"] == {1.0: 8.0, float("inf"): 8.0} and before["tick_count"] == {"decode": 80.0}
+    assert bench_vs_mlx_lm.tick_delta(before, after)["actions"]["decode"]["count"] == 140
+    assert bench_vs_mlx_lm.replica_line(before, after) == "; requests by replica 10 / 4"

@@ -51,6 +51,7 @@ class EngineClient:
         self._started = False
         self.info: dict = {}
         self.num_restarts = 0
+        self.num_events_merged = 0  # events read together with an earlier one (`events.iterate`)
 
     async def start(self) -> None:
         self.info = await self._source.start()
@@ -92,10 +93,13 @@ class EngineClient:
 
     async def _stream(self, request_id: str, queue: asyncio.Queue):
         try:
-            async for event in iterate(queue):
+            async for event in iterate(queue, self._count_merged):
                 yield event
         finally:
             self._router.close(request_id)
+
+    def _count_merged(self, n: int) -> None:
+        self.num_events_merged += n
 
     async def cancel(self, request_id: str) -> None:
         """Cancel `request_id` in the scheduler; returns once the cancel is sent.

@@ -142,6 +142,7 @@ class OpenAIService:
             raise APIError(503, "scheduler unavailable", "server_error", headers=self._retry())
         snapshot = dict(snapshot)
         snapshot["replica"] = {**self.identity, "open_streams": self.client.num_open_streams,
+                               "events_merged": self.client.num_events_merged,
                                "scheduler_restarts": self.client.num_restarts,
                                "scheduler_node_id": self.client.info.get("node_id"),
                                "scheduler_actor": self.client.info.get("actor_name"),

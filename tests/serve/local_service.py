@@ -23,7 +23,7 @@ class ScriptedClient:
         self.info = {"max_context": 512, "eos_token_ids": [eos]}
         self.full = full
         self.submitted, self.cancelled = [], []
-        self.healthy, self.num_open_streams, self.num_restarts = True, 0, 0
+        self.healthy, self.num_open_streams, self.num_restarts, self.num_events_merged = True, 0, 0, 0
 
     async def submit(self, request):
         if self.full:

@@ -25,6 +25,7 @@ class SlowStartClient:
     def __init__(self):
         self.may_start = asyncio.Event()
         self.info, self.healthy, self.num_open_streams, self.num_restarts = {}, False, 0, 0
+        self.num_events_merged = 0
         self.started = False
 
     async def start(self):

@@ -156,6 +156,7 @@ def test_the_runner_loads_a_cached_hub_id(hub_cache):
 def test_the_replica_loads_its_tokenizer_from_the_cache(hub_cache):
     class Started:
         info, healthy, num_open_streams, num_restarts = {"max_context": 512, "eos_token_ids": [0]}, True, 0, 0
+        num_events_merged = 0
 
         async def start(self):
             pass

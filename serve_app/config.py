@@ -233,7 +233,7 @@ class _ServeArgsBase(BaseModel):
         "(gathers, the key/value scatter, SiLU, SwiGLU) in parallel, one short-lived process each, "
         "while the model loads; MLX would build them one after another inside the load (3-7 s each "
         "on an H200 host). Each helper holds a CUDA context for a few seconds. See docs/gpu.md, "
-        "\"Cold start\".",
+        "\"Install and serve\".",
     )
 
     @model_validator(mode="after")

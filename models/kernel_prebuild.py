@@ -100,10 +100,17 @@ def publish(src: str, dst: str) -> int:
 def start(ptx_dir: str, dtype: str) -> threading.Thread | None:
     """Build `families(dtype)` into `ptx_dir` in parallel (a thread watching one process
     per family) when `ptx_dir` holds no kernel yet; None when it does (a cache from an
-    earlier start, whose kernels MLX loads anyway)."""
-    os.makedirs(ptx_dir, exist_ok=True)
+    earlier start, whose kernels MLX loads anyway, or a folder it cannot write: the
+    load then builds them itself)."""
     if glob.glob(os.path.join(ptx_dir, "*.ptx")):
         return None
+    try:
+        os.makedirs(ptx_dir, exist_ok=True)
+        probe = tempfile.mkdtemp(prefix=".prebuild-", dir=ptx_dir)
+    except OSError as exc:
+        log.warning("not building kernels in parallel: %s", exc)
+        return None
+    os.rmdir(probe)
     thread = threading.Thread(target=_build_all, args=(ptx_dir, families(dtype)), name="specslot-kernel-prebuild",
                               daemon=True)
     thread.start()
@@ -113,9 +120,9 @@ def start(ptx_dir: str, dtype: str) -> threading.Thread | None:
 def _build_all(ptx_dir: str, names: list[str]) -> None:
     tic = time.perf_counter()
     log.info("fresh GPU kernel cache: building %d kernel families in parallel while the model loads", len(names))
-    work = tempfile.mkdtemp(prefix=".prebuild-", dir=ptx_dir)
-    helpers = []
+    work, helpers = None, []
     try:
+        work = tempfile.mkdtemp(prefix=".prebuild-", dir=ptx_dir)
         for i, name in enumerate(names):
             out = os.path.join(work, str(i))
             os.makedirs(out)
@@ -148,7 +155,8 @@ def _build_all(ptx_dir: str, names: list[str]) -> None:
         for _, _, proc in helpers:
             if proc.poll() is None:
                 proc.kill()
-        shutil.rmtree(work, ignore_errors=True)
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def build(family: str) -> None:

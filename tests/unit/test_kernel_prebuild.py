@@ -37,6 +37,17 @@ def test_a_cache_with_kernels_is_left_alone(tmp_path, monkeypatch):
     assert kernel_prebuild.start(str(tmp_path), "bfloat16") is None
 
 
+def test_a_cache_folder_it_cannot_write_starts_nothing_and_raises_nothing(tmp_path, monkeypatch, caplog):
+    def refuse(*args, **kwargs):
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(kernel_prebuild.tempfile, "mkdtemp", refuse)
+    monkeypatch.setattr(kernel_prebuild.subprocess, "Popen", lambda *a, **k: pytest.fail("a helper started"))
+    with caplog.at_level(logging.WARNING, logger="models.kernel_prebuild"):
+        assert kernel_prebuild.start(str(tmp_path / "ptx"), "bfloat16") is None
+    assert "read-only file system" in caplog.text
+
+
 def test_no_gpu_no_helpers(tmp_path, monkeypatch):
     monkeypatch.setattr(kernel_cache, "gpu_models", lambda: [])
     monkeypatch.setattr(kernel_prebuild, "start", lambda *a: pytest.fail("started without a GPU"))

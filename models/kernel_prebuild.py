@@ -65,9 +65,8 @@ def model_dtype(model_dir: str) -> str:
 
 
 def families(dtype: str) -> list[str]:
-    """`FAMILIES` for a model computing in `dtype`, without repeats (a float32 model's
-    gathers and an int32 one coincide in nothing, but keep the list honest)."""
-    return list(dict.fromkeys(f.format(dt=dtype) for f in FAMILIES))
+    """`FAMILIES` for a model computing in `dtype`."""
+    return [f.format(dt=dtype) for f in FAMILIES]
 
 
 def mlx_default_ptx_dir() -> str:
@@ -106,23 +105,23 @@ def start(ptx_dir: str, dtype: str) -> threading.Thread | None:
         return None
     try:
         os.makedirs(ptx_dir, exist_ok=True)
-        probe = tempfile.mkdtemp(prefix=".prebuild-", dir=ptx_dir)
+        work = tempfile.mkdtemp(prefix=".prebuild-", dir=ptx_dir)  # the helpers' folders, on the cache's disk
     except OSError as exc:
         log.warning("not building kernels in parallel: %s", exc)
         return None
-    os.rmdir(probe)
-    thread = threading.Thread(target=_build_all, args=(ptx_dir, families(dtype)), name="specslot-kernel-prebuild",
-                              daemon=True)
+    thread = threading.Thread(target=_build_all, args=(ptx_dir, work, families(dtype)),
+                              name="specslot-kernel-prebuild", daemon=True)
     thread.start()
     return thread
 
 
-def _build_all(ptx_dir: str, names: list[str]) -> None:
+def _build_all(ptx_dir: str, work: str, names: list[str]) -> None:
+    """Run one helper per family in its own folder under `work`, publish each into
+    `ptx_dir` as it ends, then remove `work`."""
     tic = time.perf_counter()
     log.info("fresh GPU kernel cache: building %d kernel families in parallel while the model loads", len(names))
-    work, helpers = None, []
+    helpers = []
     try:
-        work = tempfile.mkdtemp(prefix=".prebuild-", dir=ptx_dir)
         for i, name in enumerate(names):
             out = os.path.join(work, str(i))
             os.makedirs(out)
@@ -155,8 +154,7 @@ def _build_all(ptx_dir: str, names: list[str]) -> None:
         for _, _, proc in helpers:
             if proc.poll() is None:
                 proc.kill()
-        if work is not None:
-            shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def build(family: str) -> None:

@@ -264,7 +264,7 @@ def scrape(server) -> dict:
     model's first tokens may not have), the scheduler's ticks by action (count and
     seconds) and the engine thread's time between ticks; and by replica, the requests
     each has given a first token (`replicas`)."""
-    texts = metrics.fetch_replicas(server.base_url, getattr(server, "num_replicas", 1))
+    texts = metrics.fetch_replicas(server.base_url, server.num_replicas)
     out = {"ttft": {}, "tick_count": {}, "tick_sum": {}, "gap_s": 0.0, "replicas": {}}
     for replica, text in texts.items():
         ttft = metrics.histogram_buckets(text, TTFT_HISTOGRAM)

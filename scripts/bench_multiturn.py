@@ -45,6 +45,7 @@ import os
 import time
 
 from scripts import bench_util, metrics, servers
+from scripts.proc_tree import peak_rss_mb
 from scripts.bench_vs_mlx_lm import parse_config_spec
 from scripts.prompts import stdlib_snippets
 
@@ -160,33 +161,6 @@ async def run_conversations(base_url: str, conversations: list[list[str]], concu
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return records
-
-
-def peak_rss_mb(root_pid: int) -> dict:
-    """The largest peak RSS (VmHWM) among `root_pid` and its descendants, and its name."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    best = {"peak_rss_mb": None, "process": None}
-    stack = [root_pid]
-    while stack:
-        pid = stack.pop()
-        stack += children.get(pid, [])
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-        except OSError:
-            continue
-        hwm = fields.get("VmHWM")
-        if hwm and (best["peak_rss_mb"] is None or int(hwm.split()[0]) / 1024 > best["peak_rss_mb"]):
-            best = {"peak_rss_mb": int(hwm.split()[0]) / 1024, "process": fields.get("Name", "").strip()}
-    return best
 
 
 def phase_totals(text: str) -> dict[str, list[float]]:

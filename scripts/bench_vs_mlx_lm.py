@@ -39,7 +39,8 @@ first tokens can decode to no text, which moves the client's TTFT later).
 `--config` (repeatable) starts one of our servers per config, each alternating with the
 peers: `configs/classic-only.yaml`, or `configs/local.yaml:backlog_cap=0,grant_rounds=2`
 to override `args` keys (YAML values), and `deployment.num_replicas=2` (any
-`deployment.NAME`) to set an option of the config's deployment. With more than one config each is named
+`deployment.NAME`) to set an option of the config's deployment, and `env.NAME=value` a
+variable of its environment (`env.RAY_SERVE_PROXY_USE_GRPC=0`: the proxy's transport). With more than one config each is named
 `specslot[<spec>]`. `--concurrency` and `--peer` (repeatable) narrow the sweep.
 """
 
@@ -49,10 +50,11 @@ import asyncio
 import math
 import os
 import statistics
+import time
 
 import yaml
 
-from scripts import bench_util, metrics, servers
+from scripts import bench_util, metrics, proc_tree, servers
 from scripts.loadgen import LoadConfig, run_load
 
 CONCURRENCIES = (1, 4, 16)
@@ -84,26 +86,33 @@ def parse_config_spec(spec: str) -> tuple[str, dict]:
     return path, overrides
 
 
-def split_deployment(overrides: dict) -> tuple[dict, dict]:
-    """(args overrides, deployment options): keys `deployment.NAME` set the first
-    deployment's option NAME (e.g. `num_replicas`), the others its application's `args`.
+def split_overrides(overrides: dict) -> tuple[dict, dict, dict]:
+    """(args overrides, deployment options, environment): keys `deployment.NAME` set
+    the first deployment's option NAME (e.g. `num_replicas`), keys `env.NAME` the
+    variable NAME of the server's environment (e.g. `RAY_SERVE_PROXY_USE_GRPC`, read by
+    the Ray it starts), the others its application's `args`.
 
-    >>> split_deployment({"deployment.num_replicas": 2, "actor_num_gpus": 1})
-    ({'actor_num_gpus': 1}, {'num_replicas': 2})
+    >>> split_overrides({"deployment.num_replicas": 2, "actor_num_gpus": 1, "env.RAY_SERVE_PROXY_USE_GRPC": 0})
+    ({'actor_num_gpus': 1}, {'num_replicas': 2}, {'RAY_SERVE_PROXY_USE_GRPC': '0'})
     """
-    args = {k: v for k, v in overrides.items() if not k.startswith("deployment.")}
-    return args, {k[len("deployment."):]: v for k, v in overrides.items() if k.startswith("deployment.")}
+    parts: dict[str, dict] = {"deployment.": {}, "env.": {}, "": {}}
+    for key, value in overrides.items():
+        prefix = next(p for p in parts if key.startswith(p))
+        parts[prefix][key[len(prefix):]] = str(value) if prefix == "env." else value
+    return parts[""], parts["deployment."], parts["env."]
 
 
 def our_servers(specs: list[str], base_port: int, out_dir: str) -> list:
     """One server per config spec (`deployment.NAME=value` overrides set deployment
-    options: `split_deployment`); a lone default spec keeps the plain name `specslot`."""
+    options, `env.NAME=value` its environment: `split_overrides`); a lone default spec
+    keeps the plain name `specslot`."""
     fleet = []
     for i, spec in enumerate(specs):
         path, overrides = parse_config_spec(spec)
-        args, deployment = split_deployment(overrides)
+        args, deployment, env = split_overrides(overrides)
         name = "specslot" if len(specs) == 1 else f"specslot[{os.path.basename(path)}{spec[len(path):]}]"
-        fleet.append(servers.ours(base_port + i, out_dir, path, args, name=name, deployment=deployment or None))
+        fleet.append(servers.ours(base_port + i, out_dir, path, args, name=name, deployment=deployment or None,
+                                  env=env))
     return fleet
 
 
@@ -158,19 +167,24 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "res
                     continue
                 cfg = load_config(server.base_url, concurrency, prompt_seed)
                 before = scrape(server) if server in ours else None
+                cpu_before, wall, client_cpu = proc_tree.cpu_seconds(server.proc.pid), time.perf_counter(), \
+                    time.process_time()
                 result = asyncio.run(run_load(cfg))
+                cores = cores_used(cpu_before, proc_tree.cpu_seconds(server.proc.pid), time.perf_counter() - wall,
+                                   time.process_time() - client_cpu)
                 server_side = ticks = None
                 if before is not None:
                     after = scrape(server)
                     server_side = metrics.bucket_delta(before["ttft"], after["ttft"])
                     ticks = tick_delta(before, after)
-                runs.append(run_record(server.name, concurrency, rep, prompt_seed, result, server_side, ticks))
+                runs.append(run_record(server.name, concurrency, rep, prompt_seed, result, server_side, ticks,
+                                       cores))
                 within = "" if server_side is None else \
                     " server TTFT <= 1 s: %d / %d" % metrics.share_within(server_side, 1.0)
                 spread = "" if before is None else replica_line(before, after)
                 print(f"{run_line(server.name, concurrency, rep, result['summary'])} failed "
                       f"{result['summary']['failed']} cached prompt tokens {result['cached_prompt_tokens']}{within}"
-                      f"{tick_line(ticks)}{spread}", flush=True)
+                      f"{tick_line(ticks)}{spread}{cores_line(cores)}", flush=True)
     finally:
         stops = {server.name: server.stop() for server in fleet}
     if engine:  # the same runs in-process, once the servers are gone
@@ -188,15 +202,39 @@ ENGINE = "specslot-engine"
 
 
 def run_record(name: str, concurrency: int, repeat: int, prompt_seed: int, result: dict,
-               server_side: dict | None = None, ticks: dict | None = None) -> dict:
+               server_side: dict | None = None, ticks: dict | None = None, cores: dict | None = None) -> dict:
     """One run as the results keep it: `result` from the load generator (or the
-    in-process load), `server_side` the replica's TTFT histogram over the run and
-    `ticks` its scheduler's ticks (`tick_delta`; None: not read)."""
+    in-process load), `server_side` the replica's TTFT histogram over the run,
+    `ticks` its scheduler's ticks (`tick_delta`; None: not read) and `cores` the CPU
+    cores each kind of the server's processes and the load generator used (`cores_used`)."""
     return {"server": name, "concurrency": concurrency, "repeat": repeat, "prompt_seed": prompt_seed,
             "cached_prompt_tokens": result["cached_prompt_tokens"], "summary": result["summary"],
             "output_lengths": result["output_lengths"],
             "server_ttft_buckets": None if server_side is None else {str(k): v for k, v in server_side.items()},
-            "server_ticks": ticks}
+            "server_ticks": ticks, "cores": cores}
+
+
+def cores_used(before: dict, after: dict, wall_s: float, client_cpu_s: float) -> dict:
+    """CPU cores used over a run by each kind of the server's processes
+    (`proc_tree.cpu_by_kind`) and by this process, the load generator (`client`).
+
+    >>> cores_used({7: ("ProxyActor", 1.0)}, {7: ("ProxyActor", 2.0)}, 2.0, 0.5)
+    {'ProxyActor': 0.5, 'client': 0.25}
+    """
+    return {**proc_tree.cpu_by_kind(before, after, wall_s), "client": client_cpu_s / wall_s}
+
+
+def cores_line(cores: dict | None, top: int = 5) -> str:
+    """The progress line's part about CPU: the busiest kinds and the client, in cores.
+
+    >>> cores_line({"ProxyActor": 0.91, "SchedulerActor": 0.6, "raylet": 0.01, "client": 0.42}, top=2)
+    '; cores: ProxyActor 0.91, SchedulerActor 0.60, client 0.42'
+    """
+    if not cores:
+        return ""
+    busiest = [(name, value) for name, value in cores.items() if name != "client"][:top]
+    parts = [f"{name} {value:.2f}" for name, value in busiest + [("client", cores.get("client", 0.0))]]
+    return f"; cores: {', '.join(parts)}"
 
 
 def run_line(name: str, concurrency: int, repeat: int, summary: dict) -> str:

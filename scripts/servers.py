@@ -63,10 +63,11 @@ class Server:
 
 
 def ours(port: int, out_dir: str, base_config: str = "configs/local.yaml", args: dict | None = None,
-         name: str = "specslot", deployment: dict | None = None) -> Server:
+         name: str = "specslot", deployment: dict | None = None, env: dict | None = None) -> Server:
     """Our service through its own entry point (`python -m serve_app.cli <config>`), with
     the config's HTTP port moved to `port`, and `args` and `deployment` options (if any)
-    merged over the first application's `args` and first deployment's options."""
+    merged over the first application's `args` and first deployment's options; `env`
+    adds to (or overrides) the process's environment."""
     with open(base_config) as f:
         config = yaml.safe_load(f)
     config.setdefault("http_options", {}).update({"host": HOST, "port": port})
@@ -82,7 +83,7 @@ def ours(port: int, out_dir: str, base_config: str = "configs/local.yaml", args:
     # /tmp/ray/ray_current_cluster on this machine (e.g. someone's test cluster).
     ray_tmp = f"/tmp/specslot-bench-ray-{port}"
     server = Server(name, [sys.executable, "-m", "serve_app.cli", path], port,
-                    os.path.join(out_dir, f"specslot-{port}.log"), env={"RAY_ADDRESS": "", "RAY_TMPDIR": ray_tmp})
+                    os.path.join(out_dir, f"specslot-{port}.log"), env={"RAY_ADDRESS": "", "RAY_TMPDIR": ray_tmp, **(env or {})})
     server.num_replicas = int(config["applications"][0]["deployments"][0].get("num_replicas", 1))
     return server
 

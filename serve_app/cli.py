@@ -21,6 +21,15 @@ import threading
 import time
 
 DEFAULT_CONFIG = "configs/local.yaml"
+# The environment a Ray instance this CLI starts gets (unless already set), so its
+# daemons and every worker they start (Serve's proxy included) inherit it:
+# - RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps Ray's services on loopback (Ray otherwise
+#   binds them to the host's routable IP); the HTTP address comes from http_options.
+# - RAY_SERVE_PROXY_USE_GRPC=1: Serve's HTTP proxy sends each request to its replica,
+#   and reads the streamed chunks back, over the replica's gRPC server instead of Ray
+#   actor calls; per streamed token the proxy and the replica use about half the CPU
+#   (docs/configuration.md, "HTTP proxy transport").
+LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_SERVE_PROXY_USE_GRPC": "1"}
 # Replicas stop their scheduler actors within this (graceful_shutdown_timeout_s is 5).
 SERVE_SHUTDOWN_S = 7.0
 RAY_SHUTDOWN_S = 2.0
@@ -43,9 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     if not os.environ.get("RAY_ADDRESS"):
-        # A local Ray instance stays on loopback (Ray otherwise binds its services to the
-        # host's routable IP); the HTTP address comes from the config's http_options.
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        for name, value in LOCAL_RAY_ENV.items():
+            os.environ.setdefault(name, value)
     import models  # noqa: F401  (fast BLAS before anything imports mlx)
     from serve_app.launch import LaunchError, app_targets, precheck, read_config, wait_until_ready
 

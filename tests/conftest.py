@@ -19,6 +19,12 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Keep every Ray address on loopback: by default Ray swaps 127.0.0.1 for the host's
 # routable IP when connecting, which also sends traffic off loopback.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+# The rest of what `python -m serve_app.cli` gives a Ray it starts (its proxy's
+# transport to the replicas), so the tests run the path users run.
+from serve_app.cli import LOCAL_RAY_ENV  # noqa: E402
+
+for _name, _value in LOCAL_RAY_ENV.items():
+    os.environ.setdefault(_name, _value)
 # Both "nodes" share one host; without this the proxy sends every request to the
 # replica on its own node and a two-node test could not see the other one answer.
 os.environ.setdefault("RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING", "0")

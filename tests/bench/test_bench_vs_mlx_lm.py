@@ -12,9 +12,11 @@ from scripts.bench_vs_mlx_lm import our_servers
 
 
 def test_a_config_spec_sets_deployment_options_and_args(tmp_path):
-    """`deployment.NAME=value` in a --config spec lands in the deployment, the rest in args
-    (how the GPU benchmark runs one replica against two)."""
-    one, two = our_servers(["configs/local.yaml", "configs/local.yaml:deployment.num_replicas=2,grant_rounds=3"],
+    """`deployment.NAME=value` in a --config spec lands in the deployment, `env.NAME=value`
+    in the server's environment, the rest in args (how the GPU benchmark runs one replica
+    against two, or the proxy's two transports)."""
+    one, two = our_servers(["configs/local.yaml",
+                            "configs/local.yaml:deployment.num_replicas=2,grant_rounds=3,env.RAY_SERVE_PROXY_USE_GRPC=0"],
                            8950, str(tmp_path))
     configs = [yaml.safe_load(open(tmp_path / f"specslot-{port}.yaml")) for port in (8950, 8951)]
     assert [c["applications"][0]["deployments"][0]["num_replicas"] for c in configs] == [1, 2]
@@ -22,6 +24,9 @@ def test_a_config_spec_sets_deployment_options_and_args(tmp_path):
     assert "deployment.num_replicas" not in configs[1]["applications"][0]["args"]
     assert one.name != two.name and two.port == 8951
     assert (one.num_replicas, two.num_replicas) == (1, 2)
+    # `env.NAME` reaches the server's environment, nothing else of the config
+    assert two.env["RAY_SERVE_PROXY_USE_GRPC"] == "0" and "RAY_SERVE_PROXY_USE_GRPC" not in one.env
+    assert not any("RAY_SERVE" in key for key in configs[1]["applications"][0]["args"])
 
 
 def exposition(requests: int, ticks: int) -> str:

@@ -13,6 +13,7 @@ import httpx
 import pytest
 import yaml
 
+from scripts import proc_tree
 from serve_helpers import REPO_ROOT, free_port, wait_until
 
 pytestmark = pytest.mark.serve
@@ -43,7 +44,9 @@ def test_cli_prints_one_ready_line_and_a_group_sigterm_ends_everything(tmp_path)
     config["applications"][0]["args"]["policy_cache_dir"] = str(tmp_path / "policy")
     path = tmp_path / "local.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # Without the proxy's transport variable (the test session sets it for its own
+    # cluster): the CLI must set it for the Ray it starts.
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_SERVE_PROXY_USE_GRPC")}
     env["PYTHONPATH"] = REPO_ROOT
     log_path = tmp_path / "cli.log"
     with open(log_path, "wb") as log:
@@ -59,6 +62,11 @@ def test_cli_prints_one_ready_line_and_a_group_sigterm_ends_everything(tmp_path)
         # Ray starts its workers in their own sessions: follow the replica and its actor too.
         replica = httpx.get(f"http://127.0.0.1:{port}/v1/internal/scheduler", timeout=5).json()["replica"]
         worker_pids = [replica["pid"], replica["scheduler_pid"]]
+        # Serve's HTTP proxy, a worker of the Ray the CLI started, reaches the replicas over gRPC.
+        proxies = [pid for pid, (kind, _) in proc_tree.cpu_seconds(proc.pid).items() if kind == "ProxyActor"]
+        assert len(proxies) == 1
+        with open(f"/proc/{proxies[0]}/environ", "rb") as f:
+            assert b"RAY_SERVE_PROXY_USE_GRPC=1" in f.read().split(b"\0")
         signalled = time.monotonic()
         os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=10) == 0  # reaped here: a zombie leader keeps the group "alive"

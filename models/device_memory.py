@@ -9,6 +9,13 @@ GPU (two replicas given half a GPU each, or a benchmark's servers side by side) 
 out of memory, and a request whose prefill cannot allocate fails. `bound_cache` caps
 the cache at `CACHE_SHARE` of the device's memory on a CUDA GPU; what is freed beyond it
 goes back to the device.
+
+Several processes may share one GPU by design: replicas given a fraction of a GPU
+(`actor_num_gpus: 0.5`). Each sizes what it keeps from its share (`set_share`, set by the
+scheduler actor before it loads the model): `total_memory` is the share of the device's
+memory, so the buffer cache's cap and the prefix cache's default budget
+(`prefix_cache.available_memory`) scale with it, and the processes on one GPU together
+stay within the memory one process would use alone.
 """
 
 from __future__ import annotations
@@ -19,8 +26,21 @@ import mlx.core as mx
 
 log = logging.getLogger(__name__)
 
-CACHE_SHARE = 1 / 8  # of the device's memory, at least MIN_CACHE_BYTES
+CACHE_SHARE = 1 / 8  # of this process's memory (`total_memory`), at least MIN_CACHE_BYTES
 MIN_CACHE_BYTES = 2 << 30
+_share = 1.0  # of the device, this process's (`set_share`)
+
+
+def set_share(fraction: float | None) -> float:
+    """This process's share of the device: `fraction` when 0 < fraction < 1 (a fraction
+    of a GPU, as Ray schedules it), else the whole device. Returns the share set.
+
+    >>> set_share(0.25), set_share(1), set_share(0), set_share(None)
+    (0.25, 1.0, 1.0, 1.0)
+    """
+    global _share
+    _share = float(fraction) if fraction is not None and 0 < fraction < 1 else 1.0
+    return _share
 
 
 def on_cuda() -> bool:
@@ -29,11 +49,18 @@ def on_cuda() -> bool:
     return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
 
 
-def total_memory() -> int | None:
+def device_memory() -> int | None:
     """The device's memory in bytes as MLX reports it (None where it does not)."""
     info = mx.device_info()
     total = info.get("memory_size") or info.get("total_memory")
     return int(total) if total else None
+
+
+def total_memory() -> int | None:
+    """This process's share (`set_share`) of the device's memory in bytes (None where
+    MLX does not report it)."""
+    total = device_memory()
+    return int(total * _share) if total else None
 
 
 def cache_limit(total_bytes: int) -> int:
@@ -54,6 +81,7 @@ def bound_cache() -> int | None:
         return None
     limit = cache_limit(total)
     mx.set_cache_limit(limit)
-    log.info("MLX buffer cache capped at %.1f GB (%d%% of the GPU's %.0f GB)", limit / 1e9, CACHE_SHARE * 100,
-             total / 1e9)
+    share = "" if _share == 1.0 else f" of this process's {_share:g} share"
+    log.info("MLX buffer cache capped at %.1f GB (%d%%%s of the GPU's %.0f GB)", limit / 1e9, CACHE_SHARE * 100,
+             share, device_memory() / 1e9)
     return limit

@@ -93,8 +93,9 @@ def default_budget(available_bytes: int) -> int:
 
 
 def available_memory() -> int:
-    """Bytes the KV may still take: the device's memory less what MLX holds on a GPU,
-    the host's available memory on a CPU."""
+    """Bytes the KV may still take: this process's share of the device's memory
+    (`device_memory.total_memory`) less what MLX holds on a GPU, the host's available
+    memory on a CPU."""
     total = total_memory()
     if mx.default_device() == mx.gpu and total:
         return max(total - mx.get_active_memory(), 0)

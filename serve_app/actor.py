@@ -51,6 +51,9 @@ def build_engine(args: ServeArgs):
         draft_note = f", draft {drafter.path}" if drafter.needs_weights else f", drafter {drafter.kind}"
         logger.info("loading target %s%s", args.model, draft_note)
         tic = time.perf_counter()
+        from models import device_memory
+
+        device_memory.set_share(args.actor_num_gpus)  # a fraction of a GPU sizes its caches from it
         runner = MlxRunner.from_paths(args.model, **args.runner_args())
         logger.info("loaded in %.1f s (device %s, %s batch)", time.perf_counter() - tic, hardware_name(),
                     "slab" if runner.fuse_blocker is None else "BatchGenerator")

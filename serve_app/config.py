@@ -202,7 +202,9 @@ class _ServeArgsBase(BaseModel):
     )
     actor_num_gpus: float = Field(
         0.0, ge=0.0, le=8.0,
-        description="GPUs the scheduler actor reserves (CUDA nodes; 0 on CPU and Apple silicon).",
+        description="GPUs the scheduler actor reserves (CUDA nodes; 0 on CPU and Apple silicon). "
+        "A fraction below 1 puts several replicas on one GPU; each then sizes its MLX buffer "
+        "cache's cap and its default `prefix_cache_bytes` from that share of the GPU's memory.",
     )
     scheduler_nice: int | None = Field(
         19, ge=-20, le=19,

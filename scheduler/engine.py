@@ -5,6 +5,14 @@ runner is built there, and every tick runs there. Other threads talk to it throu
 the scheduler's `RequestLedger` (`submit` / `cancel`), a queue of `reconfigure`
 changes, and `get_events` out. When there is no work the thread blocks on a condition
 until something arrives.
+
+A failed step fails its requests and the engine keeps serving (an out-of-memory prefill
+is one such step). A device error that leaves the GPU context unusable is different:
+after "an illegal memory access was encountered" every later MLX call in the process
+fails the same way. When a tick's error events carry one of those (`device_lost`), the
+engine fails every unfinished request, stops ticking and reports `fatal_error`; the
+process has to be replaced (the scheduler actor exits and its replica starts a fresh
+one: `serve_app.actor`).
 """
 
 from __future__ import annotations
@@ -23,6 +31,38 @@ from scheduler.model_api import ModelRunner
 from scheduler.request import Request
 
 log = logging.getLogger(__name__)
+
+# CUDA's messages for errors that leave the process's context unusable (cudaGetErrorString:
+# illegal address, launch failure, device assert, illegal instruction, misaligned address,
+# invalid program counter, hardware stack error, launch timeout, uncorrectable ECC error).
+# Out of memory is not among them: the next step may fit.
+DEVICE_LOST_MARKERS = (
+    "an illegal memory access was encountered",
+    "unspecified launch failure",
+    "device-side assert triggered",
+    "an illegal instruction was encountered",
+    "misaligned address",
+    "invalid program counter",
+    "hardware stack error",
+    "the launch timed out and was terminated",
+    "uncorrectable ECC error encountered",
+)
+
+
+def device_lost(events: list[TokenEvent]) -> str | None:
+    """The first error among `events` that says the device is lost (`DEVICE_LOST_MARKERS`).
+
+    >>> device_lost([TokenEvent("a", [], finish_reason="error", error="classic_prefill failed: "
+    ...     "cudaMallocAsync(&data, size, stream) failed: out of memory")]) is None
+    True
+    >>> device_lost([TokenEvent("b", [], finish_reason="error", error="classic_prefill failed: "
+    ...     "cudaMallocManaged(&data, size) failed: an illegal memory access was encountered")])
+    'classic_prefill failed: cudaMallocManaged(&data, size) failed: an illegal memory access was encountered'
+    """
+    for event in events:
+        if event.error and any(marker in event.error for marker in DEVICE_LOST_MARKERS):
+            return event.error
+    return None
 
 
 def freeze_heap() -> None:
@@ -55,6 +95,7 @@ class Engine:
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self._stopped = threading.Event()  # the loop has ended; the thread stays parked
+        self._fatal: str | None = None  # the device-lost error that ended the loop
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -81,12 +122,17 @@ class Engine:
     def running(self) -> bool:
         return self._thread is not None and not self._stopped.is_set()
 
+    @property
+    def fatal_error(self) -> str | None:
+        """The error that lost the device and stopped the engine (None while it serves)."""
+        return self._fatal
+
     # -- thread-safe inputs ------------------------------------------------------------
     def submit(self, request: Request) -> None:
         """Raises `QueueFull` at `max_queue_depth` unfinished requests, ValueError on a
         duplicate id, RuntimeError when the engine is not running."""
         with self._lock:
-            if self._stopping or not self._ready.is_set() or self._load_error is not None:
+            if self._stopping or not self._ready.is_set() or self._load_error is not None or self._fatal:
                 raise RuntimeError("engine is not running")
             self._ledger.admit(request, max_unfinished=self._config.max_queue_depth)
             self._wake.notify()
@@ -180,8 +226,16 @@ class Engine:
                 except Exception as exc:  # noqa: BLE001 - a scheduler bug must not hang clients
                     log.exception("scheduler tick failed; failing unfinished requests")
                     events = self._fail_everything(scheduler, exc)
+                lost = device_lost(events)
+                if lost is not None:
+                    log.error("the device is lost (%s): failing every request; this engine stops", lost)
+                    with self._lock:  # no submission lands between the failures and the flag
+                        events = events + self._fail_everything(scheduler, f"the device is lost ({lost})")
+                        self._fatal = lost
                 idle = not scheduler.has_work()
             self._publish(events)
+            if self._fatal:
+                return  # every later MLX call in this process would fail the same way
             ended = time.perf_counter()
         with self._state_lock:
             events = scheduler.cancel_all()
@@ -190,7 +244,7 @@ class Engine:
         if callable(close):
             close()
 
-    def _fail_everything(self, scheduler: Scheduler, exc: Exception) -> list[TokenEvent]:
+    def _fail_everything(self, scheduler: Scheduler, exc: Exception | str) -> list[TokenEvent]:
         # The failed tick's events never go out: a request it finished fails as well.
         finished = [e for e in scheduler.sink.drain() if e.finish_reason is not None]
         requests = self._ledger.unfinished()

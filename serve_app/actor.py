@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 ACTOR_MAX_CONCURRENCY = 8
 ACTOR_NAMESPACE = "specslot"  # poll + submits/cancels/snapshots in flight at once
+EXIT_DEVICE_LOST = 70  # the scheduler actor's exit status when its device is lost (EX_SOFTWARE)
 
 
 def build_engine(args: ServeArgs):
@@ -102,6 +103,8 @@ def set_process_nice(nice: int) -> int:
 class SchedulerActor:
     """Ray actor body; created through `ActorSource`, never directly by users."""
 
+    _exit = staticmethod(os._exit)  # the process ends without unwinding (its device context is broken)
+
     def __init__(self, args: dict) -> None:
         from models.checks import ModelLoadError
 
@@ -123,7 +126,14 @@ class SchedulerActor:
         return {**self._info, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
     def poll(self, timeout: float) -> list:
-        return self._engine.get_events(timeout)
+        events = self._engine.get_events(timeout)
+        if not events and self._engine.fatal_error:
+            # The device is lost (scheduler.engine.device_lost) and every request got
+            # its error event in an earlier poll: end the process, so the replica sees
+            # the actor die and starts a fresh one with a new device context.
+            logger.error("scheduler actor exits: the device is lost (%s)", self._engine.fatal_error)
+            self._exit(EXIT_DEVICE_LOST)
+        return events
 
     def submit(self, request: Request) -> None:
         self._engine.submit(request)  # QueueFull reaches the replica through `_call`

@@ -196,7 +196,11 @@ class LocalSource:
         return dict(info)
 
     async def poll(self, timeout: float) -> list:
-        return await asyncio.to_thread(self._engine.get_events, timeout)
+        events = await asyncio.to_thread(self._engine.get_events, timeout)
+        if not events and self._engine.fatal_error:
+            # As the scheduler actor's process ends (serve_app.actor): the engine is lost.
+            raise SchedulerLost(f"the device is lost ({self._engine.fatal_error})")
+        return events
 
     async def submit(self, request: Request) -> None:
         self._engine.submit(request)

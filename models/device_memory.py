@@ -14,8 +14,8 @@ Several processes may share one GPU by design: replicas given a fraction of a GP
 (`actor_num_gpus: 0.5`). Each sizes what it keeps from its share (`set_share`, set by the
 scheduler actor before it loads the model): `total_memory` is the share of the device's
 memory, so the buffer cache's cap and the prefix cache's default budget
-(`prefix_cache.available_memory`) scale with it, and the processes on one GPU together
-stay within the memory one process would use alone.
+(`prefix_cache.available_memory`) are fractions of the share, not of the whole device
+(the prefix cache's default keeps its absolute cap of 4 GiB).
 """
 
 from __future__ import annotations

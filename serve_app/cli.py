@@ -27,8 +27,8 @@ DEFAULT_CONFIG = "configs/local.yaml"
 #   binds them to the host's routable IP); the HTTP address comes from http_options.
 # - RAY_SERVE_PROXY_USE_GRPC=1: Serve's HTTP proxy sends each request to its replica,
 #   and reads the streamed chunks back, over the replica's gRPC server instead of Ray
-#   actor calls; per streamed token the proxy and the replica use about half the CPU
-#   (docs/configuration.md, "HTTP proxy transport").
+#   actor calls; per streamed token the proxy uses about half the CPU and the replica
+#   about two thirds (docs/configuration.md, "HTTP proxy transport").
 LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_SERVE_PROXY_USE_GRPC": "1"}
 # Replicas stop their scheduler actors within this (graceful_shutdown_timeout_s is 5).
 SERVE_SHUTDOWN_S = 7.0

@@ -1,7 +1,9 @@
-"""Factories for scheduler unit tests: requests, schedulers, and a tick driver."""
+"""Factories for scheduler unit tests: requests, schedulers, a tick driver, and a reader
+of a started engine's events."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from scheduler.config import SchedulerConfig
@@ -85,3 +87,17 @@ def run_until_idle(scheduler: Scheduler, trace: Trace | None = None, max_ticks: 
             return trace
         tick(scheduler, trace)
     raise AssertionError(f"scheduler still busy after {max_ticks} ticks")
+
+
+def collect(engine, ids, timeout=10.0):
+    """(tokens by request id, finishing event by request id) for `ids`, read from a
+    started `Engine` until every one has finished (fails after `timeout` seconds)."""
+    streams, finishes = {}, {}
+    deadline = time.monotonic() + timeout
+    while set(finishes) != set(ids):
+        assert time.monotonic() < deadline, f"timed out; finished {sorted(finishes)}"
+        for event in engine.get_events(timeout=0.5):
+            streams.setdefault(event.request_id, []).extend(event.token_ids)
+            if event.finish_reason:
+                finishes[event.request_id] = event
+    return streams, finishes

@@ -8,6 +8,8 @@ need the caller to hold it, so a wedged or double-booked slot fails the test.
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 
 from scheduler.model_api import RoundOutcome, TokenBatch
@@ -246,3 +248,28 @@ class FakeRunner:
 
     def policy_key(self):
         return self.key
+
+
+class SlowRunner(FakeRunner):
+    """Each model action takes a little wall time, so requests overlap."""
+
+    def __init__(self, delay=0.002, **kw):
+        super().__init__(**kw)
+        self.delay = delay
+        self.thread_ids = set()
+
+    def _note(self):
+        self.thread_ids.add(threading.get_ident())
+        time.sleep(self.delay)
+
+    def spec_begin(self, request):
+        self._note()
+        return super().spec_begin(request)
+
+    def spec_round(self, request_id, probe=False):
+        self._note()
+        return super().spec_round(request_id, probe)
+
+    def classic_decode(self, drafts=False, skip_cap=2):
+        self._note()
+        return super().classic_decode(drafts)

@@ -11,8 +11,8 @@ from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from serve_app.actor import EXIT_DEVICE_LOST, SchedulerActor
 from serve_app.client import EngineClient, LocalSource
-from tests.unit.factories import make_request
-from tests.unit.test_engine import SlowRunner, collect
+from tests.unit.factories import collect, make_request
+from tests.unit.fakes import SlowRunner
 
 ILLEGAL = "cudaMallocManaged(&data, size) failed: an illegal memory access was encountered"
 OOM = "cudaMallocAsync(&data, size, stream) failed: out of memory"

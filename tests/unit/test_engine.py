@@ -8,45 +8,8 @@ import pytest
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.ledger import QueueFull
-from tests.unit.factories import make_request
-from tests.unit.fakes import FakeRunner, token_at
-
-
-class SlowRunner(FakeRunner):
-    """Each model action takes a little wall time, so requests overlap."""
-
-    def __init__(self, delay=0.002, **kw):
-        super().__init__(**kw)
-        self.delay = delay
-        self.thread_ids = set()
-
-    def _note(self):
-        self.thread_ids.add(threading.get_ident())
-        time.sleep(self.delay)
-
-    def spec_begin(self, request):
-        self._note()
-        return super().spec_begin(request)
-
-    def spec_round(self, request_id, probe=False):
-        self._note()
-        return super().spec_round(request_id, probe)
-
-    def classic_decode(self, drafts=False, skip_cap=2):
-        self._note()
-        return super().classic_decode(drafts)
-
-
-def collect(engine, ids, timeout=10.0):
-    streams, finishes = {}, {}
-    deadline = time.monotonic() + timeout
-    while set(finishes) != set(ids):
-        assert time.monotonic() < deadline, f"timed out; finished {sorted(finishes)}"
-        for event in engine.get_events(timeout=0.5):
-            streams.setdefault(event.request_id, []).extend(event.token_ids)
-            if event.finish_reason:
-                finishes[event.request_id] = event
-    return streams, finishes
+from tests.unit.factories import collect, make_request
+from tests.unit.fakes import FakeRunner, SlowRunner, token_at
 
 
 @pytest.fixture

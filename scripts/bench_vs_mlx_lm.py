@@ -167,8 +167,8 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "res
                     continue
                 cfg = load_config(server.base_url, concurrency, prompt_seed)
                 before = scrape(server) if server in ours else None
-                cpu_before, wall, client_cpu = proc_tree.cpu_seconds(server.proc.pid), time.perf_counter(), \
-                    time.process_time()
+                cpu_before = proc_tree.cpu_seconds(server.proc.pid)
+                wall, client_cpu = time.perf_counter(), time.process_time()
                 result = asyncio.run(run_load(cfg))
                 cores = cores_used(cpu_before, proc_tree.cpu_seconds(server.proc.pid), time.perf_counter() - wall,
                                    time.process_time() - client_cpu)

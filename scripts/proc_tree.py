@@ -18,17 +18,24 @@ _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _RAY_TITLE = re.compile(r"^ray::([A-Za-z_][\w]*)")
 
 
-def descendants(root_pid: int) -> list[int]:
-    """`root_pid` and every process below it, read from /proc now."""
-    children: dict[int, list[int]] = {}
+def _stats() -> dict[int, list[str]]:
+    """Every process's /proc/PID/stat fields after its name (state, ppid, ...), read now."""
+    stats = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
+                    stats[int(entry)] = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
                 continue
-            children.setdefault(ppid, []).append(int(entry))
+    return stats
+
+
+def descendants(root_pid: int, stats: dict[int, list[str]] | None = None) -> list[int]:
+    """`root_pid` and every process below it, from `stats` (`_stats()`; read now if not given)."""
+    children: dict[int, list[int]] = {}
+    for pid, fields in (_stats() if stats is None else stats).items():
+        children.setdefault(int(fields[1]), []).append(pid)
     found, stack = [], [root_pid]
     while stack:
         pid = stack.pop()
@@ -64,25 +71,20 @@ def kind(cmdline: str) -> str:
     return exe
 
 
-def _read(pid: int) -> tuple[str, float] | None:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    # utime and stime: fields 14 and 15 of stat, 12 and 13 after the name
-    return cmdline, (int(fields[11]) + int(fields[12])) / _TICKS
-
-
 def cpu_seconds(root_pid: int) -> dict[int, tuple[str, float]]:
     """Per process of the tree: (its kind, the CPU seconds it has used so far)."""
+    stats = _stats()
     out = {}
-    for pid in descendants(root_pid):
-        read = _read(pid)
-        if read is not None:
-            out[pid] = (kind(read[0]), read[1])
+    for pid in descendants(root_pid, stats):
+        if pid not in stats:  # the root, ended before the scan
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # ended since the scan
+            continue
+        # utime and stime: fields 14 and 15 of stat, 12 and 13 after the name
+        out[pid] = (kind(cmdline), (int(stats[pid][11]) + int(stats[pid][12])) / _TICKS)
     return out
 
 

@@ -11,8 +11,10 @@ optional rider, extract, adopt, remove), over rows that each keep their own leng
   fill the slab's first slots, sessions the slots after them, so a decode step's rows
   are the buffer's first m rows and attend in one call;
 - with a `PrefixCache`, a new row starts from the longest cached prefix of its prompt
-  (copied into the row) and prefills only the rest; a row that leaves (finished,
-  cancelled, or a session's row released) stores its tokens' KV for later prompts;
+  (copied into the row) and prefills only the rest; a prefilled prompt is stored at the
+  batch's next operation (its first token goes out first), and a row that leaves
+  (finished, cancelled, or a session's row released) stores its tokens' KV for later
+  prompts;
 - with `row_drafts`, every row may also verify its own n-gram drafts (prompt lookup
   over its prompt and output, `models.drafters.NgramIndex`) in the same forward: it
   accepts the prefix of drafts equal to what its sampler draws at the verify positions
@@ -139,6 +141,7 @@ class RaggedBatch:
         self._finished: set[str] = set()  # finished rows not yet removed
         self._steps = 0
         self._ahead: _Ahead | None = None  # the queued plain step (grid slabs)
+        self._stores: list[tuple[Row, list[int]]] = []  # prompts a prefill group left to store (`_flush_stores`)
         self.prefix_cache = prefix_cache
 
     @property
@@ -190,11 +193,12 @@ class RaggedBatch:
             self.slab.shrink()
 
     def keep_prompt(self, cache: list, prompt_ids: Sequence[int]) -> None:
-        """Store a session's prompt KV once its prefill has run (a cache that is not a
-        live session row is ignored)."""
+        """Store a session's prompt KV once its prefill has run, at the batch's next
+        operation as a prefill group's (`_flush_stores`: after the session's first token
+        went out; a cache that is not a live session row is ignored)."""
         row = _row_of(cache)
-        if row is not None and id(row) in self._sessions and not row.freed:
-            self._store_prefix(row, prompt_ids)
+        if row is not None and id(row) in self._sessions and not row.freed and self.prefix_cache is not None:
+            self._stores.append((row, list(prompt_ids)))
 
     # -- the prefix cache ---------------------------------------------------------------
     def _reuse_prefix(self, row: Row, prompt_ids: Sequence[int]) -> int:
@@ -204,6 +208,16 @@ class RaggedBatch:
             return 0
         self.slab.write_prefix(row, hit.keys, hit.values, hit.num_tokens)
         return hit.num_tokens
+
+    def _flush_stores(self) -> None:
+        """Store the prompts a prefill group or a session's prefill left (`keep_prompt`):
+        a row's prompt positions stay as they are while it lives, and a row that ended
+        since stored its whole stream, the prompt included, when it left (`_drop`,
+        `release`)."""
+        stores, self._stores = self._stores, []
+        for row, prompt_ids in stores:
+            if not row.freed:
+                self._store_prefix(row, prompt_ids)
 
     def _store_prefix(self, row: Row, token_ids: Sequence[int]) -> None:
         """Store the KV of `token_ids` but the last (the pending token, never fed). A row
@@ -238,8 +252,9 @@ class RaggedBatch:
         advance. A row starts from its prompt's longest cached prefix (setting the
         request's `num_cached_tokens`); the other prompt tokens run in chunked forwards
         whose logits are computed at each row's last prompt token only, and are stored
-        in the prefix cache right away (all but the last token), so requests that share
-        the prompt and come while this one runs start from it."""
+        in the prefix cache (all but the last token) at the batch's next operation, once
+        the first tokens are out, so requests that share the prompt and come while this
+        one runs start from it."""
         if not requests:
             return []
         check_admissible(requests, self.request_ids())
@@ -307,9 +322,9 @@ class RaggedBatch:
                                       stop_token_ids(self._eos_token_ids, r.sampling), r.sampling.max_tokens,
                                       0, r.prompt_ids[-1], r.prompt_ids[:-1], int(r.lane))
             streams.append(stream)
-        for r, row, stored in zip(requests, rows, computed):
-            if stored:
-                self._store_prefix(row, r.prompt_ids)
+        # Stored at the batch's next operation (`_flush_stores`), once these first tokens
+        # are out: the copy (a prompt's keys and values, every layer) is not on their path.
+        self._stores += [(row, list(r.prompt_ids)) for r, row, stored in zip(requests, rows, computed) if stored]
         for i, (r, row) in enumerate(zip(requests, rows)):
             source = rows[leader[i]]
             if source is not row:
@@ -457,7 +472,9 @@ class RaggedBatch:
 
     def _take_back(self) -> None:
         """Undo the queued step: its rows are one shorter again (its draws changed no
-        sampler: they are dropped)."""
+        sampler: they are dropped). Every operation that changes the batch other than a
+        pipelined step starts here, so the prompt stores a prefill deferred run here too."""
+        self._flush_stores()
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return

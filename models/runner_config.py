@@ -53,7 +53,7 @@ class RunnerConfig:
         "speculative session's target cache starts from the longest cached prefix of its prompt "
         "(at least 64 tokens, never the last prompt token) and prefills only the rest; a stream "
         "that finishes or is cancelled stores its prompt and output (a prompt is stored once prefilled "
-        "too, for requests sharing it meanwhile), least recently used entries "
+        "too, for requests sharing it meanwhile, after its first token went out), least recently used entries "
         "are evicted to stay within the budget. Needs the slab batch (`fuse_blocker` unset in "
         "`/v1/internal/scheduler`). With a draft model the budget is split between the target's "
         "prefixes and the draft's own, in proportion to the KV a position takes in each. See "

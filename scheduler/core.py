@@ -234,7 +234,7 @@ class Scheduler:
         # A cancel flagged while the prefill ran is applied at the next drain; remember
         # it happened mid-prefill so the cancellation is counted under that phase.
         self._cancelled_in_prefill.update(r.request_id for r in admitted if r.cancel_requested)
-        self._apply_classic(batches)
+        self._apply_classic(batches, first_tokens=True)
 
     def _decode(self) -> None:
         try:
@@ -247,8 +247,11 @@ class Scheduler:
     def _shadowing(self) -> bool:
         return self._shadow is not None and self.config.shadow_rounds and self._gating()
 
-    def _apply_classic(self, batches: list[TokenBatch]) -> None:
-        shadowing = self._shadowing()
+    def _apply_classic(self, batches: list[TokenBatch], first_tokens: bool = False) -> None:
+        """Emit the rows' tokens and finish the rows that ended. `first_tokens`: a prefill's,
+        which shadow rounds leave to the row's next step (a row's first observation builds
+        its index over the prompt, which would hold back the first tokens of the group)."""
+        shadowing = self._shadowing() and not first_tokens
         for batch in batches:
             request = self._rows.get(batch.request_id)
             if request is None:  # a row dropped this tick (cancelled)

@@ -283,6 +283,33 @@ def test_rows_of_one_prefill_group_share_an_entry(loaded, base, grid):
     assert all(np.array_equal(np.array(a), b) for a, b in zip(hit.keys + hit.values, entry))
 
 
+@pytest.mark.parametrize("grid", [False, True], ids=["packed", "grid"])
+def test_a_prefilled_prompt_is_stored_after_its_first_token_for_requests_meanwhile(loaded, base, grid):
+    """A prefill group's first tokens go out before its prompts are copied into the cache:
+    the copy runs at the batch's next operation, so a request that shares the prompt and
+    arrives while the first one decodes still starts from it. A row that ends on its first
+    token stores its prompt once, when it leaves."""
+    model = loaded[0].model
+    batch = RaggedBatch(model, eos_token_ids=(), prefix_cache=PrefixCache(64 << 20))
+    batch.slab.grid = grid
+    first = make_request("first", base, 24)
+    batch.prefill([first])
+    assert batch.prefix_cache.num_stores == 0  # not on the first token's path
+    batch.decode()  # the next operation stores it
+    assert batch.prefix_cache.num_stores == 1
+    second = make_request("second", base + fresh_tokens(12, 9), 20)
+    batch.prefill([second])  # while the first one decodes
+    assert second.num_cached_tokens == len(base) - 1
+    assert_row_holds(batch.slab, batch._streams["second"].row, model, second.prompt_ids)
+
+    lone = RaggedBatch(model, eos_token_ids=(), prefix_cache=PrefixCache(64 << 20))
+    lone.slab.grid = grid
+    (first_token,) = lone.prefill([make_request("short", base, 1)])  # ends on its first token
+    assert first_token.finish_reason == "length" and lone.prefix_cache.num_stores == 1
+    lone.prefill([make_request("after", base + fresh_tokens(5, 10), 4)])  # the deferred copy is not made twice
+    assert lone.prefix_cache.num_stores == 1 and lone.prefix_cache.num_hits == 1
+
+
 @pytest.mark.parametrize("with_cache", [False, True], ids=["no_cache", "cache"])
 @pytest.mark.parametrize("grid", [False, True], ids=["packed", "grid"])
 def test_choices_of_one_prompt_prefill_it_once(loaded, base, grid, with_cache):

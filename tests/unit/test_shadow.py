@@ -222,3 +222,25 @@ def test_shadow_rounds_need_a_drafter_with_fixed_drafts():
     runner.shadow_index = lambda history: None  # a draft model
     assert make_scheduler(runner, tick_mode="fused", b1_policy="auto").snapshot()["shadow"] is None
     assert make_scheduler(FakeRunner(fuse=True)).snapshot()["shadow"] is None  # no such method
+
+
+def test_a_prefilled_rows_index_is_built_at_its_next_step_not_with_its_first_token():
+    """Building a row's index reads its prompt (up to `MAX_HISTORY` positions): it is left
+    out of the prefill tick, whose first tokens would wait for it, and made at the row's
+    next step, its history then holding the first token (unscored)."""
+    built: list[list[int]] = []
+    runner = FakeRunner(fuse=True, tick_costs=COSTS)
+    runner.shadow_index = lambda history: built.append(list(history)) or _NeverRight(list(history))
+    scheduler = make_scheduler(runner, tick_mode="fused", b1_policy="auto", grant_rounds=4, shadow_rounds=True)
+    built.clear()  # the scheduler's probe for a drafter with fixed drafts
+    holder = make_request("A", rounds=30, prompt_ids=[3, 4])
+    row = make_request("B", rounds=30, prompt_ids=[5, 6])
+    scheduler.submit(holder)
+    tick(scheduler)  # A takes the free slot
+    scheduler.submit(row)
+    while not row.output_ids:  # B's prefill
+        tick(scheduler)
+    assert built == [] and len(row.output_ids) == 1
+    while len(row.output_ids) == 1:  # B's next step as a row
+        tick(scheduler)
+    assert built == [[5, 6, row.output_ids[0]]]

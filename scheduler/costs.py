@@ -111,47 +111,50 @@ def _faster_with_slot(num_rows: int, accepted: float, fused_tick_s: float, decod
 @dataclass
 class AcceptanceTracker:
     """Accepted drafts per round, an EMA per request. A request with no rounds yet is
-    taken at `replica`, the EMA over every round of this replica (`optimistic`, all K
-    drafts, before the first round); its own rounds then decide, so a stream is judged
-    by what it accepts. Each newcomer the gate turns away moves `replica` a little
-    back toward `optimistic`, so a replica never stops trying speculation for good."""
+    taken at the replica's EMA over every round of its kind (`replica`: greedy or
+    sampled, whose acceptance differs by nature: a verify at T > 0 accepts a draft with
+    the probability the target gives it; `optimistic`, all K drafts, before the kind's
+    first round); its own rounds then decide, so a stream is judged by what it accepts.
+    Each newcomer the gate turns away moves its kind's EMA a little back toward
+    `optimistic`, so a replica never stops trying speculation for good."""
 
     optimistic: float
-    replica: float | None = None
+    replica: dict[bool, float] = field(default_factory=dict)  # by kind (greedy: True)
     _per_request: dict[str, float] = field(default_factory=dict)
     _holds: dict[str, int] = field(default_factory=dict)  # turn-aways left before relaxing
     _cost_parks: dict[str, int] = field(default_factory=dict)
     _measured: set[str] = field(default_factory=set)  # estimates kept current by shadow rounds
 
-    def estimate(self, request_id: str) -> float:
-        prior = self.optimistic if self.replica is None else self.replica
-        return self._per_request.get(request_id, prior)
+    def estimate(self, request_id: str, greedy: bool = True) -> float:
+        """The request's own EMA, else its kind's (`greedy`) on this replica."""
+        return self._per_request.get(request_id, self.replica.get(greedy, self.optimistic))
 
-    def record(self, request_id: str, num_accepted: int) -> None:
-        self._per_request[request_id] = (1 - EMA_WEIGHT) * self.estimate(request_id) + EMA_WEIGHT * num_accepted
-        old = num_accepted if self.replica is None else self.replica
-        self.replica = (1 - EMA_WEIGHT / 4) * old + (EMA_WEIGHT / 4) * num_accepted
+    def record(self, request_id: str, num_accepted: int, greedy: bool = True) -> None:
+        self._per_request[request_id] = ((1 - EMA_WEIGHT) * self.estimate(request_id, greedy)
+                                         + EMA_WEIGHT * num_accepted)
+        old = self.replica.get(greedy, num_accepted)
+        self.replica[greedy] = (1 - EMA_WEIGHT / 4) * old + (EMA_WEIGHT / 4) * num_accepted
 
-    def record_shadow(self, request_id: str, num_matched: int) -> None:
+    def record_shadow(self, request_id: str, num_matched: int, greedy: bool = True) -> None:
         """A shadow round of a classic row (`scheduler.shadow`): counted as a round, and
         from now on the stream's estimate is measured, not relaxed. The first one
         replaces the prior (rounds come every token or few, not once a grant)."""
         self._measured.add(request_id)
         self._per_request.setdefault(request_id, float(num_matched))
-        self.record(request_id, num_matched)
+        self.record(request_id, num_matched, greedy)
 
-    def relax(self, request_id: str | None = None) -> None:
-        """A stream was turned away on its estimate (None: a newcomer, judged by the
-        replica's): forget a little of it, so that it is tried again before long (a
-        stream parked for its acceptance, once its hold is over: `parked_for_cost`).
-        A stream whose shadow rounds keep its estimate current is left as measured
-        (its hold still counts down: `held`)."""
+    def relax(self, request_id: str | None = None, greedy: bool = True) -> None:
+        """A stream was turned away on its estimate (None: a newcomer of kind `greedy`,
+        judged by its kind's EMA): forget a little of it, so that it is tried again
+        before long (a stream parked for its acceptance, once its hold is over:
+        `parked_for_cost`). A stream whose shadow rounds keep its estimate current is
+        left as measured (its hold still counts down: `held`)."""
         def relaxed(value: float) -> float:
             return value + RELAX_WEIGHT * (self.optimistic - value)
 
         if request_id is None:
-            if self.replica is not None:
-                self.replica = relaxed(self.replica)
+            if greedy in self.replica:
+                self.replica[greedy] = relaxed(self.replica[greedy])
         elif self._holds.get(request_id, 0) > 0:
             self._holds[request_id] -= 1
         elif request_id in self._per_request and request_id not in self._measured:

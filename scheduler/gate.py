@@ -53,14 +53,14 @@ class CostGate:
         if (num_rows > 0 and self._config().rows_draft
                 and self._runner.rows_draft_like_slot(request.sampling.is_greedy)):
             return False  # as a row it drafts and verifies the same way, without the slot
-        return self.costs.pays(num_rows, self.acceptance.estimate(request.request_id))
+        return self.costs.pays(num_rows, self.acceptance.estimate(request.request_id, request.sampling.is_greedy))
 
     def admits_newcomer(self, request: Request, num_rows: int) -> bool:
         """`pays` for a request that has not speculated yet; a turn-away relaxes the
         replica's estimate a little (so newcomers are tried again before long)."""
         if self.pays(request, num_rows):
             return True
-        self.acceptance.relax()
+        self.acceptance.relax(greedy=request.sampling.is_greedy)
         return False
 
     def admits_row(self, request: Request, num_rows: int) -> bool:
@@ -75,16 +75,16 @@ class CostGate:
         """`pays` said no to the holder: hold off relaxing its estimate (`AcceptanceTracker`)."""
         self.acceptance.parked_for_cost(request_id)
 
-    def record(self, outcome: RoundOutcome) -> None:
+    def record(self, request: Request, outcome: RoundOutcome) -> None:
         # A round with nothing to draft gained nothing, and it was not free: where the
         # lookup rarely finds a draft (sampled text that does not repeat) the rounds
         # that find one may accept well, yet the stream holds the slot for little.
         if not outcome.probe:
-            self.acceptance.record(outcome.request_id, outcome.num_accepted)
+            self.acceptance.record(outcome.request_id, outcome.num_accepted, request.sampling.is_greedy)
 
-    def record_shadow(self, request_id: str, num_matched: int) -> None:
+    def record_shadow(self, request: Request, num_matched: int) -> None:
         """A classic row's shadow round (`scheduler.shadow`): what it would have accepted."""
-        self.acceptance.record_shadow(request_id, num_matched)
+        self.acceptance.record_shadow(request.request_id, num_matched, request.sampling.is_greedy)
 
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)
@@ -92,4 +92,5 @@ class CostGate:
     def snapshot(self) -> dict:
         replica = self.acceptance.replica
         return {"tick_costs": self._costs.snapshot() if self._costs is not None else None,
-                "acceptance_per_round": None if replica is None else round(replica, 3)}
+                "acceptance_per_round": {"greedy" if greedy else "sampled": round(value, 3)
+                                         for greedy, value in sorted(replica.items(), reverse=True)} or None}

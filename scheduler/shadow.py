@@ -19,7 +19,7 @@ token: that is a round with nothing gained, as the gate counts the slot's own.
 
 `ShadowRounds` keeps one index per row it watches (built once from the last
 `MAX_HISTORY` tokens of prompt and output, then extended token by token) and hands
-every finished round's matches to `record(request_id, matches)`. Tokens a request
+every finished round's matches to `record(request, matches)`. Tokens a request
 emitted elsewhere (as the slot's holder) are folded into its index unscored.
 """
 
@@ -52,10 +52,10 @@ class _Track:
 
 class ShadowRounds:
     def __init__(self, make_index: Callable[[Sequence[int]], Proposer], num_drafts: Callable[[], int],
-                 record: Callable[[str, int], None]) -> None:
+                 record: Callable[[Request, int], None]) -> None:
         """`make_index(history)`: a proposer over `history` that proposes as the slot's
-        drafter does; `num_drafts()`: tokens a round drafts (K); `record(request_id,
-        matches)`: a shadow round ended with `matches` leading drafts matched."""
+        drafter does; `num_drafts()`: tokens a round drafts (K); `record(request,
+        matches)`: a shadow round of `request` ended with `matches` leading drafts matched."""
         self._make_index = make_index
         self._num_drafts = num_drafts
         self._record = record
@@ -84,7 +84,7 @@ class ShadowRounds:
                 track.matched += 1
             else:  # the verify's correction or bonus token (with no drafts, the round's only one): it ends
                 self.num_rounds += 1
-                self._record(request.request_id, track.matched)
+                self._record(request, track.matched)
                 track.drafts = None
             track.index.extend((token,))
         track.seen = len(outputs)

@@ -327,7 +327,7 @@ class SpecSlot:
         job.slices_run += 1
         self.counters.record_round(request.spec, outcome.num_drafted, outcome.num_accepted,
                                    probe=outcome.probe, drafter=outcome.drafter)
-        self.gate.record(outcome)
+        self.gate.record(request, outcome)
         self.policy.record_round(outcome)
         self.sink.tokens(request, outcome.token_ids, outcome.logprobs)
         if outcome.finish_reason:

@@ -54,18 +54,38 @@ def test_acceptance_is_the_requests_own_and_newcomers_start_from_the_replica():
     assert tracker.estimate("a") == 4.0  # before any round: all K
     tracker.record("a", 0)
     assert tracker.estimate("a") == pytest.approx(0.7 * 4.0)
-    assert tracker.estimate("new") == tracker.replica == 0.0  # the replica's first round
+    assert tracker.estimate("new") == tracker.replica[True] == 0.0  # the replica's first round
     for _ in range(30):
         tracker.record("b", 3)
     assert tracker.estimate("b") == pytest.approx(3.0, abs=0.01)
     assert tracker.estimate("a") == pytest.approx(2.8)  # b's rounds do not move a's estimate
-    before = tracker.replica
+    before = tracker.replica[True]
     tracker.relax()  # a newcomer turned away: the replica's estimate moves back toward K
-    assert before < tracker.replica < 4.0
+    assert before < tracker.replica[True] < 4.0
     tracker.relax("a")
     assert 2.8 < tracker.estimate("a") < 4.0
     tracker.forget("a")
-    assert tracker.estimate("a") == tracker.replica
+    assert tracker.estimate("a") == tracker.replica[True]
+
+
+def test_greedy_and_sampled_newcomers_start_from_their_own_kinds_rounds():
+    """A verify at T > 0 accepts less than a greedy one of the same drafts: a replica's
+    greedy rounds do not set the prior of its sampled newcomers, nor the other way."""
+    tracker = AcceptanceTracker(optimistic=4.0)
+    for _ in range(30):
+        tracker.record("g", 4, greedy=True)
+        tracker.record("s", 0, greedy=False)
+    assert tracker.estimate("new") == pytest.approx(4.0, abs=0.01)
+    assert tracker.estimate("new", greedy=False) < 0.5
+    assert tracker.estimate("s", greedy=True) == tracker.estimate("s", greedy=False)  # its own rounds decide
+    tracker.record_shadow("row", 0, greedy=False)  # shadow rounds count toward their kind too
+    assert tracker.replica[False] < 0.5 and tracker.replica[True] > 3.9
+    sampled = tracker.replica[False]
+    tracker.relax(greedy=False)  # a sampled newcomer turned away relaxes the sampled prior only
+    assert sampled < tracker.replica[False] and tracker.estimate("new") == pytest.approx(4.0, abs=0.01)
+    fresh = AcceptanceTracker(optimistic=4.0)
+    fresh.record("g", 1)
+    assert fresh.estimate("new", greedy=False) == 4.0  # a kind with no rounds yet: all K
 
 
 def test_a_stream_parked_for_cost_waits_longer_each_time_before_its_estimate_relaxes():

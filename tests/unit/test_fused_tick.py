@@ -229,6 +229,31 @@ def test_cost_gate_keeps_a_newcomer_classic_beside_a_large_batch():
     assert trace.streams()["late"] == isolated_stream(late)
 
 
+def test_greedy_rounds_do_not_admit_a_sampled_newcomer_its_own_kinds_rounds_say_would_lose():
+    """The gate judges a newcomer by the rounds of its own kind on this replica: greedy
+    streams that accept every draft do not let a sampled one into the slot beside rows
+    where sampled rounds have accepted nothing (a verify at T > 0 accepts less), and a
+    greedy newcomer is still admitted."""
+    from scheduler.gate import CostGate
+    from scheduler.model_api import RoundOutcome
+    from scheduler.request import Request, SamplingParams
+
+    runner = FakeRunner(fuse=True, tick_costs=COSTS)
+    scheduler = make_scheduler(runner, tick_mode="fused", b1_policy="auto")
+    gate = CostGate(runner, lambda: scheduler.config)
+    greedy = Request("g", [1, 2], SamplingParams(max_tokens=50))
+    sampled = Request("s", [1, 2], SamplingParams(max_tokens=50, temperature=0.7, seed=1))
+    for _ in range(40):
+        gate.record(greedy, RoundOutcome("g", [5] * 5, None, 4, 4, False, 0.01))
+        gate.record(sampled, RoundOutcome("s", [5], None, 4, 0, False, 0.01))
+    new_greedy = Request("g2", [1, 2], SamplingParams(max_tokens=50))
+    new_sampled = Request("s2", [1, 2], SamplingParams(max_tokens=50, temperature=0.7, seed=2))
+    acceptance = gate.snapshot()["acceptance_per_round"]
+    assert acceptance["greedy"] > 3.9 and acceptance["sampled"] < 0.1
+    assert gate.admits_newcomer(new_greedy, 1)
+    assert not gate.admits_newcomer(new_sampled, 1)
+
+
 def test_snapshot_says_which_tick_runs_and_why():
     fused = make_scheduler(FakeRunner(fuse=True), tick_mode="fused").snapshot()["speculation"]
     assert fused == {"off_reason": None, "tick": "fused", "fused_off_reason": None}

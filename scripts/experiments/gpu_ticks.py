@@ -52,6 +52,9 @@ def main() -> None:
     ap.add_argument("--gil", action="store_true",
                     help="a second Python thread sleeps 1 ms at a time through the measured burst: how late it "
                          "wakes is how long the engine's thread keeps the GIL (the actor's poll threads wait as long)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="measured bursts, each with prompts of its own (seed, seed + 2, ...); a line each, "
+                         "the last one in full")
     ap.add_argument("--chunk", type=int, default=0,
                     help="prompt positions per row per prefill forward (ragged_batch.PREFILL_CHUNK; 0: as it is)")
     args = ap.parse_args()
@@ -116,9 +119,12 @@ def main() -> None:
             events = scheduler.tick()
             end = time.perf_counter()
             decision = scheduler.last_decision
+            holder = scheduler.slot.active
             ticks.append({"at_ms": round((start - t0) * 1e3, 1), "ms": round((end - start) * 1e3, 2),
                           "action": decision.action.value, "prefilled": decision.num_prefill,
-                          "rows": scheduler.snapshot()["classic_rows"],
+                          "rows": len(scheduler._rows),
+                          "holder": None if holder is None else holder.request.request_id,
+                          "grants": scheduler.counters.grants,
                           "tokens": sum(len(event.token_ids) for event in events),
                           **({"parts_ms": {k: round(v * 1e3, 2) for k, v in parts.items()},
                               "forwards": list(forwards)} if parts else {})})
@@ -140,7 +146,18 @@ def main() -> None:
     if args.profile:
         measured, kernels = profiled(lambda: burst(args.seed, args.requests, args.per_stream))
     else:
+        earlier = []
+        for k in range(args.repeats - 1):  # a line each; the last burst is reported in full below
+            counts = scheduler.counters.to_dict()
+            run = burst(args.seed + 2 * (k + 1), args.requests, args.per_stream)
+            earlier.append({**summary(run, counts, scheduler.counters.to_dict()), "ticks": run["ticks"]})
+            print(f"repeat {k}: " + ", ".join(f"{key} {value}" for key, value in earlier[-1].items() if key != "ticks"))
+        counts = scheduler.counters.to_dict()
         measured, kernels = burst(args.seed, args.requests, args.per_stream), None
+        if earlier:
+            last = summary(measured, counts, scheduler.counters.to_dict())
+            print(f"repeat {args.repeats - 1}: " + ", ".join(f"{key} {value}" for key, value in last.items()))
+            measured["repeats"] = earlier + [{**last, "ticks": "below"}]
     if late is not None:
         wakes = late()
         measured["gil_late_ms"] = wakes
@@ -163,6 +180,7 @@ def main() -> None:
         ms = sorted(t["ms"] for t in ticks)
         print(f"{action:<12} {len(ms):5d} ticks, ms p50 {ms[len(ms) // 2]:.2f} mean {sum(ms) / len(ms):.2f}, "
               f"{sum(t['tokens'] for t in ticks) / len(ms):.2f} tokens a tick")
+    print(f"cost gate: {scheduler.slot.gate.snapshot()}")
     print(f"steps pipelined {getattr(runner._classic, 'num_pipelined', 0)}; counters "
           f"{ {k: v for k, v in scheduler.snapshot()['counters'].items() if v} }")
     if args.host:
@@ -203,6 +221,21 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump({"config": args.config, "load_s": load_s, "folded": folded, **measured,
                    "warm_first_token_ms": warm["first_token_ms"]}, f, indent=1)
+
+
+def summary(run: dict, before: dict, after: dict) -> dict:
+    """One burst in a line: its wall time and tokens, its ticks by action (count, mean ms),
+    the slot's grants and fused rounds in it (`before`/`after`: the scheduler's counters)."""
+    ticks = run["ticks"]
+    end = max(t["at_ms"] + t["ms"] for t in ticks)
+    tokens = sum(t["tokens"] for t in ticks)
+    by: dict[str, list[float]] = {}
+    for t in ticks:
+        by.setdefault(t["action"], []).append(t["ms"])
+    return {"wall_ms": round(end, 1), "tok_s": round(tokens / end * 1e3, 1),
+            "grants": after["grants"] - before["grants"], "cost_parks": after["cost_parks"] - before["cost_parks"],
+            "fused": after["actions"]["fused"] - before["actions"]["fused"],
+            **{f"{action}_ms": f"{len(ms)} x {sum(ms) / len(ms):.2f}" for action, ms in sorted(by.items())}}
 
 
 def gil_probe():

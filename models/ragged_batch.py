@@ -165,10 +165,11 @@ class RaggedBatch:
         """Move `row` to slot len(streams) (the first slot after the classic rows)."""
         self.slab.swap(row, self.slab.rows[len(self._streams)])
 
-    def _to_session_region(self, row: Row) -> None:
+    def _to_session_region(self, row: Row, freeing: bool = False) -> None:
         """Move a classic row to slot len(streams) - 1, which leaves the classic region
-        once its stream is deleted (classic rows stay in slots 0..len-1)."""
-        self.slab.swap(row, self.slab.rows[len(self._streams) - 1])
+        once its stream is deleted (classic rows stay in slots 0..len-1). `freeing`: the
+        row is freed next, so only the row that takes its slot is copied."""
+        self.slab.swap(row, self.slab.rows[len(self._streams) - 1], discard=row if freeing else None)
 
     def new_session_cache(self, prompt_ids: Sequence[int] = ()) -> list[RowView]:
         """A row for a speculative session (after the classic rows), holding the longest
@@ -639,8 +640,8 @@ class RaggedBatch:
             self._store_prefix(stream.row, stream.token_ids)
         if self.replica_index is not None and stream.index is not None and stream.num_emitted:
             self.replica_index.add(stream.index.history[-stream.num_emitted:])
-        self._to_session_region(stream.row)  # the last row of the slab takes its slot
-        self.slab.free(stream.row)
+        self._to_session_region(stream.row, freeing=True)  # the last classic row takes its slot
+        self.slab.free(stream.row)  # and the last row of the slab this one's
         del self._streams[stream.request_id]
         self.slab.shrink()
 

@@ -95,6 +95,51 @@ def test_freeing_a_row_moves_another_without_changing_it():
         store.forward(model, [(rows[1], [1])])
 
 
+def spy_moves(store):
+    """Record every (src, dst, length) the slab copies."""
+    moved, inner = [], store._move
+    store._move = lambda moves: (moved.extend(moves), inner(moves))[1]
+    return moved
+
+
+def test_moves_copy_the_positions_rows_hold_and_never_a_row_on_its_way_out():
+    model = _llama(False)
+    store = slab.Slab(model, rows=4)
+    rows = [store.add() for _ in PROMPTS]
+    store.forward(model, [(r, p) for r, p in zip(rows, PROMPTS)])
+    store.reserve(1024)  # room far past every row's length
+    moved = spy_moves(store)
+    store.swap(rows[1], rows[3], discard=rows[1])  # rows[1] leaves: only rows[3] is copied
+    assert moved == [(3, 1, len(PROMPTS[3]))]
+    store.free(rows[1])  # the last row now: nothing else moves
+    assert moved == [(3, 1, len(PROMPTS[3]))] and rows[3].slot == 1 and store.num_rows == 3
+    store.swap(rows[0], rows[2])
+    assert moved[1:] == [(2, 0, len(PROMPTS[2])), (0, 2, len(PROMPTS[0]))]
+    live = [rows[2], rows[3], rows[0]]
+    assert [r.slot for r in live] == [0, 1, 2]
+    out = store.forward(model, [(r, [9]) for r in live])
+    for got, prompt in zip(out, [PROMPTS[2], PROMPTS[3], PROMPTS[0]]):
+        assert mx.abs(got - _alone(model, prompt, [9])).max().item() < ATOL
+
+
+def test_a_finished_row_leaves_the_batch_without_its_keys_being_copied():
+    """Its stream is stored first; then the last classic row takes its slot, and the
+    slab's last row (a session's) the slot that frees: two copies, not the leaving row's."""
+    model = _llama(False)
+    batch = RaggedBatch(model, eos_token_ids=(), prefill_batch_size=4)
+    batch.prefill([make_request(f"r{i}", p, 8) for i, p in enumerate(PROMPTS[:3])])
+    session = batch.new_session_cache(PROMPTS[3])
+    batch.slab.forward(model, [(session[0].row, PROMPTS[3])])
+    rows = [batch._streams[f"r{i}"].row for i in range(3)]
+    moved = spy_moves(batch.slab)
+    batch.remove("r0")
+    assert moved == [(2, 0, rows[2].length), (3, 2, len(PROMPTS[3]))]
+    assert [rows[2].slot, rows[1].slot, session[0].row.slot] == [0, 1, 2]
+    out = batch.slab.forward(model, [(rows[1], [9]), (rows[2], [9]), (session[0].row, [9])])
+    for got, prompt in zip(out, PROMPTS[1:4]):  # each row holds its prompt (a row's first token is pending)
+        assert mx.abs(got - _alone(model, prompt, [9])).max().item() < ATOL
+
+
 def test_grid_rows_between_entries_are_padding_and_keep_their_keys():
     """A grid over slots 0..3 with slot 1 left out: row 1 runs as padding (its writes
     land past its length) and its next forward is still its own; with too many gaps

@@ -141,7 +141,7 @@ class RaggedBatch:
         self._finished: set[str] = set()  # finished rows not yet removed
         self._steps = 0
         self._ahead: _Ahead | None = None  # the queued plain step (grid slabs)
-        self._stores: list[tuple[Row, list[int]]] = []  # prompts a prefill group left to store (`_flush_stores`)
+        self._stores: list[tuple[Row, list[int]]] = []  # prompts prefilled, not yet stored (`_flush_stores`)
         self.prefix_cache = prefix_cache
 
     @property

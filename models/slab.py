@@ -261,9 +261,8 @@ class Slab:
         (MLX cannot update it in place while another array shares its memory): on a
         2-core CPU, 9 rows of a 32-row, 1,024-position float32 slab of 24 layers moved
         in 490 ms as 8 pairwise swaps, in 38 ms this way. Only the longest moved row's
-        positions are copied, not the whole capacity (a packed slab doubles it: rows of
-        ~900 positions in a 2,048-position slab moved in 4.9 ms mean, whole, on the
-        2-core CPU in scenario 7)."""
+        positions are copied, not the whole capacity (a packed slab doubles it as rows
+        grow)."""
         if not moves:
             return
         index = mx.array([src for src, _, _ in moves])

@@ -325,7 +325,8 @@ class RaggedBatch:
             streams.append(stream)
         # Stored at the batch's next operation (`_flush_stores`), once these first tokens
         # are out: the copy (a prompt's keys and values, every layer) is not on their path.
-        self._stores += [(row, list(r.prompt_ids)) for r, row, stored in zip(requests, rows, computed) if stored]
+        if self.prefix_cache is not None:
+            self._stores += [(row, list(r.prompt_ids)) for r, row, stored in zip(requests, rows, computed) if stored]
         for i, (r, row) in enumerate(zip(requests, rows)):
             source = rows[leader[i]]
             if source is not row:

@@ -9,9 +9,10 @@ tokens against 3.9-4.8 in bf16) and slow on a (rows, 1, hidden) input. Here each
 dimensions (a view, no kernel) and back, and whole forwards of a batch of rows (a
 `KVCache` per layer, `--context` positions deep, trimmed back after each step) are timed
 against the same model dequantized to bf16 (`models.dense_weights`, as the service runs
-it), with and without fused projections (`models.fused_projections`). Rows below 8 run
-padded to 8 on the 4-bit path (`--pad`), as a grid forward would pad them with spare
-slots. Device synchronized after each forward; median of `--repeats`.
+it), with and without fused projections (`models.fused_projections`). The last column
+runs a step of fewer than `--pad` (8) tokens with as many rows as reach it, as a grid
+forward would pad them with spare slots. Device synchronized after each forward; median
+of `--repeats`.
 
     python3 scripts/experiments/gpu_flatq.py --model /tmp/specslot-q15 --rows 1 2 4 8 16 64 --widths 1 5
 """
@@ -80,7 +81,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
     ap.add_argument("--widths", type=int, nargs="+", default=[1])
     ap.add_argument("--context", type=int, default=300)
-    ap.add_argument("--pad", type=int, default=8, help="the 4-bit path runs at least this many rows")
+    ap.add_argument("--pad", type=int, default=8, help="the 4-bit path runs at least this many tokens")
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
 
@@ -120,12 +121,13 @@ def main() -> None:
     kinds = ["bf16", "bf16+fused", "4bit-flat", "4bit-flat+fused"]
     models = {kind: loaded(kind) for kind in kinds}
     print(f"device {mx.default_device()}, mlx {mx.__version__}, context {args.context}")
-    print("| rows x width | " + " | ".join(f"{k} ms" for k in kinds) + f" | {kinds[-1]} padded to {args.pad} rows ms |")
+    print("| rows x width | " + " | ".join(f"{k} ms" for k in kinds) + f" | {kinds[-1]} padded to {args.pad} tokens ms |")
     print("|---|" + "---|" * (len(kinds) + 1))
     for width in args.widths:
         for rows in args.rows:
             cells = [step_ms(models[k], rows, width) for k in kinds]
-            padded = step_ms(models[kinds[-1]], max(rows, args.pad), width) if rows < args.pad else cells[-1]
+            need = -(-args.pad // width)  # rows whose tokens reach `--pad` (the 4-bit kernel's fast path)
+            padded = step_ms(models[kinds[-1]], need, width) if rows < need else cells[-1]
             print(f"| {rows} x {width} | " + " | ".join(f"{c:.2f}" for c in cells) + f" | {padded:.2f} |", flush=True)
 
 

@@ -26,6 +26,9 @@ later (usually after the first has left: an agent that re-asks), configurations 
 `--workload random`: prompts of random token ids, every request sampled at temperature
 1.0 with its own seed: text in which drafts never land, so speculation can only cost
 (what the cost gate and the rows' budgets must keep near 1.0x).
+`--workload mixed`: the code prompts, the even-numbered requests greedy and the odd ones
+sampled at `--temperature` (0.7 unless given) with their own seeds: one replica serving
+both kinds, whose drafts land at different rates.
 Reported per configuration: aggregate output tok/s (tokens / wall time from the first
 arrival to the last finish), median per-request TPOT, speculative rounds per request,
 Jain's index over those rounds (last repeat), and the paired ratio to classic (median over
@@ -63,9 +66,10 @@ ON_BATCHGEN = {"classic_batchgen"}  # configurations run on the BatchGenerator r
 
 
 def one_run(runner, name: str, prompts: list[list[int]], concurrency: int, max_tokens: int,
-            grant_rounds: int, with_tokens: bool = False, temperature: float = 0.0) -> dict:
+            grant_rounds: int, with_tokens: bool = False, temperature: float = 0.0, mixed: bool = False) -> dict:
     """One closed-loop run; `with_tokens`: also each prompt's output tokens
-    (`token_ids`, in prompt order); `temperature` > 0: request i samples with seed i."""
+    (`token_ids`, in prompt order); `temperature` > 0: request i samples with seed i
+    (`mixed`: the odd-numbered requests only, the others greedy)."""
     config = SchedulerConfig(num_draft_tokens=runner.num_draft_tokens, grant_rounds=grant_rounds,
                              max_batch_size=max(16, concurrency), **NAMED[name])
     if name not in ON_BATCHGEN:
@@ -75,7 +79,7 @@ def one_run(runner, name: str, prompts: list[list[int]], concurrency: int, max_t
         runner.sampled_row_drafts = name in SAMPLED
     lengths = random.Random(len(prompts)).choices(range(max_tokens // 2, 3 * max_tokens // 2 + 1), k=len(prompts))
     arrivals = [Arrival(f"s{i}", p, n, after_request=f"s{i - concurrency}" if i >= concurrency else None,
-                        sampling=dict(temperature=temperature, seed=i) if temperature else {})
+                        sampling=dict(temperature=temperature, seed=i) if temperature and (i % 2 or not mixed) else {})
                 for i, (p, n) in enumerate(zip(prompts, lengths))]
     result = drive(runner, config, arrivals)
     records = list(result.records.values())
@@ -106,9 +110,10 @@ def random_prompts(tokenizer, num_prompts: int, seed: int, num_tokens: int = 64)
 
 def run(quick: bool, target: str, draft: str, drafter: str, repeats: int, waves: int, seed: int = 0,
         workload: str = "code", configs: list[str] | None = None, temperature: float | None = None) -> dict:
-    """`temperature`: every request's (seeded); None: the workload's (1.0 random, else greedy)."""
+    """`temperature`: every request's (seeded; `mixed`: the odd-numbered ones'); None: the workload's (1.0
+    random, 0.7 mixed, else greedy)."""
     if temperature is None:
-        temperature = 1.0 if workload == "random" else 0.0
+        temperature = {"random": 1.0, "mixed": 0.7}.get(workload, 0.0)
     streams = [1, 2, 4] if quick else [1, 2, 4, 8, 16]
     max_tokens = 64 if quick else 128
     runner = load_runner(target, drafter, draft, num_draft_tokens=4, max_batch_size=max(streams))
@@ -132,7 +137,7 @@ def run(quick: bool, target: str, draft: str, drafter: str, repeats: int, waves:
             for name in names:  # interleaved: machine drift hits every configuration alike
                 on = batchgen if name in ON_BATCHGEN else runner
                 runs[name].append(one_run(on, name, prompts, n, max_tokens, grant_rounds=8,
-                                          temperature=temperature))
+                                          temperature=temperature, mixed=workload == "mixed"))
         ratios = {name: [f["aggregate_tok_s"] / c["aggregate_tok_s"] for f, c in zip(runs[name], runs["classic"])]
                   for name in names if name != "classic"}
         for name, results in runs.items():
@@ -201,16 +206,18 @@ def main(argv=None) -> int:
                     help="default: what configs/local.yaml ships")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 2 quick, 3 full)")
     ap.add_argument("--waves", type=int, default=None, help="requests per concurrency slot (default 3 quick, 4 full)")
-    ap.add_argument("--workload", choices=["code", "random", "repeat"], default="code",
+    ap.add_argument("--workload", choices=["code", "random", "repeat", "mixed"], default="code",
                     help="code: greedy stdlib code (drafts land); random: random-token prompts at "
                          "temperature 1.0, seeded (drafts never land); repeat: the code prompts, each "
-                         "asked twice (configurations default, replica, classic)")
+                         "asked twice (configurations default, replica, classic); mixed: the code "
+                         "prompts, every other request sampled at --temperature (0.7 unless given)")
     ap.add_argument("--configs", default=None,
                     help=f"comma-separated configurations (of {', '.join(NAMED)}; "
                          "default: "
                          "all of CONFIGS, or default,replica,classic for --workload repeat)")
     ap.add_argument("--temperature", type=float, default=None,
-                    help="every request's temperature, seeded (default: the workload's, 1.0 random, else 0)")
+                    help="every request's temperature, seeded (default: the workload's, 1.0 random, "
+                         "0.7 mixed, else 0)")
     args = ap.parse_args(argv)
     configs = args.configs.split(",") if args.configs else None
     unknown = set(configs or ()) - set(NAMED)

@@ -126,6 +126,7 @@ def main() -> None:
                           "holder": None if holder is None else holder.request.request_id,
                           "grants": scheduler.counters.grants,
                           "tokens": sum(len(event.token_ids) for event in events),
+                          "finished": sum(1 for event in events if event.finish_reason is not None),
                           **({"parts_ms": {k: round(v * 1e3, 2) for k, v in parts.items()},
                               "forwards": list(forwards)} if parts else {})})
             for event in events:
@@ -232,7 +233,13 @@ def summary(run: dict, before: dict, after: dict) -> dict:
     by: dict[str, list[float]] = {}
     for t in ticks:
         by.setdefault(t["action"], []).append(t["ms"])
+    # a grid slab stores a finishing row's stream and moves a row while the next step is
+    # queued: decode ticks in which rows finished, against the others
+    ending = [t["ms"] for t in ticks if t["action"] == "decode" and t["finished"]]
+    plain = [t["ms"] for t in ticks if t["action"] == "decode" and not t["finished"]]
     return {"wall_ms": round(end, 1), "tok_s": round(tokens / end * 1e3, 1),
+            "decode_ms_with_finishes": f"{len(ending)} x {sum(ending) / len(ending):.2f}" if ending else "-",
+            "decode_ms_without": f"{len(plain)} x {sum(plain) / len(plain):.2f}" if plain else "-",
             "grants": after["grants"] - before["grants"], "cost_parks": after["cost_parks"] - before["cost_parks"],
             "fused": after["actions"]["fused"] - before["actions"]["fused"],
             **{f"{action}_ms": f"{len(ms)} x {sum(ms) / len(ms):.2f}" for action, ms in sorted(by.items())}}

@@ -91,3 +91,21 @@ def test_concurrency_quick(tmp_path):
         if config == "alternate" or streams == 1:
             assert row["fused_ticks"] == 0  # nothing to ride with, or the seed's tick
     assert (tmp_path / "concurrency.md").read_text().startswith("| streams |")
+
+
+@pytest.mark.skipif(not BUNDLED, reason="bundled pair not present")
+def test_concurrency_mixed_workload_samples_every_other_request(tmp_path, monkeypatch):
+    """`--workload mixed`: the even-numbered requests greedy, the odd ones sampled at 0.7
+    with their own seeds; every configuration gives the same output lengths."""
+    from scripts import bench_concurrency
+
+    seen = []
+    inner = bench_concurrency.drive
+    monkeypatch.setattr(bench_concurrency, "drive",
+                        lambda runner, config, arrivals: seen.append(arrivals) or inner(runner, config, arrivals))
+    assert bench_concurrency.main(["--quick", "--repeats", "1", "--waves", "1", "--workload", "mixed",
+                                   "--configs", "default,classic", "--out", str(tmp_path), "--no-plot"]) == 0
+    assert json.loads((tmp_path / "concurrency.json").read_text())["temperature"] == 0.7
+    for arrivals in seen:
+        assert [a.sampling for a in arrivals] == [dict(temperature=0.7, seed=i) if i % 2 else {}
+                                                  for i in range(len(arrivals))]

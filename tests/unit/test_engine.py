@@ -9,7 +9,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.ledger import QueueFull
 from tests.unit.factories import collect, make_request
-from tests.unit.fakes import FakeRunner, SlowRunner, token_at
+from tests.unit.fakes import SlowRunner, token_at
 
 
 @pytest.fixture

@@ -124,7 +124,6 @@ def main() -> None:
                           "action": decision.action.value, "prefilled": decision.num_prefill,
                           "rows": len(scheduler._rows),
                           "holder": None if holder is None else holder.request.request_id,
-                          "grants": scheduler.counters.grants,
                           "tokens": sum(len(event.token_ids) for event in events),
                           "finished": sum(1 for event in events if event.finish_reason is not None),
                           **({"parts_ms": {k: round(v * 1e3, 2) for k, v in parts.items()},
@@ -238,11 +237,15 @@ def summary(run: dict, before: dict, after: dict) -> dict:
     ending = [t["ms"] for t in ticks if t["action"] == "decode" and t["finished"]]
     plain = [t["ms"] for t in ticks if t["action"] == "decode" and not t["finished"]]
     return {"wall_ms": round(end, 1), "tok_s": round(tokens / end * 1e3, 1),
-            "decode_ms_with_finishes": f"{len(ending)} x {sum(ending) / len(ending):.2f}" if ending else "-",
-            "decode_ms_without": f"{len(plain)} x {sum(plain) / len(plain):.2f}" if plain else "-",
+            "decode_ms_with_finishes": _count_mean(ending), "decode_ms_without": _count_mean(plain),
             "grants": after["grants"] - before["grants"], "cost_parks": after["cost_parks"] - before["cost_parks"],
             "fused": after["actions"]["fused"] - before["actions"]["fused"],
-            **{f"{action}_ms": f"{len(ms)} x {sum(ms) / len(ms):.2f}" for action, ms in sorted(by.items())}}
+            **{f"{action}_ms": _count_mean(ms) for action, ms in sorted(by.items())}}
+
+
+def _count_mean(ms: list[float]) -> str:
+    """"n x mean" of tick times in ms ("-" for none)."""
+    return f"{len(ms)} x {sum(ms) / len(ms):.2f}" if ms else "-"
 
 
 def gil_probe():

@@ -31,11 +31,11 @@ On a grid slab (a GPU) plain steps are pipelined: when no row drafts and no veri
 rides, the next step (every row fed the token this step draws, still on the device)
 is queued before this step's tokens are read, so the host builds step n + 1 while the
 device runs step n. The queued step is used by the next `decode` if the rows are the
-same (less any that finished); anything else that touches the batch first takes it
-back (rows shortened by one; its draws changed no sampler, and a later draw of the
-same position uses the same key), so what every stream emits does not depend on the
-pipeline. On a CPU steps are not pipelined: the next step would run on the cores the
-host uses.
+same (less any that finished: removing a finished row takes nothing back); anything
+else that touches the batch first takes it back (rows shortened by one; its draws
+changed no sampler, and a later draw of the same position uses the same key), so what
+every stream emits does not depend on the pipeline. On a CPU steps are not pipelined:
+the next step would run on the cores the host uses.
 A row whose request asked for logprobs reads them at every position it emits (a
 verified draft's from the verify position that accepted it) from the log-probabilities
 its sampler drew from (`RequestSampler.sample_with_logprobs`); other rows compute none.
@@ -647,11 +647,13 @@ class RaggedBatch:
         self.slab.shrink()
 
     def remove(self, request_id: str) -> None:
-        """Drop a row (finished rows are already out of the slab). Idempotent."""
-        self._take_back()
+        """Drop a row (finished rows are already out of the slab). Idempotent. A row
+        that finished is only forgotten: the step queued after it (a grid slab's
+        pipeline, which leaves finished rows out of its tokens) stays queued."""
         self._finished.discard(request_id)
         stream = self._streams.get(request_id)
         if stream is not None:
+            self._take_back()
             self._drop(stream)
 
     def close(self) -> None:

@@ -491,3 +491,37 @@ def test_pipelined_steps_emit_what_unpipelined_steps_emit(loaded, prompt_ids, dr
     assert none == 0 and (used >= 8 if pipelines else used == 0)
     assert piped == plain
     assert piped["t"][1] == "cancelled" and len(piped["t"][0]) < 40
+
+
+def test_a_finished_rows_removal_keeps_the_queued_step(loaded, prompt_ids):
+    """On a grid slab a row that finishes leaves the queued step standing: the scheduler's
+    `remove` of a row already out of the batch takes nothing back, so every step after
+    the first is the one queued before it (the finished rows are left out of its
+    tokens), and the streams are those of an unpipelined run."""
+    target = loaded[0]
+    lengths = (3, 5, 6, 9, 12)
+    runs = []
+    for pipeline in (False, True):
+        # no stop ids: each row ends at its max_tokens, one after another
+        batch = RaggedBatch(target.model, eos_token_ids=(), row_drafts=False, grid=True)
+        batch.pipeline = pipeline
+        requests = [make_request(f"r{i}", prompt_ids[i], n) for i, n in enumerate(lengths)]
+        out: dict[str, list[int]] = {}
+        finished = []
+        steps = 0
+        for b in batch.prefill(requests):
+            out.setdefault(b.request_id, []).extend(b.token_ids)
+        while batch.num_rows():
+            steps += 1
+            for b in batch.decode():
+                out[b.request_id].extend(b.token_ids)
+                if b.finish_reason:
+                    finished.append(b.request_id)
+                    batch.remove(b.request_id)
+        assert batch.slab.num_rows == 0
+        runs.append((out, finished, steps, batch.num_pipelined))
+    (plain, plain_order, plain_steps, none), (piped, piped_order, piped_steps, used) = runs
+    assert piped == plain and piped_order == plain_order
+    assert [len(plain[f"r{i}"]) for i in range(len(lengths))] == list(lengths)
+    assert none == 0 and plain_steps == piped_steps == max(lengths) - 1
+    assert used == piped_steps - 1  # only the first step was not queued by the one before

@@ -135,6 +135,7 @@ class RaggedBatch:
         self.replica_index: ReplicaIndex | None = None
         # Where new rows' acceptance estimates start, by kind (greedy: True).
         self.replica_acceptance = {True: ReplicaAcceptance(), False: ReplicaAcceptance()}
+        self.num_steps = 0  # decode steps (a verify riding included)
         self.num_pipelined = 0  # steps whose tokens a queued step had drawn
         self._streams: dict[str, _Stream] = {}  # classic rows, in slots 0..len-1
         self._sessions: set[int] = set()  # ids of rows handed out as session caches
@@ -376,6 +377,7 @@ class RaggedBatch:
 
     def _step(self, streams: list[_Stream], rider: Rider | None, drafts: bool = False,
               pipeline: bool = False) -> list[TokenBatch]:
+        self.num_steps += 1
         wanted = drafts
         drafts = self._drafts(streams) if drafts else [[] for _ in streams]
         if pipeline and rider is None and not any(drafts):

@@ -209,6 +209,11 @@ class MlxRunner:
     def num_classic_rows(self) -> int:
         return self._classic.num_rows()
 
+    def classic_step_stats(self) -> dict | None:
+        if not self._ragged:
+            return None
+        return {"steps": self._classic.num_steps, "pipelined": self._classic.num_pipelined}
+
     def prefix_cache_stats(self) -> dict | None:
         """The target's prefix cache counters; with a draft model's own prefixes, theirs
         under "draft"."""

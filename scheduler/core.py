@@ -311,6 +311,7 @@ class Scheduler:
             "counters": self.counters.to_dict(),
             "policy": self.policy.snapshot(),
             "prefix_cache": self.runner.prefix_cache_stats(),
+            "classic_steps": self.runner.classic_step_stats(),
             "shadow": None if self._shadow is None else {"rows": len(self._shadow), "rounds": self._shadow.num_rounds},
             "config": self.config.to_dict(),
             "speculation": {

@@ -99,6 +99,11 @@ class ModelRunner(Protocol):
 
     def num_classic_rows(self) -> int: ...
 
+    def classic_step_stats(self) -> dict | None:
+        """The classic batch's decode steps so far and how many of them a step queued
+        before them had drawn (`pipelined`: a grid slab's plain steps), for the snapshot;
+        None for a batch that counts neither."""
+
     def prefix_cache_stats(self) -> dict | None:
         """The KV prefix cache's counters and bytes in use, for the snapshot; None
         without a cache. A runner with one sets `Request.num_cached_tokens` at admission."""

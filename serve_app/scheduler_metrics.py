@@ -72,6 +72,13 @@ PREFIX_CACHE_GAUGES = (
     ("budget_bytes", "The prefix cache's byte budget (0: off)."),
     ("entries", "Entries the prefix cache holds."),
 )
+# The `classic_steps` snapshot (the runner's `classic_step_stats()`, None for a batch
+# that counts neither; both read 0 then): key -> series, help.
+CLASSIC_STEPS = (
+    ("steps", "classic_steps", "Classic decode steps (a slot verify riding in one included)."),
+    ("pipelined", "pipelined_steps", "Classic decode steps whose tokens a step queued before them had drawn "
+                                     "(a grid slab's plain steps, GPU)."),
+)
 # Snapshot keys that are not series: a sum of a labelled counter (sum() it in PromQL).
 NOT_EXPORTED = ("classic_fallbacks_total",)
 LANES = tuple(lane.name.lower() for lane in Lane)
@@ -98,6 +105,9 @@ def scheduler_families(snapshot: dict, model_name: str) -> list:
     for key, doc in GAUGES:
         families.append(GaugeMetricFamily(PREFIX + key, doc, value=counters.get(key, 0)))
     families += _prefix_cache_families(snapshot.get("prefix_cache") or {}, model_name)
+    steps = snapshot.get("classic_steps") or {}
+    for key, name, doc in CLASSIC_STEPS:
+        families.append(CounterMetricFamily(PREFIX + name, doc, value=steps.get(key, 0)))
     key, doc = TICK_TIMES
     fam = SummaryMetricFamily(PREFIX + key, doc, labels=["action"])
     seconds = counters.get(key) or {}

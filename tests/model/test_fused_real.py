@@ -127,6 +127,27 @@ def test_grid_forwards_give_the_same_streams(runner, prompts, isolated, grant_ro
     assert fused_with_rows > 0 and sum(r.spec.num_rounds > 0 for r in requests) >= 2
 
 
+def test_the_snapshot_counts_the_batchs_steps_and_those_a_queued_step_drew(runner, prompts):
+    """`classic_steps` in the scheduler's snapshot: every decode step of the batch, and
+    the pipelined ones, which a grid slab's plain steps are (sampled rows that do not
+    draft, the slot off) and a packed slab's never are."""
+    sampled, store = runner.sampled_row_drafts, runner._classic.slab
+    runner.sampled_row_drafts = False
+    counts = {}
+    try:
+        for grid in (False, True):
+            store.grid = grid
+            before = runner.classic_step_stats()
+            _, _, scheduler, _ = drive(runner, prompts, b1_policy="off", sampling={"temperature": 0.7, "seed": 3})
+            after = scheduler.snapshot()["classic_steps"]
+            counts[grid] = {k: after[k] - before[k] for k in after}
+            assert counts[grid]["steps"] >= scheduler.counters.actions["decode"] > 0
+    finally:
+        store.grid, runner.sampled_row_drafts = False, sampled
+    assert counts[False]["pipelined"] == 0
+    assert 0 < counts[True]["pipelined"] < counts[True]["steps"]  # the first step after a prefill is not
+
+
 def test_alternate_mode_gives_the_same_streams(runner, prompts, isolated):
     streams, requests, scheduler, _ = drive(runner, prompts, grant_rounds=2, tick_mode="alternate")
     assert scheduler.counters.actions["fused"] == 0

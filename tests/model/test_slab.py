@@ -519,6 +519,7 @@ def test_a_finished_rows_removal_keeps_the_queued_step(loaded, prompt_ids):
                     finished.append(b.request_id)
                     batch.remove(b.request_id)
         assert batch.slab.num_rows == 0
+        assert batch.num_steps == steps
         runs.append((out, finished, steps, batch.num_pipelined))
     (plain, plain_order, plain_steps, none), (piped, piped_order, piped_steps, used) = runs
     assert piped == plain and piped_order == plain_order

@@ -62,6 +62,7 @@ class FakeRunner:
         self.sampled_row_drafts = False
         self.draft_flags: list[bool] = []  # the `drafts` argument of every decode step
         self.prefix_stats: dict | None = None  # what `prefix_cache_stats` reports
+        self.step_stats: dict | None = None  # what `classic_step_stats` reports
 
     # -- helpers ------------------------------------------------------------------------
     def _emit(self, request: Request, count: int) -> tuple[list[int], str | None]:
@@ -118,6 +119,9 @@ class FakeRunner:
 
     def prefix_cache_stats(self):
         return self.prefix_stats
+
+    def classic_step_stats(self):
+        return self.step_stats
 
     # -- speculative --------------------------------------------------------------------
     def spec_supports(self, request):

@@ -258,6 +258,20 @@ def test_prefix_cache_series_read_the_snapshot_and_read_zero_without_a_cache():
     assert {key: off[key] for key in expected} == {key: (kind, 0.0) for key, (kind, _) in expected.items()}
 
 
+def test_classic_step_series_read_the_snapshot_and_read_zero_without_counts():
+    runner = FakeRunner()
+    scheduler = make_scheduler(runner)
+    metrics = ReplicaMetrics("tiny")
+    off = series(metrics.render(scheduler.snapshot()).decode())
+    runner.step_stats = {"steps": 40, "pipelined": 31}
+    state = scheduler.snapshot()
+    assert state["classic_steps"] == {"steps": 40, "pipelined": 31}
+    on = series(metrics.render(state).decode())
+    keys = [("specslot_scheduler_classic_steps_total", ()), ("specslot_scheduler_pipelined_steps_total", ())]
+    assert [on[k] for k in keys] == [("counter", 40.0), ("counter", 31.0)]
+    assert [off[k] for k in keys] == [("counter", 0.0), ("counter", 0.0)]
+
+
 def test_tick_seconds_sum_each_ticks_wall_time_by_action():
     """The tick summary's sums are the scheduler clock's time inside each tick, drain to
     events, under the action the tick ran; its counts are the `actions` tally."""

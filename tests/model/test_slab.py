@@ -269,6 +269,11 @@ def test_ngram_index_proposes_what_ngram_lookup_proposes():
         index.extend(history[cut:])
         for k in (1, 4):
             assert index.propose(k) == ngram_lookup(history, k, 3)
+        # built at once from a history, or one token at a time: the same index
+        for max_n, min_n in ((3, 1), (4, 2), (1, 1)):
+            whole, stepwise = NgramIndex(history[:cut], max_n, min_n), NgramIndex([], max_n, min_n)
+            stepwise.extend(history[:cut])
+            assert whole.history == stepwise.history and whole._starts == stepwise._starts
 
 
 # -- the batch ------------------------------------------------------------------------

@@ -8,6 +8,12 @@ cached turn (the 466-token prompt again plus 76 new tokens: the prefix cache ser
 466). The first two rounds are not counted.
 
     python scripts/experiments/cpu_prefill.py [--config configs/local.yaml] [--rounds 16]
+
+`--bare`: no engine, `cpu_math` on: the forwards alone of scenario 7's turns 2-6
+(`scripts/bench_multiturn.py`, prompts of 466-871 tokens), each turn's prompt fresh in one
+slab forward against its last 76 tokens over the rest cached, in a slab of 4 rows (the
+others 300 positions long, as at concurrency 4); median of `--rounds`, the two taking
+turns. Their ratio is the prefix cache's at that turn with nothing else counted.
 """
 
 from __future__ import annotations
@@ -51,7 +57,10 @@ def main() -> int:
     ap.add_argument("--config", default="configs/local.yaml")
     ap.add_argument("--target", default=os.path.join(HERE, "models", "bundled", "target"))
     ap.add_argument("--rounds", type=int, default=16)
+    ap.add_argument("--bare", action="store_true", help="the turns' forwards alone, no engine")
     args = ap.parse_args()
+    if args.bare:
+        return bare(args.target, args.rounds)
     engine, _ = engine_from_config(args.config, args.target, {})
     if not cpu_math.install():
         print("not on a CPU: cpu_math is not in use here", file=sys.stderr)
@@ -80,6 +89,58 @@ def main() -> int:
     for case in CASES:
         slow, fast = (statistics.median(times[(side, case)]) for side in ("mlx", "cpu_math"))
         print(f"| {case} | {1000 * slow:.1f} | {1000 * fast:.1f} | {slow / fast:.2f}x |")
+    return 0
+
+
+TURN_PROMPTS = (466, 562, 665, 766, 871)  # scenario 7's prompt at turns 2-6
+TURN_TOKENS = 76  # each turn's new tokens: the reply's end and the next user message
+
+
+def bare(target: str, rounds: int) -> int:
+    """Each turn's fresh prompt in one slab forward against its new tokens over the rest."""
+    import time
+
+    from mlx_lm import load
+
+    from models.slab import Slab
+
+    if not cpu_math.install():
+        print("not on a CPU: cpu_math is not in use here", file=sys.stderr)
+        return 2
+    model, _ = load(target)
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    rng = random.Random(0)
+    tokens = lambda n: [rng.randrange(3, 2000) for _ in range(n)]  # noqa: E731
+
+    def forward_s(cached: int, new: int) -> float:
+        slab = Slab(model, rows=4)
+        rows = [slab.add() for _ in range(4)]
+        slab.reserve(1024)  # no growth inside the timed forward (the engine's slab keeps its room)
+        for row in rows[1:]:
+            slab.forward(model, [(row, tokens(300))], last_only=True)
+        if cached:
+            slab.forward(model, [(rows[0], tokens(cached))], last_only=True)
+        mx.eval(slab.arrays())
+        tic = time.perf_counter()
+        out = slab.forward(model, [(rows[0], tokens(new))], last_only=True)
+        mx.eval([x for x in out if x is not None], slab.arrays())
+        return time.perf_counter() - tic
+
+    times: dict[tuple[int, str], list[float]] = {}
+    for k in range(rounds + 2):
+        for prompt in TURN_PROMPTS:
+            sides = (("fresh", 0, prompt), ("cached", prompt - TURN_TOKENS, TURN_TOKENS))
+            for side, cached, new in (sides if k % 2 else sides[::-1]):
+                took = forward_s(cached, new)
+                if k >= 2:
+                    times.setdefault((prompt, side), []).append(took)
+        print(f"round {k + 1}/{rounds + 2}", file=sys.stderr, flush=True)
+    print(f"| turn | prompt tokens | fresh, ms (median) | {TURN_TOKENS} new over the rest cached, ms | ratio |")
+    print("|---|---|---|---|---|")
+    for turn, prompt in enumerate(TURN_PROMPTS, start=2):
+        fresh, cached = (statistics.median(times[(prompt, side)]) for side in ("fresh", "cached"))
+        print(f"| {turn} | {prompt} | {1000 * fresh:.1f} | {1000 * cached:.1f} | {fresh / cached:.1f}x |")
     return 0
 
 

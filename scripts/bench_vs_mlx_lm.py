@@ -293,6 +293,7 @@ ENGINE_COLUMNS = [("concurrency", "concurrency"), ("http_tok_s", "server tok/s")
 TTFT_HISTOGRAM = "specslot:time_to_first_token_seconds"
 TICK_SUMMARY = "specslot_scheduler_tick_seconds"
 TICK_GAP = "specslot_scheduler_tick_gap_seconds_total"
+STEPS = ("specslot_scheduler_classic_steps_total", "specslot_scheduler_pipelined_steps_total")
 
 
 def scrape(server) -> dict:
@@ -300,10 +301,11 @@ def scrape(server) -> dict:
     (docs/metrics.md: replica arrival to the first token, whether or not it decodes to
     text; the load generator times the first chunk with text, which a random-weight
     model's first tokens may not have), the scheduler's ticks by action (count and
-    seconds) and the engine thread's time between ticks; and by replica, the requests
-    each has given a first token (`replicas`)."""
+    seconds), the engine thread's time between ticks and the classic batch's decode steps
+    and pipelined ones (`steps`); and by replica, the requests each has given a first
+    token (`replicas`)."""
     texts = metrics.fetch_replicas(server.base_url, server.num_replicas)
-    out = {"ttft": {}, "tick_count": {}, "tick_sum": {}, "gap_s": 0.0, "replicas": {}}
+    out = {"ttft": {}, "tick_count": {}, "tick_sum": {}, "gap_s": 0.0, "steps": [0.0, 0.0], "replicas": {}}
     for replica, text in texts.items():
         ttft = metrics.histogram_buckets(text, TTFT_HISTOGRAM)
         for key, series in (("ttft", ttft),
@@ -312,6 +314,8 @@ def scrape(server) -> dict:
             for label, value in series.items():
                 out[key][label] = out[key].get(label, 0.0) + value
         out["gap_s"] += metrics.labelled_samples(text, TICK_GAP, "").get("", 0.0)
+        for i, name in enumerate(STEPS):
+            out["steps"][i] += metrics.labelled_samples(text, name, "").get("", 0.0)
         out["replicas"][replica] = ttft.get(math.inf, 0.0)
     return out
 
@@ -327,7 +331,8 @@ def replica_line(before: dict, after: dict) -> str:
 
 def tick_delta(before: dict, after: dict) -> dict:
     """The scheduler's ticks between two scrapes: per action that ran, how many and their
-    mean milliseconds; and the engine thread's mean gap between ticks in ms."""
+    mean milliseconds; the engine thread's mean gap between ticks in ms; the classic
+    batch's decode steps and how many were pipelined."""
     actions = {}
     for action, count in after["tick_count"].items():
         n = count - before["tick_count"].get(action, 0.0)
@@ -336,7 +341,8 @@ def tick_delta(before: dict, after: dict) -> dict:
             actions[action] = {"count": int(n), "mean_ms": 1000.0 * seconds / n}
     ticks = sum(a["count"] for name, a in actions.items() if name != "fused")
     gap_ms = 1000.0 * (after["gap_s"] - before["gap_s"]) / ticks if ticks else None
-    return {"actions": actions, "gap_ms": gap_ms}
+    steps, pipelined = (int(a - b) for a, b in zip(after.get("steps", (0, 0)), before.get("steps", (0, 0))))
+    return {"actions": actions, "gap_ms": gap_ms, "steps": steps, "pipelined": pipelined}
 
 
 def tick_line(ticks: dict | None) -> str:
@@ -344,7 +350,8 @@ def tick_line(ticks: dict | None) -> str:
     if not ticks:
         return ""
     parts = [f"{name} {a['count']} x {a['mean_ms']:.2f} ms" for name, a in ticks["actions"].items() if name != "idle"]
-    return f"; ticks: {', '.join(parts)}; gap {metrics.fmt(ticks['gap_ms'], 2)} ms/tick"
+    steps = f"; steps pipelined {ticks['pipelined']} of {ticks['steps']}" if ticks.get("steps") else ""
+    return f"; ticks: {', '.join(parts)}; gap {metrics.fmt(ticks['gap_ms'], 2)} ms/tick{steps}"
 
 
 def run_seed(seed: int, concurrency: int, repeat: int) -> int:

@@ -33,7 +33,9 @@ def exposition(requests: int, ticks: int) -> str:
     return (f'specslot_ttft_seconds_bucket{{le="1.0",lane="normal"}} {requests}\n'
             f'specslot_ttft_seconds_bucket{{le="+Inf",lane="normal"}} {requests}\n'
             f'specslot_scheduler_tick_seconds_count{{action="decode"}} {ticks}\n'
-            f'specslot_scheduler_tick_seconds_sum{{action="decode"}} {ticks / 100}\n')
+            f'specslot_scheduler_tick_seconds_sum{{action="decode"}} {ticks / 100}\n'
+            f'specslot_scheduler_classic_steps_total {ticks}\n'
+            f'specslot_scheduler_pipelined_steps_total {ticks // 2}\n')
 
 
 def test_a_two_replica_server_is_scraped_replica_by_replica(monkeypatch):
@@ -66,5 +68,7 @@ def test_a_two_replica_server_is_scraped_replica_by_replica(monkeypatch):
     finally:
         server.shutdown()
     assert before["ttft"] == {1.0: 8.0, float("inf"): 8.0} and before["tick_count"] == {"decode": 80.0}
-    assert bench_vs_mlx_lm.tick_delta(before, after)["actions"]["decode"]["count"] == 140
+    ticks = bench_vs_mlx_lm.tick_delta(before, after)
+    assert ticks["actions"]["decode"]["count"] == 140 and (ticks["steps"], ticks["pipelined"]) == (140, 70)
+    assert bench_vs_mlx_lm.tick_line(ticks).endswith("; steps pipelined 70 of 140")
     assert bench_vs_mlx_lm.replica_line(before, after) == "; requests by replica 10 / 4"

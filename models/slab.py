@@ -283,8 +283,9 @@ class Slab:
         gains its tokens, exactly as if each row had run its own forward.
 
         Packed (the CPU's way): only the entries' own tokens run, and attention is one
-        call per run of one-token rows in consecutive slots plus one per multi-token
-        row, over the keys the rows hold. Grid (`self.grid`, when the entries fill a run of slots
+        call per run of one-token rows in consecutive slots, one over the rows of a few
+        tokens each (drafts, a verify) where they lie close together, and one per other
+        multi-token row, over the keys the rows hold. Grid (`self.grid`, when the entries fill a run of slots
         with few gaps): every row of the run brings as many tokens as the widest entry
         (the others padded; a gap's row is a row of padding) and attention is one call
         over the run, against keys up to the longest row rounded up to `STEP`, with a

@@ -56,6 +56,34 @@ def test_slab_forward_matches_separate_forwards(make_model, widths, grid):
         assert mx.abs(got - _alone(model, prompt + new, [7])).max().item() < ATOL
 
 
+@pytest.mark.parametrize("widths, block", [
+    ((5, 5, 5, 5), [0, 1, 2, 3]),  # every row drafts: one call over the four
+    ((5, 1, 3, 1), [0, 2]),  # a one-token row between them is padding
+    ((5, 1, 1, 3), None),  # two rows apart: each its own call
+    ((1, 1, 1, 5), None),  # one such row: its own call
+    ((5, 12, 3, 1), [0, 2]),  # a prompt chunk's row attends alone
+])
+def test_packed_rows_of_a_few_tokens_attend_in_one_call_and_match_separate_forwards(widths, block):
+    """Packed, rows that bring 2..`EXACT_WIDTHS` tokens (drafts, a verify) in slots with
+    few others between them are attended as one masked grid (`_Block`): the same logits
+    as each row's own forward, and the next step reads what it wrote."""
+    model = _llama(False)
+    store = slab.Slab(model, rows=4, grid=False)
+    rows = [store.add() for _ in PROMPTS]
+    store.forward(model, [(r, p) for r, p in zip(rows, PROMPTS)])
+    news = [[(13 * i + j) % 200 + 1 for j in range(w)] for i, w in enumerate(widths)]
+    entries = [(r, n) for r, n in zip(rows, news)]
+    plan = Forward(store, entries)
+    assert (None if plan.block is None else list(range(plan.block.lo, plan.block.lo + plan.block.num_rows))) == \
+        (None if block is None else list(range(block[0], block[-1] + 1)))
+    out = store.forward(model, entries)
+    for got, prompt, new in zip(out, PROMPTS, news):
+        assert mx.abs(got - _alone(model, prompt, new)).max().item() < ATOL
+    out = store.forward(model, [(r, [7]) for r in rows])
+    for got, prompt, new in zip(out, PROMPTS, news):
+        assert mx.abs(got - _alone(model, prompt + new, [7])).max().item() < ATOL
+
+
 @pytest.mark.parametrize("make_model", [lambda: _llama(False), lambda: _llama(True)], ids=["untied", "tied"])
 @pytest.mark.parametrize("grid", [False, True], ids=["packed", "grid"])
 def test_last_only_gives_each_rows_last_logits_and_runs_the_head_on_those_alone(make_model, grid):

@@ -8,7 +8,7 @@ per run of one-token rows in consecutive slots (the classic batch: one SDPA over
 rows of the buffer with a length mask; a row that drafts splits the run in two), once
 over the rows that bring 2..`EXACT_WIDTHS` tokens (rows' drafts, a verify) when their
 slots have few others between them (`_Block`: a masked grid over their run of slots,
-two matmuls and a numpy softmax), and once per other multi-token row (a prompt chunk, or
+`_grid_attention` with its softmax in numpy), and once per other multi-token row (a prompt chunk, or
 a row of a few tokens apart from the others: causal, over that row alone).
 Grid (a GPU, `Slab.grid`): every row of a run of slots brings as many tokens as the
 widest entry, padded (`grid_width`), one masked attention call over the run (two
@@ -90,7 +90,7 @@ class Forward:
                        key=lambda i: entries[i][0].slot)
         # float32 only (a CPU's dtype): the block's softmax runs in numpy
         if len(short) > 1 and slab.dtype == mx.float32 and _few_gaps([entries[i][0].slot for i in short]):
-            self.block = _Block([(entries[i][0], len(entries[i][1])) for i in short])
+            self.block = _Block(slab, [(entries[i][0], len(entries[i][1])) for i in short])
         else:
             short = []
         in_block = set(short)
@@ -149,9 +149,7 @@ class Forward:
             # backend plans that attention per key length.)
             self.grid_keys, self.grid_mask = int(lengths[0]) + 1, None
             return
-        # query i of a row sees keys 0..length + i (a gap's row: whatever, it is padding)
-        valid = np.arange(keys)[None, None, :] <= (lengths[:, None, None] + np.arange(width)[None, :, None])
-        self.grid_mask = mx.array(valid[:, None])  # (rows, 1, width, keys)
+        self.grid_mask = _grid_mask(lengths, width, keys)
         self.grid_keys = keys
 
     def _set_positions(self, slots, positions) -> None:
@@ -175,6 +173,14 @@ class Forward:
         return self._flat[heads]
 
 
+def _grid_mask(lengths: np.ndarray, width: int, keys: int) -> mx.array:
+    """(rows, 1, width, keys): query i of a row of `lengths` held positions sees keys
+    0..length + i (a gap's row, or a query past a row's tokens: whatever, it is padding,
+    and key 0 is always seen, so no row of the softmax is all -inf)."""
+    valid = np.arange(keys)[None, None, :] <= (lengths[:, None, None] + np.arange(width)[None, :, None])
+    return mx.array(valid[:, None])
+
+
 def _few_gaps(slots: list[int]) -> bool:
     """Whether the run of slots from the lowest to the highest of `slots` (distinct) has
     few enough others in it to run them as padding."""
@@ -185,10 +191,10 @@ class _Block:
     """Packed rows that bring a few tokens each (rows' drafts, a verify), attended in one
     call instead of one each: their run of slots as a grid of `width` queries a row
     (slots between them, and queries past a row's tokens, are padding), one masked
-    attention over the run's keys (`_block_attention`). `rows`: (row, tokens), by slot;
-    their tokens come in that order in the packed forward."""
+    attention over the run's keys (`_grid_attention`, its softmax in numpy). `rows`:
+    (row, tokens), by slot; their tokens come in that order in the packed forward."""
 
-    def __init__(self, rows: list[tuple[Row, int]]) -> None:
+    def __init__(self, slab: Slab, rows: list[tuple[Row, int]]) -> None:
         self.lo = rows[0][0].slot
         self.num_rows = rows[-1][0].slot + 1 - self.lo
         self.width = max(n for _, n in rows)
@@ -196,18 +202,16 @@ class _Block:
         self.keys = max(row.length + n for row, n in rows)
         gather = np.zeros((self.num_rows, self.width), np.int64)  # padding reads token 0
         take = np.empty(self.count, np.int64)
-        valid = np.zeros((self.num_rows, self.width, self.keys), bool)
-        valid[:, :, 0] = True  # a padding query sees one key (no row of -inf)
         k = 0
         for row, n in rows:
             r = row.slot - self.lo
             gather[r, :n] = np.arange(k, k + n)
             take[k:k + n] = r * self.width + np.arange(n)
-            valid[r, :n] = np.arange(self.keys)[None, :] <= row.length + np.arange(n)[:, None]
             k += n
         self.gather = mx.array(gather.reshape(-1))
         self.take = mx.array(take)
-        self.mask = mx.array(valid[:, None, None])  # (rows, 1, 1, width, keys): every kv head, every group
+        lengths = np.array([slab.rows[s].length for s in range(self.lo, self.lo + self.num_rows)], np.int64)
+        self.mask = _grid_mask(lengths, self.width, self.keys)
 
 
 def grid_width(n: int) -> int:
@@ -324,8 +328,8 @@ def _attention(queries, keys, values, scale, mask, group_size=64, bits=8):
         rows, width, t = block.num_rows, block.width, block.keys
         q = mx.take(queries[start:start + block.count], block.gather, axis=0)  # (rows * width, heads, 1, dim)
         q = q.reshape(rows, width, heads, dim).transpose(0, 2, 1, 3)
-        out = _block_attention(q, k_all[block.lo:block.lo + rows, :, :t], v_all[block.lo:block.lo + rows, :, :t],
-                               scale, block.mask)
+        out = _grid_attention(q, k_all[block.lo:block.lo + rows, :, :t], v_all[block.lo:block.lo + rows, :, :t],
+                              scale, block.mask, numpy_softmax=True)
         out = out.transpose(0, 2, 1, 3).reshape(rows * width, heads, 1, dim)
         outputs.append(mx.take(out, block.take, axis=0))
         start += block.count
@@ -340,36 +344,27 @@ def _attention(queries, keys, values, scale, mask, group_size=64, bits=8):
     return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs)
 
 
-def _block_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
-    """A packed forward's block (`_Block`): queries (rows, heads, width, dim), keys and
-    values (rows, kv heads, keys, dim), mask (rows, 1, 1, width, keys). Two matmuls and a
-    softmax, the softmax in numpy where the scores can be evaluated (`cpu_math`: ~20x
-    MLX's `exp` on an x86 CPU; 4 rows of 5 tokens over ~850 keys took 0.85 ms a layer
-    against 1.2 for their four calls)."""
-    rows, heads, width, dim = queries.shape
-    kv_heads = keys.shape[1]
-    q = (queries * scale).reshape(rows, kv_heads, heads // kv_heads, width, dim)
-    scores = q @ keys[:, :, None].swapaxes(-1, -2)  # (rows, kv heads, group, width, keys)
-    if cpu_math._evaluated(scores):
-        probs = cpu_math._softmax_numpy(scores, False, mask)
-    else:  # inside a function transformation: MLX operations only
-        probs = mx.softmax(mx.where(mask, scores, mx.array(-mx.inf, scores.dtype)), axis=-1, precise=True)
-    return (probs @ values[:, :, None]).reshape(rows, heads, width, dim)
-
-
-def _grid_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
+def _grid_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array,
+                    numpy_softmax: bool = False) -> mx.array:
     """A grid's attention with several queries per row, as two matmuls and a softmax:
     `mx.fast.scaled_dot_product_attention` with a mask builds a plan on MLX CUDA for every
     new (rows, width, keys) shape, 50-70 ms each on the H200, which the first requests of a
     new concurrency waited for; this way a new shape costs a few ms (and a forward the
     same to ~13 % more, `scripts/experiments/gpu_prefill.py`). Queries (rows, heads, width,
-    dim), keys and values (rows, kv heads, keys, dim), mask (rows, 1, width, keys)."""
+    dim), keys and values (rows, kv heads, keys, dim), mask (rows, 1, width, keys).
+
+    `numpy_softmax` (a packed forward's `_Block`, float32 on a CPU): the softmax in numpy
+    where the scores can be evaluated (`cpu_math`: ~20x MLX's `exp` on an x86 CPU; 4 rows
+    of 5 tokens over ~850 keys took 0.85 ms a layer against 1.2 for one call a row)."""
     rows, heads, width, dim = queries.shape
     kv_heads = keys.shape[1]
     q = (queries * scale).reshape(rows, kv_heads, heads // kv_heads, width, dim)
     scores = q @ keys[:, :, None].swapaxes(-1, -2)  # (rows, kv heads, group, width, keys)
-    scores = mx.where(mask[:, :, None], scores, mx.array(-mx.inf, scores.dtype))
-    probs = mx.softmax(scores, axis=-1, precise=True)
+    if numpy_softmax and cpu_math._evaluated(scores):
+        probs = cpu_math._softmax_numpy(scores, False, mask[:, :, None])
+    else:
+        scores = mx.where(mask[:, :, None], scores, mx.array(-mx.inf, scores.dtype))
+        probs = mx.softmax(scores, axis=-1, precise=True)
     return (probs @ values[:, :, None]).reshape(rows, heads, width, dim)
 
 

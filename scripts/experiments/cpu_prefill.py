@@ -45,6 +45,12 @@ def use(fast: bool) -> None:
     assert activations.swiglu is (cpu_math.swiglu if fast else cpu_math._MLX_LM_SWIGLU)
 
 
+def random_tokens():
+    """tokens(n): n random ids of the bundled vocabulary, one seeded stream per call."""
+    rng = random.Random(0)
+    return lambda n: [rng.randrange(3, 2000) for _ in range(n)]
+
+
 def first_token_s(engine, ids: list[int], request_id: str) -> float:
     took, final = first_token(engine, Request(request_id, ids, SamplingParams(max_tokens=1)))
     if final.error:
@@ -65,8 +71,7 @@ def main() -> int:
     if not cpu_math.install():
         print("not on a CPU: cpu_math is not in use here", file=sys.stderr)
         return 2
-    rng = random.Random(0)
-    tokens = lambda n: [rng.randrange(3, 2000) for _ in range(n)]  # noqa: E731
+    tokens = random_tokens()
     times: dict[tuple[str, str], list[float]] = {}
     try:
         for k in range(args.rounds):
@@ -100,18 +105,15 @@ def bare(target: str, rounds: int) -> int:
     """Each turn's fresh prompt in one slab forward against its new tokens over the rest."""
     import time
 
-    from mlx_lm import load
-
+    from models.loader import load_model
     from models.slab import Slab
 
     if not cpu_math.install():
         print("not on a CPU: cpu_math is not in use here", file=sys.stderr)
         return 2
-    model, _ = load(target)
-    model.set_dtype(mx.float32)
+    model = load_model(target).model  # float32 on a CPU, as the runner loads it
     mx.eval(model.parameters())
-    rng = random.Random(0)
-    tokens = lambda n: [rng.randrange(3, 2000) for _ in range(n)]  # noqa: E731
+    tokens = random_tokens()
 
     def forward_s(cached: int, new: int) -> float:
         slab = Slab(model, rows=4)

@@ -213,10 +213,13 @@ def main() -> None:
     if kernels:
         total = sum(kernels.values())
         end = max(t["at_ms"] + t["ms"] for t in measured["ticks"])
-        print(f"GPU kernels busy {total:.0f} ms of the burst's {end:.0f} ms; the costliest (ms):")
-        for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:15]:
-            print(f"  {ms:8.1f}  {name}")
+        launches = measured.pop("launches", {})
+        print(f"GPU kernels busy {total:.0f} ms of the burst's {end:.0f} ms in {sum(launches.values())} launches; "
+              f"the costliest (ms, launches):")
+        for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:25]:
+            print(f"  {ms:8.1f} {launches.get(name, 0):7d}  {name}")
         measured["kernels_ms"] = {k: round(v, 2) for k, v in kernels.items()}
+        measured["kernel_launches"] = launches
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"config": args.config, "load_s": load_s, "folded": folded, **measured,
@@ -273,18 +276,21 @@ def gil_probe():
 
 
 def profiled(run) -> tuple[dict, dict[str, float]]:
-    """`run()`'s result and the GPU time of the kernels it launched, ms by kernel name
-    (torch's CUPTI profiler sees MLX's kernels too; the device image has PyTorch)."""
+    """`run()`'s result (with `launches`: kernel name -> launches) and the GPU time of the
+    kernels it launched, ms by kernel name (torch's CUPTI profiler sees MLX's kernels
+    too; the device image has PyTorch)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         out = run()
     kernels: dict[str, float] = {}
+    launches: dict[str, int] = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             kernels[e.name[:90]] = kernels.get(e.name[:90], 0.0) + e.device_time / 1e3
-    return out, kernels
+            launches[e.name[:90]] = launches.get(e.name[:90], 0) + 1
+    return {**out, "launches": launches}, kernels
 
 
 HOST_PARTS = ("forward.build", "draws.build", "async_eval", "eval")  # disjoint wall-time parts

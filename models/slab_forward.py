@@ -38,6 +38,14 @@ if TYPE_CHECKING:
 _NEXT_SDPA = mlx_base.quantized_scaled_dot_product_attention
 STEP = 256  # capacity grows in these many positions, and grid forwards bucket keys by it
 EXACT_WIDTHS = 8  # grid forwards up to this many tokens per row run at their own width
+# How a grid step of several one-token rows (a classic decode step on a GPU) attends:
+# "mask": one SDPA over the run's bucket of keys with a mask array (MLX CUDA's one-query
+# kernel takes no mask array, so this goes to its general attention); "rows": one SDPA
+# per row over exactly its keys, no mask (the one-query kernel a lone row's step uses),
+# for runs of at most `PER_ROW_DECODE` rows; "matmuls": `_grid_attention`. Which is
+# fastest on an H200 is measured by `scripts/experiments/gpu_decode_attention.py`.
+DECODE_ATTENTION = "mask"
+PER_ROW_DECODE = 8
 
 
 class Forward:
@@ -60,6 +68,7 @@ class Forward:
         self.grid: tuple[int, int] | None = None  # (rows, width)
         self.grid_rows: slice | mx.array = slice(0)  # the grid's slots: a run, or gathered
         self.grid_mask = None
+        self.row_keys: list[tuple[int, int]] | None = None  # (slot, keys) of a decode step's rows
         slots = [row.slot for row, _ in entries]
         lo, hi = min(slots), max(slots) + 1
         if slab.grid and _few_gaps(slots):
@@ -149,8 +158,13 @@ class Forward:
             # backend plans that attention per key length.)
             self.grid_keys, self.grid_mask = int(lengths[0]) + 1, None
             return
-        self.grid_mask = _grid_mask(lengths, width, keys)
         self.grid_keys = keys
+        if (width == 1 and DECODE_ATTENTION == "rows" and len(grid_slots) <= PER_ROW_DECODE
+                and isinstance(self.grid_rows, slice)):
+            # a decode step's rows, each over exactly its keys (`DECODE_ATTENTION`)
+            self.row_keys = [(s, int(n) + 1) for s, n in zip(grid_slots, lengths)]
+            return
+        self.grid_mask = _grid_mask(lengths, width, keys)
 
     def _set_positions(self, slots, positions) -> None:
         self.positions = mx.array(np.asarray(positions, np.int32))
@@ -307,13 +321,18 @@ def _attention(queries, keys, values, scale, mask, group_size=64, bits=8):
     layer = keys.layer
     ctx, k_all, v_all = layer.ctx, layer.slab.keys[layer.index], layer.slab.values[layer.index]
     heads, dim = queries.shape[1], queries.shape[3]
+    if ctx.row_keys is not None:  # one-token rows, each over exactly its keys
+        return mx.concatenate([
+            mx.fast.scaled_dot_product_attention(queries[j:j + 1], k_all[s:s + 1, :, :n], v_all[s:s + 1, :, :n],
+                                                 scale=scale)
+            for j, (s, n) in enumerate(ctx.row_keys)])
     if ctx.grid is not None:  # queries: (rows, heads, width, dim)
         width, t, rows = ctx.grid[1], ctx.grid_keys, ctx.grid_rows
         if isinstance(rows, slice):
             keys, values = k_all[rows, :, :t], v_all[rows, :, :t]
         else:  # rows apart: their keys gathered (prompt chunks, where compute outweighs the copy)
             keys, values = mx.take(k_all[:, :, :t], rows, axis=0), mx.take(v_all[:, :, :t], rows, axis=0)
-        if width > 1:
+        if width > 1 or (ctx.grid_mask is not None and DECODE_ATTENTION == "matmuls"):
             return _grid_attention(queries, keys, values, scale, ctx.grid_mask)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=ctx.grid_mask)
     outputs, start = [], 0

@@ -57,6 +57,9 @@ def main() -> None:
                          "the last one in full")
     ap.add_argument("--chunk", type=int, default=0,
                     help="prompt positions per row per prefill forward (ragged_batch.PREFILL_CHUNK; 0: as it is)")
+    ap.add_argument("--decode-attention", choices=["mask", "rows", "matmuls"], default=None,
+                    help="how a grid step of several one-token rows attends (slab_forward.DECODE_ATTENTION; "
+                         "default: as it is)")
     args = ap.parse_args()
 
     from scheduler.core import Scheduler
@@ -76,6 +79,9 @@ def main() -> None:
     if args.chunk:
         from models import ragged_batch
         ragged_batch.PREFILL_CHUNK = args.chunk
+    if args.decode_attention:
+        from models import slab_forward
+        slab_forward.DECODE_ATTENTION = args.decode_attention
 
     tic = time.perf_counter()
     runner = MlxRunner.from_paths(args.target, **serve.runner_args())

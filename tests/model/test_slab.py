@@ -229,6 +229,35 @@ def test_grid_lone_row_attends_to_exactly_its_keys():
     assert mx.abs(out - _alone(model, PROMPTS[1], [7, 8, 9, 10, 11, 12])[-1:]).max().item() < ATOL
 
 
+@pytest.mark.parametrize("mode", ["mask", "rows", "matmuls"])
+def test_grid_decode_steps_attend_alike_whichever_decode_attention(mode, monkeypatch):
+    """A grid step of one-token rows (a GPU's classic decode) attends with a mask over the
+    bucket ("mask"), one unmasked call per row over exactly its keys ("rows", up to
+    `PER_ROW_DECODE` rows), or two matmuls ("matmuls"): the same logits as each row's
+    own forward either way, a gap's row included as padding, and the next step reads
+    what it wrote."""
+    monkeypatch.setattr(slab_forward, "DECODE_ATTENTION", mode)
+    model = _llama(False)
+    store = slab.Slab(model, rows=4, grid=True)
+    rows = [store.add() for _ in PROMPTS]
+    store.forward(model, [(r, p) for r, p in zip(rows, PROMPTS)])
+    picks = [(rows[0], [9]), (rows[2], [5]), (rows[3], [8])]  # slot 1 runs as padding
+    ctx = Forward(store, picks)
+    assert ctx.grid == (4, 1) and ctx.grid_rows == slice(0, 4)
+    if mode == "rows":
+        assert ctx.row_keys == [(r.slot, r.length + 1) for r in rows] and ctx.grid_mask is None
+    else:
+        assert ctx.row_keys is None and ctx.grid_mask.shape == (4, 1, 1, ctx.grid_keys)
+    for got, (row, new) in zip(store.forward(model, picks), picks):
+        assert mx.abs(got - _alone(model, PROMPTS[rows.index(row)], new)).max().item() < ATOL
+    assert rows[1].length == len(PROMPTS[1])
+    out = store.forward(model, [(r, [4]) for r in rows])
+    for got, row, prompt, (_, new) in zip(out, rows, PROMPTS, [picks[0], (None, []), picks[1], picks[2]]):
+        assert mx.abs(got - _alone(model, prompt + new, [4])).max().item() < ATOL
+    monkeypatch.setattr(slab_forward, "PER_ROW_DECODE", 3)  # more rows than that: the mask
+    assert Forward(store, [(r, [1]) for r in rows]).row_keys is None
+
+
 def test_shrink_returns_capacity_once_the_long_row_is_gone():
     """A grid slab grows by `STEP` and gives capacity back when the longest row fits in
     half of it; a packed slab doubles (fewer copies as a conversation grows), gives it

@@ -159,9 +159,9 @@ class Forward:
             self.grid_keys, self.grid_mask = int(lengths[0]) + 1, None
             return
         self.grid_keys = keys
-        if (width == 1 and DECODE_ATTENTION == "rows" and len(grid_slots) <= PER_ROW_DECODE
-                and isinstance(self.grid_rows, slice)):
-            # a decode step's rows, each over exactly its keys (`DECODE_ATTENTION`)
+        if width == 1 and DECODE_ATTENTION == "rows" and len(grid_slots) <= PER_ROW_DECODE:
+            # a decode step's rows (one-token grids always run over a run of slots), each
+            # over exactly its keys (`DECODE_ATTENTION`)
             self.row_keys = [(s, int(n) + 1) for s, n in zip(grid_slots, lengths)]
             return
         self.grid_mask = _grid_mask(lengths, width, keys)

@@ -22,7 +22,6 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, HERE)
@@ -32,18 +31,9 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from models.slab_forward import _grid_attention, _grid_mask  # noqa: E402
+from scripts.bench_util import median_eval_s  # noqa: E402
 
 HEADS, KV_HEADS, DIM, LAYERS, CAPACITY = 12, 2, 128, 28, 1024
-
-
-def median_ms(fn, repeats: int) -> float:
-    times = []
-    for i in range(repeats + 3):
-        tic = time.perf_counter()
-        mx.eval(fn())
-        if i >= 3:
-            times.append(time.perf_counter() - tic)
-    return sorted(times)[len(times) // 2] * 1e3
 
 
 def attention_table(rows_list: list[int], keys: int, repeats: int, dtype: mx.Dtype) -> None:
@@ -76,7 +66,7 @@ def attention_table(rows_list: list[int], keys: int, repeats: int, dtype: mx.Dty
                 lambda: [_grid_attention(q[i], k_all[i][:rows, :, :keys], v_all[i][:rows, :, :keys], scale, mask)
                          for i in range(LAYERS)],
                 lambda: [per_row(i) for i in range(LAYERS)]]
-        print(f"| {rows} | " + " | ".join(f"{median_ms(w, repeats):.2f}" for w in ways) + " |", flush=True)
+        print(f"| {rows} | " + " | ".join(f"{median_eval_s(w, repeats) * 1e3:.2f}" for w in ways) + " |", flush=True)
 
 
 def main() -> None:

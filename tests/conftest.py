@@ -9,6 +9,8 @@ run of several directories still starts exactly one cluster.
 
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -46,6 +48,24 @@ def tiny_pair(tmp_path_factory):
     from models.tiny import build_tiny_pair
 
     return build_tiny_pair(str(tmp_path_factory.mktemp("tiny")))
+
+
+# A process on the fast BLAS runs a float32 matmul at least this many times faster than
+# MLX's bundled reference BLAS measured beside it on one thread (here: ~32 against ~2.7
+# GFLOP/s, 12x; a busy CI machine measured the fast one at 22). Timed side by side, so a
+# slow or noisy machine moves both numbers.
+FAST_BLAS_MIN_RATIO = 4
+
+
+@pytest.fixture(scope="session")
+def reference_gflops():
+    """MLX's bundled BLAS (SPECSLOT_FAST_BLAS=0) in a child process: its best float32
+    1024² matmul rate in GFLOP/s, the yardstick for the fast-BLAS checks."""
+    env = {**os.environ, "SPECSLOT_FAST_BLAS": "0"}
+    code = "import models, models._blas as b; print(b.measure_gflops())"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=300, check=True)
+    return float(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="session")

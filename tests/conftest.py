@@ -64,7 +64,8 @@ def reference_gflops():
     env = {**os.environ, "SPECSLOT_FAST_BLAS": "0"}
     code = "import models, models._blas as b; print(b.measure_gflops())"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=300, check=True)
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"reference BLAS child exited {proc.returncode}: {proc.stderr[-2000:]}"
     return float(proc.stdout.strip().splitlines()[-1])
 
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -62,7 +62,7 @@ from models.sampling import LogprobArrays, RequestSampler, draw_plain, log_probs
 from models.slab import Row, RowView, Slab
 from scheduler.costs import (DraftFit, ReplicaAcceptance, RowAcceptance, TickCosts, draft_net, drafts_pay, row_draft_budget, share_drafts,
                              step_draft_budget, verify_costs)
-from scheduler.model_api import TokenBatch
+from scheduler.model_api import Interrupted, TokenBatch
 from scheduler.request import Request, TokenLogprob
 
 PREFILL_CHUNK = 512  # prompt positions per row per prefill forward, with every row of a group running
@@ -137,6 +137,7 @@ class RaggedBatch:
         self.replica_acceptance = {True: ReplicaAcceptance(), False: ReplicaAcceptance()}
         self.num_steps = 0  # decode steps (a verify riding included)
         self.num_pipelined = 0  # steps whose tokens a queued step had drawn
+        self.num_interrupted = 0  # steps given up part-way (`decode`'s `interrupt`)
         self._streams: dict[str, _Stream] = {}  # classic rows, in slots 0..len-1
         self._sessions: set[int] = set()  # ids of rows handed out as session caches
         self._finished: set[str] = set()  # finished rows not yet removed
@@ -356,11 +357,17 @@ class RaggedBatch:
         return []
 
     # -- decode -------------------------------------------------------------------------
-    def decode(self, rider: Rider | None = None, drafts: bool = False) -> list[TokenBatch]:
+    def decode(self, rider: Rider | None = None, drafts: bool = False,
+               interrupt: Callable[[], bool] | None = None) -> list[TokenBatch]:
         """One step: one token for every row (more for a row whose drafts land, with
         `drafts` and `row_drafts`), the rider's verify in the same forward (its logits
         in `rider.extra_logits`). A lone row without a rider keeps stepping within
-        `solo_burst_s`."""
+        `solo_burst_s`, until `interrupt` returns True.
+
+        `interrupt` (a step without a rider, on a packed slab): asked between the
+        forward's layers; where it returns True the step stops and raises
+        `Interrupted`, every row as it was (its drafts' budget too: the step's next run
+        proposes them again)."""
         streams = list(self._streams.values())
         drafts = drafts and self.row_drafts
         if rider is not None:
@@ -368,19 +375,24 @@ class RaggedBatch:
         if not streams:
             return []
         pipeline = self.pipeline and self.slab.grid
+        if self.slab.grid:
+            interrupt = None
         tic = time.perf_counter()
-        batches = self._step(streams, None, drafts, pipeline)
+        batches = self._step(streams, None, drafts, pipeline, interrupt)
         while (len(streams) == 1 and batches[0].finish_reason is None
-               and time.perf_counter() - tic < self._solo_burst_s):
+               and time.perf_counter() - tic < self._solo_burst_s and not (interrupt and interrupt())):
             batches[0].extend(self._step(streams, None, drafts, pipeline)[0])
         return batches
 
     def _step(self, streams: list[_Stream], rider: Rider | None, drafts: bool = False,
-              pipeline: bool = False) -> list[TokenBatch]:
-        self.num_steps += 1
+              pipeline: bool = False, interrupt: Callable[[], bool] | None = None) -> list[TokenBatch]:
         wanted = drafts
+        denied = [s.denied for s in streams]  # restored where the step is interrupted
+        index = self.replica_index
+        proposals = None if index is None else (index.num_proposals, index.num_hits)
         drafts = self._drafts(streams) if drafts else [[] for _ in streams]
         if pipeline and rider is None and not any(drafts):
+            self.num_steps += 1
             return self._plain_step(streams, wanted)
         self._take_back()
         entries = [(s.row, [s.pending, *d]) for s, d in zip(streams, drafts)]
@@ -391,7 +403,16 @@ class RaggedBatch:
             if self.slab.grid and row.slot != len(self._streams):
                 self._to_classic_region(row)  # next to the rows: one grid, no gap rows
             entries.append((row, rider.extra.tokens.tolist()))
-        logits = self.slab.forward(self._model, entries)
+        try:
+            logits = self.slab.forward(self._model, entries, interrupt=interrupt)
+        except Interrupted:
+            for s, n in zip(streams, denied):
+                s.denied = n
+            if proposals is not None:
+                index.num_proposals, index.num_hits = proposals
+            self.num_interrupted += 1
+            raise
+        self.num_steps += 1
         if rider is not None:
             rider.extra_logits = logits[-1]
         verified, reports = self._sample(streams, logits[: len(streams)], drafts)

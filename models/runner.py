@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -198,10 +198,12 @@ class MlxRunner:
     def classic_prefill(self, requests: Sequence[Request]) -> list[TokenBatch]:
         return self._classic.prefill(requests)
 
-    def classic_decode(self, drafts: bool = False, skip_cap: int = 2) -> list[TokenBatch]:
-        if self._ragged:  # `BatchGenerator` rows never draft
-            self._classic.skip_cap = skip_cap
-        return self._classic.decode(drafts=drafts)
+    def classic_decode(self, drafts: bool = False, skip_cap: int = 2,
+                       interrupt: Callable[[], bool] | None = None) -> list[TokenBatch]:
+        if not self._ragged:  # `BatchGenerator` rows never draft, nor stop part-way
+            return self._classic.decode(drafts=drafts)
+        self._classic.skip_cap = skip_cap
+        return self._classic.decode(drafts=drafts, interrupt=interrupt)
 
     def classic_remove(self, request_id: str) -> None:
         self._classic.remove(request_id)

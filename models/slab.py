@@ -26,6 +26,7 @@ forwards at load, so a family whose layers do something else keeps the alternati
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -278,7 +279,8 @@ class Slab:
         return self.keys + self.values
 
     def forward(self, model: nn.Module, entries: list[tuple[Row, list[int]]],
-                values: mx.array | None = None, last_only: bool = False) -> list[mx.array]:
+                values: mx.array | None = None, last_only: bool = False,
+                interrupt: Callable[[], bool] | None = None) -> list[mx.array]:
         """Logits (lazy), (n, V) per entry, of one forward in which each entry's row
         gains its tokens, exactly as if each row had run its own forward.
 
@@ -300,10 +302,19 @@ class Slab:
 
         `last_only`: each entry's logits at its last token only, (1, V): the output head
         runs on those positions alone (`slab_forward.last_positions`), so a prompt
-        chunk that ends with the token to draw from costs no head over the others."""
+        chunk that ends with the token to draw from costs no head over the others.
+
+        `interrupt` (a packed slab only): evaluated layer by layer, the forward asks it
+        before each layer after the first and raises `scheduler.model_api.Interrupted`
+        where it returns True. The rows' lengths are then as before the call; the layers
+        already run wrote keys and values past them, which the rows' next tokens
+        overwrite."""
         if not entries:
             return []
+        if interrupt is not None and self.grid:
+            raise ValueError("a grid slab's forward is not interruptible")
         ctx = Forward(self, entries)
+        ctx.interrupt = interrupt
         layers = [SlabLayer(self, i, ctx) for i in range(self.num_layers)]
         if values is None:
             tokens = mx.array(ctx.tokens, dtype=mx.int32)

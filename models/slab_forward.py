@@ -23,7 +23,7 @@ import) for slab calls and passes every other call through.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -31,6 +31,7 @@ import mlx_lm.models.base as mlx_base
 import numpy as np
 
 from models import cpu_math
+from scheduler.model_api import Interrupted
 
 if TYPE_CHECKING:
     from models.slab import Row, Slab
@@ -83,6 +84,8 @@ class Forward:
             self._plan_packed(slab, entries)
         self.capacity = slab.capacity
         self._flat: dict[int, mx.array] = {}
+        # Asked between layers whether to give the forward up (`Slab.forward`'s `interrupt`).
+        self.interrupt: Callable[[], bool] | None = None
 
     def _plan_packed(self, slab: Slab, entries: list[tuple[Row, list[int]]]) -> None:
         single = sorted((i for i, (_, t) in enumerate(entries) if len(t) == 1), key=lambda i: entries[i][0].slot)
@@ -305,6 +308,10 @@ class SlabLayer:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[_Keys, _Keys]:
         slab, i = self.slab, self.index
+        if i and self.ctx.interrupt is not None:
+            mx.eval(keys)  # the layers before this one are done: ask before running the rest
+            if self.ctx.interrupt():
+                raise Interrupted
         index = self.ctx.flat_index(keys.shape[1])
         for store, new in ((slab.keys, keys), (slab.values, values)):
             buffer = store[i]

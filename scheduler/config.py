@@ -94,6 +94,14 @@ class SchedulerConfig:
         2, "Probe rounds (bursts of up to 8 pipelined classic steps: the classic time per token) "
         "per profiled request.", ge=1, le=100)
     max_batch_size: int = knob(16, "Classic continuous-batching rows.", ge=1, le=1024)
+    interrupt_decode: bool = knob(
+        True,
+        "A request that arrives while a classic decode step runs, and that the batch has a row "
+        "for, stops that step between two of its layers: its prefill runs at once and the step "
+        "runs again at the next tick (at most every other decode step is stopped, so the rows "
+        "always progress). A CPU's packed forward only (a GPU's grid forward runs whole). See "
+        "docs/CONTINUOUS_BATCHING.md \"Arrivals stop a decode step\".",
+        live=True)
     prefill_batch_size: int = knob(8, "Requests prefilled in one classic prefill.", ge=1, le=1024)
     max_queue_depth: int = knob(256, "Unfinished requests per replica; beyond it 503 + `Retry-After`.",
                                 ge=1, le=1_000_000)

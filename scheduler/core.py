@@ -21,7 +21,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.counters import Counters
 from scheduler.events import EventSink, TokenEvent
 from scheduler.ledger import RequestLedger
-from scheduler.model_api import ModelRunner, TokenBatch
+from scheduler.model_api import Interrupted, ModelRunner, TokenBatch
 from scheduler.request import Lane, Request, RequestStatus
 from scheduler.rules import Action, Decision, decide
 from scheduler.shadow import ShadowRounds
@@ -55,6 +55,7 @@ class Scheduler:
         self._rows: dict[str, Request] = {}
         self._cancelled_in_prefill: set[str] = set()  # rows whose cancel arrived mid-prefill
         self._yielded_last = False  # the last model action was speculative
+        self._interrupted_last = False  # the last decode step was given up part-way
         self._last_tick_kind: str | None = None  # for `_observe_tick`
         self.last_decision: Decision | None = None
 
@@ -102,7 +103,8 @@ class Scheduler:
             self._prefill(decision.num_prefill)
         elif decision.action is Action.DECODE:
             tic, kind = self.clock(), "decode"
-            self._decode()
+            if not self._decode():
+                kind = None  # a step given up part-way: no cost to learn from
         self._observe_tick(kind, num_rows, self.clock() - tic)
         if decision.action in (Action.PREFILL, Action.DECODE):
             self._yielded_last = False
@@ -236,13 +238,31 @@ class Scheduler:
         self._cancelled_in_prefill.update(r.request_id for r in admitted if r.cancel_requested)
         self._apply_classic(batches, first_tokens=True)
 
-    def _decode(self) -> None:
+    def _decode(self) -> bool:
+        """One decode step over the classic rows; False where an arrival stopped it
+        (`interrupt_decode`): nothing changed, and the next decode step runs whole."""
+        interrupt = None
+        if self.config.interrupt_decode and not self._interrupted_last:
+            interrupt = self._admittable_arrival
+        self._interrupted_last = False
         try:
-            batches = self.runner.classic_decode(drafts=self.config.rows_draft, skip_cap=self.config.skip_cap)
+            batches = self.runner.classic_decode(drafts=self.config.rows_draft, skip_cap=self.config.skip_cap,
+                                                 interrupt=interrupt)
+        except Interrupted:
+            self._interrupted_last = True
+            self.counters.decode_interrupts += 1
+            return False
         except Exception as exc:  # noqa: BLE001
             self._fail_rows(list(self._rows.values()), f"classic_decode failed: {exc}")
-            return
+            return True
         self._apply_classic(batches)
+        return True
+
+    def _admittable_arrival(self) -> bool:
+        """Called inside a decode step, between its layers: a request waits to be taken
+        that a prefill would admit now (a free row)."""
+        queued = sum(len(q) for q in self._queues.values())
+        return self.ledger.num_untaken > 0 and len(self._rows) + queued < self.config.max_batch_size
 
     def _shadowing(self) -> bool:
         return self._shadow is not None and self.config.shadow_rounds and self._gating()

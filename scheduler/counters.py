@@ -99,6 +99,7 @@ class Counters:
     backlog_aborts: int = 0  # cancelled entries dropped from the backlog
     demotions: int = 0  # started sessions moved into the classic batch (batch-size rule)
     cost_parks: int = 0  # fused tick: holders parked because speculating no longer paid
+    decode_interrupts: int = 0  # decode steps an arrival stopped part-way (`interrupt_decode`)
     backlog_depth: int = 0
     backlog_peak: int = 0
     live_sessions: int = 0
@@ -162,7 +163,7 @@ class Counters:
             name: getattr(self, name)
             for name in (
                 "grants", "parks", "promotions", "skip_escalations", "backlog_aborts", "demotions",
-                "cost_parks", "backlog_depth", "backlog_peak", "live_sessions", "live_sessions_peak",
+                "cost_parks", "decode_interrupts", "backlog_depth", "backlog_peak", "live_sessions", "live_sessions_peak",
                 "spec_rounds", "row_rounds", "probe_rounds", "drafted_tokens", "accepted_tokens",
             )
         }

@@ -14,10 +14,16 @@ still calls `classic_remove` / `spec_finish` to release resources.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from scheduler.costs import TickCosts
 from scheduler.request import Request, TokenLogprob
+
+
+class Interrupted(Exception):
+    """`classic_decode` gave up its step part-way because `interrupt` said so (a request
+    arrived that can be admitted): no row gained a token or changed otherwise, and the
+    same step runs again at a later tick."""
 
 
 @dataclass
@@ -85,14 +91,18 @@ class ModelRunner(Protocol):
         if the backend's prefill step decodes them too.
         """
 
-    def classic_decode(self, drafts: bool = False, skip_cap: int = 2) -> list[TokenBatch]:
+    def classic_decode(self, drafts: bool = False, skip_cap: int = 2,
+                       interrupt: Callable[[], bool] | None = None) -> list[TokenBatch]:
         """One batched decode step over all active classic rows: one model action.
         A runner may return several tokens for a row decoding alone (a short burst of
         steps that amortizes the per-tick overhead); each row's tokens are in order.
         With `drafts`, rows that can may verify their own drafts in the step and emit
         the accepted ones too (`TokenBatch.num_drafted` / `num_accepted`); where the
         step's draft budget cannot carry them all, rows share it in lane order, and a
-        row denied drafts `skip_cap` steps running goes first."""
+        row denied drafts `skip_cap` steps running goes first. With `interrupt`, a
+        runner may call it between the step's layers and, where it returns True, stop
+        and raise `Interrupted` (the rows exactly as before the call); a runner that
+        cannot stop part-way ignores it."""
 
     def classic_remove(self, request_id: str) -> None:
         """Drop a row (finished or cancelled). Idempotent."""

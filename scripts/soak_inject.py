@@ -59,9 +59,9 @@ class CancelInjector:
         self._rows.update(r.request_id for r in requests)
         return self._runner.classic_prefill(requests)
 
-    def classic_decode(self, drafts=False, skip_cap=2):
+    def classic_decode(self, drafts=False, skip_cap=2, interrupt=None):
         self._classic_tick()
-        return self._runner.classic_decode(drafts)
+        return self._runner.classic_decode(drafts, skip_cap, interrupt)
 
     def classic_remove(self, request_id):
         self._rows.discard(request_id)

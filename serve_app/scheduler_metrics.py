@@ -26,6 +26,7 @@ COUNTERS = (
     ("backlog_aborts", "Cancelled entries dropped from the grant backlog."),
     ("demotions", "Started sessions moved into the classic batch by the batch-size rule."),
     ("cost_parks", "Fused tick: holders parked because speculating no longer paid."),
+    ("decode_interrupts", "Classic decode steps stopped part-way by an arrival (interrupt_decode)."),
     ("spec_rounds", "Speculative rounds of the slot holder (probes included)."),
     ("row_rounds", "Classic rows' verifies of their own drafts."),
     ("probe_rounds", "Probe rounds of the B=1 policy."),

@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from scheduler.model_api import RoundOutcome, TokenBatch
+from scheduler.model_api import Interrupted, RoundOutcome, TokenBatch
 from scheduler.request import Request
 
 MODEL_ACTIONS = ("classic_prefill", "classic_decode", "spec_begin", "spec_round", "spec_round_with_decode")
@@ -58,6 +58,10 @@ class FakeRunner:
         # Rows that draft: with `row_draft_tokens` > 0 and a step asked for drafts, every
         # row emits that many tokens more, reported as accepted drafts.
         self.row_draft_tokens = 0
+        # Decode steps that stop part-way (`classic_decode`'s `interrupt`).
+        self.interruptible = False
+        self.on_decode = None
+        self.interrupts_offered: list[bool] = []  # per decode call: was `interrupt` given
         self.row_drafts_like_slot = False
         self.sampled_row_drafts = False
         self.draft_flags: list[bool] = []  # the `drafts` argument of every decode step
@@ -94,10 +98,18 @@ class FakeRunner:
             out.append(TokenBatch(request.request_id, tokens, finish))
         return out
 
-    def classic_decode(self, drafts=False, skip_cap=2):
-        self.actions.append(("classic_decode", tuple(self.rows)))
+    def classic_decode(self, drafts=False, skip_cap=2, interrupt=None):
+        """With `interruptible`, stops where `interrupt` (asked once, after `on_decode`,
+        which stands for whatever happens while the step's first layers run) says so."""
+        self.interrupts_offered.append(interrupt is not None)
+        if self.on_decode is not None:
+            self.on_decode()
         if not self.rows:
             raise ProtocolError("decode without rows")
+        if self.interruptible and interrupt is not None and interrupt():
+            self.actions.append(("classic_decode_interrupted", tuple(self.rows)))
+            raise Interrupted
+        self.actions.append(("classic_decode", tuple(self.rows)))
         return self._rows_step(drafts)
 
     def _rows_step(self, drafts):
@@ -274,6 +286,6 @@ class SlowRunner(FakeRunner):
         self._note()
         return super().spec_round(request_id, probe)
 
-    def classic_decode(self, drafts=False, skip_cap=2):
+    def classic_decode(self, drafts=False, skip_cap=2, interrupt=None):
         self._note()
         return super().classic_decode(drafts)

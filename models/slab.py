@@ -304,8 +304,8 @@ class Slab:
         runs on those positions alone (`slab_forward.last_positions`), so a prompt
         chunk that ends with the token to draw from costs no head over the others.
 
-        `interrupt` (a packed slab only): evaluated layer by layer, the forward asks it
-        before each layer after the first and raises `scheduler.model_api.Interrupted`
+        `interrupt` (a packed slab only): the forward evaluates the layers so far and
+        asks it before every `slab_forward.INTERRUPT_EVERY`-th layer, and raises `scheduler.model_api.Interrupted`
         where it returns True. The rows' lengths are then as before the call; the layers
         already run wrote keys and values past them, which the rows' next tokens
         overwrite."""

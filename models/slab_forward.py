@@ -47,6 +47,7 @@ EXACT_WIDTHS = 8  # grid forwards up to this many tokens per row run at their ow
 # fastest on an H200 is measured by `scripts/experiments/gpu_decode_attention.py`.
 DECODE_ATTENTION = "mask"
 PER_ROW_DECODE = 8
+INTERRUPT_EVERY = 2  # an interruptible forward asks before every this-many-th layer
 
 
 class Forward:
@@ -308,7 +309,7 @@ class SlabLayer:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[_Keys, _Keys]:
         slab, i = self.slab, self.index
-        if i and self.ctx.interrupt is not None:
+        if i and i % INTERRUPT_EVERY == 0 and self.ctx.interrupt is not None:
             mx.eval(keys)  # the layers before this one are done: ask before running the rest
             if self.ctx.interrupt():
                 raise Interrupted

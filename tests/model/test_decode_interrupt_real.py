@@ -98,8 +98,9 @@ def test_seeded_sampled_streams_do_not_depend_on_stopped_steps(runner, prompts):
 
 
 def test_an_interrupted_forward_leaves_every_row_as_it_was(runner, prompts):
-    """The batch itself: a step stopped before its second layer changes no row's length,
+    """The batch itself: a step stopped at its first checkpoint changes no row's length,
     pending token or draft budget, and the step run next gives what it would have."""
+    from models.slab_forward import INTERRUPT_EVERY
     from scheduler.model_api import Interrupted
 
     batch = runner._classic
@@ -113,11 +114,11 @@ def test_an_interrupted_forward_leaves_every_row_as_it_was(runner, prompts):
         asked = []
         with pytest.raises(Interrupted):
             batch.decode(drafts=True, interrupt=lambda: asked.append(1) or True)
-        assert asked == [1]  # asked before the second layer, and the step stopped there
+        assert asked == [1]  # asked once, and the step stopped there
         assert [(s.row.length, s.pending, s.denied, s.num_emitted) for s in streams] == before
         asked_whole = []
         stepped = batch.decode(drafts=True, interrupt=lambda: asked_whole.append(1) and False)
-        assert len(asked_whole) == runner._classic.slab.num_layers - 1
+        assert len(asked_whole) == len(range(INTERRUPT_EVERY, runner._classic.slab.num_layers, INTERRUPT_EVERY))
         assert all(b.token_ids for b in stepped)
     finally:
         for r in requests:

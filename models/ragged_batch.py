@@ -137,7 +137,6 @@ class RaggedBatch:
         self.replica_acceptance = {True: ReplicaAcceptance(), False: ReplicaAcceptance()}
         self.num_steps = 0  # decode steps (a verify riding included)
         self.num_pipelined = 0  # steps whose tokens a queued step had drawn
-        self.num_interrupted = 0  # steps given up part-way (`decode`'s `interrupt`)
         self._streams: dict[str, _Stream] = {}  # classic rows, in slots 0..len-1
         self._sessions: set[int] = set()  # ids of rows handed out as session caches
         self._finished: set[str] = set()  # finished rows not yet removed
@@ -410,7 +409,6 @@ class RaggedBatch:
                 s.denied = n
             if proposals is not None:
                 index.num_proposals, index.num_hits = proposals
-            self.num_interrupted += 1
             raise
         self.num_steps += 1
         if rider is not None:

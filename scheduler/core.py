@@ -134,7 +134,7 @@ class Scheduler:
         return decide(
             spec_step=self.slot.pending_step() if allow_spec else None,
             yielded_last=self._yielded_last,
-            num_queued=sum(len(q) for q in self._queues.values()),
+            num_queued=self._num_queued(),
             num_rows=len(self._rows),
             max_rows=self.config.max_batch_size,
             prefill_batch=self.config.prefill_batch_size,
@@ -261,8 +261,11 @@ class Scheduler:
     def _admittable_arrival(self) -> bool:
         """Called inside a decode step, between its layers: a request waits to be taken
         that a prefill would admit now (a free row)."""
-        queued = sum(len(q) for q in self._queues.values())
-        return self.ledger.num_untaken > 0 and len(self._rows) + queued < self.config.max_batch_size
+        return self.ledger.num_untaken > 0 and len(self._rows) + self._num_queued() < self.config.max_batch_size
+
+    def _num_queued(self) -> int:
+        """Requests waiting in the classic admission queues, every lane."""
+        return sum(len(q) for q in self._queues.values())
 
     def _shadowing(self) -> bool:
         return self._shadow is not None and self.config.shadow_rounds and self._gating()

@@ -288,4 +288,4 @@ class SlowRunner(FakeRunner):
 
     def classic_decode(self, drafts=False, skip_cap=2, interrupt=None):
         self._note()
-        return super().classic_decode(drafts)
+        return super().classic_decode(drafts, skip_cap, interrupt)

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from starlette.applications import Starlette
 from starlette.requests import Request as HTTPRequest
@@ -42,6 +43,13 @@ from serve_app.sampling_defaults import request_defaults
 logger = logging.getLogger(__name__)
 
 DRAIN_AFTER_STOP_S = 2.0  # wait for the cancelled request's final stats after a text stop
+# A request body at least this large is tokenized on the replica's tokenizer thread, not on
+# its event loop, which streams every other request's tokens: the tokenizer releases the
+# GIL while it encodes (on the loop, a 23,000-token chat held every stream of the replica
+# ~35-50 ms on the 2-core box). Below it (~5,000 tokens of code, fewer of prose) an encode
+# takes a few ms, and the hop to the thread added about as much to the request's own time
+# (`scripts/experiments/loop_stall.py`).
+TOKENIZE_OFF_LOOP_BYTES = 16 * 1024
 
 
 class OpenAIService:
@@ -61,6 +69,7 @@ class OpenAIService:
             self._load_ended.set()
         self._background: set[asyncio.Task] = set()
         self._started: set[str] = set()  # requests whose pieces are being read (`_abandon_unstarted`)
+        self._tokenizer_thread: ThreadPoolExecutor | None = None  # `_prompt_ids`, made on first use
 
     @property
     def ready(self) -> bool:
@@ -169,13 +178,13 @@ class OpenAIService:
         lane_cap = request_inputs.lane_cap(self.args, http)
         await self._wait_loaded()
         arrival = time.monotonic()  # TTFT and e2e start here
-        spec = parse_generation(decode_json(await request_inputs.read_body(http, self.args.max_body_bytes)), chat,
-                                self.codec.tool_format)
+        body = await request_inputs.read_body(http, self.args.max_body_bytes)
+        spec = parse_generation(decode_json(body), chat, self.codec.tool_format)
         if spec.model is not None and spec.model != self.args.model_name:
             raise APIError(400, f"model '{spec.model[:64]}' is not served here; "
                            f"use '{self.args.model_name}'", param="model", code="model_not_found")
         info = self.client.info
-        prompt_ids = request_inputs.prompt_ids(spec, self.codec)
+        prompt_ids = await self._prompt_ids(spec, len(body))
         max_tokens = request_inputs.max_tokens(spec, len(prompt_ids), info.get("max_context"), self.args)
         lane = Lane(max(parse_priority(http.headers.get("x-priority")), lane_cap))
         prefix = "chatcmpl-" if chat else "cmpl-"
@@ -205,6 +214,18 @@ class OpenAIService:
         response = await self._collect(fmt, streams, requests)
         response.headers.update(self._id_header())
         return response
+
+    async def _prompt_ids(self, spec: GenerationSpec, body_bytes: int) -> list[int]:
+        """The prompt's token ids; from a body of `TOKENIZE_OFF_LOOP_BYTES` or more, encoded on
+        the tokenizer thread. One thread: large prompts encode one at a time, in arrival
+        order, and never two at once on the tokenizer (whose settings a concurrent encode
+        may not change under another)."""
+        if body_bytes < TOKENIZE_OFF_LOOP_BYTES:
+            return request_inputs.prompt_ids(spec, self.codec)
+        if self._tokenizer_thread is None:
+            self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specslot-tokenizer")
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_thread, request_inputs.prompt_ids, spec, self.codec)
 
     def _submit_error(self, request_id: str, exc: Exception) -> APIError:
         self.metrics.rejected.labels("503").inc()

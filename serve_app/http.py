@@ -218,8 +218,9 @@ class OpenAIService:
     async def _prompt_ids(self, spec: GenerationSpec, body_bytes: int) -> list[int]:
         """The prompt's token ids; from a body of `TOKENIZE_OFF_LOOP_BYTES` or more, encoded on
         the tokenizer thread. One thread: large prompts encode one at a time, in arrival
-        order, and never two at once on the tokenizer (whose settings a concurrent encode
-        may not change under another)."""
+        order (a Rust-backed tokenizer fails a call that changes its truncation or padding
+        while another call runs; ours change neither, and small prompts encode on the loop
+        meanwhile)."""
         if body_bytes < TOKENIZE_OFF_LOOP_BYTES:
             return request_inputs.prompt_ids(spec, self.codec)
         if self._tokenizer_thread is None:

@@ -249,24 +249,33 @@ class RaggedBatch:
         self._finished.discard(request_id)
         return stream
 
-    def prefill(self, requests: Sequence[Request]) -> list[TokenBatch]:
-        """Admit `requests` and emit each one's first token; existing rows do not
-        advance. A row starts from its prompt's longest cached prefix (setting the
-        request's `num_cached_tokens`); the other prompt tokens run in chunked forwards
-        whose logits are computed at each row's last prompt token only, and are stored
-        in the prefix cache (all but the last token) at the batch's next operation, once
-        the first tokens are out, so requests that share the prompt and come while this
-        one runs start from it."""
+    def prefill(self, requests: Sequence[Request], between: Callable[[], None] | None = None,
+                piece: int = 0) -> list[TokenBatch]:
+        """Admit `requests` and emit each one's first token. A row starts from its
+        prompt's longest cached prefix (setting the request's `num_cached_tokens`); the
+        other prompt tokens run in chunked forwards whose logits are computed at each
+        row's last prompt token only, and are stored in the prefix cache (all but the
+        last token) at the batch's next operation, once the first tokens are out, so
+        requests that share the prompt and come while this one runs start from it.
+
+        Existing rows do not advance, unless `between` is given with `piece` > 0 on a
+        packed slab: then the forwards take at most `piece` positions a row while
+        existing rows are there, and `between()` is called after each forward that
+        leaves prompt tokens to run (the caller steps the existing rows there, through
+        `decode`; the new rows are not streams until their prompts are in)."""
         if not requests:
             return []
         check_admissible(requests, self.request_ids())
         self._take_back()
+        if self.slab.grid or piece < 1:
+            between = None
         out: list[TokenBatch] = []
         for start in range(0, len(requests), self._prefill_batch_size):
-            out += self._prefill_group(requests[start:start + self._prefill_batch_size])
+            out += self._prefill_group(requests[start:start + self._prefill_batch_size], between, piece)
         return out
 
-    def _prefill_group(self, requests: Sequence[Request]) -> list[TokenBatch]:
+    def _prefill_group(self, requests: Sequence[Request], between: Callable[[], None] | None = None,
+                       piece: int = 0) -> list[TokenBatch]:
         """Requests with the same prompt (the choices of an `n` > 1 request) prefill it
         once: the first one's row runs it, the others copy its keys and values and draw
         their first tokens from its logits. A row's last prompt token joins its last
@@ -279,7 +288,7 @@ class RaggedBatch:
         classic, new = self.slab.rows[:len(self._streams)], {id(row) for row in rows}
         self.slab.arrange(classic + rows + [r for r in self.slab.rows[len(classic):] if id(r) not in new])
         try:
-            return self._run_group(requests, rows)
+            return self._run_group(requests, rows, between, piece)
         except BaseException:
             self._abandon(requests, rows)
             raise
@@ -293,7 +302,8 @@ class RaggedBatch:
         for row in sorted(rows, key=lambda row: -row.slot):  # the last first: fewer rows move
             self.slab.free(row)
 
-    def _run_group(self, requests: Sequence[Request], rows: list[Row]) -> list[TokenBatch]:
+    def _run_group(self, requests: Sequence[Request], rows: list[Row], between: Callable[[], None] | None,
+                   piece: int) -> list[TokenBatch]:
         first_of: dict[tuple[int, ...], int] = {}
         leader = [first_of.setdefault(tuple(r.prompt_ids), i) for i, r in enumerate(requests)]
         for i, (r, row) in enumerate(zip(requests, rows)):
@@ -309,6 +319,8 @@ class RaggedBatch:
             # them; rows left alone by shorter prompts take the finished rows' share.
             owners = [i for i, t in enumerate(todo) if t]
             width = prefill_width(budget, len(owners))
+            if between is not None and self._streams:  # other rows wait: shorter forwards
+                width = min(width, piece)
             chunks = [todo[i][:width] for i in owners]
             out = self.slab.forward(self._model, [(rows[i], c) for i, c in zip(owners, chunks)], last_only=True)
             for i, c, x in zip(owners, chunks, out):
@@ -318,6 +330,8 @@ class RaggedBatch:
             # queued, not waited for: the next chunk's graph (and after the last one the
             # streams' samplers and n-gram indexes) is built while the device runs this one
             mx.async_eval(self.slab.arrays())
+            if between is not None and self._streams and any(todo):
+                between()  # the existing rows step (`decode`); these rows are not streams yet
         streams = []
         for r, row in zip(requests, rows):  # each already in the slot `_add_stream` moves it to
             stream = self._add_stream(r.request_id, row, RequestSampler(r.sampling, r.prompt_ids, self._grammars),

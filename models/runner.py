@@ -195,8 +195,11 @@ class MlxRunner:
         return cls(target, drafter, config, draft_fingerprint=draft.fingerprint if draft is not None else "")
 
     # -- classic --------------------------------------------------------------------
-    def classic_prefill(self, requests: Sequence[Request]) -> list[TokenBatch]:
-        return self._classic.prefill(requests)
+    def classic_prefill(self, requests: Sequence[Request], between: Callable[[], None] | None = None,
+                        piece: int = 0) -> list[TokenBatch]:
+        if not self._ragged:  # `BatchGenerator` prefills whole
+            return self._classic.prefill(requests)
+        return self._classic.prefill(requests, between=between, piece=piece)
 
     def classic_decode(self, drafts: bool = False, skip_cap: int = 2,
                        interrupt: Callable[[], bool] | None = None) -> list[TokenBatch]:

@@ -103,6 +103,16 @@ class SchedulerConfig:
         "docs/CONTINUOUS_BATCHING.md \"Arrivals stop a decode step\".",
         live=True)
     prefill_batch_size: int = knob(8, "Requests prefilled in one classic prefill.", ge=1, le=1024)
+    prefill_yield_tokens: int = knob(
+        256,
+        "While other classic rows decode, a prefill computes at most this many prompt positions "
+        "a row per forward, and the other rows take a decode step between two of its forwards, "
+        "their tokens sent at once: a long prompt no longer stops every stream until it is in "
+        "(each extra forward costs its fixed part, ~7 ms on the development CPU). 0: a prefill "
+        "runs its forwards back to back (up to 2,048 positions a row each). Classic rows only (a "
+        "speculative session waits for the prompt), a CPU's packed forward only (a GPU's grid "
+        "prefill runs whole). See docs/CONTINUOUS_BATCHING.md \"The fused tick\" (its prefill).",
+        ge=0, le=1_000_000, live=True)
     max_queue_depth: int = knob(256, "Unfinished requests per replica; beyond it 503 + `Retry-After`.",
                                 ge=1, le=1_000_000)
     policy_cache_dir: str | None = knob(

@@ -58,6 +58,9 @@ class Scheduler:
         self._interrupted_last = False  # the last decode step was given up part-way
         self._last_tick_kind: str | None = None  # for `_observe_tick`
         self.last_decision: Decision | None = None
+        # Hands events out before the tick ends (the Engine's publish); None: they wait
+        # for the tick's end. Used by the decode steps a long prefill lets run.
+        self.publish: Callable[[list[TokenEvent]], None] | None = None
 
     # -- inputs (applied at the next tick's drain) ------------------------------------
     def submit(self, request: Request) -> None:
@@ -228,8 +231,12 @@ class Scheduler:
             self._rows[request.request_id] = request
             request.mark_scheduled(now)
             self.counters.record_queue_wait(request.lane, now - request.arrival_time)
+        piece = self.config.prefill_yield_tokens
         try:
-            batches = self.runner.classic_prefill(admitted)
+            if piece and len(self._rows) > len(admitted):  # earlier rows step between its forwards
+                batches = self.runner.classic_prefill(admitted, between=self._step_within_prefill, piece=piece)
+            else:
+                batches = self.runner.classic_prefill(admitted)
         except Exception as exc:  # noqa: BLE001 - fail these rows, keep serving
             self._fail_rows(admitted, f"classic_prefill failed: {exc}")
             return
@@ -257,6 +264,17 @@ class Scheduler:
             return True
         self._apply_classic(batches)
         return True
+
+    def _step_within_prefill(self) -> None:
+        """Called by the runner between two forwards of a prefill (`prefill_yield_tokens`):
+        one decode step of the rows that were there before it, whose tokens go out at once
+        where `publish` is set. A failure propagates: the prefill fails its new rows, and
+        the earlier rows meet the error again at their next step."""
+        batches = self.runner.classic_decode(drafts=self.config.rows_draft, skip_cap=self.config.skip_cap)
+        self.counters.prefill_yields += 1
+        self._apply_classic(batches)
+        if self.publish is not None:
+            self.publish(self.sink.drain())
 
     def _admittable_arrival(self) -> bool:
         """Called inside a decode step, between its layers: a request waits to be taken

@@ -198,6 +198,7 @@ class Engine:
         try:
             runner = self._runner_factory()
             scheduler = Scheduler(runner, self._config, clock=self._clock, ledger=self._ledger)
+            scheduler.publish = self._publish  # rows stepped inside a long prefill stream at once
             freeze_heap()
         except BaseException as exc:  # noqa: BLE001 - handed to start()
             self._load_error = exc

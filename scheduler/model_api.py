@@ -84,11 +84,15 @@ class ModelRunner(Protocol):
     fuse_blocker: str | None
 
     # -- classic continuous batching ------------------------------------------------
-    def classic_prefill(self, requests: Sequence[Request]) -> list[TokenBatch]:
+    def classic_prefill(self, requests: Sequence[Request], between: Callable[[], None] | None = None,
+                        piece: int = 0) -> list[TokenBatch]:
         """Admit `requests` as classic rows and prefill them: one model action.
 
         Returns each new row's first token. May also return a token for existing rows
-        if the backend's prefill step decodes them too.
+        if the backend's prefill step decodes them too. `between` (with `piece` > 0): a
+        runner that can runs the prompts in forwards of at most `piece` positions a row
+        and calls it between two of them while earlier rows exist (the caller steps those
+        rows there, through `classic_decode`); the new rows are not rows yet meanwhile.
         """
 
     def classic_decode(self, drafts: bool = False, skip_cap: int = 2,

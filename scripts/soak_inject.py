@@ -52,12 +52,12 @@ class CancelInjector:
     def _observe(self) -> None:
         self.peak_live_sessions = max(self.peak_live_sessions, self._runner.num_live_sessions())
 
-    def classic_prefill(self, requests):
+    def classic_prefill(self, requests, between=None, piece=0):
         self._classic_tick()
         for r in requests:
             self.try_cancel(r.request_id, "prefill")
         self._rows.update(r.request_id for r in requests)
-        return self._runner.classic_prefill(requests)
+        return self._runner.classic_prefill(requests, between, piece)
 
     def classic_decode(self, drafts=False, skip_cap=2, interrupt=None):
         self._classic_tick()

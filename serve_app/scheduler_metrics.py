@@ -27,6 +27,7 @@ COUNTERS = (
     ("demotions", "Started sessions moved into the classic batch by the batch-size rule."),
     ("cost_parks", "Fused tick: holders parked because speculating no longer paid."),
     ("decode_interrupts", "Classic decode steps stopped part-way by an arrival (interrupt_decode)."),
+    ("prefill_yields", "Classic decode steps run between two forwards of a prefill (prefill_yield_tokens)."),
     ("spec_rounds", "Speculative rounds of the slot holder (probes included)."),
     ("row_rounds", "Classic rows' verifies of their own drafts."),
     ("probe_rounds", "Probe rounds of the B=1 policy."),

@@ -4,9 +4,11 @@ sampled streams decode, then a prompt of `--prompt-tokens` random tokens arrives
 builds (no Ray, no HTTP), the bundled target unless `--target` says otherwise.
 
 Per repeat: the streams' median gap between token events before the long prompt
-arrived, their longest gap around its prefill, and the two requests' times to first
-token. A prefill runs every chunk of its prompt in one tick (CONTINUOUS_BATCHING.md,
-"Prefill"), so the streams stand still and the short request waits for all of it.
+arrived, their longest gap around its prefill (overall and each stream's), the two
+requests' times to first token, the decode steps run between the prompt's forwards
+(`prefill_yield_tokens`, CONTINUOUS_BATCHING.md "The fused tick", its prefill; 0 with
+`--config configs/local.yaml:prefill_yield_tokens=0`) and the slot's grants (a stream
+holding the slot is not stepped there).
 
     OPENBLAS_NUM_THREADS=1 python scripts/experiments/prefill_stall.py [--prompt-tokens 1000] [--repeats 2]
 """
@@ -31,6 +33,7 @@ TARGET = os.path.join(HERE, "models", "bundled", "target")
 def one_repeat(engine, rep: int, args, tokens) -> dict:
     from scheduler.request import Lane, Request, SamplingParams
 
+    before_counts = engine.snapshot()["counters"]
     streams = [f"r{rep}-stream{i}" for i in range(args.streams)]
     for i, request_id in enumerate(streams):
         engine.submit(Request(request_id, tokens(100), SamplingParams(max_tokens=args.stream_tokens,
@@ -55,12 +58,19 @@ def one_repeat(engine, rep: int, args, tokens) -> dict:
                 done.add(event.request_id)
     if "long" not in sent or any(len(times.get(s, ())) < 2 for s in streams):
         raise RuntimeError("the streams ended before the long prompt came; raise --stream-tokens")
-    before, around = [], []
+    before, around, worst = [], [], []
     for request_id in streams:
         ts = times[request_id]
+        mine = [0.0]
         for a, b in zip(ts, ts[1:]):
-            (around if b > sent["long"] and a < times[f"r{rep}-long"][0] + 0.05 else before).append(b - a)
-    return {"gap_p50_ms": 1e3 * statistics.median(before), "gap_max_ms": 1e3 * max(around, default=0.0),
+            (mine if b > sent["long"] and a < times[f"r{rep}-long"][0] + 0.05 else before).append(b - a)
+        around += mine
+        worst.append(max(mine))
+    counts = engine.snapshot()["counters"]
+    return {"yields": counts["prefill_yields"] - before_counts["prefill_yields"],
+            "grants": counts["grants"] - before_counts["grants"],
+            "gap_p50_ms": 1e3 * statistics.median(before), "gap_max_ms": 1e3 * max(around),
+            "stream_max_ms": " / ".join(f"{1e3 * w:.0f}" for w in sorted(worst)),
             "long_ttft_ms": 1e3 * (times[f"r{rep}-long"][0] - sent["long"]),
             "short_ttft_ms": 1e3 * (times[f"r{rep}-short"][0] - sent["short"])}
 
@@ -87,13 +97,15 @@ def main() -> int:
     print(f"{path} {overrides}: {args.streams} streams decoding, a {args.prompt_tokens}-token prompt, "
           f"a 20-token high-lane request {args.short_after_ms:g} ms after it")
     print("| repeat | stream gap p50 before, ms | longest stream gap around the prefill, ms | "
-          "long prompt TTFT, ms | short request TTFT, ms |")
-    print("|---|---|---|---|---|")
+          "each stream's longest gap, ms | long prompt TTFT, ms | short request TTFT, ms | "
+          "decode steps within prefills | slot grants |")
+    print("|---|---|---|---|---|---|---|---|")
     try:
         for rep in range(args.repeats):
             r = one_repeat(engine, rep, args, tokens)
-            print(f"| {rep} | {r['gap_p50_ms']:.0f} | {r['gap_max_ms']:.0f} | {r['long_ttft_ms']:.0f} | "
-                  f"{r['short_ttft_ms']:.0f} |")
+            print(f"| {rep} | {r['gap_p50_ms']:.0f} | {r['gap_max_ms']:.0f} | {r['stream_max_ms']} | "
+                  f"{r['long_ttft_ms']:.0f} | "
+                  f"{r['short_ttft_ms']:.0f} | {r['yields']} | {r['grants']} |")
     finally:
         engine.stop()
     return 0

@@ -58,3 +58,21 @@ def prompt_ids(loaded):
 
 def make_request(request_id, prompt_ids, max_tokens=24, **sampling):
     return Request(request_id, list(prompt_ids), SamplingParams(max_tokens=max_tokens, **sampling))
+
+
+def isolated_streams(runner, prompts, max_tokens=24):
+    """Each prompt alone through a classic-only scheduler (B=1 policy off), greedy: the
+    reference streams, keyed r0, r1, ... in `prompts`' order."""
+    from scheduler.config import SchedulerConfig
+    from scheduler.core import Scheduler
+
+    out = {}
+    for i, p in enumerate(prompts):
+        scheduler = Scheduler(runner, SchedulerConfig(b1_policy="off"))
+        scheduler.submit(make_request("solo", p, max_tokens=max_tokens))
+        tokens = []
+        while scheduler.has_work():
+            for event in scheduler.tick():
+                tokens += event.token_ids
+        out[f"r{i}"] = tokens
+    return out

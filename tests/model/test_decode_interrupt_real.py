@@ -8,7 +8,7 @@ import pytest
 
 from scheduler.config import SchedulerConfig
 from scheduler.core import Scheduler
-from tests.model.conftest import PROMPTS, make_request
+from tests.model.conftest import PROMPTS, isolated_streams, make_request
 from tests.model.test_fused_real import bundled_runner, quiet_costs
 
 pytestmark = pytest.mark.model
@@ -66,16 +66,7 @@ def run(runner, prompts, sampling=None, **overrides):
 
 @pytest.fixture(scope="module")
 def isolated(runner, prompts):
-    out = {}
-    for i, p in enumerate(prompts):
-        scheduler = Scheduler(runner, SchedulerConfig(b1_policy="off"))
-        scheduler.submit(make_request("solo", p, max_tokens=MAX_TOKENS))
-        tokens = []
-        while scheduler.has_work():
-            for event in scheduler.tick():
-                tokens += event.token_ids
-        out[f"r{i}"] = tokens
-    return out
+    return isolated_streams(runner, prompts, MAX_TOKENS)
 
 
 def test_greedy_streams_are_their_isolated_decode(runner, prompts, isolated):

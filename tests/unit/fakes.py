@@ -86,7 +86,7 @@ class FakeRunner:
             raise RuntimeError(f"scripted failure in {method}({request_id})")
 
     # -- classic ----------------------------------------------------------------------
-    def classic_prefill(self, requests):
+    def classic_prefill(self, requests, between=None, piece=0):
         self.actions.append(("classic_prefill", tuple(r.request_id for r in requests)))
         out = []
         for request in requests:

@@ -150,9 +150,9 @@ class SlowPrefillRunner(FakeRunner):
         super().__init__(**kw)
         self.clock, self.seconds = clock, seconds
 
-    def classic_prefill(self, requests):
+    def classic_prefill(self, requests, between=None, piece=0):
         self.clock.advance(self.seconds)
-        return super().classic_prefill(requests)
+        return super().classic_prefill(requests, between, piece)
 
     def spec_begin(self, request):
         self.clock.advance(self.seconds)

@@ -1,0 +1,130 @@
+"""`prefill_yield_tokens` over a real model (CPU, the packed slab): a long prompt that
+comes while rows decode is prefilled in forwards of a few positions, with a decode step
+of the earlier rows between two of them whose tokens go out at once. No stream may
+differ from what it gives otherwise: greedy streams equal their isolated decode, and
+seeded sampled streams equal the same run with the prompt prefilled whole."""
+
+import pytest
+
+from scheduler.config import SchedulerConfig
+from scheduler.core import Scheduler
+from tests.model.conftest import PROMPTS, isolated_streams, make_request
+from tests.model.test_fused_real import bundled_runner, quiet_costs
+
+pytestmark = pytest.mark.model
+
+MAX_TOKENS = 24
+PIECE = 128  # positions a forward while rows wait: the long prompt runs in 5 or more
+
+
+@pytest.fixture(scope="module")
+def runner():
+    r = bundled_runner("ngram")
+    quiet_costs(r, "ngram")
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def prompts(runner):
+    """Two short prompts, then one of ~600 tokens (every prompt of the list, twice)."""
+    long_prompt = []
+    while len(long_prompt) < 600:
+        long_prompt += runner.tokenizer.encode("\n".join(PROMPTS))
+    return [runner.tokenizer.encode(PROMPTS[0]), runner.tokenizer.encode(PROMPTS[8]), long_prompt[:600]]
+
+
+def run(runner, prompts, sampling=None, **overrides):
+    """The two short requests decode; the long one comes during their third decode step
+    (every request classic: only a lone one may take the slot). Returns (streams, the
+    events in the order they were handed out, scheduler)."""
+    config = SchedulerConfig(**{"b1_policy": "on", "speculative_disable_by_batch_size": 1, **overrides})
+    scheduler = Scheduler(runner, config)
+    handed_out = []
+    scheduler.publish = handed_out.extend  # as the Engine does: events out before the tick ends
+    requests = [make_request(f"r{i}", p, max_tokens=MAX_TOKENS, **(sampling or {})) for i, p in enumerate(prompts)]
+    later = requests[2:]
+    real, calls = runner.classic_decode, [0]
+
+    def decode(drafts=False, skip_cap=2, interrupt=None):
+        calls[0] += 1
+        if calls[0] == 3:
+            scheduler.submit(later.pop(0))
+        return real(drafts, skip_cap, interrupt)
+
+    runner.classic_decode = decode
+    try:
+        for r in requests[:2]:
+            scheduler.submit(r)
+        streams = {r.request_id: [] for r in requests}
+        for _ in range(2000):
+            handed_out += scheduler.tick()
+            if not scheduler.has_work() and not later:
+                break
+    finally:
+        del runner.classic_decode
+    for event in handed_out:
+        assert event.error is None, event.error
+        streams[event.request_id] += event.token_ids
+    assert runner.num_classic_rows() == 0 and runner.num_live_sessions() == 0
+    assert all(len(s) == MAX_TOKENS or s for s in streams.values())
+    return streams, handed_out, scheduler
+
+
+@pytest.fixture(scope="module")
+def isolated(runner, prompts):
+    return isolated_streams(runner, prompts, MAX_TOKENS)
+
+
+def test_greedy_streams_are_their_isolated_decode(runner, prompts, isolated):
+    streams, handed_out, scheduler = run(runner, prompts, prefill_yield_tokens=PIECE)
+    yields = scheduler.counters.prefill_yields
+    assert yields >= len(prompts[2]) // PIECE - 1  # the rows stepped between the prompt's forwards
+    # ... and their tokens went out before the long prompt's first token
+    first_long = next(k for k, e in enumerate(handed_out) if e.request_id == "r2" and e.token_ids)
+    before = [e for e in handed_out[:first_long] if e.request_id != "r2"]
+    assert sum(len(e.token_ids) for e in before) >= yields
+    for request_id, tokens in isolated.items():
+        assert streams[request_id] == tokens, request_id
+
+
+def test_seeded_sampled_streams_do_not_depend_on_the_yields(runner, prompts):
+    sampling = {"temperature": 0.8, "top_p": 0.95, "seed": 11}
+    yielded, _, scheduler = run(runner, prompts, sampling, prefill_yield_tokens=PIECE)
+    assert scheduler.counters.prefill_yields > 0
+    whole, _, scheduler = run(runner, prompts, sampling, prefill_yield_tokens=0)
+    assert scheduler.counters.prefill_yields == 0
+    assert yielded["r2"] == whole["r2"]
+    # the earlier rows drew the same tokens, in other ticks
+    assert yielded == whole
+
+
+def test_a_row_that_finishes_between_two_forwards_leaves_the_prefill_intact(runner, prompts, isolated):
+    """A short row ends (max_tokens) while the long prompt is half in: its slot is freed
+    and another row moves into it; the prompt's row keeps its keys and its stream."""
+    config = SchedulerConfig(b1_policy="on", speculative_disable_by_batch_size=1, prefill_yield_tokens=PIECE)
+    scheduler = Scheduler(runner, config)
+    short = make_request("short", prompts[0], max_tokens=3)
+    other = make_request("other", prompts[1], max_tokens=MAX_TOKENS)
+    long = make_request("long", prompts[2], max_tokens=MAX_TOKENS)
+    streams = {"short": [], "other": [], "long": []}
+    scheduler.submit(short)
+    scheduler.submit(other)
+    for event in scheduler.tick():  # both prefilled: one token each
+        streams[event.request_id] += event.token_ids
+    scheduler.submit(long)
+    order = []
+    for _ in range(2000):
+        for event in scheduler.tick():
+            assert event.error is None, event.error
+            streams[event.request_id] += event.token_ids
+            order.append((event.request_id, bool(event.token_ids), event.finish_reason))
+        if not scheduler.has_work():
+            break
+    assert scheduler.counters.prefill_yields >= 2
+    short_done = order.index(("short", True, "length"))
+    assert short_done < next(k for k, (rid, tokens, _) in enumerate(order) if rid == "long" and tokens)
+    assert streams["short"] == isolated["r0"][:3]
+    assert streams["other"] == isolated["r1"]
+    assert streams["long"] == isolated["r2"]
+    assert runner.num_classic_rows() == 0

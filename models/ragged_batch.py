@@ -274,8 +274,8 @@ class RaggedBatch:
             out += self._prefill_group(requests[start:start + self._prefill_batch_size], between, piece)
         return out
 
-    def _prefill_group(self, requests: Sequence[Request], between: Callable[[], None] | None = None,
-                       piece: int = 0) -> list[TokenBatch]:
+    def _prefill_group(self, requests: Sequence[Request], between: Callable[[], None] | None,
+                       piece: int) -> list[TokenBatch]:
         """Requests with the same prompt (the choices of an `n` > 1 request) prefill it
         once: the first one's row runs it, the others copy its keys and values and draw
         their first tokens from its logits. A row's last prompt token joins its last

@@ -231,12 +231,9 @@ class Scheduler:
             self._rows[request.request_id] = request
             request.mark_scheduled(now)
             self.counters.record_queue_wait(request.lane, now - request.arrival_time)
-        piece = self.config.prefill_yield_tokens
-        try:
-            if piece and len(self._rows) > len(admitted):  # earlier rows step between its forwards
-                batches = self.runner.classic_prefill(admitted, between=self._step_within_prefill, piece=piece)
-            else:
-                batches = self.runner.classic_prefill(admitted)
+        try:  # earlier rows, where the runner has any, step between the prompts' forwards
+            batches = self.runner.classic_prefill(admitted, between=self._step_within_prefill,
+                                                  piece=self.config.prefill_yield_tokens)
         except Exception as exc:  # noqa: BLE001 - fail these rows, keep serving
             self._fail_rows(admitted, f"classic_prefill failed: {exc}")
             return

@@ -144,6 +144,12 @@ class PrefixCache:
         self.num_hit_tokens += length
         return PrefixHit(length, entry.keys, entry.values)
 
+    def cached_length(self, token_ids: Sequence[int]) -> int:
+        """The length of the prefix `lookup(token_ids)` would return now (0: a miss),
+        without counting a lookup or making its entry the most recently used."""
+        length = self._longest(token_ids[:len(token_ids) - 1])[1]
+        return length if length >= self.block_size else 0
+
     def store(self, token_ids: Sequence[int], num_bytes: int,
               copy_kv: Callable[[], tuple[list[mx.array], list[mx.array]]]) -> bool:
         """Keep the KV of `token_ids` (about `num_bytes`). `copy_kv()` returns its

@@ -211,6 +211,12 @@ class RaggedBatch:
         self.slab.write_prefix(row, hit.keys, hit.values, hit.num_tokens)
         return hit.num_tokens
 
+    def prefill_tokens(self, prompt_ids: Sequence[int]) -> int:
+        """The positions a prefill of `prompt_ids` would compute now: those past the
+        longest cached prefix a new row would start from (nothing counted as a lookup)."""
+        cached = self.prefix_cache.cached_length(prompt_ids) if self.prefix_cache is not None and prompt_ids else 0
+        return len(prompt_ids) - cached
+
     def _flush_stores(self) -> None:
         """Store the prompts a prefill group or a session's prefill left (`keep_prompt`):
         a row's prompt positions stay as they are while it lives, and a row that ended
@@ -260,9 +266,11 @@ class RaggedBatch:
 
         Existing rows do not advance, unless `between` is given with `piece` > 0 on a
         packed slab: then the forwards take at most `piece` positions a row while
-        existing rows are there, and `between()` is called after each forward that
-        leaves prompt tokens to run (the caller steps the existing rows there, through
-        `decode`; the new rows are not streams until their prompts are in)."""
+        existing rows are there (`PREFILL_CHUNK` while none are: as fast as one whole
+        forward on a CPU), and `between()` is called after each forward that leaves
+        prompt tokens to run. The caller steps the existing rows there (`decode`, a
+        verify riding or not) and may admit other requests (`prefill`, its own rows: they become streams before
+        these, whose rows are not streams until their prompts are in)."""
         if not requests:
             return []
         check_admissible(requests, self.request_ids())
@@ -319,8 +327,8 @@ class RaggedBatch:
             # them; rows left alone by shorter prompts take the finished rows' share.
             owners = [i for i, t in enumerate(todo) if t]
             width = prefill_width(budget, len(owners))
-            if between is not None and self._streams:  # other rows wait: shorter forwards
-                width = min(width, piece)
+            if between is not None:  # other rows, or arrivals, wait: shorter forwards
+                width = min(width, piece if self._streams else max(piece, PREFILL_CHUNK))
             chunks = [todo[i][:width] for i in owners]
             out = self.slab.forward(self._model, [(rows[i], c) for i, c in zip(owners, chunks)], last_only=True)
             for i, c, x in zip(owners, chunks, out):
@@ -330,8 +338,8 @@ class RaggedBatch:
             # queued, not waited for: the next chunk's graph (and after the last one the
             # streams' samplers and n-gram indexes) is built while the device runs this one
             mx.async_eval(self.slab.arrays())
-            if between is not None and self._streams and any(todo):
-                between()  # the existing rows step (`decode`); these rows are not streams yet
+            if between is not None and any(todo):
+                between()  # rows step (`decode`), requests join (`prefill`); these are not streams yet
         streams = []
         for r, row in zip(requests, rows):  # each already in the slot `_add_stream` moves it to
             stream = self._add_stream(r.request_id, row, RequestSampler(r.sampling, r.prompt_ids, self._grammars),

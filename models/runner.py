@@ -201,6 +201,11 @@ class MlxRunner:
             return self._classic.prefill(requests)
         return self._classic.prefill(requests, between=between, piece=piece)
 
+    def classic_prefill_tokens(self, request: Request) -> int:
+        if not self._ragged:
+            return len(request.prompt_ids)
+        return self._classic.prefill_tokens(request.prompt_ids)
+
     def classic_decode(self, drafts: bool = False, skip_cap: int = 2,
                        interrupt: Callable[[], bool] | None = None) -> list[TokenBatch]:
         if not self._ragged:  # `BatchGenerator` rows never draft, nor stop part-way

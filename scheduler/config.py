@@ -106,12 +106,15 @@ class SchedulerConfig:
     prefill_yield_tokens: int = knob(
         256,
         "While other classic rows decode, a prefill computes at most this many prompt positions "
-        "a row per forward, and the other rows take a decode step between two of its forwards, "
-        "their tokens sent at once: a long prompt no longer stops every stream until it is in "
+        "a row per forward (512 while none do), and between two of its forwards the requests "
+        "that arrived are admitted if they are of a higher lane than every prompt in flight or "
+        "have at most this many positions to compute (a cached prefix aside), their first tokens "
+        "sent at once, and the slot's holder takes a round and the rows a decode step: a long "
+        "prompt no longer stops every stream, nor a short or urgent request, until it is in "
         "(each extra forward costs its fixed part, ~7 ms on the development CPU). 0: a prefill "
-        "runs its forwards back to back (up to 2,048 positions a row each). Classic rows only (a "
-        "speculative session waits for the prompt), a CPU's packed forward only (a GPU's grid "
-        "prefill runs whole). See docs/CONTINUOUS_BATCHING.md \"The fused tick\" (its prefill).",
+        "runs its forwards back to back (up to 2,048 positions a row each) and arrivals wait "
+        "for it. A CPU's packed forward only (a GPU's grid prefill runs whole). See "
+        "docs/CONTINUOUS_BATCHING.md \"The fused tick\" (its prefill).",
         ge=0, le=1_000_000, live=True)
     max_queue_depth: int = knob(256, "Unfinished requests per replica; beyond it 503 + `Retry-After`.",
                                 ge=1, le=1_000_000)

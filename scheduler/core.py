@@ -23,7 +23,7 @@ from scheduler.events import EventSink, TokenEvent
 from scheduler.ledger import RequestLedger
 from scheduler.model_api import Interrupted, ModelRunner, TokenBatch
 from scheduler.request import Lane, Request, RequestStatus
-from scheduler.rules import Action, Decision, decide
+from scheduler.rules import Action, Decision, decide, num_to_admit
 from scheduler.shadow import ShadowRounds
 from scheduler.slot import ROW_IN_RING, SpecSlot
 
@@ -54,6 +54,8 @@ class Scheduler:
         self._queues: dict[Lane, deque[Request]] = {lane: deque() for lane in Lane}
         self._rows: dict[str, Request] = {}
         self._cancelled_in_prefill: set[str] = set()  # rows whose cancel arrived mid-prefill
+        self._in_prefill: dict[str, Request] = {}  # rows whose prompts are being prefilled now
+        self._held_cancels: list[str] = []  # cancels taken inside a prefill, applied at the next drain
         self._yielded_last = False  # the last model action was speculative
         self._interrupted_last = False  # the last decode step was given up part-way
         self._last_tick_kind: str | None = None  # for `_observe_tick`
@@ -148,10 +150,13 @@ class Scheduler:
         inbox, cancel_ids = self.ledger.take()
         for request in inbox:
             self._route(request)
+        cancel_ids, self._held_cancels = self._held_cancels + cancel_ids, []
         for request_id in cancel_ids:
             self._cancel_now(request_id)
 
-    def _route(self, request: Request) -> None:
+    def _route(self, request: Request, install: bool = True) -> None:
+        """`install`: a free slot may take the request now; else (inside a prefill, where
+        the slot cannot run) it waits in the ring or goes classic."""
         if request.cancel_requested:
             self.sink.finish(request, "cancelled", phase="inbox")
             return
@@ -162,7 +167,7 @@ class Scheduler:
         elif not self.slot.batch_allows():
             self._to_classic(request, "batch_size")
         else:
-            reason = self.slot.try_admit(request, as_row=self._fusing())
+            reason = self.slot.try_admit(request, as_row=self._fusing(), install=install)
             if reason is not None:
                 self._to_classic(request, None if reason == ROW_IN_RING else reason)
 
@@ -190,9 +195,10 @@ class Scheduler:
             self._rows.pop(request.request_id, None)
 
     def _rows_done(self, batches: list[TokenBatch], error: str | None) -> None:
-        """The classic rows' decode step ran inside a fused round."""
+        """The classic rows' decode step ran inside a fused round (rows whose prompts
+        are still being prefilled were not in it)."""
         if error is not None:
-            self._fail_rows(list(self._rows.values()), error)
+            self._fail_rows([r for r in self._rows.values() if r.request_id not in self._in_prefill], error)
         else:
             self._apply_classic(batches)
 
@@ -225,18 +231,26 @@ class Scheduler:
             queue = self._queues[lane]
             while queue and len(admitted) < count:
                 admitted.append(queue.popleft())
+        # Between the prompts' forwards (where the runner splits them) earlier rows step
+        # and arrivals that will not hold the prompts up long are admitted.
+        self._run_prefill(admitted, self._step_within_prefill)
+
+    def _run_prefill(self, admitted: list[Request], between: Callable[[], None]) -> None:
         now = self.clock()
         for request in admitted:
             request.status = RequestStatus.CLASSIC
             self._rows[request.request_id] = request
+            self._in_prefill[request.request_id] = request
             request.mark_scheduled(now)
             self.counters.record_queue_wait(request.lane, now - request.arrival_time)
-        try:  # earlier rows, where the runner has any, step between the prompts' forwards
-            batches = self.runner.classic_prefill(admitted, between=self._step_within_prefill,
-                                                  piece=self.config.prefill_yield_tokens)
+        try:
+            batches = self.runner.classic_prefill(admitted, between=between, piece=self.config.prefill_yield_tokens)
         except Exception as exc:  # noqa: BLE001 - fail these rows, keep serving
             self._fail_rows(admitted, f"classic_prefill failed: {exc}")
             return
+        finally:
+            for request in admitted:
+                self._in_prefill.pop(request.request_id, None)
         # A cancel flagged while the prefill ran is applied at the next drain; remember
         # it happened mid-prefill so the cancellation is counted under that phase.
         self._cancelled_in_prefill.update(r.request_id for r in admitted if r.cancel_requested)
@@ -264,12 +278,61 @@ class Scheduler:
 
     def _step_within_prefill(self) -> None:
         """Called by the runner between two forwards of a prefill (`prefill_yield_tokens`):
-        one decode step of the rows that were there before it, whose tokens go out at once
-        where `publish` is set. A failure propagates: the prefill fails its new rows, and
-        the earlier rows meet the error again at their next step."""
+        the requests that arrived since are routed, those that may overtake the prompts
+        in flight are prefilled (`_overtaking`; their first tokens go out at once), then
+        the rows decoding beside it take a step (`_decode_within_prefill`). Cancels taken
+        here wait for the next drain (a row in flight is not the runner's row yet)."""
+        inbox, cancel_ids = self.ledger.take()
+        self._held_cancels += cancel_ids
+        for request in inbox:
+            self._route(request, install=False)
+        admitted = self._overtaking()
+        if admitted:
+            self.counters.prefill_overtakes += len(admitted)
+            self._run_prefill(admitted, self._decode_within_prefill)
+            self._publish()
+        self._decode_within_prefill()
+
+    def _overtaking(self) -> list[Request]:
+        """The queued requests a prefill in flight lets in between its forwards, taken
+        from their queues: in lane order and FIFO within a lane, as free rows and
+        `prefill_batch_size` allow, each either of a higher lane than every prompt in
+        flight or with at most `prefill_yield_tokens` prompt positions left to compute
+        (its longest cached prefix aside: one forward); the first that is neither ends
+        the admission (no request overtakes an earlier one of its lane)."""
+        count = num_to_admit(self._num_queued(), len(self._rows), self.config.max_batch_size,
+                             self.config.prefill_batch_size)
+        first_lane = min(r.lane for r in self._in_prefill.values())
+        admitted: list[Request] = []
+        for lane in Lane:
+            queue = self._queues[lane]
+            while queue and len(admitted) < count:
+                if lane >= first_lane and self.runner.classic_prefill_tokens(queue[0]) > self.config.prefill_yield_tokens:
+                    return admitted
+                admitted.append(queue.popleft())
+        return admitted
+
+    def _decode_within_prefill(self) -> None:
+        """One step of the streams beside the prefill in flight: a round of the slot's
+        started holder (`SpecSlot.round_within`), which carries the decode step of the
+        classic rows on a fused tick, and otherwise their own decode step; the tokens go
+        out at once where `publish` is set. A failure of the rows' step propagates: the
+        prefill fails its new rows, and the earlier rows meet the error again at their
+        next step (a round's failure ends the holder, as in any tick)."""
+        decoding = len(self._rows) > len(self._in_prefill)
+        if self.slot.round_within(fuse=decoding and self._fusing()):
+            self.counters.prefill_yields += 1
+            decoding = decoding and not self.slot.fused_last
+            self._publish()
+        if not decoding:
+            return
         batches = self.runner.classic_decode(drafts=self.config.rows_draft, skip_cap=self.config.skip_cap)
         self.counters.prefill_yields += 1
         self._apply_classic(batches)
+        self._publish()
+
+    def _publish(self) -> None:
+        """Hand the events so far out now (inside a tick), where `publish` is set."""
         if self.publish is not None:
             self.publish(self.sink.drain())
 

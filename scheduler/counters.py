@@ -100,7 +100,8 @@ class Counters:
     demotions: int = 0  # started sessions moved into the classic batch (batch-size rule)
     cost_parks: int = 0  # fused tick: holders parked because speculating no longer paid
     decode_interrupts: int = 0  # decode steps an arrival stopped part-way (`interrupt_decode`)
-    prefill_yields: int = 0  # decode steps run between two forwards of a prefill (`prefill_yield_tokens`)
+    prefill_yields: int = 0  # steps (holder's rounds, rows' decode) between two forwards of a prefill
+    prefill_overtakes: int = 0  # requests prefilled between two forwards of another prefill
     backlog_depth: int = 0
     backlog_peak: int = 0
     live_sessions: int = 0
@@ -164,7 +165,8 @@ class Counters:
             name: getattr(self, name)
             for name in (
                 "grants", "parks", "promotions", "skip_escalations", "backlog_aborts", "demotions",
-                "cost_parks", "decode_interrupts", "prefill_yields", "backlog_depth", "backlog_peak", "live_sessions", "live_sessions_peak",
+                "cost_parks", "decode_interrupts", "prefill_yields", "prefill_overtakes", "backlog_depth", "backlog_peak",
+                "live_sessions", "live_sessions_peak",
                 "spec_rounds", "row_rounds", "probe_rounds", "drafted_tokens", "accepted_tokens",
             )
         }

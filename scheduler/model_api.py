@@ -91,9 +91,17 @@ class ModelRunner(Protocol):
         Returns each new row's first token. May also return a token for existing rows
         if the backend's prefill step decodes them too. `between` (with `piece` > 0): a
         runner that can runs the prompts in forwards of at most `piece` positions a row
-        and calls it between two of them while earlier rows exist (the caller steps those
-        rows there, through `classic_decode`); the new rows are not rows yet meanwhile.
+        (more while no earlier rows exist) and calls it between two of them; the caller
+        steps earlier rows and a started session there (`classic_decode`, `spec_round`,
+        `spec_round_with_decode`, and what a round boundary calls) and may admit others
+        (`classic_prefill` of other requests, whose rows are in before these; a prefill
+        called from `between` gets a `between` that admits nobody). The new rows are
+        not rows until their prompts are in.
         """
+
+    def classic_prefill_tokens(self, request: Request) -> int:
+        """How many prompt positions `classic_prefill` would compute for `request` now
+        (its prompt less the longest prefix the runner holds for it). Bookkeeping."""
 
     def classic_decode(self, drafts: bool = False, skip_cap: int = 2,
                        interrupt: Callable[[], bool] | None = None) -> list[TokenBatch]:

@@ -112,16 +112,18 @@ class SpecSlot:
         return SpecStep.PROMOTE if len(self.backlog) else None
 
     # -- admission ------------------------------------------------------------------
-    def try_admit(self, request: Request, as_row: bool = False) -> str | None:
+    def try_admit(self, request: Request, as_row: bool = False, install: bool = True) -> str | None:
         """Install `request` on a free slot or add it to the backlog as a waiter.
 
         Returns None when admitted, else the reason it must go to classic decode.
         With `as_row` (the fused tick) a waiter decodes as a classic row until it is
-        granted: the answer is then `ROW_IN_RING` and the caller queues it. The caller
-        has already checked `spec_supports` and the policy verdict.
+        granted: the answer is then `ROW_IN_RING` and the caller queues it. Without
+        `install` a free slot is not taken (the request waits in the backlog: the
+        caller is inside another action). The caller has already checked
+        `spec_supports` and the policy verdict.
         """
         config = self._config()
-        if not self.busy:
+        if not self.busy and install:
             if not as_row or self.gate.admits_newcomer(request, self._num_rows()):
                 self._install(request, started=False)
                 return None
@@ -153,6 +155,25 @@ class SpecSlot:
         self._plain_round = False
         ran = self._step()
         return SlotStep(ran, self._fused, self._plain_round)
+
+    def round_within(self, fuse: bool) -> bool:
+        """One round of a started holder from inside another action (between two
+        forwards of a classic prefill); with `fuse`, the classic rows' decode step rides
+        in it (`fused_last`). Nothing else a tick's step may do runs here (a slice 0, a
+        promotion, a demotion: each prefills or moves a session); a round boundary may
+        park the holder as at any round. False where no round ran."""
+        job = self.active
+        if job is None or not job.started or job.burst or job.request.cancel_requested or self._demotable():
+            return False
+        self._fuse = fuse and self._rows_done is not None
+        self._fused = self._plain_round = False
+        self._round(job)
+        return True
+
+    @property
+    def fused_last(self) -> bool:
+        """The last step or round carried the classic rows' decode step."""
+        return self._fused
 
     def _step(self) -> bool:
         job = self.active

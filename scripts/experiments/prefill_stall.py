@@ -5,10 +5,10 @@ builds (no Ray, no HTTP), the bundled target unless `--target` says otherwise.
 
 Per repeat: the streams' median gap between token events before the long prompt
 arrived, their longest gap around its prefill (overall and each stream's), the two
-requests' times to first token, the decode steps run between the prompt's forwards
-(`prefill_yield_tokens`, CONTINUOUS_BATCHING.md "The fused tick", its prefill; 0 with
-`--config configs/local.yaml:prefill_yield_tokens=0`) and the slot's grants (a stream
-holding the slot is not stepped there).
+requests' times to first token, the decode steps run between the prompt's forwards and
+the requests prefilled there (`prefill_yield_tokens`, CONTINUOUS_BATCHING.md "The fused
+tick", its prefill; neither with `--config configs/local.yaml:prefill_yield_tokens=0`)
+and the slot's grants (a stream holding the slot is not stepped there).
 
     OPENBLAS_NUM_THREADS=1 python scripts/experiments/prefill_stall.py [--prompt-tokens 1000] [--repeats 2]
 """
@@ -69,6 +69,7 @@ def one_repeat(engine, rep: int, args, tokens) -> dict:
     counts = engine.snapshot()["counters"]
     return {"yields": counts["prefill_yields"] - before_counts["prefill_yields"],
             "grants": counts["grants"] - before_counts["grants"],
+            "overtakes": counts["prefill_overtakes"] - before_counts["prefill_overtakes"],
             "gap_p50_ms": 1e3 * statistics.median(before), "gap_max_ms": 1e3 * max(around),
             "stream_max_ms": " / ".join(f"{1e3 * w:.0f}" for w in sorted(worst)),
             "long_ttft_ms": 1e3 * (times[f"r{rep}-long"][0] - sent["long"]),
@@ -98,14 +99,14 @@ def main() -> int:
           f"a 20-token high-lane request {args.short_after_ms:g} ms after it")
     print("| repeat | stream gap p50 before, ms | longest stream gap around the prefill, ms | "
           "each stream's longest gap, ms | long prompt TTFT, ms | short request TTFT, ms | "
-          "decode steps within prefills | slot grants |")
-    print("|---|---|---|---|---|---|---|---|")
+          "decode steps within prefills | requests prefilled within prefills | slot grants |")
+    print("|---|---|---|---|---|---|---|---|---|")
     try:
         for rep in range(args.repeats):
             r = one_repeat(engine, rep, args, tokens)
             print(f"| {rep} | {r['gap_p50_ms']:.0f} | {r['gap_max_ms']:.0f} | {r['stream_max_ms']} | "
                   f"{r['long_ttft_ms']:.0f} | "
-                  f"{r['short_ttft_ms']:.0f} | {r['yields']} | {r['grants']} |")
+                  f"{r['short_ttft_ms']:.0f} | {r['yields']} | {r['overtakes']} | {r['grants']} |")
     finally:
         engine.stop()
     return 0

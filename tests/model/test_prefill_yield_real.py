@@ -4,12 +4,15 @@ of the earlier rows between two of them whose tokens go out at once. No stream m
 differ from what it gives otherwise: greedy streams equal their isolated decode, and
 seeded sampled streams equal the same run with the prompt prefilled whole."""
 
+import os
+import random
+
 import pytest
 
 from scheduler.config import SchedulerConfig
 from scheduler.core import Scheduler
 from tests.model.conftest import PROMPTS, isolated_streams, make_request
-from tests.model.test_fused_real import bundled_runner, quiet_costs
+from tests.model.test_fused_real import BUNDLED, bundled_runner, quiet_costs
 
 pytestmark = pytest.mark.model
 
@@ -128,3 +131,137 @@ def test_a_row_that_finishes_between_two_forwards_leaves_the_prefill_intact(runn
     assert streams["other"] == isolated["r1"]
     assert streams["long"] == isolated["r2"]
     assert runner.num_classic_rows() == 0
+
+
+def run_overtaking(runner, first, arrivals, **overrides):
+    """`first` prefills alone; each of `arrivals` is submitted while one of its forwards
+    runs (before the runner's next call back). Returns (streams, handed-out events,
+    scheduler)."""
+    config = SchedulerConfig(**{"b1_policy": "off", "prefill_yield_tokens": PIECE, **overrides})
+    scheduler = Scheduler(runner, config)
+    handed_out = []
+    scheduler.publish = handed_out.extend
+    pending = list(arrivals)
+    real = runner.classic_prefill
+
+    def prefill(requests, between=None, piece=0):
+        if between is not None and requests[0] is first:
+            inner = between
+
+            def between():
+                if pending:
+                    scheduler.submit(pending.pop(0))
+                inner()
+        return real(requests, between, piece)
+
+    runner.classic_prefill = prefill
+    try:
+        scheduler.submit(first)
+        for _ in range(2000):
+            handed_out += scheduler.tick()
+            if not scheduler.has_work():
+                break
+    finally:
+        del runner.classic_prefill
+    assert not pending, "the prompt ran in one forward: nothing arrived during it"
+    streams = {}
+    for event in handed_out:
+        assert event.error is None, event.error
+        streams.setdefault(event.request_id, []).extend(event.token_ids)
+    assert runner.num_classic_rows() == 0 and runner.num_live_sessions() == 0
+    return streams, handed_out, scheduler
+
+
+def first_out(handed_out, request_id):
+    return next(k for k, e in enumerate(handed_out) if e.request_id == request_id and e.token_ids)
+
+
+def test_a_short_request_overtakes_a_long_prompt_in_flight(runner, prompts, isolated):
+    """The long prompt alone runs in forwards of 512 positions (as fast as one whole
+    forward here); a short request that comes during the first is prefilled before the
+    second, its first token out before the long prompt's, and decodes beside it."""
+    long = make_request("r2", prompts[2], max_tokens=MAX_TOKENS)
+    short = make_request("r0", prompts[0], max_tokens=MAX_TOKENS)
+    streams, handed_out, scheduler = run_overtaking(runner, long, [short])
+    assert scheduler.counters.prefill_overtakes == 1
+    assert scheduler.counters.prefill_yields >= 1  # the short row stepped before the prompt was in
+    assert first_out(handed_out, "r0") < first_out(handed_out, "r2")
+    assert streams["r0"] == isolated["r0"]
+    assert streams["r2"] == isolated["r2"]
+
+
+@pytest.fixture(scope="module")
+def cached_runner():
+    """The bundled target with a prefix cache (the module's `runner` has none)."""
+    from models.runner import MlxRunner
+
+    r = MlxRunner.from_paths(os.path.join(BUNDLED, "target"), drafter_kind="ngram", num_draft_tokens=4,
+                             prefix_cache_bytes=64 << 20)
+    quiet_costs(r, "ngram")
+    yield r
+    r.close()
+
+
+def test_a_cached_turn_overtakes_a_fresh_prompt(cached_runner, prompts):
+    """A long prompt whose prefix is cached (a chat's next turn: the earlier turn's
+    prompt and reply, then a few new tokens) computes fewer than `prefill_yield_tokens`
+    positions, so it overtakes a fresh long prompt; its stream is the one it gives alone."""
+    history = prompts[2][:400][::-1]  # in no other test's prompt: nothing else caches it
+    turn_prompt = history + prompts[1]
+    fresh_prompt = [random.Random(7).randrange(3, 2000) for _ in range(600)]  # shares no prefix
+    runner = cached_runner
+    (alone,) = isolated_streams(runner, [turn_prompt], MAX_TOKENS).values()
+    warm = Scheduler(runner, SchedulerConfig(b1_policy="off"))
+    warm.submit(make_request("warm", history, max_tokens=1))  # the earlier turn, now in the cache
+    while warm.has_work():
+        warm.tick()
+    turn = make_request("turn", turn_prompt, max_tokens=MAX_TOKENS)
+    assert runner.classic_prefill_tokens(turn) <= PIECE < len(turn_prompt)
+    fresh = make_request("fresh", fresh_prompt, max_tokens=MAX_TOKENS)
+    streams, handed_out, scheduler = run_overtaking(runner, fresh, [turn])
+    assert scheduler.counters.prefill_overtakes == 1
+    assert turn.num_cached_tokens >= len(history) - 16  # whole blocks of the history
+    assert first_out(handed_out, "turn") < first_out(handed_out, "fresh")
+    assert streams["turn"] == alone
+
+
+def test_the_slot_holder_keeps_its_rounds_through_a_long_prefill(runner, prompts, isolated):
+    """A speculative session holds the slot beside a classic row when the long prompt
+    comes: between the prompt's forwards the holder's round runs with the row's decode
+    step riding in it, both streams' tokens out before the prompt's first; every stream
+    is its isolated decode."""
+    config = SchedulerConfig(b1_policy="on", prefill_yield_tokens=PIECE, grant_rounds=1000)
+    scheduler = Scheduler(runner, config)
+    handed_out, inside = [], []  # every event in order; those handed out inside a tick
+
+    def publish(events):
+        handed_out.extend(events)
+        inside.extend(events)
+
+    scheduler.publish = publish
+    holder, row, long = (make_request(f"r{i}", p, max_tokens=MAX_TOKENS) for i, p in enumerate(prompts))
+    scheduler.submit(holder)
+    handed_out += scheduler.tick()  # a lone request: the slot's slice 0
+    assert scheduler.slot.active is not None and scheduler.slot.active.request is holder
+    scheduler.submit(row)
+    for _ in range(2):
+        handed_out += scheduler.tick()
+    rounds = scheduler.counters.spec_rounds
+    scheduler.submit(long)
+    for _ in range(2000):
+        handed_out += scheduler.tick()
+        if not scheduler.has_work():
+            break
+    assert scheduler.counters.prefill_yields >= 2
+    first_long = first_out(handed_out, "r2")
+    assert scheduler.counters.spec_rounds > rounds
+    # inside the prompt's prefill tick, both streams stepped
+    assert {e.request_id for e in inside if e.token_ids} == {"r0", "r1"}
+    assert handed_out.index(inside[0]) < first_long
+    streams = {}
+    for event in handed_out:
+        assert event.error is None, event.error
+        streams.setdefault(event.request_id, []).extend(event.token_ids)
+    for request_id, tokens in isolated.items():
+        assert streams[request_id] == tokens, request_id
+    assert runner.num_classic_rows() == 0 and runner.num_live_sessions() == 0

@@ -82,6 +82,19 @@ def test_lookup_finds_the_longest_prefix_and_leaves_the_last_token(index, prompt
     assert cache.num_query_tokens == len(prompt) and cache.num_hit_tokens == (expected or 0)
 
 
+@pytest.mark.parametrize("prompt,expected", LOOKUPS)
+def test_cached_length_is_what_a_lookup_would_find_without_counting_one(index, prompt, expected):
+    cache = PrefixCache(1 << 20, block_size=4)
+    store(cache, STORED)
+    store(cache, STORED[:8] + [9] * 12)
+    order = list(cache._entries)
+    assert cache.cached_length(prompt) == (expected or 0)
+    assert (cache.num_hits, cache.num_misses, cache.num_query_tokens) == (0, 0, 0)
+    assert list(cache._entries) == order  # the LRU order is untouched
+    hit = cache.lookup(prompt)
+    assert (hit.num_tokens if hit else 0) == cache.cached_length(prompt)
+
+
 def test_the_longest_of_several_candidates_wins(index):
     cache = PrefixCache(1 << 20, block_size=4)
     shared = list(range(8))

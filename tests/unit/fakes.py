@@ -67,6 +67,12 @@ class FakeRunner:
         self.draft_flags: list[bool] = []  # the `drafts` argument of every decode step
         self.prefix_stats: dict | None = None  # what `prefix_cache_stats` reports
         self.step_stats: dict | None = None  # what `classic_step_stats` reports
+        # A prefill given `between` and a piece runs this many forwards, calling
+        # `on_prefill_forward` (what happens while one runs) then `between` after each
+        # but the last; its rows join `rows` after the last.
+        self.prefill_forwards = 1
+        self.on_prefill_forward = None
+        self.cached_prompt: dict[str, int] = {}  # request id -> prompt positions held (`classic_prefill_tokens`)
 
     # -- helpers ------------------------------------------------------------------------
     def _emit(self, request: Request, count: int) -> tuple[list[int], str | None]:
@@ -90,13 +96,21 @@ class FakeRunner:
         self.actions.append(("classic_prefill", tuple(r.request_id for r in requests)))
         out = []
         for request in requests:
-            self._maybe_fail("classic_prefill", request.request_id)
             if request.request_id in self.rows or request.request_id in self.sessions:
                 raise ProtocolError(f"{request.request_id} admitted twice")
+        for _ in range(self.prefill_forwards - 1 if between is not None and piece > 0 else 0):
+            if self.on_prefill_forward is not None:
+                self.on_prefill_forward()
+            between()
+        for request in requests:
+            self._maybe_fail("classic_prefill", request.request_id)
             self.rows[request.request_id] = request
             tokens, finish = self._emit(request, 1)
             out.append(TokenBatch(request.request_id, tokens, finish))
         return out
+
+    def classic_prefill_tokens(self, request):
+        return len(request.prompt_ids) - self.cached_prompt.get(request.request_id, 0)
 
     def classic_decode(self, drafts=False, skip_cap=2, interrupt=None):
         """With `interruptible`, stops where `interrupt` (asked once, after `on_decode`,

@@ -264,18 +264,20 @@ class RaggedBatch:
         last token) at the batch's next operation, once the first tokens are out, so
         requests that share the prompt and come while this one runs start from it.
 
-        Existing rows do not advance, unless `between` is given with `piece` > 0 on a
-        packed slab: then the forwards take at most `piece` positions a row while
+        Existing rows do not advance, unless `between` is given with `piece` > 0: then
+        `between()` is called after each forward that leaves prompt tokens to run, and
+        on a packed slab (a CPU) the forwards take at most `piece` positions a row while
         existing rows are there (`PREFILL_CHUNK` while none are: as fast as one whole
-        forward on a CPU), and `between()` is called after each forward that leaves
-        prompt tokens to run. The caller steps the existing rows there (`decode`, a
+        forward there); a grid slab (a GPU) keeps its chunks (up to
+        `MAX_PREFILL_CHUNK` positions a row), which shorter forwards would slow
+        (`scripts/experiments/prefill_pieces.py`). The caller steps the existing rows there (`decode`, a
         verify riding or not) and may admit other requests (`prefill`, its own rows: they become streams before
         these, whose rows are not streams until their prompts are in)."""
         if not requests:
             return []
         check_admissible(requests, self.request_ids())
         self._take_back()
-        if self.slab.grid or piece < 1:
+        if piece < 1:
             between = None
         out: list[TokenBatch] = []
         for start in range(0, len(requests), self._prefill_batch_size):
@@ -327,7 +329,7 @@ class RaggedBatch:
             # them; rows left alone by shorter prompts take the finished rows' share.
             owners = [i for i, t in enumerate(todo) if t]
             width = prefill_width(budget, len(owners))
-            if between is not None:  # other rows, or arrivals, wait: shorter forwards
+            if between is not None and not self.slab.grid:  # shorter forwards while others wait
                 width = min(width, piece if self._streams else max(piece, PREFILL_CHUNK))
             chunks = [todo[i][:width] for i in owners]
             out = self.slab.forward(self._model, [(rows[i], c) for i, c in zip(owners, chunks)], last_only=True)

@@ -113,7 +113,8 @@ class SchedulerConfig:
         "prompt no longer stops every stream, nor a short or urgent request, until it is in "
         "(each extra forward costs its fixed part, ~7 ms on the development CPU). 0: a prefill "
         "runs its forwards back to back (up to 2,048 positions a row each) and arrivals wait "
-        "for it. A CPU's packed forward only (a GPU's grid prefill runs whole). See "
+        "for it. On a GPU the prefill keeps its own chunks (512-2,048 positions a row: shorter "
+        "forwards cost there) and the steps and admissions happen between them. See "
         "docs/CONTINUOUS_BATCHING.md \"The fused tick\" (its prefill).",
         ge=0, le=1_000_000, live=True)
     max_queue_depth: int = knob(256, "Unfinished requests per replica; beyond it 503 + `Retry-After`.",

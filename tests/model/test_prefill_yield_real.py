@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from models import ragged_batch
 from scheduler.config import SchedulerConfig
 from scheduler.core import Scheduler
 from tests.model.conftest import PROMPTS, isolated_streams, make_request
@@ -79,7 +80,23 @@ def isolated(runner, prompts):
     return isolated_streams(runner, prompts, MAX_TOKENS)
 
 
-def test_greedy_streams_are_their_isolated_decode(runner, prompts, isolated):
+@pytest.fixture(params=["packed", "grid"])
+def layout(request, runner, monkeypatch):
+    """The runner's slab as a CPU lays it out, or as a GPU does (`Slab.grid`: padded
+    grids, plain steps pipelined), here on the CPU. A grid's prompt runs in its
+    chunks (at most `MAX_PREFILL_CHUNK` positions), whatever `prefill_yield_tokens`
+    says: scaled down to `PIECE` to fit the bundled model's context several times."""
+    slab = runner._classic.slab
+    assert not slab.rows
+    slab.grid = request.param == "grid"
+    if slab.grid:
+        monkeypatch.setattr(ragged_batch, "PREFILL_CHUNK", PIECE)
+        monkeypatch.setattr(ragged_batch, "MAX_PREFILL_CHUNK", PIECE)
+    yield request.param
+    slab.grid = False
+
+
+def test_greedy_streams_are_their_isolated_decode(runner, prompts, isolated, layout):
     streams, handed_out, scheduler = run(runner, prompts, prefill_yield_tokens=PIECE)
     yields = scheduler.counters.prefill_yields
     assert yields >= len(prompts[2]) // PIECE - 1  # the rows stepped between the prompt's forwards
@@ -102,7 +119,7 @@ def test_seeded_sampled_streams_do_not_depend_on_the_yields(runner, prompts):
     assert yielded == whole
 
 
-def test_a_row_that_finishes_between_two_forwards_leaves_the_prefill_intact(runner, prompts, isolated):
+def test_a_row_that_finishes_between_two_forwards_leaves_the_prefill_intact(runner, prompts, isolated, layout):
     """A short row ends (max_tokens) while the long prompt is half in: its slot is freed
     and another row moves into it; the prompt's row keeps its keys and its stream."""
     config = SchedulerConfig(b1_policy="on", speculative_disable_by_batch_size=1, prefill_yield_tokens=PIECE)
@@ -133,10 +150,10 @@ def test_a_row_that_finishes_between_two_forwards_leaves_the_prefill_intact(runn
     assert runner.num_classic_rows() == 0
 
 
-def run_overtaking(runner, first, arrivals, **overrides):
-    """`first` prefills alone; each of `arrivals` is submitted while one of its forwards
-    runs (before the runner's next call back). Returns (streams, handed-out events,
-    scheduler)."""
+def run_overtaking(runner, first, arrivals, before=(), **overrides):
+    """`before` are prefilled and decode; then `first` prefills, and each of `arrivals`
+    is submitted while one of its forwards runs (before the runner's next call back).
+    Returns (streams, handed-out events, scheduler)."""
     config = SchedulerConfig(**{"b1_policy": "off", "prefill_yield_tokens": PIECE, **overrides})
     scheduler = Scheduler(runner, config)
     handed_out = []
@@ -156,6 +173,10 @@ def run_overtaking(runner, first, arrivals, **overrides):
 
     runner.classic_prefill = prefill
     try:
+        for request in before:
+            scheduler.submit(request)
+        if before:
+            handed_out += scheduler.tick()
         scheduler.submit(first)
         for _ in range(2000):
             handed_out += scheduler.tick()
@@ -176,15 +197,29 @@ def first_out(handed_out, request_id):
     return next(k for k, e in enumerate(handed_out) if e.request_id == request_id and e.token_ids)
 
 
-def test_a_short_request_overtakes_a_long_prompt_in_flight(runner, prompts, isolated):
-    """The long prompt alone runs in forwards of 512 positions (as fast as one whole
-    forward here); a short request that comes during the first is prefilled before the
+def test_a_short_request_overtakes_a_long_prompt_in_flight(runner, prompts, isolated, layout):
+    """A row decodes as the long prompt comes, which runs in forwards of `PIECE`
+    positions; a short request that comes during the first is prefilled before the
     second, its first token out before the long prompt's, and decodes beside it."""
+    long = make_request("r2", prompts[2], max_tokens=MAX_TOKENS)
+    short = make_request("r0", prompts[0], max_tokens=MAX_TOKENS)
+    row = make_request("r1", prompts[1], max_tokens=MAX_TOKENS)
+    streams, handed_out, scheduler = run_overtaking(runner, long, [short], before=[row])
+    assert scheduler.counters.prefill_overtakes == 1
+    assert scheduler.counters.prefill_yields >= 2  # the rows stepped before the prompt was in
+    assert first_out(handed_out, "r0") < first_out(handed_out, "r2")
+    for request_id, tokens in isolated.items():
+        assert streams[request_id] == tokens, request_id
+
+
+def test_a_lone_prompt_leaves_arrivals_a_boundary_on_a_cpu(runner, prompts, isolated):
+    """No row decodes: on a CPU's packed slab the prompt still runs in forwards of 512
+    positions (as fast as one whole forward there), so an arrival need not wait for all
+    of it."""
     long = make_request("r2", prompts[2], max_tokens=MAX_TOKENS)
     short = make_request("r0", prompts[0], max_tokens=MAX_TOKENS)
     streams, handed_out, scheduler = run_overtaking(runner, long, [short])
     assert scheduler.counters.prefill_overtakes == 1
-    assert scheduler.counters.prefill_yields >= 1  # the short row stepped before the prompt was in
     assert first_out(handed_out, "r0") < first_out(handed_out, "r2")
     assert streams["r0"] == isolated["r0"]
     assert streams["r2"] == isolated["r2"]
@@ -225,7 +260,7 @@ def test_a_cached_turn_overtakes_a_fresh_prompt(cached_runner, prompts):
     assert streams["turn"] == alone
 
 
-def test_the_slot_holder_keeps_its_rounds_through_a_long_prefill(runner, prompts, isolated):
+def test_the_slot_holder_keeps_its_rounds_through_a_long_prefill(runner, prompts, isolated, layout):
     """A speculative session holds the slot beside a classic row when the long prompt
     comes: between the prompt's forwards the holder's round runs with the row's decode
     step riding in it, both streams' tokens out before the prompt's first; every stream

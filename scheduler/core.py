@@ -82,7 +82,7 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.ledger.has_inputs() or self._rows or self.slot.busy
-                    or any(self._queues.values()))
+                    or any(self._queues.values()) or self._held_cancels)
 
     def num_unfinished(self) -> int:
         return self.ledger.num_unfinished

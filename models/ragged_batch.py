@@ -217,6 +217,11 @@ class RaggedBatch:
         cached = self.prefix_cache.cached_length(prompt_ids) if self.prefix_cache is not None and prompt_ids else 0
         return len(prompt_ids) - cached
 
+    def prefill_fits(self, prompt_ids: Sequence[int], piece: int) -> bool:
+        """Whether a prefill of `prompt_ids` now runs in one forward of `piece` positions
+        (a grid's forwards are never shorter than `PREFILL_CHUNK`: `prefill`)."""
+        return self.prefill_tokens(prompt_ids) <= (max(piece, PREFILL_CHUNK) if self.slab.grid else piece)
+
     def _flush_stores(self) -> None:
         """Store the prompts a prefill group or a session's prefill left (`keep_prompt`):
         a row's prompt positions stay as they are while it lives, and a row that ended

@@ -201,10 +201,10 @@ class MlxRunner:
             return self._classic.prefill(requests)
         return self._classic.prefill(requests, between=between, piece=piece)
 
-    def classic_prefill_tokens(self, request: Request) -> int:
+    def classic_prefill_fits(self, request: Request, piece: int) -> bool:
         if not self._ragged:
-            return len(request.prompt_ids)
-        return self._classic.prefill_tokens(request.prompt_ids)
+            return len(request.prompt_ids) <= piece
+        return self._classic.prefill_fits(request.prompt_ids, piece)
 
     def classic_decode(self, drafts: bool = False, skip_cap: int = 2,
                        interrupt: Callable[[], bool] | None = None) -> list[TokenBatch]:

@@ -297,9 +297,10 @@ class Scheduler:
         """The queued requests a prefill in flight lets in between its forwards, taken
         from their queues: in lane order and FIFO within a lane, as free rows and
         `prefill_batch_size` allow, each either of a higher lane than every prompt in
-        flight or with at most `prefill_yield_tokens` prompt positions left to compute
-        (its longest cached prefix aside: one forward); the first that is neither ends
-        the admission (no request overtakes an earlier one of its lane)."""
+        flight or whose prompt, its longest cached prefix aside, fits one forward of
+        `prefill_yield_tokens` positions (`classic_prefill_fits`: on a GPU one chunk);
+        the first that is neither ends the admission (no request overtakes an earlier
+        one of its lane)."""
         count = num_to_admit(self._num_queued(), len(self._rows), self.config.max_batch_size,
                              self.config.prefill_batch_size)
         first_lane = min(r.lane for r in self._in_prefill.values())
@@ -307,7 +308,7 @@ class Scheduler:
         for lane in Lane:
             queue = self._queues[lane]
             while queue and len(admitted) < count:
-                if lane >= first_lane and self.runner.classic_prefill_tokens(queue[0]) > self.config.prefill_yield_tokens:
+                if lane >= first_lane and not self.runner.classic_prefill_fits(queue[0], self.config.prefill_yield_tokens):
                     return admitted
                 admitted.append(queue.popleft())
         return admitted

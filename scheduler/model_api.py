@@ -99,9 +99,11 @@ class ModelRunner(Protocol):
         not rows until their prompts are in.
         """
 
-    def classic_prefill_tokens(self, request: Request) -> int:
-        """How many prompt positions `classic_prefill` would compute for `request` now
-        (its prompt less the longest prefix the runner holds for it). Bookkeeping."""
+    def classic_prefill_fits(self, request: Request, piece: int) -> bool:
+        """Whether `classic_prefill` would compute `request`'s prompt (less the longest
+        prefix the runner holds for it) in one forward of `piece` positions, or of the
+        runner's shortest chunk where it does not split prompts that finely (a GPU's).
+        Bookkeeping."""
 
     def classic_decode(self, drafts: bool = False, skip_cap: int = 2,
                        interrupt: Callable[[], bool] | None = None) -> list[TokenBatch]:

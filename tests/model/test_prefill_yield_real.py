@@ -237,6 +237,15 @@ def cached_runner():
     r.close()
 
 
+def test_a_grid_counts_a_prompt_short_up_to_its_shortest_chunk(runner, layout):
+    """What may overtake is what fits one forward: `prefill_yield_tokens` positions on a
+    packed slab, at least a chunk (`PREFILL_CHUNK`, 512; `PIECE` here) on a grid, whose
+    prefill is never split more finely."""
+    request = make_request("short", [random.Random(3).randrange(3, 2000) for _ in range(PIECE - 8)])
+    assert runner.classic_prefill_fits(request, PIECE - 8)
+    assert runner.classic_prefill_fits(request, PIECE - 28) is (layout == "grid")
+
+
 def test_a_cached_turn_overtakes_a_fresh_prompt(cached_runner, prompts):
     """A long prompt whose prefix is cached (a chat's next turn: the earlier turn's
     prompt and reply, then a few new tokens) computes fewer than `prefill_yield_tokens`
@@ -251,7 +260,8 @@ def test_a_cached_turn_overtakes_a_fresh_prompt(cached_runner, prompts):
     while warm.has_work():
         warm.tick()
     turn = make_request("turn", turn_prompt, max_tokens=MAX_TOKENS)
-    assert runner.classic_prefill_tokens(turn) <= PIECE < len(turn_prompt)
+    assert runner._classic.prefill_tokens(turn_prompt) <= PIECE < len(turn_prompt)
+    assert runner.classic_prefill_fits(turn, PIECE)
     fresh = make_request("fresh", fresh_prompt, max_tokens=MAX_TOKENS)
     streams, handed_out, scheduler = run_overtaking(runner, fresh, [turn])
     assert scheduler.counters.prefill_overtakes == 1

@@ -72,7 +72,7 @@ class FakeRunner:
         # but the last; its rows join `rows` after the last.
         self.prefill_forwards = 1
         self.on_prefill_forward = None
-        self.cached_prompt: dict[str, int] = {}  # request id -> prompt positions held (`classic_prefill_tokens`)
+        self.cached_prompt: dict[str, int] = {}  # request id -> prompt positions held (`classic_prefill_fits`)
 
     # -- helpers ------------------------------------------------------------------------
     def _emit(self, request: Request, count: int) -> tuple[list[int], str | None]:
@@ -109,8 +109,8 @@ class FakeRunner:
             out.append(TokenBatch(request.request_id, tokens, finish))
         return out
 
-    def classic_prefill_tokens(self, request):
-        return len(request.prompt_ids) - self.cached_prompt.get(request.request_id, 0)
+    def classic_prefill_fits(self, request, piece):
+        return len(request.prompt_ids) - self.cached_prompt.get(request.request_id, 0) <= piece
 
     def classic_decode(self, drafts=False, skip_cap=2, interrupt=None):
         """With `interruptible`, stops where `interrupt` (asked once, after `on_decode`,

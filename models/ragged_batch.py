@@ -275,9 +275,10 @@ class RaggedBatch:
         existing rows are there (`PREFILL_CHUNK` while none are: as fast as one whole
         forward there); a grid slab (a GPU) keeps its chunks (up to
         `MAX_PREFILL_CHUNK` positions a row), which shorter forwards would slow
-        (`scripts/experiments/prefill_pieces.py`). The caller steps the existing rows there (`decode`, a
-        verify riding or not) and may admit other requests (`prefill`, its own rows: they become streams before
-        these, whose rows are not streams until their prompts are in)."""
+        (`scripts/experiments/prefill_pieces.py`). The caller steps the existing rows
+        there (`decode`, a verify riding or not) and may admit other requests
+        (`prefill`, whose rows become streams before these: these are not streams
+        until their prompts are in)."""
         if not requests:
             return []
         check_admissible(requests, self.request_ids())

@@ -146,10 +146,16 @@ class Scheduler:
             fused=self._fusing(),
         )
 
-    def _drain(self) -> None:
+    def _drain(self, inside_prefill: bool = False) -> None:
+        """Route the new requests and apply the cancels. `inside_prefill` (between two
+        forwards of a prefill): a free slot is not taken (`_route`), and the cancels wait
+        for the next drain (a row in flight is not the runner's row yet)."""
         inbox, cancel_ids = self.ledger.take()
         for request in inbox:
-            self._route(request)
+            self._route(request, install=not inside_prefill)
+        if inside_prefill:
+            self._held_cancels += cancel_ids
+            return
         cancel_ids, self._held_cancels = self._held_cancels + cancel_ids, []
         for request_id in cancel_ids:
             self._cancel_now(request_id)
@@ -226,14 +232,21 @@ class Scheduler:
 
     # -- classic actions -------------------------------------------------------------
     def _prefill(self, count: int) -> None:
-        admitted: list[Request] = []
-        for lane in Lane:  # strict lanes, FIFO within a lane
-            queue = self._queues[lane]
-            while queue and len(admitted) < count:
-                admitted.append(queue.popleft())
         # Between the prompts' forwards (where the runner splits them) earlier rows step
         # and arrivals that will not hold the prompts up long are admitted.
-        self._run_prefill(admitted, self._step_within_prefill)
+        self._run_prefill(self._take_queued(count), self._step_within_prefill)
+
+    def _take_queued(self, count: int, admits: Callable[[Lane, Request], bool] | None = None) -> list[Request]:
+        """Up to `count` queued requests, taken from their queues in strict lane order,
+        FIFO within a lane; the first that `admits(lane, request)` refuses ends it."""
+        taken: list[Request] = []
+        for lane in Lane:
+            queue = self._queues[lane]
+            while queue and len(taken) < count:
+                if admits is not None and not admits(lane, queue[0]):
+                    return taken
+                taken.append(queue.popleft())
+        return taken
 
     def _run_prefill(self, admitted: list[Request], between: Callable[[], None]) -> None:
         now = self.clock()
@@ -282,10 +295,7 @@ class Scheduler:
         in flight are prefilled (`_overtaking`; their first tokens go out at once), then
         the rows decoding beside it take a step (`_decode_within_prefill`). Cancels taken
         here wait for the next drain (a row in flight is not the runner's row yet)."""
-        inbox, cancel_ids = self.ledger.take()
-        self._held_cancels += cancel_ids
-        for request in inbox:
-            self._route(request, install=False)
+        self._drain(inside_prefill=True)
         admitted = self._overtaking()
         if admitted:
             self.counters.prefill_overtakes += len(admitted)
@@ -304,14 +314,9 @@ class Scheduler:
         count = num_to_admit(self._num_queued(), len(self._rows), self.config.max_batch_size,
                              self.config.prefill_batch_size)
         first_lane = min(r.lane for r in self._in_prefill.values())
-        admitted: list[Request] = []
-        for lane in Lane:
-            queue = self._queues[lane]
-            while queue and len(admitted) < count:
-                if lane >= first_lane and not self.runner.classic_prefill_fits(queue[0], self.config.prefill_yield_tokens):
-                    return admitted
-                admitted.append(queue.popleft())
-        return admitted
+        piece = self.config.prefill_yield_tokens
+        return self._take_queued(count, lambda lane, request: (lane < first_lane
+                                                               or self.runner.classic_prefill_fits(request, piece)))
 
     def _decode_within_prefill(self) -> None:
         """One step of the streams beside the prefill in flight: a round of the slot's
@@ -321,9 +326,10 @@ class Scheduler:
         prefill fails its new rows, and the earlier rows meet the error again at their
         next step (a round's failure ends the holder, as in any tick)."""
         decoding = len(self._rows) > len(self._in_prefill)
-        if self.slot.round_within(fuse=decoding and self._fusing()):
+        step = self.slot.round_within(fuse=decoding and self._fusing())
+        if step.ran:
             self.counters.prefill_yields += 1
-            decoding = decoding and not self.slot.fused_last
+            decoding = decoding and not step.fused
             self._publish()
         if not decoding:
             return

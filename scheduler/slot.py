@@ -150,30 +150,30 @@ class SpecSlot:
         promotion found only cancelled or declined entries (the tick may then go
         classic). With `fuse`, a round (not a slice 0 or a probe) carries the decode
         step of the classic rows, if there are any."""
-        self._fuse = fuse and self._rows_done is not None
-        self._fused = False
-        self._plain_round = False
-        ran = self._step()
-        return SlotStep(ran, self._fused, self._plain_round)
+        return self._run(fuse, self._step)
 
-    def round_within(self, fuse: bool) -> bool:
+    def round_within(self, fuse: bool) -> SlotStep:
         """One round of a started holder from inside another action (between two
         forwards of a classic prefill); with `fuse`, the classic rows' decode step rides
-        in it (`fused_last`). Nothing else a tick's step may do runs here (a slice 0, a
-        promotion, a demotion: each prefills or moves a session); a round boundary may
-        park the holder as at any round. False where no round ran."""
+        in it. Nothing else a tick's step may do runs here (a slice 0, a promotion, a
+        demotion: each prefills or moves a session); a round boundary may park the
+        holder as at any round. `ran` is False where no round ran."""
         job = self.active
         if job is None or not job.started or job.burst or job.request.cancel_requested or self._demotable():
-            return False
+            return SlotStep(False)
+
+        def one_round() -> bool:
+            self._round(job)
+            return True
+
+        return self._run(fuse, one_round)
+
+    def _run(self, fuse: bool, action: Callable[[], bool]) -> SlotStep:
+        """Run `action` (True: something ran) with this step's fuse flag, and report it."""
         self._fuse = fuse and self._rows_done is not None
         self._fused = self._plain_round = False
-        self._round(job)
-        return True
-
-    @property
-    def fused_last(self) -> bool:
-        """The last step or round carried the classic rows' decode step."""
-        return self._fused
+        ran = action()
+        return SlotStep(ran, self._fused, self._plain_round)
 
     def _step(self) -> bool:
         job = self.active

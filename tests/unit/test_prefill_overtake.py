@@ -333,8 +333,8 @@ def test_no_slice_zero_runs_inside_a_prefill():
     left for the next tick: `round_within` runs nothing."""
     runner = FakeRunner(fuse=True)
     scheduler = make_scheduler(runner, prefill_yield_tokens=PIECE)
-    assert not scheduler.slot.round_within(fuse=True)
+    assert not scheduler.slot.round_within(fuse=True).ran
     assert scheduler.slot.try_admit(make_request("S", rounds=3)) is None  # installed, not begun
     assert not scheduler.slot.active.started
-    assert not scheduler.slot.round_within(fuse=True)
+    assert not scheduler.slot.round_within(fuse=True).ran
     assert runner.actions == []

@@ -213,7 +213,7 @@ class _ServeArgsBase(BaseModel):
         "at 15) whenever they have a request or a token to pass on, and takes them back as "
         "soon as they are done. On a busy 2-core CPU, 19 instead of Ray's 15 cut a new "
         "request's TTFT under load from 20-23 to 14-16 ms with no loss of throughput "
-        "(docs/benchmarks.md, scenario 7); on an H200 host's 16 cores, 19 and Ray's 15 served "
+        "(docs/history/benchmarks-2026-12.md); on an H200 host's 16 cores, 19 and Ray's 15 served "
         "alike (docs/gpu.md, \"The slot's tryouts at T = 0.7\"). Raising priority (below the current value) "
         "needs privileges: the actor logs a warning and keeps its niceness. None: leave "
         "it as Ray set it.",

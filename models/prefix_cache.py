@@ -133,9 +133,8 @@ class PrefixCache:
         (its logits give the first output token) and spans at least one block; None
         for a miss. A hit makes its entry the most recently used."""
         self.num_query_tokens += len(token_ids)
-        head = token_ids[:len(token_ids) - 1]
-        entry_id, length = self._longest(head)
-        if length < self.block_size:
+        entry_id, length = self._usable_prefix(token_ids)
+        if not length:
             self.num_misses += 1
             return None
         self._entries.move_to_end(entry_id)
@@ -147,8 +146,14 @@ class PrefixCache:
     def cached_length(self, token_ids: Sequence[int]) -> int:
         """The length of the prefix `lookup(token_ids)` would return now (0: a miss),
         without counting a lookup or making its entry the most recently used."""
-        length = self._longest(token_ids[:len(token_ids) - 1])[1]
-        return length if length >= self.block_size else 0
+        return self._usable_prefix(token_ids)[1]
+
+    def _usable_prefix(self, token_ids: Sequence[int]) -> tuple[int | None, int]:
+        """(entry id, length) of the longest cached prefix a prefill of `token_ids` may
+        start from: it leaves the last token to run and spans at least one block;
+        length 0 where none does."""
+        entry_id, length = self._longest(token_ids[:len(token_ids) - 1])
+        return (entry_id, length) if length >= self.block_size else (None, 0)
 
     def store(self, token_ids: Sequence[int], num_bytes: int,
               copy_kv: Callable[[], tuple[list[mx.array], list[mx.array]]]) -> bool:

@@ -58,3 +58,19 @@ def model_fingerprint(path: str) -> str:
         for name in sorted(glob.glob("*.safetensors", root_dir=path)):
             digest.update(f"\0{name}\0{os.path.getsize(os.path.join(path, name))}".encode())
     return digest.hexdigest()[:16]
+
+
+def cache_root() -> str:
+    """Where specslot keeps what it fetches or derives (PyPI model files, converted GGUF
+    models): `SPECSLOT_CACHE_DIR`, else `$XDG_CACHE_HOME/specslot`, else `~/.cache/specslot`."""
+    root = os.environ.get("SPECSLOT_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specslot")
+    return os.path.abspath(root)
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()

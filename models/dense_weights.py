@@ -1,15 +1,14 @@
-"""Quantized weights, dequantized once at load (`dense_weights`, on by default on a CUDA GPU
-where the memory allows).
+"""Quantized weights, dequantized once at load (`dense_weights`, on by default on a CPU and
+on a CUDA GPU where the memory allows).
 
-MLX CUDA's quantized matmul is fast for one token and slow for many: on the H200, at the
-Qwen2.5-1.5B shape (4-bit, random weights, `scripts/experiments/gpu_prefill.py`), a step
-of 32 rows took 26 ms with the 4-bit weights and 8.7 ms with the same weights as bf16
-(cuBLAS), a prefill forward of 8 x 512 tokens 88 ms against 31, and one row's step 5.4
-against 5.1 ms. So on a CUDA GPU every quantized layer becomes a plain one holding its
-dequantized weights: the same values the quantized kernels compute with, at twice the
-memory of bf16 weights instead of about a quarter; by default only while that growth
-fits in half the memory available. On Apple silicon and on a CPU the quantized kernels
-are the fast ones, and the model stays as loaded.
+On a CPU, MLX's quantized matmul is about 20x slower than a float32 one through OpenBLAS
+(SmolLM2-135M 4-bit: 1.1 against 22 tok/s), so quantized layers become float32 ones
+(`models.loader` has cast the scales to float32 already). On a CUDA GPU, MLX's
+quantized matmul is fast for one token and slow for many (H200, Qwen2.5-1.5B shape:
+a 32-row step 26 against 8.7 ms dense; docs/gpu.md), so they become plain layers in the
+scales' dtype. Either way by default only while the growth fits in half the memory
+available. On Apple silicon the quantized kernels are the fast ones: the model stays as
+loaded.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ def wanted(setting: bool | None, extra_bytes: int = 0, available_bytes: int | No
     (`prefix_cache.available_memory()` unless given)."""
     if setting is not None:
         return setting
-    if not on_cuda():
+    if not on_cuda() and mx.default_device() != mx.cpu:
         return False
     if available_bytes is None:
         available_bytes = available_memory()
@@ -99,17 +98,27 @@ def apply(model: nn.Module, name: str, setting: bool | None) -> int:
     """Dequantize `model` when `wanted(setting)`, logging what it cost; returns the layers
     replaced (0: left as loaded, or nothing was quantized)."""
     extra = growth(model) if setting is None else 0
+    layers = _quantized(model)
     if not wanted(setting, extra):
-        if setting is None and extra and on_cuda():
-            log.info("%s: dense_weights off: dequantized, the weights would grow by %.2f GB, over %d %% of "
-                     "the memory available", name, extra / 1e9, MAX_SHARE * 100)
+        if layers:
+            why = (f"dequantized, the weights would grow by {extra / 1e9:.2f} GB, over "
+                   f"{MAX_SHARE * 100:.0f} % of the memory available") if setting is None and extra else (
+                "dense_weights is false" if setting is False else "the quantized kernels are the fast ones here")
+            log.info("%s: %d quantized layers kept quantized (%s)", name, len(layers), why)
         return 0
     before = _nbytes(model)
     count = dequantize(model)
     if count:
-        log.info("%s: %d quantized layers dequantized (dense_weights): %.2f GB -> %.2f GB of weights",
-                 name, count, before / 1e9, _nbytes(model) / 1e9)
+        dtype = _dtype_name(model)
+        log.info("%s: %d quantized layers dequantized to %s on the %s (dense_weights): %.2f GB -> %.2f GB "
+                 "of weights", name, count, dtype, "GPU" if on_cuda() else "CPU", before / 1e9, _nbytes(model) / 1e9)
     return count
+
+
+def _dtype_name(model: nn.Module) -> str:
+    dtypes = {str(v.dtype).removeprefix("mlx.core.") for _, v in tree_flatten(model.parameters())
+              if mx.issubdtype(v.dtype, mx.floating)}
+    return "/".join(sorted(dtypes))
 
 
 def _nbytes(model: nn.Module) -> int:

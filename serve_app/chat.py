@@ -9,12 +9,17 @@ shape templates expect:
 >>> template_messages([ChatMessage(role="assistant", tool_calls=[ToolCall(id="c1",
 ...     function=FunctionCall(name="f", arguments='{"x": 1}'))])])
 [{'role': 'assistant', 'tool_calls': [{'id': 'c1', 'type': 'function', 'function': {'name': 'f', 'arguments': {'x': 1}}}]}]
+
+Many templates (SmolLM2's, plain ChatML ones) never render `tool_calls` and read
+`content` on every message; for those, `calls_as_content` writes the calls into the
+assistant's `content` as text, in the model's tool-call format.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Literal, Union
+from collections.abc import Callable
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -58,8 +63,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
 
     `developer` (OpenAI's newer name for the system role) becomes `system`, which is the
     role templates know. A null `content` is left out, as in Hugging Face's own tool-use
-    examples. Tool-call `arguments` that are a JSON object are passed parsed, since
-    templates render them with `tojson`; anything else is passed as the string it is.
+    examples (`calls_as_content` fills it for templates that need it). Tool-call
+    `arguments` that are a JSON object are passed parsed, since templates render them
+    with `tojson`; anything else is passed as the string it is.
     """
     out = []
     for i, m in enumerate(messages):
@@ -82,6 +88,24 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
             message["tool_calls"] = [_tool_call(c) for c in m.tool_calls]
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
+
+
+def calls_as_content(messages: list[dict], write: Callable[[list[tuple[str, Any]]], str]) -> list[dict]:
+    """`messages` as `template_messages` returns them, reshaped for a template that does
+    not render tool calls: an assistant message's `tool_calls` are replaced by their text,
+    `write([(name, arguments), ...])` (a `ToolFormat.text`), appended to its `content`
+    (null as "", a newline between text and calls). Other messages are returned as they
+    are; the list given is not modified."""
+    out = []
+    for message in messages:
+        if message.get("tool_calls"):
+            calls = write([(c["function"]["name"], c["function"]["arguments"])
+                           for c in message["tool_calls"]])
+            text = message.get("content") or ""
+            message = {k: v for k, v in message.items() if k != "tool_calls"}
+            message["content"] = f"{text}\n{calls}" if text else calls
         out.append(message)
     return out
 

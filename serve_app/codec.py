@@ -3,7 +3,8 @@
 The replica tokenizes and detokenizes so the scheduler actor only ever sees token ids.
 Chat prompts are rendered by the tokenizer's chat template, or by the deployment's
 `chat_template` when it names one; without either, chat is a 400 (`no_chat_template`)
-rather than a prompt format the model never saw.
+rather than a prompt format the model never saw. A template that never mentions
+`tool_calls` gets an assistant's calls as text in its `content` (`chat.calls_as_content`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from jinja2 import TemplateError, TemplateSyntaxError
 
+from serve_app.chat import calls_as_content
 from serve_app.errors import APIError
 from serve_app.tool_formats import ToolFormat, detect, marker_special_ids
 
@@ -120,7 +122,11 @@ class TextCodec:
         self._tok = tokenizer
         self._chat_template = chat_template
         self._token_texts: dict[int, str] = {}
+        self._template_text = self._template_source()
         self.tool_format = self._tool_format(tool_call_format)
+        # A template that never mentions tool_calls reads only `content` (SmolLM2's, plain
+        # ChatML): it would fail on, or silently drop, an assistant's structured calls.
+        self._calls_as_text = self._template_text is not None and "tool_calls" not in self._template_text
 
     @classmethod
     def from_path(cls, model_path: str, chat_template: str | None = None,
@@ -130,11 +136,16 @@ class TextCodec:
 
         return cls(load(Path(model_path)), chat_template, tool_call_format)
 
-    def _tool_format(self, name: str) -> ToolFormat:
+    def _template_source(self) -> str | None:
+        """The jinja source chat is rendered with (all of a tokenizer's named templates
+        together), or None where there is none (or only a Python renderer)."""
         template = self._chat_template or getattr(self._tok, "chat_template", None)
         if isinstance(template, dict):  # named templates (e.g. "default" and "tool_use")
             template = "\n".join(t for t in template.values() if isinstance(t, str))
-        name = detect(template if isinstance(template, str) else None) if name == "auto" else name
+        return template if isinstance(template, str) else None
+
+    def _tool_format(self, name: str) -> ToolFormat:
+        name = detect(self._template_text) if name == "auto" else name
         added = getattr(self._tok, "added_tokens_decoder", None) or {}
         special = {token_id for token_id, token in added.items() if getattr(token, "special", False)}
         markers = ToolFormat(name).markers
@@ -155,7 +166,9 @@ class TextCodec:
                     tools: list[dict] | None = None) -> list[int]:
         """Token ids of `messages` rendered with a generation prompt; `template_kwargs`
         become template variables (e.g. `enable_thinking`); `tools` (OpenAI function
-        tools) are the template's `tools`, for templates that render them.
+        tools) are the template's `tools`, for templates that render them. A template
+        whose source never mentions `tool_calls` gets assistant tool calls written into
+        `content` in `tool_format`'s text form; others get them structured.
 
         Raises APIError: 400 `no_chat_template` without a template, 400
         `chat_template_error` when the template refuses the messages (Gemma's and
@@ -166,6 +179,8 @@ class TextCodec:
             raise APIError(400, "this model has no chat template; use the completions "
                            "endpoint, or set chat_template in the deployment's args",
                            param="messages", code="no_chat_template")
+        if self._calls_as_text:
+            messages = calls_as_content(messages, self.tool_format.text)
         kwargs = dict(template_kwargs or {})
         if self._chat_template is not None:
             kwargs["chat_template"] = self._chat_template

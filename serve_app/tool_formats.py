@@ -1,5 +1,6 @@
-r"""How model families write tool calls: read back from a finished reply, and enforced as
-a grammar when a request forces a call.
+r"""How model families write tool calls: read back from a finished reply, enforced as a
+grammar when a request forces a call, and written as text into a history whose chat
+template does not render calls (`ToolFormat.text`).
 
 A deployment uses one format, chosen from the markers its chat template renders
 (`detect`) unless the config names one (`tool_call_format`). Two calls, as each writes them:
@@ -82,6 +83,21 @@ class ToolFormat:
         content, calls = found
         return (content.strip() or None), [_openai_call(name, arguments) for name, arguments in calls]
 
+    def text(self, calls: list[tuple[str, Any]]) -> str:
+        """`calls` ((name, arguments) pairs; arguments an object, or the string a client
+        sent) written as this format's replies write them, spaced as `json.dumps` does,
+        so `read` reads them back. For histories whose chat template does not render
+        tool calls (`serve_app.chat.calls_as_content`)."""
+        if self.name == "mistral_v11":
+            return "".join(f"[TOOL_CALLS]{name}[ARGS]{_dumps(arguments)}" for name, arguments in calls)
+        key = "parameters" if self.name == "llama3_json" else "arguments"
+        objects = [{"name": name, key: arguments} for name, arguments in calls]
+        if self.name == "hermes":
+            return "\n".join(f"<tool_call>\n{_dumps(o)}\n</tool_call>" for o in objects)
+        if self.name == "llama3_json":
+            return "; ".join(_dumps(o) for o in objects)
+        return "[TOOL_CALLS]" + _dumps(objects)
+
     def grammar(self, functions: list[dict], parallel: bool) -> str:
         """The llguidance grammar (`SamplingParams.grammar`) of a reply that is one call
         of any of `functions` (OpenAI function objects), or with `parallel` one or more."""
@@ -110,6 +126,11 @@ class ToolFormat:
             return f"start: call{more}\n{call}"
         more = ' ("," " "? call)*' if parallel else ""
         return f'start: {marker["[TOOL_CALLS]"]} " "? "[" call{more} "]"\n{call}'
+
+
+def _dumps(value: Any) -> str:
+    # Non-ASCII characters as themselves, as templates' `tojson` writes them.
+    return json.dumps(value, ensure_ascii=False)
 
 
 def _json_rule(schema: dict) -> str:

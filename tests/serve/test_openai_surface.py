@@ -94,7 +94,7 @@ def test_chat_template_kwargs_become_template_variables(tiny_pair):
     (NO_SYSTEM, [{"role": "system", "content": "s"}, *USER], 400, "chat_template_error",
      "System role not supported"),
     # a template that expects content on every message, given a tool-calling assistant turn
-    ("{% for m in messages %}{{ m.content + '!' }}{% endfor %}",
+    ("{% for m in messages %}{{ m.content + '!' }}{{ m.tool_calls }}{% endfor %}",
      [*USER, {"role": "assistant", "content": None, "tool_calls": [
          {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
      400, "chat_template_error", "content"),

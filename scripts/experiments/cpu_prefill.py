@@ -7,7 +7,7 @@ event carrying the first token: a fresh prompt of 76, 466 and 900 random tokens,
 cached turn (the 466-token prompt again plus 76 new tokens: the prefix cache serves the
 466). The first two rounds are not counted.
 
-    python scripts/experiments/cpu_prefill.py [--config configs/local.yaml] [--rounds 16]
+    python scripts/experiments/cpu_prefill.py [--config configs/bundled.yaml] [--rounds 16]
 
 `--bare`: no engine, `cpu_math` on: the forwards alone of scenario 7's turns 2-6
 (`scripts/bench_multiturn.py`, prompts of 466-871 tokens), each turn's prompt fresh in one
@@ -60,7 +60,7 @@ def first_token_s(engine, ids: list[int], request_id: str) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="configs/local.yaml")
+    ap.add_argument("--config", default="configs/bundled.yaml")
     ap.add_argument("--target", default=os.path.join(HERE, "models", "bundled", "target"))
     ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--bare", action="store_true", help="the turns' forwards alone, no engine")

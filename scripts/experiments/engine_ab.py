@@ -44,7 +44,7 @@ def burst(engine, tokenizer, tag: str, seed: int, streams: int, tokens: int, tem
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="configs/local.yaml")
+    ap.add_argument("--config", default="configs/bundled.yaml")
     ap.add_argument("--target", default=os.path.join(HERE, "models", "bundled", "target"))
     ap.add_argument("--a", default="{}", help="configuration A's `args` overrides (JSON)")
     ap.add_argument("--b", default="{}", help="configuration B's `args` overrides (JSON)")

@@ -11,7 +11,7 @@ cache holds its kernel: MLX's CPU kernels are also cached on disk by name, hence
 random digits); its TTFT and the other streams' longest gap between two events, from
 its arrival until it finishes, are recorded. Medians over `--probes` probes per way and filter.
 
-    python scripts/experiments/filter_values.py [--config configs/local.yaml] [--probes 5]
+    python scripts/experiments/filter_values.py [--config configs/bundled.yaml] [--probes 5]
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def probe(engine, prompt: list[int], tag: str, streams: int, tokens: int, filter
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="configs/local.yaml")
+    ap.add_argument("--config", default="configs/bundled.yaml")
     ap.add_argument("--target", default=os.path.join(HERE, "models", "bundled", "target"))
     ap.add_argument("--streams", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=48, help="tokens of each decoding stream")

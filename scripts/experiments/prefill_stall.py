@@ -7,7 +7,7 @@ Per repeat: the streams' median gap between token events before the long prompt
 arrived, their longest gap around its prefill (overall and each stream's), the two
 requests' times to first token, the decode steps run between the prompt's forwards and
 the requests prefilled there (`prefill_yield_tokens`, CONTINUOUS_BATCHING.md "The fused
-tick", its prefill; neither with `--config configs/local.yaml:prefill_yield_tokens=0`)
+tick", its prefill; neither with `--config configs/bundled.yaml:prefill_yield_tokens=0`)
 and the slot's grants (a stream holding the slot is not stepped there).
 
     OPENBLAS_NUM_THREADS=1 python scripts/experiments/prefill_stall.py [--prompt-tokens 1000] [--repeats 2]
@@ -78,7 +78,7 @@ def one_repeat(engine, rep: int, args, tokens) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="configs/local.yaml", metavar="PATH[:key=value,...]")
+    ap.add_argument("--config", default="configs/bundled.yaml", metavar="PATH[:key=value,...]")
     ap.add_argument("--target", default=TARGET)
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--stream-tokens", type=int, default=300, help="max_tokens of each decoding stream")

@@ -15,8 +15,8 @@ so the second prompt's prefix is cached): a short chat message and one of
 Run the two modes one after the other on an otherwise idle machine (the service
 stopped for `--engine`): the difference is what the serving path adds.
 
-    python scripts/experiments/ttft_path.py --engine configs/local.yaml
-    python -m serve_app.cli configs/local.yaml &   # then, once it answers:
+    python scripts/experiments/ttft_path.py --engine configs/bundled.yaml
+    python -m serve_app.cli configs/bundled.yaml &   # then, once it answers:
     python scripts/experiments/ttft_path.py --url http://127.0.0.1:8000
 """
 

@@ -13,7 +13,7 @@ with its first token, is split into:
 
 Rows: turn 1 (nothing cached), and turns 2 on (the history cached, unless the cache is off).
 
-    python scripts/experiments/turn_trace.py [--config configs/local.yaml[:key=value,...]] [--repeats 2]
+    python scripts/experiments/turn_trace.py [--config configs/bundled.yaml[:key=value,...]] [--repeats 2]
     # on the H200 (after `source scripts/device_env.sh`), histories to ~4,400 tokens:
     python3 scripts/experiments/turn_trace.py --target "$MODEL" \\
         --config "configs/gpu.yaml:model=$MODEL,drafter={kind: ngram},first_tokens=2000,turn_tokens=380,max_tokens=64"
@@ -116,7 +116,7 @@ def table(rows: dict[str, list[dict]]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default=bench_multiturn.DEFAULT_CONFIG, metavar="PATH[:key=value,...]")
+    ap.add_argument("--config", default="configs/bundled.yaml", metavar="PATH[:key=value,...]")
     ap.add_argument("--target", default=TARGET, help="the tokenizer's model directory")
     ap.add_argument("--repeats", type=int, default=2, help="runs of fresh conversations (a warm-up run first)")
     ap.add_argument("--seed", type=int, default=0)

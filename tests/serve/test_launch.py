@@ -67,7 +67,7 @@ def test_unknown_live_knob_names_the_closest():
 
 
 def write_config(tmp_path, **args):
-    with open(os.path.join(REPO, "configs", "local.yaml")) as f:
+    with open(os.path.join(REPO, "configs", "bundled.yaml")) as f:
         config = yaml.safe_load(f)
     config["applications"][0]["args"].update(args)
     path = tmp_path / "config.yaml"

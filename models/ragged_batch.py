@@ -84,6 +84,7 @@ class _Stream:
     token_ids: list[int] | None = None  # prompt + emitted (the last is `pending`), for the prefix cache
     lane: int = 1  # the request's lane (`scheduler.request.Lane`): its place in the step's draft budget
     denied: int = 0  # steps running in which this row had drafts and the budget gave it none
+    withheld: bool = False  # this step the row's estimate kept it from drafts its index had
 
 
 @dataclass(eq=False)
@@ -451,7 +452,8 @@ class RaggedBatch:
         """Accept each row's drafts, emit, drop finished rows. `wanted`: drafts were
         asked for this step (a row that drafted nothing relaxes its estimate);
         `reports`: each row's logprobs at every verified position (None: not asked)."""
-        out, kinds, drafted = [], set(), set()  # kinds (greedy or not) of rows that may draft, that did
+        # Kinds (greedy or not) of rows that did draft, and that were kept from drafts they had.
+        out, drafted, withheld = [], set(), set()
         for stream, draft, target, report in zip(streams, drafts, verified, reports):
             num_accepted = accept_count(draft, target)
             if len(draft) > num_accepted:  # rejected drafts leave the row
@@ -466,21 +468,21 @@ class RaggedBatch:
             stream.sampler.accept(tokens)
             if stream.index is not None:
                 stream.index.extend(tokens)
-                kinds.add(stream.sampler.is_greedy)
                 kind = self.replica_acceptance[stream.sampler.is_greedy]
                 if draft:
                     stream.acceptance.record(len(draft), num_accepted)
                     kind.record(len(draft), num_accepted)
                     drafted.add(stream.sampler.is_greedy)
-                elif wanted:
+                elif wanted and stream.withheld:
                     stream.acceptance.relax(kind.alpha)
+                    withheld.add(stream.sampler.is_greedy)
             out.append(TokenBatch(stream.request_id, tokens, reason, len(draft), num_accepted if draft else 0,
                                   "ngram" if draft else "", None if report is None else report[:len(tokens)]))
             if reason is not None:
                 self._finished.add(stream.request_id)
                 self._drop(stream)
-        if wanted:  # a kind of row none of which drafted drifts back toward the prior
-            for greedy in kinds - drafted:
+        if wanted:  # a kind of row kept from its drafts, none of which drafted, drifts back toward the prior
+            for greedy in withheld - drafted:
                 self.replica_acceptance[greedy].relax()
         self._steps += 1
         if self._steps % CLEAR_CACHE_EVERY == 0:
@@ -594,11 +596,17 @@ class RaggedBatch:
         """Each row's drafts for this step (empty where it drafts nothing): what its own
         budget allows and its index proposes, within the step's draft budget, which
         rows share in lane order (`scheduler.costs.share_drafts`)."""
+        for s in streams:
+            s.withheld = False
         if self._nobody_pays(len(streams)):
             return [[] for _ in streams]
         alphas = [None if s.index is None else s.acceptance.alpha for s in streams]
-        out = [s.sampler.allowed_drafts(self._propose(s, k)) if k else []
-               for s, k in zip(streams, self._row_budgets(streams, alphas))]
+        budgets = self._row_budgets(streams, alphas)
+        out = [s.sampler.allowed_drafts(self._propose(s, k)) if k else [] for s, k in zip(streams, budgets)]
+        # Only a row kept from drafts it had relaxes its estimate: steps in which prose
+        # offers no n-gram say nothing about how its next drafts will fare.
+        for s, k in zip(streams, budgets):
+            s.withheld = s.index is not None and not k and bool(self._propose(s, 1, count=False))
         # Priced by what the rows proposed (a row whose n-grams found nothing adds nothing).
         if not self._step_pays(alphas, [len(d) for d in out], len(streams)):
             return [[] for _ in streams]
@@ -614,11 +622,11 @@ class RaggedBatch:
             s.denied = 0 if n or not d else s.denied + 1
         return [d[:n] for d, n in zip(out, given)]
 
-    def _propose(self, stream: _Stream, k: int) -> list[int]:
+    def _propose(self, stream: _Stream, k: int, count: bool = True) -> list[int]:
         """A row's k drafts: from the replica's past outputs where its last tokens match
         one at least `replica_index.min_ngram` long, else from its own prompt and output."""
         if self.replica_index is not None:
-            drafts = self.replica_index.propose(stream.index.history, k)
+            drafts = self.replica_index.propose(stream.index.history, k, count)
             if drafts:
                 return drafts
         return stream.index.propose(k)

@@ -68,12 +68,13 @@ class ReplicaIndex:
             for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
                 self._starts[tuple(output[end - n:end])] = base + end
 
-    def propose(self, context: Sequence[int], k: int) -> list[int]:
+    def propose(self, context: Sequence[int], k: int, count: bool = True) -> list[int]:
         """Up to `k` tokens that followed the latest stored occurrence of the longest
-        suffix of `context` (n from `max_ngram` down to `min_ngram`); [] without one."""
+        suffix of `context` (n from `max_ngram` down to `min_ngram`); [] without one.
+        `count`: whether the lookup counts in `stats` (a peek does not)."""
         if k <= 0:
             return []
-        self.num_proposals += 1
+        self.num_proposals += count
         tail = list(context[-self.max_ngram:])
         for n in range(min(self.max_ngram, len(tail)), self.min_ngram - 1, -1):
             at = self._starts.get(tuple(tail[-n:]))
@@ -83,7 +84,7 @@ class ReplicaIndex:
                     if token is None:
                         break
                     out.append(token)
-                self.num_hits += 1
+                self.num_hits += count
                 return out
         return []
 

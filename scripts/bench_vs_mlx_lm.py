@@ -21,10 +21,13 @@ All servers are started by this script on 127.0.0.1 and stopped with SIGTERM:
 
 The peer's `--draft-model` path decodes one request at a time (no batching), so the
 `+draft` peers are fair at concurrency 1; quick mode runs them only there, full mode
-everywhere. All servers stay up (an idle mlx_lm.server uses no CPU); for each
-concurrency and repeat, one run per server in turn with the same seeded prompts
-(streaming completions, greedy, fixed max_tokens); ratios are ours / peer for each
-(our run, peer run) pair of the same repeat.
+everywhere. All servers stay up (an idle mlx_lm.server uses no CPU); at each
+concurrency every server first gets one unmeasured run of the same shape (its kernels
+and caches warm, as the measured runs find them), then for each repeat one run per
+server in turn with the same seeded prompts (streaming, greedy unless `--temperature`,
+fixed max_tokens); ratios are ours / peer for each (our run, peer run) pair of the same
+repeat, warm against warm. `--prompts` picks completions of code snippets (default),
+chat requests to continue them (`code`), or everyday chat questions (`chat`).
 
 Prompts: every (concurrency, repeat) run gets its own seeded prompt set, the same for
 every server of that run, so no server sees a prompt twice. `mlx_lm.server` keeps an
@@ -160,13 +163,16 @@ def select_peers(target: str, draft: str | None, peer_names: list[str] | None, c
     return [p for p in peers if not p[3] and (draft is not None or not p[0].endswith("+draft"))]
 
 
+PROMPT_SETS = ("completions", "code", "chat")
+
+
 def run(quick: bool, target: str | None, draft: str | None, seed: int = 0, out_dir: str = "results/vs_mlx_lm",
         concurrencies: tuple[int, ...] = CONCURRENCIES, base_port: int = 8120,
         configs: list[str] | None = None, peer_names: list[str] | None = None,
         repeats: int | None = None, repeat_prompts: bool = False, max_tokens: int | None = None,
         prompts_per_stream: int | None = None, temperature: float = 0.0,
         startup_timeout_s: float = 300.0, prompt_chars: int = 600, shared_prefix_chars: int = 0,
-        engine: bool = False, prompt_tokens: int = 0) -> dict:
+        engine: bool = False, prompt_tokens: int = 0, prompts: str = "completions") -> dict:
     max_tokens = max_tokens or (32 if quick else 128)
     repeats = repeats or (2 if quick else 3)
     target, draft = peer_models(configs or [DEFAULT_CONFIG], target, draft)
@@ -187,7 +193,9 @@ def run(quick: bool, target: str | None, draft: str | None, seed: int = 0, out_d
         return LoadConfig(base_url=base_url, num_prompts=num_prompts, concurrency=concurrency,
                           max_tokens=max_tokens, seed=prompt_seed, progress=False, ignore_eos="off",
                           temperature=temperature, prompt_chars=prompt_chars, shared_prefix_chars=shared_prefix_chars,
-                          prompt_tokens=prompt_tokens, tokenizer=target if prompt_tokens else None)
+                          prompt_tokens=prompt_tokens, tokenizer=target if prompt_tokens else None,
+                          endpoint="completions" if prompts == "completions" else "chat",
+                          chat_prompts="questions" if prompts == "chat" else "code")
 
     def seeds():
         for concurrency in concurrencies:
@@ -200,7 +208,13 @@ def run(quick: bool, target: str | None, draft: str | None, seed: int = 0, out_d
         for server in fleet:  # warm-up: first-call costs out of the measured runs
             asyncio.run(run_load(LoadConfig(base_url=server.base_url, num_prompts=2, concurrency=2,
                                             max_tokens=8, seed=seed + 999, progress=False)))
+        warmed = set()
         for concurrency, rep, prompt_seed in seeds():
+            if concurrency not in warmed:  # an unmeasured run of the same shape first, on every server
+                warmed.add(concurrency)
+                for server in fleet:
+                    if not (quick and concurrency > 1 and server.name.endswith("+draft")):
+                        asyncio.run(run_load(load_config(server.base_url, concurrency, seed + 999 + concurrency)))
             for server in fleet:
                 if quick and concurrency > 1 and server.name.endswith("+draft"):
                     continue
@@ -294,7 +308,11 @@ def engine_runs(spec: str, target: str, seeds, load_config, seed: int) -> list[d
     try:
         warm = LoadConfig(base_url="", num_prompts=2, concurrency=2, max_tokens=8, seed=seed + 999)
         run_engine_load(engine, codec, eos, warm)
+        warmed = set()
         for concurrency, rep, prompt_seed in seeds:
+            if concurrency not in warmed:  # as for the servers: one unmeasured run of each shape
+                warmed.add(concurrency)
+                run_engine_load(engine, codec, eos, load_config("", concurrency, seed + 999 + concurrency))
             result = run_engine_load(engine, codec, eos, load_config("", concurrency, prompt_seed))
             runs.append(run_record(ENGINE, concurrency, rep, prompt_seed, result))
             print(run_line(ENGINE, concurrency, rep, result["summary"]), flush=True)
@@ -495,6 +513,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shared-prefix-chars", type=int, default=0,
                     help="every prompt of every run starts with the same text of this many characters, as an "
                          "agent's system prompt does (both servers' prefix caches; default none)")
+    ap.add_argument("--prompts", choices=PROMPT_SETS, default="completions",
+                    help="completions: code snippets to continue (default); code: chat requests to continue "
+                         "them; chat: everyday chat questions (prose answers: prompt lookup rarely drafts)")
     ap.add_argument("--engine", action="store_true",
                     help="then the same runs in-process on the engine the first config builds "
                          "(no HTTP, no Ray): what the serving path adds, per concurrency")
@@ -506,7 +527,7 @@ def main(argv=None) -> int:
                  max_tokens=args.max_tokens, prompts_per_stream=args.prompts_per_stream,
                  temperature=args.temperature, startup_timeout_s=args.startup_timeout,
                  prompt_chars=args.prompt_chars, shared_prefix_chars=args.shared_prefix_chars,
-                 engine=args.engine, prompt_tokens=args.prompt_tokens)
+                 engine=args.engine, prompt_tokens=args.prompt_tokens, prompts=args.prompts)
     text = metrics.table(result["rows"], COLUMNS, digits=2)
     if result["engine_rows"]:
         text += "\n\nThe same runs in-process (`--engine`):\n\n" + metrics.table(result["engine_rows"], ENGINE_COLUMNS,

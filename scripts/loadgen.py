@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from scripts import metrics
-from scripts.prompts import chat_messages, sized_snippets, stdlib_snippets
+from scripts.prompts import chat_messages, chat_questions, sized_snippets, stdlib_snippets
 
 
 SHARED_PREFIX_SEED = 7919  # the shared prefix's snippet, the same in every run
@@ -36,6 +36,9 @@ SHARED_PREFIX_SEED = 7919  # the shared prefix's snippet, the same in every run
 class LoadConfig:
     base_url: str = "http://127.0.0.1:8000"
     endpoint: str = "completions"  # "completions" | "chat"
+    # Chat prompts: "code" asks to continue a code snippet, "questions" asks everyday
+    # questions (`prompts.chat_questions`).
+    chat_prompts: str = "code"
     model: str | None = None  # omitted from bodies when None (servers use their default)
     num_prompts: int = 16
     concurrency: int | None = 4
@@ -91,7 +94,9 @@ def build_requests(cfg: LoadConfig) -> list[dict]:
         raise ValueError("prompt_tokens sizes completions prompts without a shared prefix, and needs a tokenizer")
     if cfg.endpoint == "chat":
         system = [{"role": "system", "content": shared}] if shared else []
-        prompts = [{"messages": system + m} for m in chat_messages(cfg.num_prompts, cfg.seed, cfg.prompt_chars)]
+        chats = (chat_questions(cfg.num_prompts, cfg.seed) if cfg.chat_prompts == "questions"
+                 else chat_messages(cfg.num_prompts, cfg.seed, cfg.prompt_chars))
+        prompts = [{"messages": system + m} for m in chats]
     elif cfg.prompt_tokens:
         from serve_app.codec import TextCodec
         codec = TextCodec.from_path(cfg.tokenizer)

@@ -1,4 +1,6 @@
-"""Bundled prompt sets, reproducible by seed: snippets of held-out stdlib source.
+"""Bundled prompt sets, reproducible by seed: snippets of held-out stdlib source, and
+everyday chat questions (`chat_questions`) for an instruct model, where prompt lookup
+rarely finds a draft.
 
 The bundled pair was trained on the standard library with every 20th file held out
 (`models.corpus.split_corpus`); prompts come from those held-out files, so they are
@@ -64,3 +66,22 @@ def token_prompts(tokenizer, num_prompts: int, seed: int = 0, num_tokens: int = 
         ids = tokenizer.encode(text)
         prompts.append(list(ids[:num_tokens]))
     return prompts
+
+
+_TOPICS = ("photosynthesis", "the water cycle", "black holes", "the French Revolution", "volcanoes",
+           "machine learning", "the immune system", "climate change", "the printing press", "honey bees",
+           "the stock market", "plate tectonics", "the Roman Empire", "electric cars", "sleep",
+           "the moon landing", "coral reefs", "vaccines", "the internet", "rainbows", "jazz music",
+           "the Great Wall of China", "recycling", "earthquakes")
+_ASKS = ("Explain {} in simple terms.", "What are three interesting facts about {}?",
+         "Write a short paragraph about {} for a ten-year-old.", "Why does {} matter?",
+         "Give me a brief history of {}.", "What are common misconceptions about {}?",
+         "Write a short poem about {}.", "Summarize what scientists know about {}.")
+
+
+def chat_questions(num_prompts: int, seed: int = 0) -> list[list[dict]]:
+    """`num_prompts` one-turn chats asking an everyday question (topic x phrasing,
+    chosen by `random.Random(seed)`): answers are prose, not copies of the prompt."""
+    rng = random.Random(seed)
+    return [[{"role": "user", "content": rng.choice(_ASKS).format(rng.choice(_TOPICS))}]
+            for _ in range(num_prompts)]

@@ -502,6 +502,36 @@ def test_new_rows_start_from_what_rows_of_their_kind_accepted_on_this_replica(lo
     assert batch.replica_acceptance[True].alpha != greedy_before  # the greedy row's verifies counted
 
 
+def test_a_row_kept_from_drafts_relaxes_only_where_its_index_had_some(loaded, monkeypatch):
+    """A row whose drafts failed stops drafting; steps in which its n-gram index finds
+    nothing (prose) leave its estimate where it is, steps in which the estimate kept it
+    from drafts it had move it back toward the prior, and the replica's estimate of its
+    kind with it."""
+    target = loaded[0]
+    eos = sorted(target.tokenizer.eos_token_ids)
+    batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True)
+    batch.costs = TickCosts({1: 1.0, 2: 1.1, 4: 1.3}, {0: 1.2, 1: 1.3}, 0.0, {2: 1.1 + 8 * 0.22, 4: 1.3 + 16 * 0.22})
+    batch.prefill([make_request("g", list(target.tokenizer.encode(REPEATING)), 40)])
+    row = batch._streams["g"]
+    row.acceptance.successes, row.acceptance.failures = 0.02, 0.98
+    kind = batch.replica_acceptance[True]
+    kind.estimate.successes, kind.estimate.failures = 0.02, 0.98
+    proposals = []
+    monkeypatch.setattr(batch, "_propose", lambda stream, k, count=True: proposals[:k])
+
+    def steps(n):
+        drafted = 0
+        for _ in range(n):
+            drafted += sum(out.num_drafted for out in batch.decode(drafts=True))
+        return drafted
+
+    assert steps(5) == 0
+    assert row.acceptance.alpha == pytest.approx(0.02) and kind.alpha == pytest.approx(0.02)
+    proposals[:] = [7, 7, 7, 7]
+    assert steps(5) == 0
+    assert row.acceptance.alpha > 0.021 and kind.alpha > 0.021
+
+
 def _pipelined_run(batch, requests, late, cancel_after, drafts):
     """Two requests join after three steps (a prefill between pipelined steps), one is
     removed mid-stream; returns every stream's tokens and finish reason."""

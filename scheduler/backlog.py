@@ -42,6 +42,10 @@ class GrantBacklog:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def entries(self) -> list[BacklogEntry]:
+        """The entries, front first (a copy)."""
+        return list(self._entries)
+
     def push(self, request: Request, kind: EntryKind) -> BacklogEntry:
         """Append at the back with `skipped_grants = 0`."""
         entry = BacklogEntry(request, kind, self._next_seq)

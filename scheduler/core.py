@@ -401,6 +401,12 @@ class Scheduler:
         self._drain()
         for request_id in self.ledger.unfinished_ids():
             self._cancel_now(request_id)
+        # A tick that failed may have finished requests and left their rows or sessions.
+        unfinished = lambda request_id: self.ledger.get(request_id) is not None  # noqa: E731
+        for request_id in [r for r in self._rows if not unfinished(r)]:
+            self._rows.pop(request_id)
+            self.runner.classic_remove(request_id)
+        self.slot.release_finished(unfinished)
         return self.sink.drain()
 
     def snapshot(self) -> dict:

@@ -249,11 +249,13 @@ class Engine:
         # The failed tick's events never go out: a request it finished fails as well.
         finished = [e for e in scheduler.sink.drain() if e.finish_reason is not None]
         requests = self._ledger.unfinished()
-        failed = [(r.request_id, r.spec, len(r.prompt_ids)) for r in requests]
-        failed += [(e.request_id, e.stats, e.prompt_tokens) for e in finished]
+        # One error each: a request the tick finished may still be on the ledger.
+        failed = {e.request_id: (e.stats, e.prompt_tokens) for e in finished}
+        for r in requests:
+            failed.setdefault(r.request_id, (r.spec, len(r.prompt_ids)))
         events = [TokenEvent(request_id, [], finish_reason="error", error=f"scheduler failure: {exc}",
                              stats=stats, prompt_tokens=prompt_tokens)
-                  for request_id, stats, prompt_tokens in failed]
+                  for request_id, (stats, prompt_tokens) in failed.items()]
         try:
             scheduler.cancel_all()  # releases sessions and rows; these events are superseded
         except Exception:  # noqa: BLE001

@@ -427,6 +427,16 @@ class SpecSlot:
         self.sink.finish(request, reason, error=error, phase=job.cancel_phase)
 
     # -- cancellation and shutdown ---------------------------------------------------
+    def release_finished(self, is_unfinished: Callable[[str], bool]) -> None:
+        """Release the sessions of requests already finished (a tick that failed after
+        finishing one left its session here): they must not run another round."""
+        if self.active is not None and not is_unfinished(self.active.request.request_id):
+            self._end(self.active, "cancelled")
+        for entry in self.backlog.entries():
+            if not is_unfinished(entry.request.request_id):
+                self.backlog.remove(entry.request.request_id)
+                self._abort(entry)
+
     def cancel(self, request: Request) -> bool:
         """Cancel a request the slot holds (active, parked or waiting); its session is
         released now. False if the slot does not hold it."""

@@ -310,8 +310,8 @@ def test_rows_draft_in_every_decode_step_unless_speculation_is_off():
 
 def holder_then_a_row(row_drafts: bool = True, sampled_row_drafts: bool = False, temperature: float = 0.0):
     """A fused-tick scheduler over rows that draft like the slot (n-gram rows beside an
-    n-gram slot): "S" holds the slot alone for a tick, then classic row "c0" arrives;
-    run until idle. Returns (scheduler, trace, S)."""
+    n-gram slot): "S" arrives alone and runs a tick, then classic row "c0" arrives; run
+    until idle. Returns (scheduler, trace, S)."""
     runner = FakeRunner(fuse=True, tick_costs=TickCosts({1: 5.0, 2: 5.2}, {0: 5.5, 1: 5.6}, 0.0))
     runner.row_drafts_like_slot = True
     runner.sampled_row_drafts = sampled_row_drafts
@@ -322,28 +322,29 @@ def holder_then_a_row(row_drafts: bool = True, sampled_row_drafts: bool = False,
     runner.unsupported = {row.request_id}
     trace = Trace()
     scheduler.submit(spec)
-    tick(scheduler, trace)  # S holds the slot alone
+    tick(scheduler, trace)
     scheduler.submit(row)
     run_until_idle(scheduler, trace)
     return scheduler, trace, spec
 
 
-def test_an_ngram_slot_holder_beside_drafting_rows_speculates_on_as_a_row():
-    """Rows that draft like the slot's drafter make the slot worth nothing beside them:
-    the gate parks the holder into the batch (it drafts there), and takes it back when
-    it is alone again; with `row_drafts: false` the measured costs decide as before."""
+def test_a_request_that_drafts_as_a_row_never_takes_an_ngram_slot():
+    """Rows that draft like the slot's drafter make the slot worth nothing, alone or
+    beside other rows: the request decodes as a row (and drafts there) from its first
+    token; with `row_drafts: false` the measured costs decide as before (alone, it holds
+    the slot)."""
     for row_drafts in (True, False):
         scheduler, trace, spec = holder_then_a_row(row_drafts=row_drafts)
         assert trace.streams()["S"] == isolated_stream(spec)
-        assert (scheduler.counters.cost_parks >= 1) is row_drafts
+        assert (spec.spec.num_grants == 0) is row_drafts
 
 
 @pytest.mark.parametrize("sampled_row_drafts", [False, True])
-def test_a_sampled_holder_keeps_the_slot_beside_rows_that_do_not_draft_sampled_streams(sampled_row_drafts):
+def test_a_sampled_request_takes_the_slot_unless_rows_draft_sampled_streams(sampled_row_drafts):
     """Rows draft sampled streams only with `sampled_row_drafts`: without it a sampled
-    holder beside rows speculates in the slot (priced like any stream, and here it
-    pays), with it the holder speculates on as a row, as a greedy one does."""
+    request speculates in the slot (priced like any stream, and here it pays), with it
+    the request speculates as a row, as a greedy one does."""
     scheduler, trace, spec = holder_then_a_row(sampled_row_drafts=sampled_row_drafts, temperature=0.7)
     assert trace.streams()["S"] == isolated_stream(spec)
-    assert (scheduler.counters.cost_parks >= 1) is sampled_row_drafts
-    assert (scheduler.counters.actions["fused"] > 1) is not sampled_row_drafts  # one tick before a park
+    assert (spec.spec.num_grants == 0) is sampled_row_drafts
+    assert (scheduler.counters.actions["fused"] > 1) is not sampled_row_drafts

@@ -1,10 +1,12 @@
 """Two engines of one config that differ in a few `args` (e.g. a knob on and off), in one
-process, taking turns on the same bursts: N streams of ~300-token prompts, `--tokens`
-each; per configuration, output tok/s of each burst and the median, and the median of
-the bursts' mean TTFT. The first burst of each is a warm-up. (docs/gpu.md, "Fused
-projections", for the CPU figures.)
+process, taking turns on the same bursts: N streams of `--prompts` prompts, `--tokens`
+each; per configuration, output tok/s of each burst and the median, the median of the
+bursts' mean TTFT, and A / B per pair of bursts. The first burst of each is a warm-up.
+(docs/gpu.md, "Fused projections"; docs/benchmarks.md, "SmolLM2-135M-Instruct".)
 
     python scripts/experiments/engine_ab.py --streams 4 --a '{"fused_projections": false}' --b '{}'
+    python scripts/experiments/engine_ab.py --config configs/local.yaml --prompts chat --streams 1 \
+        --tokens 64 --b '{"drafter": {"kind": "none"}}'
 """
 
 from __future__ import annotations
@@ -23,12 +25,21 @@ import models  # noqa: E402,F401  (fast BLAS before mlx)
 
 from scheduler.request import Request, SamplingParams  # noqa: E402
 from scripts.engine_load import engine_from_config  # noqa: E402
-from scripts.prompts import stdlib_snippets  # noqa: E402
+from scripts.prompts import chat_messages, chat_questions, stdlib_snippets  # noqa: E402
 
 
-def burst(engine, tokenizer, tag: str, seed: int, streams: int, tokens: int, temperature: float) -> tuple[float, float]:
-    """(output tok/s, mean TTFT ms) of `streams` requests submitted at once."""
-    prompts = [tokenizer.encode(s)[:300] for s in stdlib_snippets(streams, seed=seed, num_chars=2400)]
+def prompt_ids(codec, kind: str, streams: int, seed: int) -> list[list[int]]:
+    """`streams` prompts: ~300-token code snippets (`snippets`, completions), chats asking to
+    continue one (`code`) or everyday chat questions (`chat`), through the chat template."""
+    if kind == "snippets":
+        return [codec.encode(s)[:300] for s in stdlib_snippets(streams, seed=seed, num_chars=2400)]
+    chats = chat_questions(streams, seed) if kind == "chat" else chat_messages(streams, seed)
+    return [codec.encode_chat(m) for m in chats]
+
+
+def burst(engine, prompts: list[list[int]], tag: str, tokens: int, temperature: float) -> tuple[float, float]:
+    """(output tok/s, mean TTFT ms) of the `prompts` submitted at once."""
+    streams = len(prompts)
     tic, firsts, done, count = time.perf_counter(), {}, 0, 0
     for i, ids in enumerate(prompts):
         engine.submit(Request(f"{tag}-{i}", ids, SamplingParams(max_tokens=tokens, temperature=temperature, seed=i)))
@@ -45,7 +56,9 @@ def burst(engine, tokenizer, tag: str, seed: int, streams: int, tokens: int, tem
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/bundled.yaml")
-    ap.add_argument("--target", default=os.path.join(HERE, "models", "bundled", "target"))
+    ap.add_argument("--target", default=None, help="model (default: what --config serves)")
+    ap.add_argument("--prompts", choices=("snippets", "code", "chat"), default="snippets",
+                    help="snippets: code to complete; code: chats asking to continue code; chat: everyday questions")
     ap.add_argument("--a", default="{}", help="configuration A's `args` overrides (JSON)")
     ap.add_argument("--b", default="{}", help="configuration B's `args` overrides (JSON)")
     ap.add_argument("--streams", type=int, default=4)
@@ -53,16 +66,19 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--rounds", type=int, default=7, help="bursts per configuration, the first unmeasured")
     args = ap.parse_args()
-    from transformers import AutoTokenizer
+    from scripts.servers import config_models
+    from serve_app.codec import TextCodec
 
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    engines = {"A": engine_from_config(args.config, args.target, json.loads(args.a))[0],
-               "B": engine_from_config(args.config, args.target, json.loads(args.b))[0]}
+    target = args.target or config_models(args.config)[0]
+    codec = TextCodec.from_path(target)
+    engines = {"A": engine_from_config(args.config, target, json.loads(args.a))[0],
+               "B": engine_from_config(args.config, target, json.loads(args.b))[0]}
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
     try:
         for r in range(args.rounds):
             for name in ("A", "B") if r % 2 else ("B", "A"):
-                figures = burst(engines[name], tokenizer, f"{name}{r}", r, args.streams, args.tokens, args.temperature)
+                prompts = prompt_ids(codec, args.prompts, args.streams, seed=r)
+                figures = burst(engines[name], prompts, f"{name}{r}", args.tokens, args.temperature)
                 if r:
                     results[name].append(figures)
     finally:
@@ -71,8 +87,10 @@ def main() -> None:
     for name, runs in results.items():
         print(f"{name} {getattr(args, name.lower())}: {args.streams} streams, T = {args.temperature}: tok/s "
               + " ".join(f"{rate:.0f}" for rate, _ in runs)
-              + f"; median {statistics.median(rate for rate, _ in runs):.0f}, mean TTFT median "
+              + f"; median {statistics.median(rate for rate, _ in runs):.1f}, mean TTFT median "
               f"{statistics.median(ttft for _, ttft in runs):.0f} ms")
+    ratios = [a / b for (a, _), (b, _) in zip(results["A"], results["B"])]
+    print(f"A / B per burst pair: {' '.join(f'{x:.2f}' for x in ratios)}; median {statistics.median(ratios):.2f}")
 
 
 if __name__ == "__main__":

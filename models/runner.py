@@ -82,7 +82,7 @@ class MlxRunner:
         if self._verifier is not None:
             self.fuse_blocker = "the slot verifies through the compiled GPU path (fast_verify)"
         elif self.fuse_blocker is None:
-            self.fuse_blocker = slab.check_support(target.model)
+            self.fuse_blocker = slab.check_support(target.model, token_ids=target.tokenizer.encode(slab.CHECK_TEXT))
         self._classic = runner_build.make_classic_batch(target.model, config, self.fuse_blocker,
                                                         self._slot.drafter if self._slot else None,
                                                         self.eos_token_ids, self.grammars)

@@ -317,6 +317,28 @@ def test_check_support_accepts_plain_families_and_refuses_the_others():
     assert "a slab forward failed" in slab.check_support(softcapped)
 
 
+def test_logits_agree_bounds_the_error_by_each_positions_spread():
+    """Half-precision rounding (a small share of the spread) passes; a wrong position's
+    logits (another row's, or shifted by a share of the spread) do not."""
+    want = mx.random.normal((4, 1000), key=mx.random.key(0)) * 5
+    noise = mx.random.uniform(-1, 1, want.shape, key=mx.random.key(1))
+    spread = (want.max(axis=-1) - want.min(axis=-1))[:, None]
+    assert slab.logits_agree(want, want, 1e-3, slab.FLOAT_RTOL) is None
+    assert slab.logits_agree(want + 0.03 * spread * noise, want, 1e-3, slab.HALF_RTOL) is None
+    assert "of the logits' spread" in slab.logits_agree(want + 0.03 * spread * noise, want, 1e-3, slab.FLOAT_RTOL)
+    assert slab.logits_agree(want[::-1], want, 1e-3, slab.HALF_RTOL) is not None
+    shifted = mx.concatenate([want[:3], want[3:] + 0.2 * spread[3:] * noise[3:]])
+    assert slab.logits_agree(shifted, want, 1e-3, slab.HALF_RTOL) is not None
+
+
+def test_check_support_in_half_precision_on_real_text_ids():
+    """The load check the runner runs (a text's token ids) passes a bf16 model."""
+    model = _llama(True)
+    model.set_dtype(mx.bfloat16)
+    assert slab.check_support(model, token_ids=list(range(40, 80))) is None
+    assert slab.check_support(model, token_ids=[3, 4]) is None  # too few: ids 1-17
+
+
 def test_ngram_index_proposes_what_ngram_lookup_proposes():
     rng = random.Random(0)
     for _ in range(200):

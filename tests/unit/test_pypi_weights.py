@@ -186,3 +186,19 @@ def test_the_real_cached_file_matches_its_pin(smollm2_gguf):
         for block in iter(lambda: f.read(1 << 22), b""):
             digest.update(block)
     assert digest.hexdigest() == ENTRY.sha256
+
+
+def test_file_sha256_is_remembered_until_the_file_changes(tmp_path, monkeypatch):
+    """A start resolves its model file several times: hashed once, again once rewritten."""
+    from models import checks
+
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"a" * 1000)
+    reads = []
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda p, *a, **k: reads.append(p) or real_open(p, *a, **k))
+    assert checks.file_sha256(str(path)) == checks.file_sha256(str(path)) == sha(b"a" * 1000)
+    assert len(reads) == 1
+    path.write_bytes(b"b" * 1000)  # same size, new content
+    os.utime(path, ns=(1, 1))  # and a different mtime, as any rewrite has
+    assert checks.file_sha256(str(path)) == sha(b"b" * 1000) and len(reads) == 2

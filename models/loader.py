@@ -11,6 +11,7 @@ happen only where the deployment allows them (`ServeArgs.model_dirs`). Every fai
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -44,6 +45,19 @@ def _to_float32_on_cpu(model: nn.Module) -> None:
     mx.eval(model.parameters())
 
 
+def _one_float_dtype_on_gpu(model: nn.Module, config: dict) -> None:
+    # GGUF files keep norms in float32 beside half weights; a float32 norm weight makes
+    # every activation after it float32 (and each half matmul cast its weights up).
+    if mx.default_device() == mx.cpu or "gguf_sha256" not in config:
+        return
+    dtypes = Counter(v.dtype for _, v in tree_flatten(model.parameters()) if v.dtype in (mx.float16, mx.bfloat16))
+    if not dtypes:
+        return
+    half = dtypes.most_common(1)[0][0]
+    model.update(tree_map(lambda v: v.astype(half) if v.dtype == mx.float32 else v, model.parameters()))
+    mx.eval(model.parameters())
+
+
 def load_model(path: str, role: str = "target") -> LoadedModel:
     """Load one model directory, or a hub id's cached snapshot (weights cast to float32 on CPU)."""
     from mlx_lm import load
@@ -54,6 +68,7 @@ def load_model(path: str, role: str = "target") -> LoadedModel:
     except Exception as exc:  # mlx-lm raises several kinds; the user needs the path
         raise ModelLoadError(f"{role} model at {path!r} failed to load: {exc}") from exc
     _to_float32_on_cpu(model)
+    _one_float_dtype_on_gpu(model, config)
     cpu_math.install()  # after the load: the model's mlx-lm module is imported by now
     max_context = int(config.get("max_position_embeddings") or 0) or 4096
     return LoadedModel(os.path.abspath(path), cached_name(path), model, tokenizer, max_context,

@@ -37,7 +37,7 @@ from models.slab_forward import STEP, Forward, SlabLayer, last_positions
 # Of a position's logit spread. bf16 keeps 8 bits of mantissa (relative step 2^-7), and a
 # batched kernel's rounding compounds over a real model's layers (SmolLM2, 30 layers: ~3 %).
 HALF_RTOL = 0.06
-FLOAT_RTOL = 1e-4
+FLOAT_RTOL = 0.005  # a GPU's float32 matmuls may round like TF32 (SmolLM2 on an H100: 0.09 %)
 # What the load check feeds a model (real text: random ids give logits no model meets).
 CHECK_TEXT = "The quick brown fox jumps over the lazy dog, and then it runs back home to sleep."
 FRUGAL_ROWS = 4  # rows a packed slab allocates at first (it doubles them as rows come)

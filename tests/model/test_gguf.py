@@ -388,3 +388,23 @@ def test_smollm2_chat_template_renders_chatml(smollm2_tokenizer):
     assert ids[0] == 1 and text.startswith("<|im_start|>system\n")
     assert "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n" in text
     assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_on_a_gpu_a_gguf_models_float32_norms_take_its_half_dtype(smollm2_dir, monkeypatch):
+    """GGUF keeps norms in float32 beside half scales: off the CPU the loaded model has one
+    float dtype (a float32 norm would make every activation float32); on the CPU, float32."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from models import loader
+
+    def dtypes(model):
+        return {v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)}
+
+    assert dtypes(loader.load_model(smollm2_dir).model) == {mx.float32}
+    with monkeypatch.context() as m:
+        m.setattr(loader, "_to_float32_on_cpu", lambda model: None)
+        m.setattr(loader.mx, "default_device", lambda: mx.gpu)
+        m.setattr(loader.cpu_math, "install", lambda: None)
+        loaded = loader.load_model(smollm2_dir)
+    assert dtypes(loaded.model) == {mx.float16}

@@ -7,6 +7,10 @@ The bundled pair was trained on the standard library with every 20th file held o
 in-distribution for the bundled models without being memorized training text. A
 prompt is the `num_chars` characters starting at a line boundary of a file chosen by
 `random.Random(seed)`; the same seed and Python version give the same prompts.
+
+The `training_*` sets feed `scripts.train_draft`: code from the training side of that
+split, and chat questions whose topics, phrasings and tasks share none with
+`chat_questions`, so a draft trained on them is evaluated on prompts it never saw.
 """
 
 from __future__ import annotations
@@ -15,17 +19,21 @@ import functools
 import random
 
 
-@functools.lru_cache(maxsize=1)
-def _held_out_files() -> tuple[str, ...]:
+@functools.lru_cache(maxsize=2)
+def _corpus_files(side: str) -> tuple[str, ...]:
+    """The long files (> 4000 characters) of one side ("train" or "valid") of the split."""
     from models.corpus import split_corpus
 
-    _, valid = split_corpus()
-    return tuple(text for text in valid if len(text) > 4000)
+    train, valid = split_corpus()
+    return tuple(text for text in (train if side == "train" else valid) if len(text) > 4000)
 
 
 def stdlib_snippets(num_prompts: int, seed: int = 0, num_chars: int = 600) -> list[str]:
     """`num_prompts` code snippets of about `num_chars` characters each."""
-    files = _held_out_files()
+    return _snippets(_corpus_files("valid"), num_prompts, seed, num_chars)
+
+
+def _snippets(files: tuple[str, ...], num_prompts: int, seed: int, num_chars: int) -> list[str]:
     rng = random.Random(seed)
     prompts = []
     for _ in range(num_prompts):
@@ -85,3 +93,85 @@ def chat_questions(num_prompts: int, seed: int = 0) -> list[list[dict]]:
     rng = random.Random(seed)
     return [[{"role": "user", "content": rng.choice(_ASKS).format(rng.choice(_TOPICS))}]
             for _ in range(num_prompts)]
+
+
+# Training-side chat material for `scripts.train_draft`: no topic, phrasing or task here
+# appears in `_TOPICS` / `_ASKS`, so `chat_questions` stays a held-out evaluation set.
+_TRAIN_TOPICS = (
+    "glaciers", "the human heart", "tides", "the Silk Road", "octopuses", "solar panels", "bread baking",
+    "the periodic table", "ancient Egypt", "wind turbines", "the Renaissance", "tornadoes", "DNA",
+    "the Amazon rainforest", "chess", "the Industrial Revolution", "penguins", "nuclear fusion",
+    "the Olympic Games", "deserts", "compound interest", "the human brain", "migratory birds",
+    "the theory of evolution", "batteries", "the Cold War", "mushrooms", "lighthouses", "gravity",
+    "the Pacific Ocean", "public libraries", "antibiotics", "the solar system", "origami",
+    "the Eiffel Tower", "coffee", "rivers", "the Vikings", "telescopes", "dinosaurs", "the metric system",
+    "hurricanes", "bicycles", "the Ottoman Empire", "wolves", "the speed of light", "fermentation",
+    "the Moon's phases", "bridges", "the Aztecs", "democracy", "snowflakes", "the Mars rovers",
+    "inflation", "elephants", "the Byzantine Empire", "3D printing", "photosynthetic algae",
+    "the Sahara", "sourdough", "the Hubble telescope", "ant colonies", "the Apollo program",
+    "rain forests of Borneo", "the human skeleton", "submarines", "ocean currents", "cryptography",
+    "the first airplanes", "mountain formation", "tea", "the Mongol Empire", "quantum computers",
+    "whales", "the Panama Canal", "auroras", "spices", "the Great Barrier Reef", "radio waves",
+    "medieval castles", "sharks", "the printing of money", "the water supply of cities", "meteors",
+    "the Inca road system", "vitamin D", "trains", "the history of writing", "fungi in forests",
+    "solar eclipses", "the Dead Sea", "artificial satellites", "the Stone Age", "kangaroos",
+    "public transport", "the ozone layer", "microplastics", "paper making", "the violin",
+    "supply and demand", "the Arctic", "hydroelectric dams", "the Black Death", "sunflowers",
+)
+_TRAIN_ASKS = (
+    "Tell me about {}.", "What is the most surprising thing about {}?", "Describe {} in two sentences.",
+    "How would you explain {} to a friend?", "Write an encyclopedia-style introduction to {}.",
+    "What questions do people often ask about {}?", "List five key facts about {}.",
+    "Write a haiku about {}.", "How has our understanding of {} changed over time?",
+    "What should a beginner know about {}?", "Compare {} with something from everyday life.",
+    "Write a short story that involves {}.", "What are the pros and cons of {}?",
+    "Give a step-by-step overview of how {} works.", "Why do people find {} fascinating?",
+    "Write a quiz question about {} and answer it.", "Explain {} as if I were a high school student.",
+    "What is a good analogy for {}?", "Write a tweet about {}.", "What would happen without {}?",
+)
+_TRAIN_STYLES = ("", "", "", " Keep it short.", " Use bullet points.", " Answer in one paragraph.",
+                 " Be precise.", " Use simple words.")
+_TRAIN_TASKS = (
+    "reverses a string", "checks whether a number is prime", "counts the words in a text",
+    "merges two sorted lists", "returns the n-th Fibonacci number", "removes duplicates from a list",
+    "parses a date in ISO format", "computes the mean and median of a list", "flattens a nested list",
+    "validates an email address with a regular expression", "reads a CSV file into dictionaries",
+    "finds the longest common prefix of some strings", "converts Celsius to Fahrenheit",
+    "implements binary search", "groups words by their first letter", "computes a factorial iteratively",
+    "checks whether a string is a palindrome", "transposes a matrix", "counts vowels in a string",
+    "returns the k largest numbers of a list", "implements a stack class", "shuffles a deck of cards",
+    "computes the greatest common divisor", "writes a dictionary to a JSON file",
+    "splits a list into chunks of size n", "rotates a list by k positions", "sums the digits of a number",
+)
+_TRAIN_CODE_ASKS = ("Write a Python function that {}.", "Show me Python code that {}.",
+                    "How do I write a function in Python that {}?", "Write a short Python script that {}.")
+_TRAIN_SNIPPET_ASKS = ("Continue this Python code:\n", "Explain what this code does:\n",
+                       "Add comments to this code:\n", "Are there any bugs in this code?\n",
+                       "Summarize this Python code in a few sentences:\n")
+
+
+def training_chat_questions(num_prompts: int, seed: int = 0) -> list[list[dict]]:
+    """`num_prompts` one-turn chats for draft training: four in five ask about a topic
+    (topic x phrasing x style), one in five asks for a small Python function; chosen by
+    `random.Random(seed)`. None equals a `chat_questions` prompt."""
+    rng = random.Random(seed)
+    chats = []
+    for _ in range(num_prompts):
+        if rng.random() < 0.8:
+            text = rng.choice(_TRAIN_ASKS).format(rng.choice(_TRAIN_TOPICS)) + rng.choice(_TRAIN_STYLES)
+        else:
+            text = rng.choice(_TRAIN_CODE_ASKS).format(rng.choice(_TRAIN_TASKS))
+        chats.append([{"role": "user", "content": text}])
+    return chats
+
+
+def training_snippets(num_prompts: int, seed: int = 0, num_chars: int = 600) -> list[str]:
+    """`stdlib_snippets` from the training side of the split (no held-out file)."""
+    return _snippets(_corpus_files("train"), num_prompts, seed, num_chars)
+
+
+def training_code_messages(num_prompts: int, seed: int = 0, num_chars: int = 600) -> list[list[dict]]:
+    """Training-side snippets as chat requests (continue, explain, comment, review, summarize)."""
+    rng = random.Random(seed)
+    return [[{"role": "user", "content": rng.choice(_TRAIN_SNIPPET_ASKS) + s}]
+            for s in training_snippets(num_prompts, seed, num_chars)]

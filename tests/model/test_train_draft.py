@@ -1,0 +1,191 @@
+"""`scripts.train_draft` end to end on the bundled 7M target at toy sizes: the draft it
+writes loads, shares the target's vocabulary, drafts for the target with streams equal to
+classic decode, records how it was made, and the same seed gives the same weights.
+Its pure parts (batch plans, acceptance rounds, the learning-rate schedule, clipping,
+loss masks) are checked with tables."""
+
+from __future__ import annotations
+
+import doctest
+import json
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from scripts import draft_data, draft_eval, draft_fit, train_draft
+
+from .conftest import PROMPTS, isolated_streams, make_request
+
+pytestmark = pytest.mark.model
+
+TARGET = os.path.join(os.path.dirname(__file__), "..", "..", "models", "bundled", "target")
+TOY = ["--num-prompts", "12", "--max-new-tokens", "16", "--gen-batch", "8", "--layers", "1", "--hidden", "64",
+       "--intermediate", "128", "--heads", "2", "--kv-heads", "1", "--steps", "12", "--batch-tokens", "512",
+       "--warmup", "2", "--log-every", "4", "--eval-prompts", "2", "--eval-tokens", "16", "--bits", "8",
+       "--group-size", "32"]
+
+
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory):
+    """{name: output dir}: runs "a" and "b" with seed 0, "other" with seed 1."""
+    root = tmp_path_factory.mktemp("drafts")
+    out = {}
+    for name, seed in (("a", 0), ("b", 0), ("other", 1)):
+        out[name] = str(root / name)
+        assert train_draft.main(["--target", TARGET, "--out", out[name], "--seed", str(seed), *TOY]) == 0
+    return out
+
+
+def weights(path):
+    return mx.load(os.path.join(path, "model.safetensors"))
+
+
+def test_the_draft_loads_with_the_targets_vocabulary(drafts):
+    from models.loader import check_same_vocabulary, load_model
+
+    target, draft = load_model(TARGET), load_model(drafts["a"], "draft")
+    check_same_vocabulary(target, draft)
+    with open(os.path.join(drafts["a"], "config.json")) as f:
+        config = json.load(f)
+    assert (config["num_hidden_layers"], config["hidden_size"], config["quantization"]["bits"]) == (1, 64, 8)
+    assert config["vocab_size"] == 2048 and config["tie_word_embeddings"] is True
+
+
+def test_the_same_seed_gives_the_same_weights(drafts):
+    a, b, other = weights(drafts["a"]), weights(drafts["b"]), weights(drafts["other"])
+    assert a.keys() == b.keys() == other.keys()
+    assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+    assert not all(mx.array_equal(a[k], other[k]).item() for k in a)
+
+
+def test_the_provenance_records_the_run(drafts):
+    from models.checks import model_fingerprint
+
+    with open(os.path.join(drafts["a"], "provenance.json")) as f:
+        record = json.load(f)
+    assert record["seed"] == 0 and "--num-prompts 12" in record["command"]
+    assert record["target"]["fingerprint"] == model_fingerprint(TARGET)
+    assert record["data"]["examples"] == 12 and record["data"]["completion_tokens"] > 12
+    assert record["training"]["steps_run"] == 12 and [p["step"] for p in record["training"]["loss_curve"]] == [4, 8, 12]
+    assert record["training"]["loss_last"] < record["training"]["loss_first"]
+    for kind in ("chat", "code_chat", "code", "all"):
+        measured = record["held_out_acceptance"][kind]
+        assert measured["positions"] > 0 and 0.0 <= measured["agreement"] <= 1.0
+    assert record["decode_step_ms"]["draft"] > 0 and record["draft"]["weight_file_bytes"] > 0
+    with open(os.path.join(drafts["a"], "README.md")) as f:
+        assert "kind: draft_model" in f.read()
+
+
+def test_the_draft_drafts_and_streams_equal_classic_decode(drafts):
+    from models.runner import MlxRunner
+    from scheduler.config import SchedulerConfig
+    from scheduler.core import Scheduler
+
+    runner = MlxRunner.from_paths(TARGET, drafter_kind="draft_model", drafter_path=drafts["a"], num_draft_tokens=3)
+    try:
+        prompts = [runner.tokenizer.encode(PROMPTS[i]) for i in (0, 8)]
+        reference = isolated_streams(runner, prompts, max_tokens=16)
+        streams, peak = {}, 0
+        for i, p in enumerate(prompts):
+            scheduler = Scheduler(runner, SchedulerConfig(b1_policy="on"))
+            scheduler.submit(make_request(f"r{i}", p, max_tokens=16))
+            streams[f"r{i}"] = []
+            while scheduler.has_work():
+                for event in scheduler.tick():
+                    streams[event.request_id] += event.token_ids
+                peak = max(peak, runner.num_live_sessions())
+        assert streams == reference
+        assert peak >= 1  # the requests ran speculative sessions with the trained draft
+    finally:
+        runner.close()
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    out = str(tmp_path / "d")
+    assert train_draft.main(["--target", str(tmp_path / "missing"), "--out", out, *TOY]) == 2
+    assert train_draft.main(["--target", TARGET, "--out", out, *TOY, "--heads", "3", "--kv-heads", "2"]) == 2
+    with pytest.raises(SystemExit):
+        train_draft.main(["--target", TARGET, "--out", out, "--mix", "chat:1,poetry:1"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 3 and all(line.startswith("train_draft: error: ") for line in lines), lines
+    assert "missing" in lines[0] and "--kv-heads" in lines[1] and "poetry" in lines[2]
+
+
+@pytest.mark.parametrize("module", [draft_data, draft_eval, draft_fit, train_draft])
+def test_docstring_examples_hold(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("lengths, batch_tokens, rows", [
+    ([10, 11, 12], 64, [2, 1]),         # one padded length (32): two rows a batch
+    ([10, 40, 90, 11], 64, [2, 1, 1]),  # lengths 32, 64, 96: one row for the two long ones
+    ([200], 64, [1]),                   # longer than the budget: a batch of its own
+])
+def test_a_batch_plan_takes_every_example_once(lengths, batch_tokens, rows):
+    batches = draft_data.plan_batches(lengths, batch_tokens, np.random.default_rng(0))
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    assert sorted(len(b) for b in batches) == sorted(rows)
+    assert all(len({draft_data.padded_length(lengths[i]) for i in b}) == 1 for b in batches)
+
+
+@pytest.mark.parametrize("matches, k, expected", [
+    ([[True, True, True, True]], 4, 4.0),
+    ([[False, False]], 4, 0.0),
+    ([[True, False, True]], 1, 1.0),
+    ([[True, True, True, False, True]], 2, 1.0),  # rounds take 2 (+1), 0 (+1), 1
+    ([[True], [False]], 4, 0.5),
+])
+def test_accepted_drafts_per_round(matches, k, expected):
+    assert draft_eval.accepted_per_round(matches, k) == pytest.approx(expected)
+
+
+def make_example(num_prompt, num_completion, k=2):
+    ids = np.tile(np.arange(k, dtype=np.int32), (num_completion, 1))
+    return draft_data.Example(list(range(100, 100 + num_prompt)), list(range(num_completion)), ids,
+                              np.log(np.full((num_completion, k), 0.25, np.float32)))
+
+
+@pytest.mark.parametrize("num_prompt, num_completion, max_seq, kept", [
+    (10, 5, 64, (10, 5)),   # fits
+    (70, 5, 64, (59, 5)),   # the prompt loses its start
+    (10, 80, 64, (1, 63)),  # the completion its tail, one prompt token stays
+])
+def test_clip_keeps_the_completions_context(num_prompt, num_completion, max_seq, kept):
+    e = draft_data.clip(make_example(num_prompt, num_completion), max_seq)
+    assert (len(e.prompt_ids), len(e.completion_ids)) == kept and len(e.topk_ids) == kept[1]
+    assert e.prompt_ids[-1] == 100 + num_prompt - 1
+
+
+def test_the_loss_mask_covers_completion_targets_only():
+    inputs, targets, mask, top_ids, top_probs = draft_data.collate([make_example(3, 2)], topk=2, num_rows=2)
+    assert inputs.shape == (2, 32) and mask.sum().item() == 2
+    assert mask[0, :6].tolist() == [0, 0, 1, 1, 0, 0]  # positions 2 and 3 predict the completion
+    assert targets[0, 2:4].tolist() == [0, 1] and top_probs[0, 2].tolist() == pytest.approx([0.5, 0.5])
+    assert mask[1].sum().item() == 0  # a padding row
+
+
+def test_the_draft_config_keeps_the_family_and_refuses_others():
+    target = {"model_type": "llama", "vocab_size": 100, "rms_norm_eps": 1e-5, "num_hidden_layers": 30,
+              "layer_types": ["full_attention"] * 30, "quantization": {"bits": 4}, "tie_word_embeddings": False}
+    config = draft_fit.draft_config(target, hidden=64, layers=2, intermediate=128, heads=4, kv_heads=2, head_dim=None)
+    assert (config["num_hidden_layers"], config["head_dim"], config["tie_word_embeddings"]) == (2, 16, True)
+    assert "quantization" not in config and config["layer_types"] == ["full_attention"] * 2
+    with pytest.raises(ValueError, match="qwen3"):
+        draft_fit.draft_config({**target, "model_type": "qwen3"}, hidden=64, layers=2, intermediate=128, heads=4,
+                               kv_heads=2, head_dim=None)
+
+
+def test_training_prompts_are_not_evaluation_prompts():
+    from scripts import prompts
+
+    def texts(chats):
+        return {c[0]["content"] for c in chats}
+
+    assert not texts(prompts.training_chat_questions(3000, 0)) & texts(prompts.chat_questions(3000, 0))
+    assert not set(prompts._TRAIN_TOPICS) & set(prompts._TOPICS) and not set(prompts._TRAIN_ASKS) & set(prompts._ASKS)
+    held_out, train = prompts._corpus_files("valid"), prompts._corpus_files("train")
+    for snippet in prompts.training_snippets(3, 0, 300):
+        assert any(snippet in f for f in train) and not any(snippet in f for f in held_out)

@@ -2,10 +2,9 @@
 
 Prompts come from the training side of the project's prompt sets (`scripts.prompts`):
 chat questions and chat requests about code go through the target's chat template, raw
-code snippets are continued as they are. The target continues each prompt in mlx-lm's
-`BatchGenerator` (continuous batching, one sampler per pass: a greedy pass and a
-sampled one), and every generated position keeps the target's top-k log-probabilities,
-which it computed anyway, for distillation.
+code snippets are continued as they are. The target continues each prompt in batches of
+fixed shapes (`generate`: a greedy pass and a sampled one), and every generated position
+keeps the target's top-k log-probabilities, which it computed anyway, for distillation.
 
 `plan_batches` turns the examples into padded training batches of a few fixed shapes
 (lengths rounded up to `PAD_TO`, rows = token budget // length), so a compiled train
@@ -21,9 +20,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.generate import BatchGenerator
-from mlx_lm.sample_utils import make_sampler
 
+from models.slab_forward import last_positions
 from scripts import prompts as prompt_sets
 
 PROMPT_KINDS = ("chat", "code_chat", "code")
@@ -88,50 +86,130 @@ def assign_sampled(num_prompts: int, sampled_fraction: float, seed: int) -> list
     return [rng.random() < sampled_fraction for _ in range(num_prompts)]
 
 
+class _Buffers:
+    """One layer's keys and values for a batch of left-padded rows that share one offset,
+    in buffers of a fixed length: every decode step attends over the same shapes (MLX on
+    CUDA builds an attention kernel per key length). `batch.mask` hides the padding and
+    the positions not written yet."""
+
+    def __init__(self, batch: _FixedBatch) -> None:
+        self.batch = batch
+        self.keys = self.values = None
+
+    @property
+    def offset(self) -> mx.array:  # RoPE's position of the tokens being fed
+        return self.batch.offset_array
+
+    def make_mask(self, *args, **kwargs) -> mx.array:
+        return self.batch.mask
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.keys is None:
+            shape = (keys.shape[0], keys.shape[1], self.batch.length, keys.shape[3])
+            self.keys, self.values = mx.zeros(shape, keys.dtype), mx.zeros(shape, values.dtype)
+        at = self.batch.write_positions  # an index array: no kernel per offset either
+        self.keys[:, :, at] = keys
+        self.values[:, :, at] = values
+        return self.keys, self.values
+
+
+class _FixedBatch:
+    """Rows left-padded to `width` tokens, generating up to `new` more, in fixed buffers."""
+
+    def __init__(self, model, prompts: list[list[int]], width: int, new: int) -> None:
+        self.length = width + new
+        pads = mx.array([width - len(p) for p in prompts])[:, None]
+        self.keys_at = mx.arange(self.length)[None, :]
+        self.real = self.keys_at >= pads  # (rows, length): not padding
+        self.caches = [_Buffers(self) for _ in model.layers]
+        self.offset = 0
+        self.tokens = mx.array([[0] * (width - len(p)) + list(p) for p in prompts])
+
+    def feed(self, n: int) -> None:
+        """The next forward brings `n` positions per row, from the shared offset."""
+        self.offset_array = mx.array(self.offset)
+        self.write_positions = mx.arange(self.offset, self.offset + n)
+        queries_at = self.write_positions[:, None]  # (n, 1)
+        # A padding query sees only itself (finite values in its keys, masked out later).
+        seen = (self.real[:, None, :] & (self.keys_at[None] <= queries_at)) | (self.keys_at[None] == queries_at)
+        self.mask = seen[:, None]  # (rows, 1, n, length)
+        self.offset += n
+
+
+def _length_bucket(n: int) -> int:
+    return -(-n // PAD_TO) * PAD_TO
+
+
 def generate(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, eos_ids,
              topk: int, batch_size: int, deadline: float = math.inf, label: str = "gen",
              log_every_s: float = 10.0) -> tuple[list[Example], dict]:
     """The target's continuation of each prompt (stopping at an EOS id, which is kept, or
     after `max_new_tokens`), with its top-`topk` log-probabilities at every generated
-    position. Past `deadline` (time.monotonic()) it stops and keeps what each row has so
-    far. Returns (examples in `prompts`' order, without empty ones; stats)."""
-    sampler = make_sampler(temp=temperature)
-    gen = BatchGenerator(model, stop_tokens=[[t] for t in eos_ids], sampler=sampler,
-                         completion_batch_size=batch_size, prefill_batch_size=min(batch_size, 16))
-    uids = gen.insert(prompts, [max_new_tokens] * len(prompts))
-    tokens = {uid: [] for uid in uids}
-    rows = {uid: [] for uid in uids}  # each token's row in the concatenated per-step top-k arrays
-    step_ids, step_lps = [], []
+    position. Prompts of similar lengths run together, `batch_size` at a time, left-padded
+    in fixed-length buffers (`_FixedBatch`), every row stepping `max_new_tokens` times
+    unless all have stopped. Past `deadline` (time.monotonic()) it stops and keeps what
+    each row has so far. Returns (examples in `prompts`' order, without empty ones; stats)."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    eos = mx.array(sorted(eos_ids)) if eos_ids else None
+    new = _length_bucket(max_new_tokens)
+    results: dict[int, Example] = {}
     start = last_log = time.monotonic()
     num_done, num_tokens, stopped_by = 0, 0, "done"
-    while responses := gen.next_generated():
-        if topk:
-            # One batched top-k per step over the rows' log-probabilities (already evaluated).
-            logprobs = mx.stack([r.logprobs for r in responses])
-            ids = mx.argpartition(-logprobs, kth=topk - 1, axis=-1)[:, :topk]
-            step_ids.append(np.array(ids, dtype=np.int32))
-            step_lps.append(np.array(mx.take_along_axis(logprobs, ids, axis=-1).astype(mx.float32)))
-        for i, r in enumerate(responses):
-            tokens[r.uid].append(r.token)
-            rows[r.uid].append(num_tokens + i)
-            num_done += r.finish_reason is not None
-        num_tokens += len(responses)
-        now = time.monotonic()
-        if now - last_log >= log_every_s:
-            last_log = now
-            rate = num_tokens / (now - start)
-            left = (len(prompts) - num_done) * max_new_tokens / max(rate, 1e-9)
-            print(f"{label}: {num_done}/{len(prompts)} prompts, {num_tokens:,} tokens, {rate:,.0f} tok/s, "
-                  f"eta <= {min(left, max(0.0, deadline - now)):.0f}s", flush=True)
-        if now > deadline:
+    for lo in range(0, len(order), batch_size):
+        if time.monotonic() > deadline:
             stopped_by = "time"
             break
-    gen.close()
+        chunk = order[lo:lo + batch_size]
+        batch = _FixedBatch(model, [prompts[i] for i in chunk], _length_bucket(max(len(prompts[i]) for i in chunk)),
+                            new)
+        width = batch.tokens.shape[1]
+        batch.feed(width)
+        with last_positions(model, [(r + 1) * width - 1 for r in range(len(chunk))]) as gathered:
+            logits = model(batch.tokens, cache=batch.caches)  # the last position's logits only
+        logits = logits[0] if gathered else logits[:, -1, :]
+        steps, step_ids, step_lps = [], [], []
+        done = mx.zeros((len(chunk),), dtype=mx.bool_)
+        for step in range(max_new_tokens):
+            logprobs = logits.astype(mx.float32)
+            logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+            token = (mx.argmax(logprobs, axis=-1) if temperature == 0
+                     else mx.random.categorical(logprobs * (1.0 / temperature)))
+            if topk:
+                ids = mx.argpartition(-logprobs, kth=topk - 1, axis=-1)[:, :topk]
+                step_ids.append(ids)
+                step_lps.append(mx.take_along_axis(logprobs, ids, axis=-1))
+            steps.append(token)
+            if eos is not None:
+                done = done | mx.any(token[:, None] == eos[None], axis=-1)
+            if step + 1 == max_new_tokens:
+                break
+            batch.feed(1)
+            logits = model(token[:, None], cache=batch.caches)[:, -1, :]
+            # Evaluated as they come: a lazy top-k keeps its step's whole log-probabilities alive.
+            mx.async_eval(logits, done, token, *(step_ids[-1:] + step_lps[-1:]))
+            if step % 16 == 15 and (bool(mx.all(done).item()) or time.monotonic() > deadline):
+                stopped_by = "time" if not bool(mx.all(done).item()) else stopped_by
+                break
+        tokens = np.array(mx.stack(steps, axis=1))
+        ids = np.array(mx.stack(step_ids, axis=1)) if topk else None
+        lps = np.array(mx.stack(step_lps, axis=1).astype(mx.float32)) if topk else None
+        stop = set(eos_ids or ())
+        for row, i in enumerate(chunk):
+            out = tokens[row].tolist()
+            cut = next((j + 1 for j, t in enumerate(out) if t in stop), len(out))
+            num_done += cut < len(out) or cut == max_new_tokens  # stopped, or ran its whole budget
+            num_tokens += cut
+            results[i] = Example(list(prompts[i]), out[:cut],
+                                 ids[row, :cut].astype(np.int32) if topk else np.zeros((cut, 0), np.int32),
+                                 lps[row, :cut] if topk else np.zeros((cut, 0), np.float32))
+        now = time.monotonic()
+        if now - last_log >= log_every_s or lo + batch_size >= len(order):
+            last_log = now
+            rate = num_tokens / max(now - start, 1e-9)
+            print(f"{label}: {len(results)}/{len(prompts)} prompts, {num_tokens:,} tokens, {rate:,.0f} tok/s",
+                  flush=True)
     seconds = time.monotonic() - start
-    all_ids = np.concatenate(step_ids) if step_ids else np.zeros((num_tokens, 0), np.int32)
-    all_lps = np.concatenate(step_lps) if step_lps else np.zeros((num_tokens, 0), np.float32)
-    examples = [Example(list(prompt), tokens[uid], all_ids[rows[uid]], all_lps[rows[uid]])
-                for uid, prompt in zip(uids, prompts) if tokens[uid]]
+    examples = [results[i] for i in range(len(prompts)) if i in results and results[i].completion_ids]
     stats = {"prompts": len(prompts), "finished": num_done, "kept": len(examples), "tokens": num_tokens,
              "seconds": round(seconds, 2), "tokens_per_s": round(num_tokens / max(seconds, 1e-9), 1),
              "stopped_by": stopped_by}

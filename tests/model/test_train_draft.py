@@ -189,3 +189,30 @@ def test_training_prompts_are_not_evaluation_prompts():
     held_out, train = prompts._corpus_files("valid"), prompts._corpus_files("train")
     for snippet in prompts.training_snippets(3, 0, 300):
         assert any(snippet in f for f in train) and not any(snippet in f for f in held_out)
+
+
+def test_fixed_shape_generation_is_mlx_lms_greedy_decode():
+    """Left-padded rows in fixed buffers (two batches of unequal prompts) continue each
+    prompt with exactly the tokens mlx-lm's `generate_step` gives it alone, stop after an
+    EOS id (kept), and keep the top-k log-probabilities of every generated position."""
+    from mlx_lm.generate import generate_step
+
+    from models.loader import load_model
+
+    target = load_model(TARGET)
+    texts = ["def add(a, b):\n", "import os\nimport sys\n\nclass Foo:\n    def __init__(self", "x = [",
+             "for i in range(10):\n    print(i"]
+    prompts = [target.tokenizer.encode(t) for t in texts]
+    refs = []
+    for p in prompts:
+        refs.append([int(y) for y, _ in generate_step(mx.array(p), target.model, max_tokens=20)])
+    stop = refs[1][5]  # an "EOS" that one stream meets part-way
+    examples, stats = draft_data.generate(target.model, prompts, max_new_tokens=20, temperature=0.0, eos_ids=[stop],
+                                          topk=3, batch_size=3)
+    for ref, example in zip(refs, examples):
+        cut = ref.index(stop) + 1 if stop in ref else len(ref)
+        assert example.completion_ids == ref[:cut]
+        assert example.topk_ids.shape == example.topk_logprobs.shape == (cut, 3)
+        assert all(t in row for t, row in zip(ref[:cut], example.topk_ids))  # greedy: the token is in its top k
+        assert (example.topk_logprobs <= 0).all()
+    assert stats["tokens"] == sum(len(e.completion_ids) for e in examples) and stats["kept"] == 4

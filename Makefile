@@ -10,7 +10,7 @@ else
 endif
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test test-fast docs bench-quick bench clean
+.PHONY: install model serve test test-fast lint hooks docs bench-quick bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,11 +27,19 @@ model: $(STAMP)
 serve: model
 	$(BIN)/python -m serve_app.cli configs/local.yaml
 
-test: model
+test: model lint
 	$(BIN)/python -m pytest -q -ra
 
 test-fast: model
 	$(BIN)/python -m pytest -q -ra -m "not serve"
+
+# ruff's lint rules and formatting (pyproject.toml); `make hooks` runs them before each commit
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+hooks:
+	git config core.hooksPath .githooks
 
 # docs/configuration.md's key tables, from the configs that declare each key
 docs: $(STAMP)

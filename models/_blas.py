@@ -212,8 +212,10 @@ def load_fast_blas() -> Loaded:
             except (OSError, AttributeError, _elf.ElfError) as exc:
                 _state.choice = Choice(REFERENCE, f"{OPENBLAS} could not be loaded: {exc}")
     if _state.choice.library == REFERENCE and _state.choice.reason != "SPECSLOT_FAST_BLAS=0":
-        _state.warning = (f"specslot: warning: MLX runs on its reference CPU BLAS "
-                          f"({_state.choice.reason}); measured {measure_gflops(256):.1f} GFLOP/s")
+        _state.warning = (
+            f"specslot: warning: MLX runs on its reference CPU BLAS "
+            f"({_state.choice.reason}); measured {measure_gflops(256):.1f} GFLOP/s"
+        )
         print(_state.warning, file=sys.stderr)
     return _state
 
@@ -341,5 +343,10 @@ def probe(size: int = 1024, repeats: int = 5) -> dict:
         with open("/proc/self/maps") as f:
             mapped = "openblas" in f.read()
     state = _state or Loaded(Choice(REFERENCE, "load_fast_blas was not called"))
-    return {"library": state.choice.library, "path": state.path, "threads": state.threads,
-            "openblas_mapped": mapped, "gflops": measure_gflops(size, repeats)}
+    return {
+        "library": state.choice.library,
+        "path": state.path,
+        "threads": state.threads,
+        "openblas_mapped": mapped,
+        "gflops": measure_gflops(size, repeats),
+    }

@@ -40,7 +40,7 @@ class ElfError(ValueError):
 def _sections(data: bytes) -> list[dict]:
     if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
         raise ElfError("not a 64-bit little-endian ELF file")
-    shoff, = struct.unpack_from("<Q", data, 0x28)
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
     shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
     out = []
     for i in range(shnum):
@@ -58,7 +58,7 @@ def _one(sections: list[dict], kind: int, what: str) -> dict:
 
 def _name(data: bytes, strtab: dict, offset: int) -> bytes:
     start = strtab["off"] + offset
-    return bytes(data[start:data.index(b"\0", start)])
+    return bytes(data[start : data.index(b"\0", start)])
 
 
 def _relocated_symbols(data: bytes, sections: list[dict], dynsym_index: int) -> set[int]:
@@ -68,7 +68,7 @@ def _relocated_symbols(data: bytes, sections: list[dict], dynsym_index: int) -> 
         if sec["type"] != SHT_RELA or sec["link"] != dynsym_index:
             continue
         for at in range(sec["off"], sec["off"] + sec["size"], 24):
-            info, = struct.unpack_from("<Q", data, at + 8)
+            (info,) = struct.unpack_from("<Q", data, at + 8)
             used.add(info >> 32)
     return used
 
@@ -78,8 +78,10 @@ def dynamic_symbols(data: bytes) -> list[bytes]:
     sections = _sections(data)
     dynsym = _one(sections, SHT_DYNSYM, ".dynsym")
     strtab = sections[dynsym["link"]]
-    return [_name(data, strtab, struct.unpack_from("<I", data, dynsym["off"] + SYM_SIZE * i)[0])
-            for i in range(dynsym["size"] // SYM_SIZE)]
+    return [
+        _name(data, strtab, struct.unpack_from("<I", data, dynsym["off"] + SYM_SIZE * i)[0])
+        for i in range(dynsym["size"] // SYM_SIZE)
+    ]
 
 
 def gnu_lookup(data: bytes, name: bytes, names: list[bytes] | None = None) -> int | None:
@@ -91,14 +93,14 @@ def gnu_lookup(data: bytes, name: bytes, names: list[bytes] | None = None) -> in
     names = dynamic_symbols(data) if names is None else names
     nbuckets, symoffset, bloom_size, shift = struct.unpack_from("<IIII", data, table["off"])
     h = gnu_hash(name)
-    word, = struct.unpack_from("<Q", data, table["off"] + 16 + 8 * ((h // 64) % bloom_size))
+    (word,) = struct.unpack_from("<Q", data, table["off"] + 16 + 8 * ((h // 64) % bloom_size))
     if not (word >> (h % 64)) & 1 or not (word >> ((h >> shift) % 64)) & 1:
         return None
     buckets_at = table["off"] + 16 + 8 * bloom_size
-    index, = struct.unpack_from("<I", data, buckets_at + 4 * (h % nbuckets))
+    (index,) = struct.unpack_from("<I", data, buckets_at + 4 * (h % nbuckets))
     chain_at = buckets_at + 4 * nbuckets
     while index:
-        link, = struct.unpack_from("<I", data, chain_at + 4 * (index - symoffset))
+        (link,) = struct.unpack_from("<I", data, chain_at + 4 * (index - symoffset))
         if (link | 1) == (h | 1) and names[index] == name:
             return index
         if link & 1:
@@ -126,15 +128,17 @@ def strip_symbol_prefix(data: bytes, prefix: bytes, only: bytes) -> tuple[bytes,
     renamed: list[bytes] = []
     for i in range(dynsym["size"] // SYM_SIZE):
         at = dynsym["off"] + SYM_SIZE * i
-        offset, = struct.unpack_from("<I", data, at)
+        (offset,) = struct.unpack_from("<I", data, at)
         name = _name(data, strtab, offset)
         if name.startswith(only) and i not in keep:
             struct.pack_into("<I", out, at, offset + len(prefix))
-            name = name[len(prefix):]
+            name = name[len(prefix) :]
             renamed.append(name)
         names.append(name)
     _, symoffset, bloom_size, shift = struct.unpack_from("<IIII", data, table["off"])
-    out[table["off"]:table["off"] + table["size"]] = _gnu_hash_table(names, symoffset, bloom_size, shift, table["size"])
+    out[table["off"] : table["off"] + table["size"]] = _gnu_hash_table(
+        names, symoffset, bloom_size, shift, table["size"]
+    )
     return bytes(out), renamed
 
 

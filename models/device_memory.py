@@ -82,6 +82,11 @@ def bound_cache() -> int | None:
     limit = cache_limit(total)
     mx.set_cache_limit(limit)
     share = "" if _share == 1.0 else f" of this process's {_share:g} share"
-    log.info("MLX buffer cache capped at %.1f GB (%d%%%s of the GPU's %.0f GB)", limit / 1e9, CACHE_SHARE * 100,
-             share, device_memory() / 1e9)
+    log.info(
+        "MLX buffer cache capped at %.1f GB (%d%%%s of the GPU's %.0f GB)",
+        limit / 1e9,
+        CACHE_SHARE * 100,
+        share,
+        device_memory() / 1e9,
+    )
     return limit

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 from importlib import metadata
@@ -18,10 +17,29 @@ import models  # noqa: F401  (loads the BLAS, as every specslot process does)
 from models import _blas
 
 # Flags that change which kernels run (x86-64 levels, AVX-512 extensions, arm64 SIMD).
-FLAGS_THAT_MATTER = ("sse2", "sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl",
-                     "avx512_bf16", "amx_tile", "asimd", "sve", "sve2")
-ENV_THAT_MATTERS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_THREAD_TIMEOUT",
-                    "GOTO_THREAD_TIMEOUT", "SPECSLOT_FAST_BLAS")
+FLAGS_THAT_MATTER = (
+    "sse2",
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_bf16",
+    "amx_tile",
+    "asimd",
+    "sve",
+    "sve2",
+)
+ENV_THAT_MATTERS = (
+    "OPENBLAS_NUM_THREADS",
+    "OMP_NUM_THREADS",
+    "OPENBLAS_CORETYPE",
+    "OPENBLAS_THREAD_TIMEOUT",
+    "GOTO_THREAD_TIMEOUT",
+    "SPECSLOT_FAST_BLAS",
+)
 
 
 def _cpu_model() -> str:
@@ -66,9 +84,13 @@ def report(size: int = 1024) -> dict:
         "matmul_gflops": round(_blas.measure_gflops(size), 1),
         "matmul_size": size,
         "mlx_device": str(mx.default_device()),
-        "versions": {"python": platform.python_version(), "mlx": _version("mlx"),
-                     "mlx-lm": _version("mlx-lm"), "ray": _version("ray"),
-                     "scipy-openblas32": _version("scipy-openblas32")},
+        "versions": {
+            "python": platform.python_version(),
+            "mlx": _version("mlx"),
+            "mlx-lm": _version("mlx-lm"),
+            "ray": _version("ray"),
+            "scipy-openblas32": _version("scipy-openblas32"),
+        },
         "env": {name: launch[name] for name in ENV_THAT_MATTERS if name in launch},
     }
 
@@ -81,17 +103,21 @@ def render(info: dict) -> str:
         f"blas          {info['blas']}: {info['blas_reason']}",
     ]
     if info["blas_path"]:
-        lines += [f"  library     {info['blas_path']}",
-                  f"  build       {info['blas_config']}",
-                  f"  kernels     {info['blas_kernels']}",
-                  f"  threads     {info['blas_threads']} ({info['blas_threads_from']}); idle ones sleep after "
-                  f"2^{info['blas_thread_timeout']} cycles ({info['blas_thread_timeout_from']})"]
+        lines += [
+            f"  library     {info['blas_path']}",
+            f"  build       {info['blas_config']}",
+            f"  kernels     {info['blas_kernels']}",
+            f"  threads     {info['blas_threads']} ({info['blas_threads_from']}); idle ones sleep after "
+            f"2^{info['blas_thread_timeout']} cycles ({info['blas_thread_timeout_from']})",
+        ]
     lines += [
         f"matmul        {info['matmul_gflops']} GFLOP/s (float32 {info['matmul_size']}², MLX CPU stream)",
         f"mlx device    {info['mlx_device']}",
         "versions      " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()),
-        "environment   " + (", ".join(f"{k}={v}" for k, v in info["env"].items()) or "(none of "
-                            + ", ".join(ENV_THAT_MATTERS) + " set)"),
+        "environment   "
+        + (
+            ", ".join(f"{k}={v}" for k, v in info["env"].items()) or "(none of " + ", ".join(ENV_THAT_MATTERS) + " set)"
+        ),
     ]
     return "\n".join(lines)
 

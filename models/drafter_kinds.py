@@ -27,7 +27,8 @@ class DrafterKind:
 
 
 DRAFTERS: dict[str, DrafterKind] = {
-    "draft_model": DrafterKind("models.drafters:DraftModelDrafter",
-                               "a small model sharing the target's vocabulary", needs_weights=True),
+    "draft_model": DrafterKind(
+        "models.drafters:DraftModelDrafter", "a small model sharing the target's vocabulary", needs_weights=True
+    ),
     "ngram": DrafterKind("models.drafters:NgramDrafter", "prompt lookup (no weights)"),
 }

@@ -88,8 +88,9 @@ class Drafter(Protocol):
     def propose_array(self, state: object, history: Sequence[int], k: int) -> mx.array:
         """With `drafts_on_device`: `propose`'s drafts as a lazy int32 array of shape (k,)."""
 
-    def propose_sampled(self, state: object, history: Sequence[int], k: int, sampler: RequestSampler,
-                        vocab: int | None) -> tuple[mx.array, mx.array]:
+    def propose_sampled(
+        self, state: object, history: Sequence[int], k: int, sampler: RequestSampler, vocab: int | None
+    ) -> tuple[mx.array, mx.array]:
         """With `sample_drafts`: k drafts sampled from the drafter's processed distribution,
         and that distribution q (k, V), for rejection sampling."""
 
@@ -122,8 +123,9 @@ class DrafterBase:
     def propose_array(self, state: object, history: Sequence[int], k: int) -> mx.array:
         raise NotImplementedError(f"{type(self).__name__} drafts on the host (drafts_on_device is False)")
 
-    def propose_sampled(self, state: object, history: Sequence[int], k: int, sampler: RequestSampler,
-                        vocab: int | None) -> tuple[mx.array, mx.array]:
+    def propose_sampled(
+        self, state: object, history: Sequence[int], k: int, sampler: RequestSampler, vocab: int | None
+    ) -> tuple[mx.array, mx.array]:
         raise NotImplementedError(f"{type(self).__name__} gives no distribution (sample_drafts is False)")
 
 
@@ -153,8 +155,7 @@ class DraftModelDrafter(DrafterBase):
     # prompt and prefills only the rest; `keep` stores a finished session's draft KV.
     prefix_cache: PrefixCache | None = None
 
-    def __init__(self, model: nn.Module, name: str, fast: BucketedForward | None = None,
-                 sample_drafts: bool = True):
+    def __init__(self, model: nn.Module, name: str, fast: BucketedForward | None = None, sample_drafts: bool = True):
         """`fast`: compiled shape-stable forwards of `model` (GPU path), used by
         `propose_array`; None drafts with the plain forward. `sample_drafts`: at
         temperature > 0, sample drafts for rejection sampling (False: greedy drafts
@@ -165,8 +166,10 @@ class DraftModelDrafter(DrafterBase):
         self.sample_drafts = sample_drafts
         cache = make_prompt_cache(model)
         if not cache_rollback.can_roll_back(cache):
-            raise ValueError(f"draft model {name!r} has a cache that cannot be rolled back "
-                             "(state-space or recurrent layers); use another draft or ngram")
+            raise ValueError(
+                f"draft model {name!r} has a cache that cannot be rolled back "
+                "(state-space or recurrent layers); use another draft or ngram"
+            )
         self._rings = cache_rollback.has_ring(cache)
         self._bytes_per_position: int | None = None
 
@@ -192,7 +195,7 @@ class DraftModelDrafter(DrafterBase):
         if self.fast is not None and self.fast.prefill_chunk:
             self.fast.prefill(cache, ids)  # lazy: evaluated with the first round's drafts
             return DraftModelState(cache, len(ids))
-        prefill_chunks(self.model, cache, ids[self._reuse_prefix(cache, ids):])
+        prefill_chunks(self.model, cache, ids[self._reuse_prefix(cache, ids) :])
         return DraftModelState(cache, len(ids))
 
     def kv_bytes_per_position(self) -> int:
@@ -262,9 +265,11 @@ class DraftModelDrafter(DrafterBase):
         if self.fast is not None:
             step = self.fast.greedy
         else:
+
             def step(cache, tokens):
                 logits = self.model(tokens, cache=cache)[:, -1]
                 return mx.argmax(logits, axis=-1).astype(mx.int32)
+
         token = step(state.cache, feed)
         self._before_steps(state)
         drafts = [token]
@@ -275,8 +280,9 @@ class DraftModelDrafter(DrafterBase):
         state.num_cached = len(history) + k - 1
         return mx.concatenate(drafts)
 
-    def propose_sampled(self, state: DraftModelState, history: Sequence[int], k: int,
-                        sampler: RequestSampler, vocab: int | None = None) -> tuple[mx.array, mx.array]:
+    def propose_sampled(
+        self, state: DraftModelState, history: Sequence[int], k: int, sampler: RequestSampler, vocab: int | None = None
+    ) -> tuple[mx.array, mx.array]:
         """Exactly `k` (>= 1) drafts sampled at the request's temperature > 0, lazily:
         tokens (k,) int32 and q (k, V) float32, row j the distribution draft j was drawn
         from (the draft's logits, cut or padded to the target's `vocab`, through
@@ -285,11 +291,14 @@ class DraftModelDrafter(DrafterBase):
         position it proposes (`sampler.position + j`)."""
         keys = sampler.keys(k, stream=DRAFTS)
         if self.fast is not None:
+
             def logits_of(tokens):
                 return self.fast.logits(state.cache, tokens)[0, -1:]
         else:
+
             def logits_of(tokens):
                 return self.model(tokens, cache=state.cache)[0, -1:]
+
         logits = logits_of(mx.array([list(history[state.num_cached :])], dtype=mx.int32))
         self._before_steps(state)
         drafts, rows = [], []
@@ -362,7 +371,7 @@ def continuation(seq: Sequence[int], at: int, k: int) -> list[int]:
     >>> continuation([7, 7, 7], 2, 4), continuation([1, 2, 3, 1, 2, 3, 1], 4, 4)
     ([7, 7, 7, 7], [2, 3, 1, 2])
     """
-    out = list(seq[at:at + k])
+    out = list(seq[at : at + k])
     period = len(seq) - at
     while 0 < period and len(out) < k:
         out.append(out[len(out) - period])
@@ -396,9 +405,7 @@ class DrafterSlot:
 
     def take(self, session_id: str) -> Drafter:
         if self.holder is not None and self.holder != session_id:
-            raise RuntimeError(
-                f"drafter is held by session {self.holder!r}; {session_id!r} cannot take it"
-            )
+            raise RuntimeError(f"drafter is held by session {self.holder!r}; {session_id!r} cannot take it")
         self.holder = session_id
         return self.drafter
 
@@ -432,7 +439,7 @@ class NgramIndex:
         m = len(seq)
         for n in range(self.min_ngram, self.max_ngram + 1):
             if m > n:  # the n-grams starting at 0 .. m - n - 1 have a follower
-                self._starts[n].update(zip(zip(*(seq[i:m - n + i] for i in range(n))), range(m - n)))
+                self._starts[n].update(zip(zip(*(seq[i : m - n + i] for i in range(n))), range(m - n)))
 
     def extend(self, tokens: Sequence[int]) -> None:
         seq = self.history
@@ -441,7 +448,7 @@ class NgramIndex:
             end = len(seq) - 1  # the n-grams ending just before the new token now have a follower
             for n in range(self.min_ngram, self.max_ngram + 1):
                 if end - n >= 0:
-                    self._starts[n][tuple(seq[end - n:end])] = end - n
+                    self._starts[n][tuple(seq[end - n : end])] = end - n
 
     def propose(self, k: int) -> list[int]:
         """`k` tokens that followed the most recent earlier occurrence of the longest

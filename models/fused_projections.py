@@ -96,8 +96,10 @@ def fuse(model: nn.Module) -> int:
     count = 0
     for layer, parts in zip(model.model.layers, decoder.layers):
         _, qkv, attn, _, gate_up, mlp = parts
-        for fused, owner, names in ((qkv, attn, ("q_proj", "k_proj", "v_proj")),
-                                    (gate_up, mlp, ("gate_proj", "up_proj"))):
+        for fused, owner, names in (
+            (qkv, attn, ("q_proj", "k_proj", "v_proj")),
+            (gate_up, mlp, ("gate_proj", "up_proj")),
+        ):
             linears = [getattr(owner, name) for name in names]
             group = _Group(fused, [lin.weight.shape[0] for lin in linears])
             for index, (name, lin) in enumerate(zip(names, linears)):

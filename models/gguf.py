@@ -44,25 +44,37 @@ ARCHITECTURES = ("llama", "qwen2")
 
 # llama.cpp's per-layer tensor names -> mlx-lm's (llama and qwen2 share them).
 _LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 # The regular expressions llama.cpp's pre-tokenizer names stand for (its llama-vocab.cpp),
 # as Hugging Face `tokenizers` pre-tokenizers.
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 PRE_TOKENIZERS = {
     # name: (split digits one by one first, regex)
-    "default": (False, _GPT2_SPLIT), "gpt2": (False, _GPT2_SPLIT),
-    "smollm": (True, _GPT2_SPLIT), "starcoder": (True, _GPT2_SPLIT),
-    "llama-bpe": (False, _LLAMA3_SPLIT), "llama3": (False, _LLAMA3_SPLIT),
+    "default": (False, _GPT2_SPLIT),
+    "gpt2": (False, _GPT2_SPLIT),
+    "smollm": (True, _GPT2_SPLIT),
+    "starcoder": (True, _GPT2_SPLIT),
+    "llama-bpe": (False, _LLAMA3_SPLIT),
+    "llama3": (False, _LLAMA3_SPLIT),
     "qwen2": (False, _QWEN2_SPLIT),
 }
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
@@ -82,8 +94,7 @@ def find_gguf(path: str) -> str | None:
         return None
     found = sorted(name for name in os.listdir(path) if name.lower().endswith(".gguf"))
     if len(found) > 1:
-        raise ModelLoadError(f"{path!r} holds {len(found)} GGUF files ({', '.join(found[:4])}); "
-                             "name the one to serve")
+        raise ModelLoadError(f"{path!r} holds {len(found)} GGUF files ({', '.join(found[:4])}); name the one to serve")
     return os.path.join(path, found[0]) if found else None
 
 
@@ -95,8 +106,7 @@ def check_gguf(path: str, role: str) -> None:
     except OSError as exc:
         raise ModelLoadError(f"{role} model {path!r} cannot be read: {exc.strerror}") from None
     if magic != GGUF_MAGIC:
-        raise ModelLoadError(f"{role} model {path!r} is not a GGUF file (it starts with {magic!r}, "
-                             f"not {GGUF_MAGIC!r})")
+        raise ModelLoadError(f"{role} model {path!r} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
 
 
 def materialize(path: str, role: str = "target", sha: str | None = None) -> str:
@@ -136,8 +146,10 @@ def convert(path: str, out_dir: str, sha: str = "", role: str = "target") -> Non
         raise ModelLoadError(f"{role} model {path!r}: MLX cannot read this GGUF file: {exc}") from None
     arch = _text(meta, "general.architecture")
     if arch not in ARCHITECTURES:
-        raise ModelLoadError(f"{role} model {path!r}: GGUF architecture {arch!r} is not supported "
-                             f"(supported: {', '.join(ARCHITECTURES)})")
+        raise ModelLoadError(
+            f"{role} model {path!r}: GGUF architecture {arch!r} is not supported "
+            f"(supported: {', '.join(ARCHITECTURES)})"
+        )
     config = model_config(meta, arch, tensors, path, role)
     weights = mlx_weights(tensors, config, path, role)
     config["quantization"] = quantization_config(weights)
@@ -154,6 +166,7 @@ def convert(path: str, out_dir: str, sha: str = "", role: str = "target") -> Non
 
 def model_config(meta: dict, arch: str, tensors: dict, path: str, role: str) -> dict:
     """mlx-lm's config.json for the GGUF's metadata (Hugging Face's key names)."""
+
     def num(key, default=None):
         value = meta.get(f"{arch}.{key}")
         if value is None:
@@ -167,11 +180,14 @@ def model_config(meta: dict, arch: str, tensors: dict, path: str, role: str) -> 
     head_dim = int(num("attention.key_length", hidden // heads))
     rope_dims = int(num("rope.dimension_count", head_dim))
     if rope_dims != head_dim:
-        raise ModelLoadError(f"{role} model {path!r}: partial rotary embeddings ({rope_dims} of "
-                             f"{head_dim} dimensions) are not supported")
+        raise ModelLoadError(
+            f"{role} model {path!r}: partial rotary embeddings ({rope_dims} of {head_dim} dimensions) are not supported"
+        )
     if "rope_freqs.weight" in tensors:
-        raise ModelLoadError(f"{role} model {path!r}: per-frequency rope factors (rope_freqs, "
-                             "Llama 3.1-style rope scaling) are not supported")
+        raise ModelLoadError(
+            f"{role} model {path!r}: per-frequency rope factors (rope_freqs, "
+            "Llama 3.1-style rope scaling) are not supported"
+        )
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{role} model {path!r}: the GGUF file has no token_embd tensor")
     vocab = int(num("vocab_size", tensors["token_embd.weight"].shape[0]))
@@ -184,7 +200,7 @@ def model_config(meta: dict, arch: str, tensors: dict, path: str, role: str) -> 
         "num_attention_heads": heads,
         "num_key_value_heads": int(num("attention.head_count_kv", heads)),
         "head_dim": head_dim,
-        "rms_norm_eps": float(f'{num("attention.layer_norm_rms_epsilon"):.7g}'),  # float32's digits
+        "rms_norm_eps": float(f"{num('attention.layer_norm_rms_epsilon'):.7g}"),  # float32's digits
         "vocab_size": vocab,
         "rope_theta": float(num("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(num("context_length", 4096)),
@@ -193,8 +209,7 @@ def model_config(meta: dict, arch: str, tensors: dict, path: str, role: str) -> 
     scaling = _text(meta, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         if scaling != "linear":
-            raise ModelLoadError(f"{role} model {path!r}: rope scaling {scaling!r} is not supported "
-                                 "(linear is)")
+            raise ModelLoadError(f"{role} model {path!r}: rope scaling {scaling!r} is not supported (linear is)")
         config["rope_scaling"] = {"type": "linear", "factor": float(num("rope.scaling.factor"))}
     for key in ("bos_token_id", "eos_token_id"):
         value = meta.get(f"tokenizer.ggml.{key}")
@@ -218,8 +233,9 @@ def mlx_weights(tensors: dict, config: dict, path: str, role: str) -> dict:
         else:
             part, target = base, _TOP_NAMES.get(base)
         if target is None:
-            raise ModelLoadError(f"{role} model {path!r}: GGUF tensor {name!r} has no place in a "
-                                 f"{config['model_type']} model")
+            raise ModelLoadError(
+                f"{role} model {path!r}: GGUF tensor {name!r} has no place in a {config['model_type']} model"
+            )
         if config["model_type"] == "llama" and part in ("attn_q", "attn_k"):
             heads = config["num_attention_heads" if part == "attn_q" else "num_key_value_heads"]
             value = _unpermute(value, heads)
@@ -262,26 +278,36 @@ def tokenizer_files(meta: dict, path: str, role: str) -> tuple[dict, dict]:
 
     kind = _text(meta, "tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ModelLoadError(f"{role} model {path!r}: GGUF vocabulary type {kind!r} is not supported "
-                             "(byte-level BPE, 'gpt2', is)")
+        raise ModelLoadError(
+            f"{role} model {path!r}: GGUF vocabulary type {kind!r} is not supported (byte-level BPE, 'gpt2', is)"
+        )
     pre = _text(meta, "tokenizer.ggml.pre") or "default"
     if pre not in PRE_TOKENIZERS:
-        raise ModelLoadError(f"{role} model {path!r}: GGUF pre-tokenizer {pre!r} is not supported "
-                             f"(supported: {', '.join(sorted(PRE_TOKENIZERS))})")
+        raise ModelLoadError(
+            f"{role} model {path!r}: GGUF pre-tokenizer {pre!r} is not supported "
+            f"(supported: {', '.join(sorted(PRE_TOKENIZERS))})"
+        )
     tokens = list(meta["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     vocab = {token: i for i, token in enumerate(tokens)}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     digits, split = PRE_TOKENIZERS[pre]
     steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
-    steps += [pre_tokenizers.Split(Regex(split), behavior="isolated"),
-              pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    steps += [
+        pre_tokenizers.Split(Regex(split), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ]
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
     tokenizer.decoder = decoders.ByteLevel()
     types = meta.get("tokenizer.ggml.token_type")
     types = types.tolist() if types is not None else [1] * len(tokens)
-    tokenizer.add_tokens([AddedToken(tokens[i], special=t == _CONTROL, normalized=False)
-                          for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED)])
+    tokenizer.add_tokens(
+        [
+            AddedToken(tokens[i], special=t == _CONTROL, normalized=False)
+            for i, t in enumerate(types)
+            if t in (_CONTROL, _USER_DEFINED)
+        ]
+    )
 
     def token(key):
         value = meta.get(f"tokenizer.ggml.{key}_token_id")
@@ -291,11 +317,16 @@ def tokenizer_files(meta: dict, path: str, role: str) -> tuple[dict, dict]:
     add_bos = bool(meta["tokenizer.ggml.add_bos_token"].item()) if "tokenizer.ggml.add_bos_token" in meta else False
     if add_bos and bos is not None:
         tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])])
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
+        )
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": bos, "eos_token": eos, "unk_token": token("unknown"), "pad_token": token("padding"),
-        "add_bos_token": add_bos, "clean_up_tokenization_spaces": False,
+        "bos_token": bos,
+        "eos_token": eos,
+        "unk_token": token("unknown"),
+        "pad_token": token("padding"),
+        "add_bos_token": add_bos,
+        "clean_up_tokenization_spaces": False,
     }
     template = _text(meta, "tokenizer.chat_template")
     if template:

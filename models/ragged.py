@@ -67,8 +67,10 @@ class _GroupMasks:
 
     def __init__(self, groups: list[Group]) -> None:
         self.counts = [g.num_tokens for g in groups]
-        self.masks = [g.cache[0].make_mask(1 if g.is_batch else g.num_tokens, return_array=g.is_batch,
-                                           window_size=None) for g in groups]
+        self.masks = [
+            g.cache[0].make_mask(1 if g.is_batch else g.num_tokens, return_array=g.is_batch, window_size=None)
+            for g in groups
+        ]
 
 
 class _PackedLayer:
@@ -88,7 +90,7 @@ class _PackedLayer:
         out_keys, out_values, start = [], [], 0
         for cache, group in zip(self._caches, self._groups):
             n = group.num_tokens
-            k, v = keys[start:start + n], values[start:start + n]
+            k, v = keys[start : start + n], values[start : start + n]
             if not group.is_batch:  # n rows of one token -> one row of n tokens
                 k, v = k.transpose(2, 1, 0, 3), v.transpose(2, 1, 0, 3)
             k, v = cache.update_and_fetch(k, v)
@@ -103,7 +105,7 @@ def _attention(queries, keys, values, scale, mask, group_size=64, bits=8):
         return _MLX_QUANTIZED_SDPA(queries, keys, values, scale=scale, mask=mask, group_size=group_size, bits=bits)
     outputs, start = [], 0
     for k, v, n, m in zip(keys.parts, values.parts, mask.counts, mask.masks):
-        q = queries[start:start + n]
+        q = queries[start : start + n]
         if k.shape[0] == 1 and n > 1:  # one row's n tokens attend causally to its cache
             out = mx.fast.scaled_dot_product_attention(q.transpose(2, 1, 0, 3), k, v, scale=scale, mask=m)
             out = out.transpose(2, 1, 0, 3)
@@ -132,13 +134,12 @@ def packed_forward(model: nn.Module, groups: list[Group]) -> list[mx.array]:
         return []
     masks = _GroupMasks(groups)
     offset = mx.concatenate([_offsets(g) for g in groups])
-    layers = [_PackedLayer([g.cache[i] for g in groups], groups, offset, masks)
-              for i in range(len(groups[0].cache))]
+    layers = [_PackedLayer([g.cache[i] for g in groups], groups, offset, masks) for i in range(len(groups[0].cache))]
     tokens = mx.concatenate([g.tokens.astype(mx.int32) for g in groups])
     logits = model(tokens[:, None], cache=layers)[:, 0, :]
     out, start = [], 0
     for g in groups:
-        out.append(logits[start:start + g.num_tokens])
+        out.append(logits[start : start + g.num_tokens])
         start += g.num_tokens
     return out
 
@@ -171,6 +172,7 @@ def check_support(model: nn.Module, atol: float = 1e-3) -> str | None:
         return "its cache is not a plain KVCache in every layer"
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12]]
     try:
+
         def prefilled(prompt):
             cache = make_prompt_cache(model)
             model(mx.array([prompt]), cache=cache)
@@ -182,8 +184,9 @@ def check_support(model: nn.Module, atol: float = 1e-3) -> str | None:
         verify, step = mx.array([13, 14, 15]), mx.array([16, 17])
         alone_batch = model(step[:, None], cache=batch_of([prefilled(p) for p in prompts[:2]]))[:, 0, :]
         alone_verify = model(verify[None], cache=prefilled(prompts[2]))[0]
-        packed = packed_forward(model, [Group(batch_of([prefilled(p) for p in prompts[:2]]), step),
-                                        Group(prefilled(prompts[2]), verify)])
+        packed = packed_forward(
+            model, [Group(batch_of([prefilled(p) for p in prompts[:2]]), step), Group(prefilled(prompts[2]), verify)]
+        )
         diff = max(mx.abs(packed[0] - alone_batch).max().item(), mx.abs(packed[1] - alone_verify).max().item())
     except Exception as exc:  # noqa: BLE001 - any failure means: not supported
         return f"a packed forward failed: {type(exc).__name__}: {exc}"

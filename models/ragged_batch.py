@@ -51,7 +51,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from models.classic_batch import LiveRow, check_adoptable, check_admissible
+from models.classic_batch import LiveRow, check_admissible, check_adoptable
 from models.drafters import NgramIndex
 from models.grammar import Grammars
 from models.prefix_cache import PrefixCache
@@ -60,8 +60,18 @@ from models.replica_index import ReplicaIndex
 from models.rollback import accept_count, clip_tokens, draft_budget
 from models.sampling import LogprobArrays, RequestSampler, draw_plain, log_probs, stop_token_ids
 from models.slab import Row, RowView, Slab
-from scheduler.costs import (DraftFit, ReplicaAcceptance, RowAcceptance, TickCosts, draft_net, drafts_pay, row_draft_budget, share_drafts,
-                             step_draft_budget, verify_costs)
+from scheduler.costs import (
+    DraftFit,
+    ReplicaAcceptance,
+    RowAcceptance,
+    TickCosts,
+    draft_net,
+    drafts_pay,
+    row_draft_budget,
+    share_drafts,
+    step_draft_budget,
+    verify_costs,
+)
 from scheduler.model_api import Interrupted, TokenBatch
 from scheduler.request import Request, TokenLogprob
 
@@ -102,10 +112,20 @@ class _Ahead:
 class RaggedBatch:
     """Rows of classic decode, keyed by request id, in one slab with the sessions."""
 
-    def __init__(self, model: nn.Module, *, eos_token_ids: Sequence[int], max_batch_size: int = 16,
-                 prefill_batch_size: int = 8, solo_burst_s: float = 0.0, row_drafts: bool = False,
-                 num_draft_tokens: int = 4, prefix_cache: PrefixCache | None = None, grid: bool | None = None,
-                 grammars: Grammars | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        eos_token_ids: Sequence[int],
+        max_batch_size: int = 16,
+        prefill_batch_size: int = 8,
+        solo_burst_s: float = 0.0,
+        row_drafts: bool = False,
+        num_draft_tokens: int = 4,
+        prefix_cache: PrefixCache | None = None,
+        grid: bool | None = None,
+        grammars: Grammars | None = None,
+    ):
         """`row_drafts`: rows verify their own n-gram drafts, up to `num_draft_tokens`
         each, as `costs` (set by the runner once measured) says they pay; without
         costs a row drafts whatever its estimate allows at zero cost. `prefix_cache`:
@@ -239,16 +259,25 @@ class RaggedBatch:
         n = len(token_ids) - 1
         if self.prefix_cache is None or n < 1 or n > row.length:  # n > length: not these tokens' row
             return
-        self.prefix_cache.store(token_ids[:n], n * self.slab.bytes_per_position,
-                                lambda: self.slab.copy_prefix(row, n))
+        self.prefix_cache.store(token_ids[:n], n * self.slab.bytes_per_position, lambda: self.slab.copy_prefix(row, n))
 
     # -- admission ----------------------------------------------------------------------
     def drafts_rows_of(self, greedy: bool) -> bool:
         """Whether rows of this kind (greedy, or sampled) verify their own drafts."""
         return self.row_drafts and (greedy or self.sampled_drafts)
 
-    def _add_stream(self, request_id: str, row: Row, sampler: RequestSampler, stop_ids, max_tokens: int,
-                    num_emitted: int, pending: int, history: Sequence[int] | None, lane: int) -> _Stream:
+    def _add_stream(
+        self,
+        request_id: str,
+        row: Row,
+        sampler: RequestSampler,
+        stop_ids,
+        max_tokens: int,
+        num_emitted: int,
+        pending: int,
+        history: Sequence[int] | None,
+        lane: int,
+    ) -> _Stream:
         """`history`: the stream's tokens before `pending` (None: unknown, no drafts)."""
         self._to_classic_region(row)
         stream = _Stream(request_id, row, sampler, frozenset(stop_ids), max_tokens, num_emitted, pending, lane=lane)
@@ -261,8 +290,9 @@ class RaggedBatch:
         self._finished.discard(request_id)
         return stream
 
-    def prefill(self, requests: Sequence[Request], between: Callable[[], None] | None = None,
-                piece: int = 0) -> list[TokenBatch]:
+    def prefill(
+        self, requests: Sequence[Request], between: Callable[[], None] | None = None, piece: int = 0
+    ) -> list[TokenBatch]:
         """Admit `requests` and emit each one's first token. A row starts from its
         prompt's longest cached prefix (setting the request's `num_cached_tokens`); the
         other prompt tokens run in chunked forwards whose logits are computed at each
@@ -288,11 +318,12 @@ class RaggedBatch:
             between = None
         out: list[TokenBatch] = []
         for start in range(0, len(requests), self._prefill_batch_size):
-            out += self._prefill_group(requests[start:start + self._prefill_batch_size], between, piece)
+            out += self._prefill_group(requests[start : start + self._prefill_batch_size], between, piece)
         return out
 
-    def _prefill_group(self, requests: Sequence[Request], between: Callable[[], None] | None,
-                       piece: int) -> list[TokenBatch]:
+    def _prefill_group(
+        self, requests: Sequence[Request], between: Callable[[], None] | None, piece: int
+    ) -> list[TokenBatch]:
         """Requests with the same prompt (the choices of an `n` > 1 request) prefill it
         once: the first one's row runs it, the others copy its keys and values and draw
         their first tokens from its logits. A row's last prompt token joins its last
@@ -302,8 +333,8 @@ class RaggedBatch:
         rows = [self.slab.add() for _ in requests]
         # the classic rows, then these (each where its stream's `_add_stream` wants it),
         # then the session rows: the session rows move once, not once per new row
-        classic, new = self.slab.rows[:len(self._streams)], {id(row) for row in rows}
-        self.slab.arrange(classic + rows + [r for r in self.slab.rows[len(classic):] if id(r) not in new])
+        classic, new = self.slab.rows[: len(self._streams)], {id(row) for row in rows}
+        self.slab.arrange(classic + rows + [r for r in self.slab.rows[len(classic) :] if id(r) not in new])
         try:
             return self._run_group(requests, rows, between, piece)
         except BaseException:
@@ -319,15 +350,17 @@ class RaggedBatch:
         for row in sorted(rows, key=lambda row: -row.slot):  # the last first: fewer rows move
             self.slab.free(row)
 
-    def _run_group(self, requests: Sequence[Request], rows: list[Row], between: Callable[[], None] | None,
-                   piece: int) -> list[TokenBatch]:
+    def _run_group(
+        self, requests: Sequence[Request], rows: list[Row], between: Callable[[], None] | None, piece: int
+    ) -> list[TokenBatch]:
         first_of: dict[tuple[int, ...], int] = {}
         leader = [first_of.setdefault(tuple(r.prompt_ids), i) for i, r in enumerate(requests)]
         for i, (r, row) in enumerate(zip(requests, rows)):
             if leader[i] == i:
                 r.num_cached_tokens = self._reuse_prefix(row, r.prompt_ids)
-        todo = [list(r.prompt_ids[row.length:]) if leader[i] == i else []
-                for i, (r, row) in enumerate(zip(requests, rows))]
+        todo = [
+            list(r.prompt_ids[row.length :]) if leader[i] == i else [] for i, (r, row) in enumerate(zip(requests, rows))
+        ]
         computed = [len(t) > 1 for t in todo]  # more than the last token ran: store the prompt
         logits: list[mx.array | None] = [None] * len(requests)
         budget = PREFILL_CHUNK * self._prefill_batch_size  # positions per forward
@@ -341,7 +374,7 @@ class RaggedBatch:
             chunks = [todo[i][:width] for i in owners]
             out = self.slab.forward(self._model, [(rows[i], c) for i, c in zip(owners, chunks)], last_only=True)
             for i, c, x in zip(owners, chunks, out):
-                todo[i] = todo[i][len(c):]
+                todo[i] = todo[i][len(c) :]
                 if not todo[i]:
                     logits[i] = x
             # queued, not waited for: the next chunk's graph (and after the last one the
@@ -351,9 +384,17 @@ class RaggedBatch:
                 between()  # rows step (`decode`), requests join (`prefill`); these are not streams yet
         streams = []
         for r, row in zip(requests, rows):  # each already in the slot `_add_stream` moves it to
-            stream = self._add_stream(r.request_id, row, RequestSampler(r.sampling, r.prompt_ids, self._grammars),
-                                      stop_token_ids(self._eos_token_ids, r.sampling), r.sampling.max_tokens,
-                                      0, r.prompt_ids[-1], r.prompt_ids[:-1], int(r.lane))
+            stream = self._add_stream(
+                r.request_id,
+                row,
+                RequestSampler(r.sampling, r.prompt_ids, self._grammars),
+                stop_token_ids(self._eos_token_ids, r.sampling),
+                r.sampling.max_tokens,
+                0,
+                r.prompt_ids[-1],
+                r.prompt_ids[:-1],
+                int(r.lane),
+            )
             streams.append(stream)
         # Stored at the batch's next operation (`_flush_stores`), once these first tokens
         # are out: the copy (a prompt's keys and values, every layer) is not on their path.
@@ -369,9 +410,19 @@ class RaggedBatch:
         verified, reports = self._sample(streams, logits, none)
         return self._apply(streams, none, verified, False, reports)
 
-    def adopt(self, request_id: str, cache: list, sampler: RequestSampler, pending_token: int, *,
-              max_tokens: int, num_emitted: int, stop_ids: Sequence[int],
-              history: Sequence[int] | None = None, lane: int = 1) -> list[TokenBatch]:
+    def adopt(
+        self,
+        request_id: str,
+        cache: list,
+        sampler: RequestSampler,
+        pending_token: int,
+        *,
+        max_tokens: int,
+        num_emitted: int,
+        stop_ids: Sequence[int],
+        history: Sequence[int] | None = None,
+        lane: int = 1,
+    ) -> list[TokenBatch]:
         """Take over a live stream (a speculative session) as a row: `cache` holds every
         token but `pending_token`, the last one emitted (`history`: the tokens before
         it, for the row's drafts; `lane`: the request's). A session row of this slab
@@ -387,8 +438,9 @@ class RaggedBatch:
         return []
 
     # -- decode -------------------------------------------------------------------------
-    def decode(self, rider: Rider | None = None, drafts: bool = False,
-               interrupt: Callable[[], bool] | None = None) -> list[TokenBatch]:
+    def decode(
+        self, rider: Rider | None = None, drafts: bool = False, interrupt: Callable[[], bool] | None = None
+    ) -> list[TokenBatch]:
         """One step: one token for every row (more for a row whose drafts land, with
         `drafts` and `row_drafts`), the rider's verify in the same forward (its logits
         in `rider.extra_logits`). A lone row without a rider keeps stepping within
@@ -409,13 +461,23 @@ class RaggedBatch:
             interrupt = None
         tic = time.perf_counter()
         batches = self._step(streams, None, drafts, pipeline, interrupt)
-        while (len(streams) == 1 and batches[0].finish_reason is None
-               and time.perf_counter() - tic < self._solo_burst_s and not (interrupt and interrupt())):
+        while (
+            len(streams) == 1
+            and batches[0].finish_reason is None
+            and time.perf_counter() - tic < self._solo_burst_s
+            and not (interrupt and interrupt())
+        ):
             batches[0].extend(self._step(streams, None, drafts, pipeline)[0])
         return batches
 
-    def _step(self, streams: list[_Stream], rider: Rider | None, drafts: bool = False,
-              pipeline: bool = False, interrupt: Callable[[], bool] | None = None) -> list[TokenBatch]:
+    def _step(
+        self,
+        streams: list[_Stream],
+        rider: Rider | None,
+        drafts: bool = False,
+        pipeline: bool = False,
+        interrupt: Callable[[], bool] | None = None,
+    ) -> list[TokenBatch]:
         wanted = drafts
         denied = [s.denied for s in streams]  # restored where the step is interrupted
         index = self.replica_index
@@ -447,8 +509,14 @@ class RaggedBatch:
         verified, reports = self._sample(streams, logits[: len(streams)], drafts)
         return self._apply(streams, drafts, verified, wanted, reports)
 
-    def _apply(self, streams: list[_Stream], drafts: list[list[int]], verified: list[list[int]],
-               wanted: bool, reports: list[list[TokenLogprob] | None]) -> list[TokenBatch]:
+    def _apply(
+        self,
+        streams: list[_Stream],
+        drafts: list[list[int]],
+        verified: list[list[int]],
+        wanted: bool,
+        reports: list[list[TokenLogprob] | None],
+    ) -> list[TokenBatch]:
         """Accept each row's drafts, emit, drop finished rows. `wanted`: drafts were
         asked for this step (a row that drafted nothing relaxes its estimate);
         `reports`: each row's logprobs at every verified position (None: not asked)."""
@@ -459,8 +527,9 @@ class RaggedBatch:
             if len(draft) > num_accepted:  # rejected drafts leave the row
                 for view in stream.row.cache:
                     view.trim(len(draft) - num_accepted)
-            tokens, reason = clip_tokens(target[: num_accepted + 1], stream.max_tokens - stream.num_emitted,
-                                         stream.stop_ids)
+            tokens, reason = clip_tokens(
+                target[: num_accepted + 1], stream.max_tokens - stream.num_emitted, stream.stop_ids
+            )
             stream.num_emitted += len(tokens)
             stream.pending = tokens[-1]
             if stream.token_ids is not None:
@@ -476,8 +545,17 @@ class RaggedBatch:
                 elif wanted and stream.withheld:
                     stream.acceptance.relax(kind.alpha)
                     withheld.add(stream.sampler.is_greedy)
-            out.append(TokenBatch(stream.request_id, tokens, reason, len(draft), num_accepted if draft else 0,
-                                  "ngram" if draft else "", None if report is None else report[:len(tokens)]))
+            out.append(
+                TokenBatch(
+                    stream.request_id,
+                    tokens,
+                    reason,
+                    len(draft),
+                    num_accepted if draft else 0,
+                    "ngram" if draft else "",
+                    None if report is None else report[: len(tokens)],
+                )
+            )
             if reason is not None:
                 self._finished.add(stream.request_id)
                 self._drop(stream)
@@ -538,8 +616,9 @@ class RaggedBatch:
                 for view in stream.row.cache:
                     view.trim(1)
 
-    def _draw(self, streams: list[_Stream], entries, values: mx.array | None = None,
-              ahead: int = 0) -> tuple[mx.array, list[LogprobArrays | None]]:
+    def _draw(
+        self, streams: list[_Stream], entries, values: mx.array | None = None, ahead: int = 0
+    ) -> tuple[mx.array, list[LogprobArrays | None]]:
         """(lazy) each row's next token from a forward of `entries`, and its report;
         `ahead`: tokens each row has drawn and not yet accepted (the queued step's 1)."""
         logits = self.slab.forward(self._model, entries, values=values)
@@ -550,8 +629,10 @@ class RaggedBatch:
         """Whether at this batch size even a row accepting every draft would not pay
         (budgets only grow with acceptance, so no row drafts)."""
         fit, k = self._fit, self.num_draft_tokens
-        return fit is not None and (row_draft_budget(1.0, num_rows, fit, k) == 0
-                                    or not drafts_pay([draft_net(1.0, k, num_rows, fit)] * num_rows, num_rows, fit))
+        return fit is not None and (
+            row_draft_budget(1.0, num_rows, fit, k) == 0
+            or not drafts_pay([draft_net(1.0, k, num_rows, fit)] * num_rows, num_rows, fit)
+        )
 
     def _budget(self, alpha: float, num_rows: int, remaining: int) -> int:
         """Drafts a drafting row with acceptance `alpha` and `remaining` tokens left to
@@ -579,8 +660,10 @@ class RaggedBatch:
     def _row_budgets(self, streams: list[_Stream], alphas: list[float | None], ahead: int = 0) -> list[int]:
         """Each row's own draft budget at acceptance `alphas` (None: the row does not
         draft, 0), `ahead` of its tokens left out of what it may still emit."""
-        return [0 if a is None else self._budget(a, len(streams), s.max_tokens - s.num_emitted - ahead)
-                for a, s in zip(alphas, streams)]
+        return [
+            0 if a is None else self._budget(a, len(streams), s.max_tokens - s.num_emitted - ahead)
+            for a, s in zip(alphas, streams)
+        ]
 
     def _step_pays(self, alphas: list[float | None], wants: list[int], num_rows: int) -> bool:
         """Whether rows drafting `wants` at acceptances `alphas` gain the step more than
@@ -589,8 +672,9 @@ class RaggedBatch:
             return False
         if self._fit is None:
             return True
-        return drafts_pay([draft_net(a, k, num_rows, self._fit) for a, k in zip(alphas, wants) if k],
-                          num_rows, self._fit)
+        return drafts_pay(
+            [draft_net(a, k, num_rows, self._fit) for a, k in zip(alphas, wants) if k], num_rows, self._fit
+        )
 
     def _drafts(self, streams: list[_Stream]) -> list[list[int]]:
         """Each row's drafts for this step (empty where it drafts nothing): what its own
@@ -610,14 +694,18 @@ class RaggedBatch:
         # Priced by what the rows proposed (a row whose n-grams found nothing adds nothing).
         if not self._step_pays(alphas, [len(d) for d in out], len(streams)):
             return [[] for _ in streams]
-        budget = (step_draft_budget(len(streams), self._fit, self.draft_step_share)
-                  if self._fit is not None and self.draft_step_share > 0 else None)
+        budget = (
+            step_draft_budget(len(streams), self._fit, self.draft_step_share)
+            if self._fit is not None and self.draft_step_share > 0
+            else None
+        )
         if budget is None or sum(map(len, out)) <= budget:
             for s, d in zip(streams, out):
                 s.denied = 0 if d else s.denied
             return out
-        given = share_drafts([len(d) for d in out], [s.lane for s in streams], [s.denied for s in streams],
-                             budget, self.skip_cap)
+        given = share_drafts(
+            [len(d) for d in out], [s.lane for s in streams], [s.denied for s in streams], budget, self.skip_cap
+        )
         for s, d, n in zip(streams, out, given):
             s.denied = 0 if n or not d else s.denied + 1
         return [d[:n] for d, n in zip(out, given)]
@@ -631,8 +719,9 @@ class RaggedBatch:
                 return drafts
         return stream.index.propose(k)
 
-    def _sample(self, streams: list[_Stream], logits: list[mx.array],
-                drafts: list[list[int]]) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
+    def _sample(
+        self, streams: list[_Stream], logits: list[mx.array], drafts: list[list[int]]
+    ) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
         """Every verify position of every row, drawn from the row's sampler, position i
         after the row's drafts[:i] (greedy rows without processors: one argmax over
         all of them), and the row's logprobs there (None: not asked)."""
@@ -645,12 +734,13 @@ class RaggedBatch:
         values, out, start = flat.tolist(), [], 0
         for d in drawn:
             n = d.shape[0]
-            out.append(values[start:start + n])
+            out.append(values[start : start + n])
             start += n
         return out, [None if lp is None else lp.tolist() for lp in logprobs]
 
-    def _draws(self, streams: list[_Stream], logits: list[mx.array], drafts: list[list[int]],
-               ahead: int = 0) -> tuple[list[mx.array], list[LogprobArrays | None]]:
+    def _draws(
+        self, streams: list[_Stream], logits: list[mx.array], drafts: list[list[int]], ahead: int = 0
+    ) -> tuple[list[mx.array], list[LogprobArrays | None]]:
         """(lazy) every verify position of every row, drawn from the row's sampler,
         position i after the row's drafts[:i] (greedy rows without processors and
         without logprobs: one argmax over all of them; sampled ones: one draw per set of
@@ -674,7 +764,7 @@ class RaggedBatch:
                 picks = draw_plain([streams[i].sampler for i in rows], stacked, counts, ahead)
             start = 0
             for i, n in zip(rows, counts):
-                drawn[i] = picks[start:start + n]
+                drawn[i] = picks[start : start + n]
                 start += n
         for i, s in enumerate(streams):
             if drawn[i] is None:
@@ -699,7 +789,7 @@ class RaggedBatch:
         if stream.token_ids is not None:
             self._store_prefix(stream.row, stream.token_ids)
         if self.replica_index is not None and stream.index is not None and stream.num_emitted:
-            self.replica_index.add(stream.index.history[-stream.num_emitted:])
+            self.replica_index.add(stream.index.history[-stream.num_emitted :])
         self._to_session_region(stream.row, freeing=True)  # the last classic row takes its slot
         self.slab.free(stream.row)  # and the last row of the slab this one's
         del self._streams[stream.request_id]

@@ -53,8 +53,9 @@ def verify_drafts(p: mx.array, q: mx.array, drafts: mx.array, key: mx.array) -> 
         m = mx.cumprod(accepted).sum()
     else:
         m = mx.array(0, dtype=mx.int32)
-    last = mx.random.categorical(mx.log(residual(mx.take(p, m, axis=0), mx.take(q, m, axis=0))),
-                                 key=draw_key).astype(mx.int32)
+    last = mx.random.categorical(mx.log(residual(mx.take(p, m, axis=0), mx.take(q, m, axis=0))), key=draw_key).astype(
+        mx.int32
+    )
     padded = mx.concatenate([drafts.astype(mx.int32), mx.zeros((1,), mx.int32)])
     tokens = mx.where(mx.arange(n + 1) < m, padded, last)
     return tokens, m

@@ -47,7 +47,7 @@ class ReplicaIndex:
     def add(self, output: Sequence[int]) -> None:
         """Store one finished stream's output (an output longer than `capacity` keeps its
         last `capacity` tokens)."""
-        output = list(output)[-self.capacity:]
+        output = list(output)[-self.capacity :]
         if len(output) < self.min_ngram + 1:
             return
         if self._size + len(output) > self.capacity:
@@ -66,7 +66,7 @@ class ReplicaIndex:
         self._tokens.append(None)
         for end in range(self.min_ngram, len(output)):  # the n-grams ending before `end`, with a follower
             for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
-                self._starts[tuple(output[end - n:end])] = base + end
+                self._starts[tuple(output[end - n : end])] = base + end
 
     def propose(self, context: Sequence[int], k: int, count: bool = True) -> list[int]:
         """Up to `k` tokens that followed the latest stored occurrence of the longest
@@ -75,12 +75,12 @@ class ReplicaIndex:
         if k <= 0:
             return []
         self.num_proposals += count
-        tail = list(context[-self.max_ngram:])
+        tail = list(context[-self.max_ngram :])
         for n in range(min(self.max_ngram, len(tail)), self.min_ngram - 1, -1):
             at = self._starts.get(tuple(tail[-n:]))
             if at is not None:
                 out = []
-                for token in self._tokens[at:at + k]:
+                for token in self._tokens[at : at + k]:
                     if token is None:
                         break
                     out.append(token)
@@ -89,5 +89,9 @@ class ReplicaIndex:
         return []
 
     def stats(self) -> dict:
-        return {"tokens": self._size, "outputs": len(self._outputs), "proposals": self.num_proposals,
-                "hits": self.num_hits}
+        return {
+            "tokens": self._size,
+            "outputs": len(self._outputs),
+            "proposals": self.num_proposals,
+            "hits": self.num_hits,
+        }

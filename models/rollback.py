@@ -43,9 +43,7 @@ def draft_cache_trim(num_drafted: int, num_accepted: int) -> int:
     return max(num_drafted - 1 - num_accepted, 0)
 
 
-def clip_tokens(
-    tokens: Sequence[int], num_remaining: int, stop_ids: Sequence[int]
-) -> tuple[list[int], str | None]:
+def clip_tokens(tokens: Sequence[int], num_remaining: int, stop_ids: Sequence[int]) -> tuple[list[int], str | None]:
     """Cut a round's tokens at the first stop token (kept) or at `num_remaining`.
 
     Returns (tokens to emit, finish_reason). "stop" wins over "length" when the stop

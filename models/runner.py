@@ -15,21 +15,30 @@ from typing import Callable, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from models import (bucketed, cache_rollback, dense_weights, device_memory, fused_projections, ragged,
-                    runner_build, slab, tick_costs)
-from models.replica_index import ReplicaIndex
-from models.ragged_batch import RaggedBatch
+from models import (
+    bucketed,
+    cache_rollback,
+    dense_weights,
+    device_memory,
+    fused_projections,
+    ragged,
+    runner_build,
+    slab,
+    tick_costs,
+)
 from models.drafter_kinds import DRAFTERS
 from models.drafters import Drafter, DrafterSlot, NgramDrafter, NgramIndex
 from models.grammar import Grammars
 from models.loader import LoadedModel, load_pair
-from models.sampling import supports_sampling
-from models.runner_config import RunnerConfig
+from models.ragged_batch import RaggedBatch
+from models.replica_index import ReplicaIndex
 from models.runner_build import hardware_name  # noqa: F401 (re-exported)
+from models.runner_config import RunnerConfig
+from models.sampling import supports_sampling
 from models.session import SpeculativeSession
+from scheduler.costs import TickCosts
 from scheduler.model_api import RoundOutcome, TokenBatch
 from scheduler.request import Request
-from scheduler.costs import TickCosts
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +46,15 @@ SPEC_OFF_NO_ROLLBACK = "the target's cache cannot be rolled back"
 
 
 class MlxRunner:
-    def __init__(self, target: LoadedModel, drafter: Drafter | None, config: RunnerConfig | None = None, *,
-                 draft_fingerprint: str = "", **knobs):
+    def __init__(
+        self,
+        target: LoadedModel,
+        drafter: Drafter | None,
+        config: RunnerConfig | None = None,
+        *,
+        draft_fingerprint: str = "",
+        **knobs,
+    ):
         """`config` (`models.runner_config.RunnerConfig`, which documents each knob), with
         `knobs` (its field names) overriding it: `MlxRunner(target, drafter,
         num_draft_tokens=3)`. `draft_fingerprint`: the draft model's content hash
@@ -83,9 +99,14 @@ class MlxRunner:
             self.fuse_blocker = "the slot verifies through the compiled GPU path (fast_verify)"
         elif self.fuse_blocker is None:
             self.fuse_blocker = slab.check_support(target.model, token_ids=target.tokenizer.encode(slab.CHECK_TEXT))
-        self._classic = runner_build.make_classic_batch(target.model, config, self.fuse_blocker,
-                                                        self._slot.drafter if self._slot else None,
-                                                        self.eos_token_ids, self.grammars)
+        self._classic = runner_build.make_classic_batch(
+            target.model,
+            config,
+            self.fuse_blocker,
+            self._slot.drafter if self._slot else None,
+            self.eos_token_ids,
+            self.grammars,
+        )
         if self._ragged and self._classic.row_drafts:
             self._classic.costs = self.tick_costs()  # what a verify position costs, at load
             self.draft_step_share = config.draft_step_share
@@ -174,8 +195,9 @@ class MlxRunner:
         return count
 
     @classmethod
-    def from_paths(cls, target_path: str, *, drafter_kind: str | None = "draft_model",
-                   drafter_path: str | None = None, **knobs) -> "MlxRunner":
+    def from_paths(
+        cls, target_path: str, *, drafter_kind: str | None = "draft_model", drafter_path: str | None = None, **knobs
+    ) -> "MlxRunner":
         """Load models and build the runner: `drafter_kind` is a key of
         `models.drafter_kinds.DRAFTERS` (None: no drafter), `knobs` are `RunnerConfig`'s
         fields. Raises `ModelLoadError` / `ValueError`."""
@@ -195,8 +217,9 @@ class MlxRunner:
         return cls(target, drafter, config, draft_fingerprint=draft.fingerprint if draft is not None else "")
 
     # -- classic --------------------------------------------------------------------
-    def classic_prefill(self, requests: Sequence[Request], between: Callable[[], None] | None = None,
-                        piece: int = 0) -> list[TokenBatch]:
+    def classic_prefill(
+        self, requests: Sequence[Request], between: Callable[[], None] | None = None, piece: int = 0
+    ) -> list[TokenBatch]:
         if not self._ragged:  # `BatchGenerator` prefills whole
             return self._classic.prefill(requests)
         return self._classic.prefill(requests, between=between, piece=piece)
@@ -206,8 +229,9 @@ class MlxRunner:
             return len(request.prompt_ids) <= piece
         return self._classic.prefill_fits(request.prompt_ids, piece)
 
-    def classic_decode(self, drafts: bool = False, skip_cap: int = 2,
-                       interrupt: Callable[[], bool] | None = None) -> list[TokenBatch]:
+    def classic_decode(
+        self, drafts: bool = False, skip_cap: int = 2, interrupt: Callable[[], bool] | None = None
+    ) -> list[TokenBatch]:
         if not self._ragged:  # `BatchGenerator` rows never draft, nor stop part-way
             return self._classic.decode(drafts=drafts)
         self._classic.skip_cap = skip_cap
@@ -274,10 +298,12 @@ class MlxRunner:
 
     def _session_cache_for(self, request: Request):
         """A session's `new_cache`: a slab row starting from the prompt's cached prefix."""
+
         def new_cache() -> list:
             cache = self._classic.new_session_cache(request.prompt_ids)
             request.num_cached_tokens = cache[0].offset
             return cache
+
         return new_cache
 
     def spec_round(self, request_id: str, probe: bool = False) -> RoundOutcome:
@@ -309,12 +335,14 @@ class MlxRunner:
             return None
         if self._tick_costs is None:
             vocab = getattr(getattr(self.target.model, "args", None), "vocab_size", 256)
-            self._tick_costs = tick_costs.measure(self.target.model, self._slot.drafter, self.num_draft_tokens,
-                                                  self._classic_rows_cap, vocab)
+            self._tick_costs = tick_costs.measure(
+                self.target.model, self._slot.drafter, self.num_draft_tokens, self._classic_rows_cap, vocab
+            )
         return self._tick_costs
 
-    def spec_round_with_decode(self, request_id: str, drafts: bool = False,
-                               skip_cap: int = 2) -> tuple[RoundOutcome, list[TokenBatch]]:
+    def spec_round_with_decode(
+        self, request_id: str, drafts: bool = False, skip_cap: int = 2
+    ) -> tuple[RoundOutcome, list[TokenBatch]]:
         """The holder's round and one decode step of every classic row in one forward:
         the verify tokens ride in the batch's step (`models.ragged.Rider`). When the
         batch runs no forward (a lone row emitting its last token), the verify runs
@@ -361,9 +389,18 @@ class MlxRunner:
         if live is None:
             return [emitted], False
         session = SpeculativeSession.from_live(
-            request_id, self.target.model, request.prompt_ids, [*request.output_ids, *emitted.token_ids],
-            request.sampling, live.cache, live.sampler, num_draft_tokens=self.num_draft_tokens,
-            eos_token_ids=self.eos_token_ids, draft_state=draft_state, lane=int(request.lane))
+            request_id,
+            self.target.model,
+            request.prompt_ids,
+            [*request.output_ids, *emitted.token_ids],
+            request.sampling,
+            live.cache,
+            live.sampler,
+            num_draft_tokens=self.num_draft_tokens,
+            eos_token_ids=self.eos_token_ids,
+            draft_state=draft_state,
+            lane=int(request.lane),
+        )
         session.bind(self._slot.take(request_id))
         self._sessions[request_id] = session
         return [emitted], True
@@ -384,7 +421,7 @@ class MlxRunner:
             if self._ragged and session.cache is not None:
                 self._classic.release(session.cache, session.history)
             if self._replica_index is not None and session.num_emitted:
-                self._replica_index.add(session.history[-session.num_emitted:])
+                self._replica_index.add(session.history[-session.num_emitted :])
             session.finish()
         if self._slot is not None:
             self._slot.return_(request_id)
@@ -405,9 +442,16 @@ class MlxRunner:
         if keep_draft:
             self._keep_draft(session)
         moved = self._classic.adopt(
-            request_id, session.cache, session.sampler, session.history[-1],
-            max_tokens=session.max_tokens, num_emitted=session.num_emitted, stop_ids=session.stop_ids,
-            history=session.history[:-1], lane=session.lane)
+            request_id,
+            session.cache,
+            session.sampler,
+            session.history[-1],
+            max_tokens=session.max_tokens,
+            num_emitted=session.num_emitted,
+            stop_ids=session.stop_ids,
+            history=session.history[:-1],
+            lane=session.lane,
+        )
         del self._sessions[request_id]
         session.cache = None  # the classic row owns it now
         session.finish()
@@ -441,4 +485,3 @@ class MlxRunner:
         for request_id in list(self._sessions):
             self.spec_finish(request_id)
         self._classic.close()
-

@@ -33,8 +33,14 @@ def hardware_name() -> str:
     return f"{kind}-{platform.machine()}"
 
 
-def make_classic_batch(model: nn.Module, config: RunnerConfig, fuse_blocker: str | None, drafter: Drafter | None,
-                       eos_token_ids: list[int], grammars: Grammars) -> ClassicBatch | RaggedBatch:
+def make_classic_batch(
+    model: nn.Module,
+    config: RunnerConfig,
+    fuse_blocker: str | None,
+    drafter: Drafter | None,
+    eos_token_ids: list[int],
+    grammars: Grammars,
+) -> ClassicBatch | RaggedBatch:
     """Where the verify can ride in the batch's forward (`fuse_blocker` None), classic
     rows and sessions share one slab (`models.ragged_batch`): moving a stream between
     them moves no keys. Otherwise, or with `config.ragged` False, mlx-lm's
@@ -43,16 +49,25 @@ def make_classic_batch(model: nn.Module, config: RunnerConfig, fuse_blocker: str
     drafter that keeps KV gets its own share of the budget (`make_prefix_caches`)."""
     if config.ragged and fuse_blocker is not None:
         raise ValueError(f"a ragged batch needs a verify that rides in it: {fuse_blocker}")
-    common = dict(eos_token_ids=eos_token_ids, max_batch_size=config.max_batch_size,
-                  prefill_batch_size=config.prefill_batch_size, solo_burst_s=config.classic_burst_ms / 1000.0,
-                  grammars=grammars)
+    common = dict(
+        eos_token_ids=eos_token_ids,
+        max_batch_size=config.max_batch_size,
+        prefill_batch_size=config.prefill_batch_size,
+        solo_burst_s=config.classic_burst_ms / 1000.0,
+        grammars=grammars,
+    )
     if fuse_blocker is None and config.ragged is not False:
-        batch = RaggedBatch(model, row_drafts=config.row_drafts and drafter is not None,
-                            num_draft_tokens=config.num_draft_tokens, **common)
+        batch = RaggedBatch(
+            model,
+            row_drafts=config.row_drafts and drafter is not None,
+            num_draft_tokens=config.num_draft_tokens,
+            **common,
+        )
         # The draft's bytes per position cost a draft forward: only asked when a cache is on.
         draft_bytes = drafter.kv_bytes_per_position() if drafter and config.prefix_cache_bytes != 0 else 0
-        batch.prefix_cache, draft_cache = make_prefix_caches(config.prefix_cache_bytes, batch.slab.bytes_per_position,
-                                                             draft_bytes)
+        batch.prefix_cache, draft_cache = make_prefix_caches(
+            config.prefix_cache_bytes, batch.slab.bytes_per_position, draft_bytes
+        )
         if draft_cache is not None:
             drafter.prefix_cache = draft_cache
         return batch
@@ -61,8 +76,9 @@ def make_classic_batch(model: nn.Module, config: RunnerConfig, fuse_blocker: str
     return ClassicBatch(model, **common)
 
 
-def make_prefix_caches(budget_bytes: int | None, target_bytes_per_position: int,
-                       draft_bytes_per_position: int = 0) -> tuple[prefix_cache.PrefixCache | None, ...]:
+def make_prefix_caches(
+    budget_bytes: int | None, target_bytes_per_position: int, draft_bytes_per_position: int = 0
+) -> tuple[prefix_cache.PrefixCache | None, ...]:
     """(the target's prefix cache, the draft model's): None when off (budget 0); None
     as the budget: sized from the memory available now (a deployment's default,
     `RunnerConfig.prefix_cache_bytes`). A drafter that keeps KV (bytes per position > 0)
@@ -76,8 +92,12 @@ def make_prefix_caches(budget_bytes: int | None, target_bytes_per_position: int,
     """
     if budget_bytes is None:
         budget_bytes = prefix_cache.default_budget(prefix_cache.available_memory())
-        log.info("prefix cache: %.2f GiB (1/%d of the memory available, at most %d GiB)", budget_bytes / 2**30,
-                 prefix_cache.DEFAULT_BUDGET_SHARE, prefix_cache.DEFAULT_BUDGET_CAP >> 30)
+        log.info(
+            "prefix cache: %.2f GiB (1/%d of the memory available, at most %d GiB)",
+            budget_bytes / 2**30,
+            prefix_cache.DEFAULT_BUDGET_SHARE,
+            prefix_cache.DEFAULT_BUDGET_CAP >> 30,
+        )
     if budget_bytes <= 0:
         return None, None
     draft_budget = budget_bytes * draft_bytes_per_position // (target_bytes_per_position + draft_bytes_per_position)
@@ -90,8 +110,9 @@ def warm_compiled(verifier: BucketedForward, drafter: Drafter, num_draft_tokens:
     and K + 1 positions (logits for sampled requests, greedy tokens for greedy ones),
     the drafter's catch-up feeds, prefill chunks of target and draft. Returns the shape count."""
     tic = time.perf_counter()
-    log.info("warming the compiled verify for contexts up to %d positions (MLX compiles each shape once)",
-             max_positions)
+    log.info(
+        "warming the compiled verify for contexts up to %d positions (MLX compiles each shape once)", max_positions
+    )
     verify_widths = (1, num_draft_tokens + 1)  # 1: a request's last-token round
     count = verifier.warm(verify_widths, max_positions)  # sampled requests
     count += verifier.warm(verify_widths, max_positions, head="every")  # greedy ones
@@ -121,9 +142,11 @@ def run_warm_batch(runner, max_tokens: int = 4) -> int:
     try:
         prompt = list(runner.tokenizer.encode(WARM_PROMPT))[:16] or [1]
         sampled = dict(max_tokens=max_tokens, temperature=0.7, top_p=0.9)
-        requests = [Request("__warm_b0", prompt, SamplingParams(max_tokens=max_tokens)),
-                    Request("__warm_b1", prompt, SamplingParams(seed=0, **sampled)),
-                    Request("__warm_b2", prompt, SamplingParams(seed=1, **sampled))]
+        requests = [
+            Request("__warm_b0", prompt, SamplingParams(max_tokens=max_tokens)),
+            Request("__warm_b1", prompt, SamplingParams(seed=0, **sampled)),
+            Request("__warm_b2", prompt, SamplingParams(seed=1, **sampled)),
+        ]
         runner.classic_prefill(requests)
         for _ in range(4 * max_tokens):
             if not runner.num_classic_rows():
@@ -147,8 +170,9 @@ def run_warm_requests(runner) -> None:
         return
     prompt = list(runner.tokenizer.encode(WARM_PROMPT))[:16] or [1]
     n = 2 * (runner.num_draft_tokens + 1) + 2
-    for i, params in enumerate((SamplingParams(max_tokens=n),
-                                SamplingParams(max_tokens=n, temperature=0.7, top_p=0.9, seed=0))):
+    for i, params in enumerate(
+        (SamplingParams(max_tokens=n), SamplingParams(max_tokens=n, temperature=0.7, top_p=0.9, seed=0))
+    ):
         request = Request(f"__warm{i}", prompt, params)
         if not runner.spec_supports(request):
             return

@@ -38,15 +38,18 @@ class RunnerConfig:
         "(`models/bucketed.py`): the fastest lone stream on a GPU (docs/gpu.md), but that verify "
         "cannot ride in the batch's forward, so mlx-lm's `BatchGenerator` and the alternating tick "
         "run instead of the slab; for single-stream deployments. Off: the slab serves on CPU and GPU "
-        "alike (on a GPU its forwards run as grids with bucketed shapes, docs/gpu.md \"Concurrency "
-        "on the H200\").")
+        'alike (on a GPU its forwards run as grids with bucketed shapes, docs/gpu.md "Concurrency '
+        'on the H200").',
+    )
     classic_burst_ms: float = knob(
         DEFAULT_CLASSIC_BURST_MS,
         "Milliseconds a classic row decoding *alone* keeps stepping within one engine tick, so a "
         "tick returns several tokens when steps are fast (on an H200 a bundled-model step is "
         "~1.4 ms and a tick's own work ~0.05–0.1 ms); a new arrival waits at most this long for its "
         "prefill; 0 = one token per tick. Rows sharing the batch always step once per tick.",
-        ge=0.0, le=1000.0)
+        ge=0.0,
+        le=1000.0,
+    )
     prefix_cache_bytes: int | None = knob(
         0,
         "Bytes of KV the replica's prefix cache may hold; **0 = off**. A classic row or a "
@@ -57,9 +60,12 @@ class RunnerConfig:
         "are evicted to stay within the budget. Needs the slab batch (`fuse_blocker` unset in "
         "`/v1/internal/scheduler`). With a draft model the budget is split between the target's "
         "prefixes and the draft's own, in proportion to the KV a position takes in each. See "
-        "\"Prefix cache\" below.",
-        ge=0, le=1 << 42, deploy_default=None,
-        default_doc="an eighth of the memory available once the model is loaded, at most 4 GiB")
+        '"Prefix cache" below.',
+        ge=0,
+        le=1 << 42,
+        deploy_default=None,
+        default_doc="an eighth of the memory available once the model is loaded, at most 4 GiB",
+    )
     dense_weights: bool | None = knob(
         None,
         "Dequantize a quantized model's layers (target and draft model) once at load and serve "
@@ -70,16 +76,18 @@ class RunnerConfig:
         "CUDA GPU when the growth fits in half the memory available (Apple silicon's quantized "
         "kernels are the fast ones); false keeps the weights as loaded, true dequantizes wherever. "
         "The load log says which.",
-        default_doc="on a CPU or a CUDA GPU where the memory allows, off on Apple silicon")
+        default_doc="on a CPU or a CUDA GPU where the memory allows, off on Apple silicon",
+    )
     fused_projections: bool | None = knob(
         None,
         "Run each layer's q, k and v projections as one matmul, and its MLP's gate and up as one, "
         "in every forward (llama-family models with plain layers: llama, mistral, qwen2; others are "
         "left as they are). On the H200 4 greedy streams ran in 5-9 % less tick time and a 4-row step "
         "of 5 tokens a row took 17.7-19.2 ms against 19.0-20.4 (Qwen2.5-1.5B shape, dense bf16, "
-        "random weights; docs/gpu.md, \"Fused projections\"); on the development CPU the engine ran "
+        'random weights; docs/gpu.md, "Fused projections"); on the development CPU the engine ran '
         "level within its noise (0.94-1.08x). None = on a CUDA GPU; true / false force it.",
-        default_doc="on a CUDA GPU, off elsewhere")
+        default_doc="on a CUDA GPU, off elsewhere",
+    )
     draft_step_share: float = knob(
         0.0,
         "The rows' drafts in one step may add at most this share of the step's time without them "
@@ -89,7 +97,9 @@ class RunnerConfig:
         "the cost model alone, the faster default (on the development CPU a 0.5 share cost 5-7 % of "
         "throughput and TPOT at 8 and 16 streams, docs/CONTINUOUS_BATCHING.md). A bound protects rows "
         "that do not draft from long steps.",
-        ge=0.0, le=100.0)
+        ge=0.0,
+        le=100.0,
+    )
     replica_drafts: bool = knob(
         False,
         "Classic rows that draft (`row_drafts`) also draft from the replica's past outputs: the "
@@ -97,30 +107,44 @@ class RunnerConfig:
         "a row whose last 4-8 tokens occurred in one drafts what followed, else its own prompt "
         "lookup. For agents that re-ask and edits that return most of an earlier answer (6-12 % "
         "faster from 2 streams where every prompt comes twice, a little slower on fresh prompts: "
-        "docs/benchmarks.md, scenario 6). Needs the slab batch.")
+        "docs/benchmarks.md, scenario 6). Needs the slab batch.",
+    )
     sampled_row_drafts: bool = knob(
         False,
         "Classic rows that draft (`row_drafts`) draft at temperature > 0 too, not only greedy "
         "ones: a sampled row's draws are keyed by position, so its tokens are the same either way "
-        "(docs/configuration.md, \"Speculation at temperature > 0\"). Off by default: on the CPU it "
+        '(docs/configuration.md, "Speculation at temperature > 0"). Off by default: on the CPU it '
         "gains on code at T = 0.7 (1.07-1.36x plain batching from 2 to 8 streams, against 0.99-1.03x "
         "without) but where drafts rarely land (random prompts at T = 1.0) it ran 0.93-0.96x from 4 "
         "streams, against 0.96-0.98x without, within this machine's noise but short of 0.97x "
-        "(docs/benchmarks.md, scenario 6). Needs the slab batch.")
+        "(docs/benchmarks.md, scenario 6). Needs the slab batch.",
+    )
     warm_positions: int | None = knob(
-        None, "With fast_verify, compile the shapes of contexts up to this many positions at load "
-        "(None = min(max_context, 2048); 0 = lazily).", ge=0, deployed=False)
+        None,
+        "With fast_verify, compile the shapes of contexts up to this many positions at load "
+        "(None = min(max_context, 2048); 0 = lazily).",
+        ge=0,
+        deployed=False,
+    )
     prefill_chunk: int = knob(
-        128, "With fast_verify, a session's prefill (target and draft model) runs in compiled "
-        "chunks of this many positions (0 = plain mlx-lm prefill).", ge=0, deployed=False)
+        128,
+        "With fast_verify, a session's prefill (target and draft model) runs in compiled "
+        "chunks of this many positions (0 = plain mlx-lm prefill).",
+        ge=0,
+        deployed=False,
+    )
     warm_session: bool = knob(
-        True, "Throwaway requests (greedy and sampled) at load: end to end with fast_verify; through "
+        True,
+        "Throwaway requests (greedy and sampled) at load: end to end with fast_verify; through "
         "the classic batch and the slot with the slab batch on a GPU, where kernels compile on first use.",
-        deployed=False)
+        deployed=False,
+    )
     ragged: bool | None = knob(
-        None, "Classic rows and sessions in one slab (`models.ragged_batch`); None = whenever the "
+        None,
+        "Classic rows and sessions in one slab (`models.ragged_batch`); None = whenever the "
         "verify can ride in the batch's forward, False = mlx-lm's `BatchGenerator` in every case.",
-        deployed=False)
+        deployed=False,
+    )
 
     def __post_init__(self) -> None:
         knobs.check_knobs(self)

@@ -80,12 +80,14 @@ def logprob_arrays(logprobs: mx.array, tokens: mx.array, k: int) -> LogprobArray
     ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
     values = mx.take_along_axis(logprobs, ids, axis=-1)
     order = mx.argsort(-values, axis=-1)
-    return LogprobArrays(chosen, mx.take_along_axis(ids, order, axis=-1).astype(mx.int32),
-                         mx.take_along_axis(values, order, axis=-1))
+    return LogprobArrays(
+        chosen, mx.take_along_axis(ids, order, axis=-1).astype(mx.int32), mx.take_along_axis(values, order, axis=-1)
+    )
 
 
-def penalized_logits(logits: mx.array, params: SamplingParams, recent: mx.array | None,
-                     counts: mx.array | None, drafts: Tokens = ()) -> mx.array:
+def penalized_logits(
+    logits: mx.array, params: SamplingParams, recent: mx.array | None, counts: mx.array | None, drafts: Tokens = ()
+) -> mx.array:
     """The logits (n, V) of n consecutive positions after the request's processors
     (`SamplingParams`: logit_bias, then the repetition penalty, then presence and
     frequency penalties).
@@ -107,8 +109,9 @@ def penalized_logits(logits: mx.array, params: SamplingParams, recent: mx.array 
     if params.logit_bias:
         logits = logits + bias_vector(params.logit_bias, vocab)
     if params.repetition_penalty != 1.0:
-        logits = _repetition_penalty(logits, params.repetition_penalty, params.repetition_context_size,
-                                     recent, draft_ids)
+        logits = _repetition_penalty(
+            logits, params.repetition_penalty, params.repetition_context_size, recent, draft_ids
+        )
     if params.has_output_penalties:
         seen = counts[None]
         if draft_ids is not None:  # row i adds the drafts before position i
@@ -129,8 +132,9 @@ def bias_vector(logit_bias: Sequence[tuple[int, float]], vocab: int) -> mx.array
     return bias.at[mx.array(ids, mx.int32)].add(mx.array(values, mx.float32))
 
 
-def _repetition_penalty(logits: mx.array, penalty: float, window: int, recent: mx.array,
-                        draft_ids: mx.array | None) -> mx.array:
+def _repetition_penalty(
+    logits: mx.array, penalty: float, window: int, recent: mx.array, draft_ids: mx.array | None
+) -> mx.array:
     """mlx-lm's `make_repetition_penalty`, per position: each token among the position's
     last `window` tokens has its logit divided by `penalty` (positive) or multiplied."""
     n = logits.shape[0]
@@ -173,8 +177,9 @@ def _fold_positions(keys: mx.array, positions: mx.array) -> mx.array:
     return mx.vmap(lambda k: mx.random.split(k)[0])(words)
 
 
-def stacked_keys(samplers: Sequence["RequestSampler"], counts: Sequence[int], ahead: int = 0,
-                 stream: int = DRAWS) -> mx.array:
+def stacked_keys(
+    samplers: Sequence["RequestSampler"], counts: Sequence[int], ahead: int = 0, stream: int = DRAWS
+) -> mx.array:
     """(sum(counts), 2): `samplers[j].keys(counts[j], ahead, stream)` stacked, made in
     one pass over every row instead of one per sampler (the same keys)."""
     rows, positions = [], []
@@ -214,7 +219,7 @@ class RequestSampler:
         if params.repetition_penalty != 1.0:
             if not prompt_ids:
                 raise ValueError("a repetition penalty needs the prompt")
-            self._recent = mx.array(list(prompt_ids[-params.repetition_context_size:]), dtype=mx.int32)
+            self._recent = mx.array(list(prompt_ids[-params.repetition_context_size :]), dtype=mx.int32)
         self._counts: mx.array | None = None  # (V,), made at the first draw
         self._unfolded: tuple[mx.array, ...] = ()  # output accepted before the first draw
         self.grammar: GrammarMatcher | None = None
@@ -258,7 +263,7 @@ class RequestSampler:
             return
         ids = _token_array(tokens)
         if self._recent is not None:
-            self._recent = mx.concatenate([self._recent, ids])[-self.params.repetition_context_size:]
+            self._recent = mx.concatenate([self._recent, ids])[-self.params.repetition_context_size :]
         if self.params.has_output_penalties:
             if self._counts is None:
                 self._unfolded += (ids,)
@@ -300,8 +305,9 @@ class RequestSampler:
         is unchanged (the caller accepts what it emits)."""
         return self(self.log_probs(logits, drafts))
 
-    def sample_with_logprobs(self, logits: mx.array, drafts: Tokens = (),
-                             ahead: int = 0) -> tuple[mx.array, LogprobArrays | None]:
+    def sample_with_logprobs(
+        self, logits: mx.array, drafts: Tokens = (), ahead: int = 0
+    ) -> tuple[mx.array, LogprobArrays | None]:
         """`sample`, and (lazy) the positions' `LogprobArrays` from the same processed
         log-probabilities where the request asked for them (else None). `ahead`: the
         first position is `ahead` past the next one (`keys`)."""
@@ -365,14 +371,15 @@ class RequestSampler:
         ids = _token_array(drafts)
         if ids.size:
             if recent is not None:
-                recent = mx.concatenate([recent, ids])[-self.params.repetition_context_size:]
+                recent = mx.concatenate([recent, ids])[-self.params.repetition_context_size :]
             if counts is not None:
                 counts = counts.at[ids].add(1.0)
         return penalized_logits(logits, self.params, recent, counts)
 
 
-def draw_plain(samplers: Sequence["RequestSampler"], logits: mx.array, counts: Sequence[int],
-               ahead: int = 0) -> mx.array:
+def draw_plain(
+    samplers: Sequence["RequestSampler"], logits: mx.array, counts: Sequence[int], ahead: int = 0
+) -> mx.array:
     """What `samplers[j].sample` (with `ahead`) draws for its `counts[j]` rows of the
     stacked raw `logits` (sum(counts), V), as one draw over every row, for samplers at
     temperature > 0 without processors that share their filters (`filter_key`): a
@@ -399,6 +406,7 @@ def _neg_inf(dtype: mx.Dtype) -> mx.array:
 # waited for it (`scripts/experiments/filter_values.py`). Uncompiled, they run MLX's
 # prebuilt kernels only: nothing is built per value, and a GPU replica's cold start
 # builds three fewer kernels.
+
 
 def top_p_filter(logprobs: mx.array, top_p: float) -> mx.array:
     """(n, V) with every token outside the nucleus at -inf: the most likely tokens
@@ -432,9 +440,15 @@ def supports_sampling(params: SamplingParams) -> bool:
     """Options every path implements (temperature >= 0, 0 < top_p <= 1, top_k >= 0,
     0 <= min_p <= 1, repetition_penalty > 0 over a window of at least one token,
     max_tokens > 0)."""
-    return (params.temperature >= 0.0 and 0.0 < params.top_p <= 1.0 and params.top_k >= 0
-            and 0.0 <= params.min_p <= 1.0 and params.repetition_penalty > 0.0
-            and params.repetition_context_size >= 1 and params.max_tokens > 0)
+    return (
+        params.temperature >= 0.0
+        and 0.0 < params.top_p <= 1.0
+        and params.top_k >= 0
+        and 0.0 <= params.min_p <= 1.0
+        and params.repetition_penalty > 0.0
+        and params.repetition_context_size >= 1
+        and params.max_tokens > 0
+    )
 
 
 def stop_token_ids(eos_token_ids: Sequence[int], params: SamplingParams) -> tuple[int, ...]:

@@ -41,10 +41,10 @@ from models.cache_rollback import trim_exact
 from models.drafters import Drafter
 from models.grammar import Grammars
 from models.prefill import PREFILL_STEP, prefill_chunks
-from models.slab_forward import last_positions
 from models.rejection import verify_drafts, with_bonus_row
 from models.rollback import accept_count, clip_tokens, draft_budget, target_cache_trim
 from models.sampling import ROUNDS, LogprobArrays, RequestSampler, stop_token_ids
+from models.slab_forward import last_positions
 from models.solo import SoloRow
 from scheduler.model_api import RoundOutcome
 from scheduler.request import SamplingParams, TokenLogprob
@@ -62,9 +62,7 @@ class SessionCounters:
     # Host wall time per round phase, summed: "draft" (proposing; includes its sync on
     # the plain path), "verify" (building/dispatching the target forward), "sync"
     # (waiting for the round's tokens), "rollback" (trims and bookkeeping).
-    phase_seconds: dict = field(
-        default_factory=lambda: {"draft": 0.0, "verify": 0.0, "sync": 0.0, "rollback": 0.0}
-    )
+    phase_seconds: dict = field(default_factory=lambda: {"draft": 0.0, "verify": 0.0, "sync": 0.0, "rollback": 0.0})
 
 
 class SpeculativeSession:
@@ -116,9 +114,21 @@ class SpeculativeSession:
         self._vocab = getattr(getattr(target, "args", None), "vocab_size", None)
 
     @classmethod
-    def from_live(cls, request_id: str, target: nn.Module, prompt_ids: Sequence[int], output_ids: Sequence[int],
-                  sampling: SamplingParams, cache: list, sampler: RequestSampler, *, num_draft_tokens: int,
-                  eos_token_ids: Sequence[int], draft_state: object = None, lane: int = 1) -> "SpeculativeSession":
+    def from_live(
+        cls,
+        request_id: str,
+        target: nn.Module,
+        prompt_ids: Sequence[int],
+        output_ids: Sequence[int],
+        sampling: SamplingParams,
+        cache: list,
+        sampler: RequestSampler,
+        *,
+        num_draft_tokens: int,
+        eos_token_ids: Sequence[int],
+        draft_state: object = None,
+        lane: int = 1,
+    ) -> "SpeculativeSession":
         """A session continuing a stream decoded elsewhere (a classic row): `cache` holds
         every token of prompt + `output_ids` but the last output token (the pending
         one), `sampler` has accepted every emitted token (its position and the tokens its
@@ -127,8 +137,15 @@ class SpeculativeSession:
         the history at the first round); the drafter catches up on what it missed."""
         if not output_ids:
             raise ValueError("a live stream has emitted at least one token")
-        session = cls(request_id, target, prompt_ids, replace(sampling, grammar=None),
-                      num_draft_tokens=num_draft_tokens, eos_token_ids=eos_token_ids, lane=lane)
+        session = cls(
+            request_id,
+            target,
+            prompt_ids,
+            replace(sampling, grammar=None),
+            num_draft_tokens=num_draft_tokens,
+            eos_token_ids=eos_token_ids,
+            lane=lane,
+        )
         session.cache = cache
         session.sampler = sampler
         session.history = list(prompt_ids) + list(output_ids)
@@ -181,10 +198,10 @@ class SpeculativeSession:
         self.cache = self._new_cache()
         if self.verifier is not None and self.verifier.prefill_chunk:
             # Shape-stable and lazy: one host sync for the whole begin.
-            self.verifier.prefill(self.cache, self.prompt_ids[self.cache[0].offset:-1])
+            self.verifier.prefill(self.cache, self.prompt_ids[self.cache[0].offset : -1])
             logits = self.verifier.logits(self.cache, mx.array([self.prompt_ids[-1:]], dtype=mx.int32))[0]
         else:
-            rest = self.prompt_ids[self.cache[0].offset:]
+            rest = self.prompt_ids[self.cache[0].offset :]
             cut = max(0, len(rest) - PREFILL_STEP)  # the last chunk carries the last token
             prefill_chunks(self.target, self.cache, rest[:cut], forward=self.forward)
             logits = self.forward(rest[cut:], last_only=True)
@@ -194,8 +211,9 @@ class SpeculativeSession:
             self._draft_ready = True
         self.history = list(self.prompt_ids)
         tokens, reason = self._emit(first)
-        return RoundOutcome(self.request_id, tokens, reason, 0, 0, False, time.perf_counter() - tic,
-                            logprobs=_clip(logprobs, tokens))
+        return RoundOutcome(
+            self.request_id, tokens, reason, 0, 0, False, time.perf_counter() - tic, logprobs=_clip(logprobs, tokens)
+        )
 
     def step(self, probe: bool = False) -> RoundOutcome:
         """Exactly one round: draft K, verify K + 1 positions in one target forward,
@@ -212,8 +230,9 @@ class SpeculativeSession:
             tokens, reason = self._emit(tokens, accepted=True)
             seconds = time.perf_counter() - tic
             self._count_round(True, 0, 0, seconds)
-            return RoundOutcome(self.request_id, tokens, reason, 0, 0, True, seconds, per_token,
-                                logprobs=_clip(logprobs, tokens))
+            return RoundOutcome(
+                self.request_id, tokens, reason, 0, 0, True, seconds, per_token, logprobs=_clip(logprobs, tokens)
+            )
         if self.drafter is None:
             raise RuntimeError(f"session {self.request_id!r} does not hold the drafter")
         if self.verifier is not None and self.sampler.grammar is None:  # grammars: plain path
@@ -271,23 +290,24 @@ class SpeculativeSession:
         num_accepted, logprobs = None, None
         if self._draft_probs is not None:
             drafts = tokens[1:]
-            target, accepted, report = self._verify_sampled(logits, mx.array(drafts, dtype=mx.int32),
-                                                            self._draft_probs)
+            target, accepted, report = self._verify_sampled(logits, mx.array(drafts, dtype=mx.int32), self._draft_probs)
             mx.eval(target, accepted, *(() if report is None else report.arrays()))
             verified, num_accepted = target.tolist(), accepted.item()
             logprobs = None if report is None else report.tolist()
         else:
             verified, logprobs = self._sample(logits, tokens[1:])
         phases["sync"] += time.perf_counter() - t2
-        return self._finish_round(tokens[1:], verified, len(tokens) - 1, tic, self._num_proposed, num_accepted,
-                                  logprobs)
+        return self._finish_round(
+            tokens[1:], verified, len(tokens) - 1, tic, self._num_proposed, num_accepted, logprobs
+        )
 
     def _samples_drafts(self) -> bool:
         """Whether this round's drafts are sampled and accepted by rejection sampling."""
         return not self.sampler.is_greedy and self.drafter.sample_drafts
 
-    def _verify_sampled(self, logits: mx.array, drafts: mx.array,
-                        q: mx.array) -> tuple[mx.array, mx.array, LogprobArrays | None]:
+    def _verify_sampled(
+        self, logits: mx.array, drafts: mx.array, q: mx.array
+    ) -> tuple[mx.array, mx.array, LogprobArrays | None]:
         """Rejection sampling (lazy) of the n = len(drafts) sampled drafts against the
         target's distribution at `logits`' first n + 1 positions; `q` as
         `models.rejection.verify_drafts` takes it. Returns the target tokens, the drafts
@@ -301,8 +321,9 @@ class SpeculativeSession:
 
     def _step_bucketed(self) -> RoundOutcome:
         tic = time.perf_counter()
-        draft, verified, width, num_accepted, logprobs = self._verify_bucketed(self._draft_budget(),
-                                                                               self.counters.phase_seconds)
+        draft, verified, width, num_accepted, logprobs = self._verify_bucketed(
+            self._draft_budget(), self.counters.phase_seconds
+        )
         return self._finish_round(draft, verified, width, tic, num_accepted=num_accepted, logprobs=logprobs)
 
     def _draft_budget(self) -> int:
@@ -314,9 +335,16 @@ class SpeculativeSession:
             self._draft_ready = True
         return k
 
-    def _finish_round(self, draft: list[int], verified: list[int], width: int, tic: float,
-                      num_proposed: int | None = None, num_accepted: int | None = None,
-                      logprobs: list[TokenLogprob] | None = None) -> RoundOutcome:
+    def _finish_round(
+        self,
+        draft: list[int],
+        verified: list[int],
+        width: int,
+        tic: float,
+        num_proposed: int | None = None,
+        num_accepted: int | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> RoundOutcome:
         """The verify added `width` positions after the pending token (the drafts, and
         on the bucketed path their padding): roll back all but the accepted ones and the
         drafter (`num_proposed` drafts, default `len(draft)`), emit, count.
@@ -338,8 +366,9 @@ class SpeculativeSession:
         tokens, reason = self._emit(verified[: num_accepted + 1])
         seconds = time.perf_counter() - tic
         self._count_round(False, num_drafted, num_accepted, seconds)
-        return RoundOutcome(self.request_id, tokens, reason, num_drafted, num_accepted, False, seconds,
-                            logprobs=_clip(logprobs, tokens))
+        return RoundOutcome(
+            self.request_id, tokens, reason, num_drafted, num_accepted, False, seconds, logprobs=_clip(logprobs, tokens)
+        )
 
     def _count_round(self, probe: bool, num_drafted: int, num_accepted: int, seconds: float) -> None:
         c = self.counters
@@ -364,8 +393,15 @@ class SpeculativeSession:
         """
         n = max(1, min(PROBE_TOKENS, self.max_tokens - self.num_emitted))
         tic = time.perf_counter()
-        row = SoloRow.resume(self.request_id, self.target, self.cache, self.sampler, self.stop_ids,
-                             max_tokens=n, next_input=self.history[-1])
+        row = SoloRow.resume(
+            self.request_id,
+            self.target,
+            self.cache,
+            self.sampler,
+            self.stop_ids,
+            max_tokens=n,
+            next_input=self.history[-1],
+        )
         tokens: list[int] = []
         logprobs: list[TokenLogprob] | None = [] if self.sampler.wants_logprobs else None
         reads: list[float] = []
@@ -381,8 +417,9 @@ class SpeculativeSession:
             return tokens, (reads[-1] - reads[0]) / (len(reads) - 1), logprobs
         return tokens, reads[0] - tic, logprobs
 
-    def _verify_bucketed(self, k: int, phases: dict) -> tuple[list[int], list[int], int, int | None,
-                                                           list[TokenLogprob] | None]:
+    def _verify_bucketed(
+        self, k: int, phases: dict
+    ) -> tuple[list[int], list[int], int, int | None, list[TokenLogprob] | None]:
         """Draft and verify with one host sync: (drafts, target tokens, positions added,
         drafts accepted by rejection sampling or None for the equality rule, each
         position's logprobs where the request asked).
@@ -424,8 +461,12 @@ class SpeculativeSession:
                 target, report = self.sampler.sample_with_logprobs(logits, tokens[1:])
         t2 = time.perf_counter()
         num_accepted = None
-        mx.eval(target, *([drafts] if lazy or sampled else []), *([accepted] if sampled else []),
-                *([] if report is None else report.arrays()))  # one sync
+        mx.eval(
+            target,
+            *([drafts] if lazy or sampled else []),
+            *([accepted] if sampled else []),
+            *([] if report is None else report.arrays()),
+        )  # one sync
         if sampled:
             num_accepted = accepted.item()
         if lazy or sampled:
@@ -449,4 +490,4 @@ class SpeculativeSession:
 
 def _clip(logprobs: list[TokenLogprob] | None, tokens: list[int]) -> list[TokenLogprob] | None:
     """The logprobs of the emitted `tokens` (a prefix of the positions sampled)."""
-    return None if logprobs is None else logprobs[:len(tokens)]
+    return None if logprobs is None else logprobs[: len(tokens)]

@@ -80,10 +80,10 @@ class RowView:
         end = start + keys.shape[2]
         slab.reserve(end)
         k, v = slab.keys[self.layer], slab.values[self.layer]
-        k[slot:slot + 1, :, start:end, :] = keys
-        v[slot:slot + 1, :, start:end, :] = values
+        k[slot : slot + 1, :, start:end, :] = keys
+        v[slot : slot + 1, :, start:end, :] = values
         self.offset = end
-        return k[slot:slot + 1, :, :end, :], v[slot:slot + 1, :, :end, :]
+        return k[slot : slot + 1, :, :end, :], v[slot : slot + 1, :, :end, :]
 
     def make_mask(self, *args, **kwargs):
         return create_attention_mask(*args, offset=self.offset, **kwargs)
@@ -91,11 +91,11 @@ class RowView:
     @property
     def keys(self) -> mx.array:
         """The row's buffer, (1, kv_heads, capacity, dim), as `KVCache.keys` (valid up to offset)."""
-        return self.row.slab.keys[self.layer][self.row.slot:self.row.slot + 1]
+        return self.row.slab.keys[self.layer][self.row.slot : self.row.slot + 1]
 
     @property
     def values(self) -> mx.array:
-        return self.row.slab.values[self.layer][self.row.slot:self.row.slot + 1]
+        return self.row.slab.values[self.layer][self.row.slot : self.row.slot + 1]
 
     @property
     def state(self) -> tuple[mx.array, mx.array]:
@@ -210,8 +210,8 @@ class Slab:
         self.reserve(length)
         for i in range(self.num_layers):
             if length:
-                self.keys[i][row.slot:row.slot + 1, :, :length, :] = keys[i][None, :, :length, :]
-                self.values[i][row.slot:row.slot + 1, :, :length, :] = values[i][None, :, :length, :]
+                self.keys[i][row.slot : row.slot + 1, :, :length, :] = keys[i][None, :, :length, :]
+                self.values[i][row.slot : row.slot + 1, :, :length, :] = values[i][None, :, :length, :]
             row.cache[i].offset = length
 
     def copy_prefix(self, row: Row, length: int) -> tuple[list[mx.array], list[mx.array]]:
@@ -251,8 +251,11 @@ class Slab:
         copied at all: its new slot holds whatever was there."""
         if len(order) != len(self.rows) or {id(r) for r in order} != {id(r) for r in self.rows}:
             raise ValueError("arrange takes every row of the slab once")
-        moves = [(row.slot, slot, row.length) for slot, row in enumerate(order)
-                 if row.slot != slot and row.length and row is not discard]
+        moves = [
+            (row.slot, slot, row.length)
+            for slot, row in enumerate(order)
+            if row.slot != slot and row.length and row is not discard
+        ]
         self._move(moves)
         for slot, row in enumerate(order):
             row.slot = slot
@@ -274,17 +277,22 @@ class Slab:
         held = max(length for _, _, length in moves)
         taken = [mx.take(x[:, :, :held], index, axis=0) for x in self.arrays()]
         mx.eval(taken)
-        for store, parts in ((self.keys, taken[:self.num_layers]), (self.values, taken[self.num_layers:])):
+        for store, parts in ((self.keys, taken[: self.num_layers]), (self.values, taken[self.num_layers :])):
             for x, part in zip(store, parts):
                 for j, (_, dst, _) in enumerate(moves):
-                    x[dst:dst + 1, :, :held] = part[j:j + 1]
+                    x[dst : dst + 1, :, :held] = part[j : j + 1]
 
     def arrays(self) -> list[mx.array]:
         return self.keys + self.values
 
-    def forward(self, model: nn.Module, entries: list[tuple[Row, list[int]]],
-                values: mx.array | None = None, last_only: bool = False,
-                interrupt: Callable[[], bool] | None = None) -> list[mx.array]:
+    def forward(
+        self,
+        model: nn.Module,
+        entries: list[tuple[Row, list[int]]],
+        values: mx.array | None = None,
+        last_only: bool = False,
+        interrupt: Callable[[], bool] | None = None,
+    ) -> list[mx.array]:
         """Logits (lazy), (n, V) per entry, of one forward in which each entry's row
         gains its tokens, exactly as if each row had run its own forward.
 
@@ -340,11 +348,11 @@ class Slab:
         out = [None] * len(entries)
         for k, (index, start) in enumerate(zip(ctx.order, ctx.starts)):
             if gathered:
-                out[index] = logits[k:k + 1]
+                out[index] = logits[k : k + 1]
             elif last_only:
-                out[index] = logits[ends[k]:ends[k] + 1]
+                out[index] = logits[ends[k] : ends[k] + 1]
             else:
-                out[index] = logits[start:start + len(entries[index][1])]
+                out[index] = logits[start : start + len(entries[index][1])]
         return out
 
 
@@ -352,8 +360,6 @@ def _grow(x: mx.array, axis: int, extra: int) -> mx.array:
     shape = list(x.shape)
     shape[axis] = extra
     return mx.concatenate([x, mx.zeros(shape, x.dtype)], axis=axis)
-
-
 
 
 def check_support(model: nn.Module, atol: float = 1e-3, token_ids: list[int] | None = None) -> str | None:

@@ -99,8 +99,9 @@ class Forward:
             else:
                 runs.append([i])
         singles = set(single)
-        short = sorted((i for i in range(len(entries)) if 1 < len(entries[i][1]) <= EXACT_WIDTHS),
-                       key=lambda i: entries[i][0].slot)
+        short = sorted(
+            (i for i in range(len(entries)) if 1 < len(entries[i][1]) <= EXACT_WIDTHS), key=lambda i: entries[i][0].slot
+        )
         # float32 only (a CPU's dtype): the block's softmax runs in numpy
         if len(short) > 1 and slab.dtype == mx.float32 and _few_gaps([entries[i][0].slot for i in short]):
             self.block = _Block(slab, [(entries[i][0], len(entries[i][1])) for i in short])
@@ -108,7 +109,7 @@ class Forward:
             short = []
         in_block = set(short)
         self.order = single + short + [i for i in range(len(entries)) if i not in singles and i not in in_block]
-        self.groups = [(entries[i][0], len(entries[i][1])) for i in self.order[len(single) + len(short):]]
+        self.groups = [(entries[i][0], len(entries[i][1])) for i in self.order[len(single) + len(short) :]]
         offsets = _entry_offsets(entries)
         self.tokens, positions, slots, self.starts, self.source = [], [], [], [], []
         for i in self.order:
@@ -183,7 +184,7 @@ class Forward:
             if self.grid is not None:
                 slots, lengths, width = self._grid_rows
                 pos = lengths[:, None] + np.arange(width, dtype=np.int64)[None, :]
-                flat = ((slots[:, None, None] * heads + h[None, :, None]) * self.capacity + pos[:, None, :])
+                flat = (slots[:, None, None] * heads + h[None, :, None]) * self.capacity + pos[:, None, :]
             else:
                 slots, pos = self._slots_pos
                 flat = (slots[:, None] * heads + h[None, :]) * self.capacity + pos[:, None]
@@ -224,7 +225,7 @@ class _Block:
         for row, n in rows:
             r = row.slot - self.lo
             gather[r, :n] = np.arange(k, k + n)
-            take[k:k + n] = r * self.width + np.arange(n)
+            take[k : k + n] = r * self.width + np.arange(n)
             k += n
         self.gather = mx.array(gather.reshape(-1))
         self.take = mx.array(take)
@@ -330,10 +331,14 @@ def _attention(queries, keys, values, scale, mask, group_size=64, bits=8):
     ctx, k_all, v_all = layer.ctx, layer.slab.keys[layer.index], layer.slab.values[layer.index]
     heads, dim = queries.shape[1], queries.shape[3]
     if ctx.row_keys is not None:  # one-token rows, each over exactly its keys
-        return mx.concatenate([
-            mx.fast.scaled_dot_product_attention(queries[j:j + 1], k_all[s:s + 1, :, :n], v_all[s:s + 1, :, :n],
-                                                 scale=scale)
-            for j, (s, n) in enumerate(ctx.row_keys)])
+        return mx.concatenate(
+            [
+                mx.fast.scaled_dot_product_attention(
+                    queries[j : j + 1], k_all[s : s + 1, :, :n], v_all[s : s + 1, :, :n], scale=scale
+                )
+                for j, (s, n) in enumerate(ctx.row_keys)
+            ]
+        )
     if ctx.grid is not None:  # queries: (rows, heads, width, dim)
         width, t, rows = ctx.grid[1], ctx.grid_keys, ctx.grid_rows
         if isinstance(rows, slice):
@@ -345,34 +350,46 @@ def _attention(queries, keys, values, scale, mask, group_size=64, bits=8):
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=ctx.grid_mask)
     outputs, start = [], 0
     for lo, m, t, mask in ctx.runs:
-        q = queries[start:start + m].reshape(m, heads, 1, dim)
-        out = mx.fast.scaled_dot_product_attention(q, k_all[lo:lo + m, :, :t], v_all[lo:lo + m, :, :t], scale=scale,
-                                                   mask=mask)
+        q = queries[start : start + m].reshape(m, heads, 1, dim)
+        out = mx.fast.scaled_dot_product_attention(
+            q, k_all[lo : lo + m, :, :t], v_all[lo : lo + m, :, :t], scale=scale, mask=mask
+        )
         outputs.append(out.reshape(m, heads, 1, dim))
         start += m
     block = ctx.block
     if block is not None:
         rows, width, t = block.num_rows, block.width, block.keys
-        q = mx.take(queries[start:start + block.count], block.gather, axis=0)  # (rows * width, heads, 1, dim)
+        q = mx.take(queries[start : start + block.count], block.gather, axis=0)  # (rows * width, heads, 1, dim)
         q = q.reshape(rows, width, heads, dim).transpose(0, 2, 1, 3)
-        out = _grid_attention(q, k_all[block.lo:block.lo + rows, :, :t], v_all[block.lo:block.lo + rows, :, :t],
-                              scale, block.mask, numpy_softmax=True)
+        out = _grid_attention(
+            q,
+            k_all[block.lo : block.lo + rows, :, :t],
+            v_all[block.lo : block.lo + rows, :, :t],
+            scale,
+            block.mask,
+            numpy_softmax=True,
+        )
         out = out.transpose(0, 2, 1, 3).reshape(rows * width, heads, 1, dim)
         outputs.append(mx.take(out, block.take, axis=0))
         start += block.count
     for row, n in ctx.groups:
         end = row.length + n  # lengths move after the forward
-        q = queries[start:start + n].transpose(2, 1, 0, 3)  # n rows of one token -> one row of n
+        q = queries[start : start + n].transpose(2, 1, 0, 3)  # n rows of one token -> one row of n
         out = mx.fast.scaled_dot_product_attention(
-            q, k_all[row.slot:row.slot + 1, :, :end], v_all[row.slot:row.slot + 1, :, :end], scale=scale,
-            mask="causal" if n > 1 else None)
+            q,
+            k_all[row.slot : row.slot + 1, :, :end],
+            v_all[row.slot : row.slot + 1, :, :end],
+            scale=scale,
+            mask="causal" if n > 1 else None,
+        )
         outputs.append(out.transpose(2, 1, 0, 3))
         start += n
     return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs)
 
 
-def _grid_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array,
-                    numpy_softmax: bool = False) -> mx.array:
+def _grid_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array, numpy_softmax: bool = False
+) -> mx.array:
     """A grid's attention with several queries per row, as two matmuls and a softmax:
     `mx.fast.scaled_dot_product_attention` with a mask builds a plan on MLX CUDA for every
     new (rows, width, keys) shape, 50-70 ms each on the H200, which the first requests of a

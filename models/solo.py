@@ -32,9 +32,18 @@ CLEAR_CACHE_EVERY = 256  # generate_step's cadence for releasing MLX's buffer ca
 
 
 class SoloRow:
-    def __init__(self, request_id: str, model: nn.Module, cache: list, sampler: RequestSampler,
-                 stop_ids: Sequence[int], max_tokens: int, pending: mx.array, num_emitted: int = 0,
-                 pending_logprobs: LogprobArrays | None = None):
+    def __init__(
+        self,
+        request_id: str,
+        model: nn.Module,
+        cache: list,
+        sampler: RequestSampler,
+        stop_ids: Sequence[int],
+        max_tokens: int,
+        pending: mx.array,
+        num_emitted: int = 0,
+        pending_logprobs: LogprobArrays | None = None,
+    ):
         """Adopt a row mid-stream: `cache` holds the emitted tokens, `pending` (shape
         (1,)) is the next token, sampled but not yet emitted, `pending_logprobs` its
         logprobs (where the request asked)."""
@@ -49,8 +58,15 @@ class SoloRow:
         self.num_emitted = num_emitted
 
     @classmethod
-    def start(cls, request_id: str, model: nn.Module, prompt_ids: Sequence[int],
-              sampler: RequestSampler, stop_ids: Sequence[int], max_tokens: int) -> tuple["SoloRow", TokenBatch]:
+    def start(
+        cls,
+        request_id: str,
+        model: nn.Module,
+        prompt_ids: Sequence[int],
+        sampler: RequestSampler,
+        stop_ids: Sequence[int],
+        max_tokens: int,
+    ) -> tuple["SoloRow", TokenBatch]:
         """Prefill `prompt_ids` (all but the last token in chunks, then the last one,
         like `BatchGenerator`) and emit the first token."""
         if not prompt_ids:
@@ -62,8 +78,17 @@ class SoloRow:
         return row, row.step()
 
     @classmethod
-    def resume(cls, request_id: str, model: nn.Module, cache: list, sampler: RequestSampler,
-               stop_ids: Sequence[int], max_tokens: int, next_input: int, num_emitted: int = 0) -> "SoloRow":
+    def resume(
+        cls,
+        request_id: str,
+        model: nn.Module,
+        cache: list,
+        sampler: RequestSampler,
+        stop_ids: Sequence[int],
+        max_tokens: int,
+        next_input: int,
+        num_emitted: int = 0,
+    ) -> "SoloRow":
         """A row whose `cache` holds everything before `next_input` (the last prompt
         token, or the last token already emitted): the forward that feeds it and draws
         the row's next token is queued now."""

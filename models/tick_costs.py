@@ -49,8 +49,9 @@ def _timed(fn) -> float:
     return statistics.median(runs)
 
 
-def measure(model: nn.Module, drafter: Drafter | None, num_draft_tokens: int, max_rows: int,
-            vocab_size: int) -> TickCosts:
+def measure(
+    model: nn.Module, drafter: Drafter | None, num_draft_tokens: int, max_rows: int, vocab_size: int
+) -> TickCosts:
     prompt = [(7 * i + 3) % vocab_size for i in range(CONTEXT)]
     sizes = batch_sizes(max_rows)
     slab = Slab(model, rows=max(sizes) + 1)
@@ -65,21 +66,27 @@ def measure(model: nn.Module, drafter: Drafter | None, num_draft_tokens: int, ma
             for row, tokens in entries:
                 for view in row.cache:
                     view.trim(len(tokens))
+
         return _timed(run)
 
     # b decoding rows in slots 0..b-1, the verifying row next to them (as in a fused tick)
     decode = {b: timed_forward([(r, [prompt[i]]) for i, r in enumerate(rows[:b])]) for b in sizes}
-    fused = {b: timed_forward([(r, [prompt[i]]) for i, r in enumerate(rows[:b])] + [(rows[b], verify)])
-             for b in [0, *sizes]}
+    fused = {
+        b: timed_forward([(r, [prompt[i]]) for i, r in enumerate(rows[:b])] + [(rows[b], verify)]) for b in [0, *sizes]
+    }
     all_verify = {b: timed_forward([(r, verify) for r in rows[:b]]) for b in sizes if b > 1}
     # b rows, the first bringing one draft: a step's first draft (every other size)
     some = sizes[::2] + sizes[-1:] * (len(sizes) % 2 == 0)  # every other size and the largest
-    one_draft = {b: timed_forward([(rows[0], prompt[:2])] + [(r, [prompt[i]]) for i, r in enumerate(rows[1:b], 1)])
-                 for b in some}
+    one_draft = {
+        b: timed_forward([(rows[0], prompt[:2])] + [(r, [prompt[i]]) for i, r in enumerate(rows[1:b], 1)]) for b in some
+    }
     # half of b rows bring one draft each (a step where every row drafts runs differently
     # on a CPU: no one-token rows are left to share an attention call)
-    half_one = {b: timed_forward([(r, prompt[i:i + 2] if i < b // 2 else [prompt[i]]) for i, r in enumerate(rows[:b])])
-                for b in some if b >= 4}
+    half_one = {
+        b: timed_forward([(r, prompt[i : i + 2] if i < b // 2 else [prompt[i]]) for i, r in enumerate(rows[:b])])
+        for b in some
+        if b >= 4
+    }
     return TickCosts(decode, fused, _draft_seconds(drafter, prompt, num_draft_tokens), all_verify, one_draft, half_one)
 
 
@@ -87,7 +94,7 @@ def _draft_seconds(drafter: Drafter | None, prompt: list[int], k: int) -> float:
     if drafter is None:
         return 0.0
     base = len(prompt) - REPEATS - 2
-    state = drafter.new_state(prompt[:base - 1])
+    state = drafter.new_state(prompt[: base - 1])
     calls = iter(range(REPEATS + 1))
 
     def propose():  # each call sees one more token, as a round after a rejection does

@@ -90,9 +90,7 @@ def save_model(model: nn.Module, args: llama.ModelArgs, tokenizer_dir: str, out_
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        with open(os.path.join(tokenizer_dir, name)) as src, open(
-            os.path.join(out_dir, name), "w"
-        ) as dst:
+        with open(os.path.join(tokenizer_dir, name)) as src, open(os.path.join(out_dir, name), "w") as dst:
             dst.write(src.read())
 
 
@@ -153,17 +151,25 @@ def greedy_margins(model: nn.Module, prompt_ids: list[int], num_tokens: int) -> 
     return margins
 
 
-
 def sliding_args(family: str, vocab_size: int, window: int, num_layers: int):
     """Args of a tiny model whose even layers attend over a sliding window of `window`
     tokens (mlx-lm gives those a `RotatingKVCache`) and odd layers over everything:
     "gemma3_text", or "llama" with mistral-style `layer_types`."""
     if family == "gemma3_text":
         return gemma3_text.ModelArgs(
-            model_type="gemma3_text", hidden_size=64, num_hidden_layers=num_layers,
-            intermediate_size=128, num_attention_heads=4, head_dim=16, num_key_value_heads=2,
-            vocab_size=vocab_size, sliding_window=window, sliding_window_pattern=2,
-            query_pre_attn_scalar=16, max_position_embeddings=4096)
+            model_type="gemma3_text",
+            hidden_size=64,
+            num_hidden_layers=num_layers,
+            intermediate_size=128,
+            num_attention_heads=4,
+            head_dim=16,
+            num_key_value_heads=2,
+            vocab_size=vocab_size,
+            sliding_window=window,
+            sliding_window_pattern=2,
+            query_pre_attn_scalar=16,
+            max_position_embeddings=4096,
+        )
     if family == "llama":
         args = tiny_args(vocab_size, num_layers=num_layers)
         args.layer_types = [("sliding_attention", "full_attention")[i % 2] for i in range(num_layers)]
@@ -172,9 +178,17 @@ def sliding_args(family: str, vocab_size: int, window: int, num_layers: int):
     raise ValueError(f"no tiny sliding-window {family!r}")
 
 
-def tiny_sliding_pair(family: str, vocab_size: int, window: int, *, seed: int = 0,
-                      num_layers: int = 4, draft_layers: int = 2, embed_scale: float = 1.0,
-                      out_scale: float = 0.5) -> tuple[nn.Module, nn.Module]:
+def tiny_sliding_pair(
+    family: str,
+    vocab_size: int,
+    window: int,
+    *,
+    seed: int = 0,
+    num_layers: int = 4,
+    draft_layers: int = 2,
+    embed_scale: float = 1.0,
+    out_scale: float = 0.5,
+) -> tuple[nn.Module, nn.Module]:
     """In-memory float32 (target, draft) of `sliding_args`, the draft truncated from
     the target as in `build_tiny_pair`."""
     module = gemma3_text if family == "gemma3_text" else llama

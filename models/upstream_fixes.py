@@ -63,8 +63,11 @@ def rope_from_parameters(config: dict) -> dict:
         full, local = params.get("full_attention"), params.get("sliding_attention")
         if isinstance(full, dict):
             _flat_rope(target, full)
-        if (isinstance(local, dict) and local.get("rope_theta") is not None
-                and target.get("rope_local_base_freq") is None):
+        if (
+            isinstance(local, dict)
+            and local.get("rope_theta") is not None
+            and target.get("rope_local_base_freq") is None
+        ):
             target["rope_local_base_freq"] = local["rope_theta"]
     return config
 

@@ -107,9 +107,17 @@ class PolicyStore:
 
 
 class B1Policy:
-    def __init__(self, mode: str, key: str, *, default_enabled: bool = True,
-                 profile_requests: int = 3, probe_rounds: int = 2,
-                 cache_dir: str | None = None, clock: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self,
+        mode: str,
+        key: str,
+        *,
+        default_enabled: bool = True,
+        profile_requests: int = 3,
+        probe_rounds: int = 2,
+        cache_dir: str | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         self.mode = mode
         self.key = key
         self.default_enabled = default_enabled
@@ -127,13 +135,18 @@ class B1Policy:
         self._num_profiled = 0
 
     @classmethod
-    def from_config(cls, config: "SchedulerConfig", key: str,
-                    clock: Callable[[], float] | None = None) -> "B1Policy":
+    def from_config(cls, config: "SchedulerConfig", key: str, clock: Callable[[], float] | None = None) -> "B1Policy":
         """The policy `config` describes: mode, default verdict, profiling sizes and
         where verdicts persist, for the runner profile `key`."""
-        return cls(config.b1_policy, key, default_enabled=config.b1_default_enabled,
-                   profile_requests=config.b1_profile_requests, probe_rounds=config.b1_probe_rounds,
-                   cache_dir=config.policy_cache_dir, clock=clock)
+        return cls(
+            config.b1_policy,
+            key,
+            default_enabled=config.b1_default_enabled,
+            profile_requests=config.b1_profile_requests,
+            probe_rounds=config.b1_probe_rounds,
+            cache_dir=config.policy_cache_dir,
+            clock=clock,
+        )
 
     @property
     def settled(self) -> bool:

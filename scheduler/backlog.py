@@ -62,8 +62,9 @@ class GrantBacklog:
                 return removed
         return None
 
-    def grant(self, skip_cap: int, eligible: Callable[[BacklogEntry], bool] | None = None
-              ) -> tuple[BacklogEntry | None, bool]:
+    def grant(
+        self, skip_cap: int, eligible: Callable[[BacklogEntry], bool] | None = None
+    ) -> tuple[BacklogEntry | None, bool]:
         """One grant decision among the `eligible` entries (default: all): remove and
         return the selected one, and whether the skip cap decided it. Every eligible
         entry left behind counts one more skip, whatever then happens to the selected

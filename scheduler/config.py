@@ -26,17 +26,23 @@ TICK_MODES = ("fused", "alternate")
 @dataclass(frozen=True)
 class SchedulerConfig:
     tick_slice: bool = knob(
-        True, "One speculative slice per tick; false = legacy burst (whole generation in one tick).",
-        live=True, env=ENV_TICK_SLICE, parse_env=parse_tick_slice)
+        True,
+        "One speculative slice per tick; false = legacy burst (whole generation in one tick).",
+        live=True,
+        env=ENV_TICK_SLICE,
+        parse_env=parse_tick_slice,
+    )
     tick_mode: str = knob(
         "fused",
         "`fused`: the slot holder's verify rides in the classic batch's decode forward (one forward "
         "per tick; ring entries decode as classic rows while they wait; with `b1_policy: auto` a "
         "measured-cost gate decides per request and tick whether speculating pays, see "
-        "docs/CONTINUOUS_BATCHING.md \"The fused tick\"); `alternate`: the seed's strict alternation "
+        'docs/CONTINUOUS_BATCHING.md "The fused tick"); `alternate`: the seed\'s strict alternation '
         "of rounds and decode steps. Models the slab cannot serve, and `fast_verify`, run `alternate` "
         "whatever this says (logged at load).",
-        choices=TICK_MODES, live=True)
+        choices=TICK_MODES,
+        live=True,
+    )
     row_drafts: bool = knob(
         True,
         "Every greedy classic row (sampled ones too with `sampled_row_drafts`) also verifies its own n-gram "
@@ -48,8 +54,9 @@ class SchedulerConfig:
         "rows do not draft them and the cost gate says speculating pays). "
         "Needs the slab batch (models the packed forward serves, on the plain verify path; "
         "`fuse_blocker` in `/v1/internal/scheduler`), a configured drafter, and `b1_policy` other "
-        "than `off`. See docs/CONTINUOUS_BATCHING.md \"Rows that draft\".",
-        live=True)
+        'than `off`. See docs/CONTINUOUS_BATCHING.md "Rows that draft".',
+        live=True,
+    )
     shadow_rounds: bool = knob(
         True,
         "With an n-gram drafter and `b1_policy: auto` in the fused tick, the cost gate reads each "
@@ -59,16 +66,22 @@ class SchedulerConfig:
         "A row is then granted the slot when its measured acceptance pays, not again and again to "
         "find out that it accepts nothing; false: an unmeasured row's estimate drifts back toward "
         "all-accepted with every turn-away and it is tried again. See docs/CONTINUOUS_BATCHING.md "
-        "\"Shadow rounds\".")
+        '"Shadow rounds".',
+    )
     grant_rounds: int = knob(
         DEFAULT_GRANT_ROUNDS,
         "Slices per slot grant; **0 disables rotation** (whole-generation hold, concurrent requests "
         "fall back to classic).",
-        ge=0, le=1_000_000, live=True, env=ENV_GRANT_ROUNDS, parse_env=parse_grant_budget)
-    skip_cap: int = knob(2, "Grant decisions an entry may be skipped before it must win.",
-                         ge=1, le=1000, live=True)
-    backlog_cap: int = knob(2, "Grant-backlog entries (parked + waiting); peak live sessions = 1 + cap.",
-                            ge=0, le=64, live=True)
+        ge=0,
+        le=1_000_000,
+        live=True,
+        env=ENV_GRANT_ROUNDS,
+        parse_env=parse_grant_budget,
+    )
+    skip_cap: int = knob(2, "Grant decisions an entry may be skipped before it must win.", ge=1, le=1000, live=True)
+    backlog_cap: int = knob(
+        2, "Grant-backlog entries (parked + waiting); peak live sessions = 1 + cap.", ge=0, le=64, live=True
+    )
     speculative_disable_by_batch_size: int = knob(
         0,
         "A new request skips the speculative slot and its ring (classic decode) when this many "
@@ -79,20 +92,25 @@ class SchedulerConfig:
         "**0 = never** (every concurrent request may rotate through the slot). `configs/local.yaml` "
         "leaves it at 0: the fused tick's cost gate keeps the default at or above plain batching at "
         "every concurrency without it (docs/benchmarks.md, scenario 6).",
-        ge=0, le=1_000_000)
+        ge=0,
+        le=1_000_000,
+    )
     num_draft_tokens: int = knob(4, "K, tokens drafted per speculative round.", ge=1, le=16)
     b1_policy: str = knob(
         "auto",
         "In the fused tick, `auto` is the cost gate (measured forward costs, per-request "
         "acceptance) and the B=1 profile below is not used; in the alternating tick, `auto` "
         "profiles the first requests and persists a verdict. `on` always speculates, `off` never.",
-        choices=B1_POLICY_MODES)
+        choices=B1_POLICY_MODES,
+    )
     b1_default_enabled: bool = knob(True, "Verdict when the measured speedup is between 1.0 and 1.5.")
-    b1_profile_requests: int = knob(3, "Speculative requests `auto` profiles before its verdict.",
-                                    ge=1, le=1000)
+    b1_profile_requests: int = knob(3, "Speculative requests `auto` profiles before its verdict.", ge=1, le=1000)
     b1_probe_rounds: int = knob(
-        2, "Probe rounds (bursts of up to 8 pipelined classic steps: the classic time per token) "
-        "per profiled request.", ge=1, le=100)
+        2,
+        "Probe rounds (bursts of up to 8 pipelined classic steps: the classic time per token) per profiled request.",
+        ge=1,
+        le=100,
+    )
     max_batch_size: int = knob(16, "Classic continuous-batching rows.", ge=1, le=1024)
     interrupt_decode: bool = knob(
         True,
@@ -100,8 +118,9 @@ class SchedulerConfig:
         "for, stops that step between two of its layers: its prefill runs at once and the step "
         "runs again at the next tick (at most every other decode step is stopped, so the rows "
         "always progress). A CPU's packed forward only (a GPU's grid forward runs whole). See "
-        "docs/CONTINUOUS_BATCHING.md \"Arrivals stop a decode step\".",
-        live=True)
+        'docs/CONTINUOUS_BATCHING.md "Arrivals stop a decode step".',
+        live=True,
+    )
     prefill_batch_size: int = knob(8, "Requests prefilled in one classic prefill.", ge=1, le=1024)
     prefill_yield_tokens: int = knob(
         256,
@@ -116,16 +135,21 @@ class SchedulerConfig:
         "runs its forwards back to back (up to 2,048 positions a row each) and arrivals wait "
         "for it. On a GPU the prefill keeps its own chunks (512-2,048 positions a row: shorter "
         "forwards cost there) and the steps and admissions happen between them. See "
-        "docs/CONTINUOUS_BATCHING.md \"The fused tick\" (its prefill).",
-        ge=0, le=1_000_000, live=True)
-    max_queue_depth: int = knob(256, "Unfinished requests per replica; beyond it 503 + `Retry-After`.",
-                                ge=1, le=1_000_000)
+        'docs/CONTINUOUS_BATCHING.md "The fused tick" (its prefill).',
+        ge=0,
+        le=1_000_000,
+        live=True,
+    )
+    max_queue_depth: int = knob(
+        256, "Unfinished requests per replica; beyond it 503 + `Retry-After`.", ge=1, le=1_000_000
+    )
     policy_cache_dir: str | None = knob(
         None,
         "Directory for adaptive-policy verdicts (persisted across restarts); unset = profile after "
         "every start. Verdicts are keyed by model content (a hash of config.json and the weight "
         "index or weight file names and sizes), so a copied or renamed model keeps its verdict and "
-        "a changed one is profiled again.")
+        "a changed one is profiled again.",
+    )
 
     @property
     def rows_draft(self) -> bool:

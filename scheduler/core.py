@@ -31,9 +31,14 @@ log = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, config: SchedulerConfig,
-                 clock: Callable[[], float] = time.monotonic, policy: B1Policy | None = None,
-                 ledger: RequestLedger | None = None) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        config: SchedulerConfig,
+        clock: Callable[[], float] = time.monotonic,
+        policy: B1Policy | None = None,
+        ledger: RequestLedger | None = None,
+    ) -> None:
         self.runner = runner
         self.config = config
         self.clock = clock
@@ -41,16 +46,29 @@ class Scheduler:
         self.policy = policy or B1Policy.from_config(config, runner.policy_key(), clock=clock)
         self.ledger = ledger or RequestLedger(clock)  # every unfinished request
         self.sink = EventSink(self.counters, clock, on_finish=self._forget)
-        self.slot = SpecSlot(runner, lambda: self.config, self.policy, self.counters, self.sink,
-                             self._to_classic, clock, live_requests=self.num_unfinished,
-                             num_rows=lambda: len(self._rows), adopt_row=self._adopt_row,
-                             release_row=self._release_row, unqueue=self._unqueue,
-                             rows_done=self._rows_done)
+        self.slot = SpecSlot(
+            runner,
+            lambda: self.config,
+            self.policy,
+            self.counters,
+            self.sink,
+            self._to_classic,
+            clock,
+            live_requests=self.num_unfinished,
+            num_rows=lambda: len(self._rows),
+            adopt_row=self._adopt_row,
+            release_row=self._release_row,
+            unqueue=self._unqueue,
+            rows_done=self._rows_done,
+        )
         # Classic rows' shadow rounds for the cost gate (None: the drafter proposes no
         # fixed tokens, e.g. a draft model, so a row's acceptance cannot be read off it).
         make_index = getattr(runner, "shadow_index", None)
-        self._shadow = (ShadowRounds(make_index, lambda: self.config.num_draft_tokens, self.slot.gate.record_shadow)
-                        if make_index is not None and make_index(()) is not None else None)
+        self._shadow = (
+            ShadowRounds(make_index, lambda: self.config.num_draft_tokens, self.slot.gate.record_shadow)
+            if make_index is not None and make_index(()) is not None
+            else None
+        )
         self._queues: dict[Lane, deque[Request]] = {lane: deque() for lane in Lane}
         self._rows: dict[str, Request] = {}
         self._cancelled_in_prefill: set[str] = set()  # rows whose cancel arrived mid-prefill
@@ -81,8 +99,9 @@ class Scheduler:
         return list(self.slot.grant_log)
 
     def has_work(self) -> bool:
-        return bool(self.ledger.has_inputs() or self._rows or self.slot.busy
-                    or any(self._queues.values()) or self._held_cancels)
+        return bool(
+            self.ledger.has_inputs() or self._rows or self.slot.busy or any(self._queues.values()) or self._held_cancels
+        )
 
     def num_unfinished(self) -> int:
         return self.ledger.num_unfinished
@@ -277,8 +296,9 @@ class Scheduler:
             interrupt = self._admittable_arrival
         self._interrupted_last = False
         try:
-            batches = self.runner.classic_decode(drafts=self.config.rows_draft, skip_cap=self.config.skip_cap,
-                                                 interrupt=interrupt)
+            batches = self.runner.classic_decode(
+                drafts=self.config.rows_draft, skip_cap=self.config.skip_cap, interrupt=interrupt
+            )
         except Interrupted:
             self._interrupted_last = True
             self.counters.decode_interrupts += 1
@@ -311,12 +331,14 @@ class Scheduler:
         `prefill_yield_tokens` positions (`classic_prefill_fits`: on a GPU one chunk);
         the first that is neither ends the admission (no request overtakes an earlier
         one of its lane)."""
-        count = num_to_admit(self._num_queued(), len(self._rows), self.config.max_batch_size,
-                             self.config.prefill_batch_size)
+        count = num_to_admit(
+            self._num_queued(), len(self._rows), self.config.max_batch_size, self.config.prefill_batch_size
+        )
         first_lane = min(r.lane for r in self._in_prefill.values())
         piece = self.config.prefill_yield_tokens
-        return self._take_queued(count, lambda lane, request: (lane < first_lane
-                                                               or self.runner.classic_prefill_fits(request, piece)))
+        return self._take_queued(
+            count, lambda lane, request: lane < first_lane or self.runner.classic_prefill_fits(request, piece)
+        )
 
     def _decode_within_prefill(self) -> None:
         """One step of the streams beside the prefill in flight: a round of the slot's
@@ -365,12 +387,18 @@ class Scheduler:
             if request is None:  # a row dropped this tick (cancelled)
                 continue
             if batch.num_drafted:  # the row verified its own drafts in this step
-                self.counters.record_round(request.spec, batch.num_drafted, batch.num_accepted,
-                                           row=True, drafter=batch.drafter)
+                self.counters.record_round(
+                    request.spec, batch.num_drafted, batch.num_accepted, row=True, drafter=batch.drafter
+                )
             self.sink.tokens(request, batch.token_ids, batch.logprobs)
             # A row that drafts like the slot never takes it beside rows (`CostGate.pays`).
-            if (shadowing and batch.token_ids and not batch.num_drafted and not batch.finish_reason
-                    and not self.runner.rows_draft_like_slot(request.sampling.is_greedy)):
+            if (
+                shadowing
+                and batch.token_ids
+                and not batch.num_drafted
+                and not batch.finish_reason
+                and not self.runner.rows_draft_like_slot(request.sampling.is_greedy)
+            ):
                 self._shadow.observe(request, len(batch.token_ids))
             if batch.finish_reason:
                 self._rows.pop(batch.request_id)

@@ -65,12 +65,14 @@ class TickCosts:
         return _interpolate(self.fused, num_rows)
 
     def to_dict(self) -> dict:
-        return {"decode_ms": {b: round(s * 1e3, 3) for b, s in sorted(self.decode.items())},
-                "fused_ms": {b: round(s * 1e3, 3) for b, s in sorted(self.fused.items())},
-                "all_verify_ms": {b: round(s * 1e3, 3) for b, s in sorted(self.all_verify.items())},
-                "one_draft_ms": {b: round(s * 1e3, 3) for b, s in sorted(self.one_draft.items())},
-                "half_one_ms": {b: round(s * 1e3, 3) for b, s in sorted(self.half_one.items())},
-                "draft_ms": round(self.draft * 1e3, 3)}
+        return {
+            "decode_ms": {b: round(s * 1e3, 3) for b, s in sorted(self.decode.items())},
+            "fused_ms": {b: round(s * 1e3, 3) for b, s in sorted(self.fused.items())},
+            "all_verify_ms": {b: round(s * 1e3, 3) for b, s in sorted(self.all_verify.items())},
+            "one_draft_ms": {b: round(s * 1e3, 3) for b, s in sorted(self.one_draft.items())},
+            "half_one_ms": {b: round(s * 1e3, 3) for b, s in sorted(self.half_one.items())},
+            "draft_ms": round(self.draft * 1e3, 3),
+        }
 
 
 def _interpolate(table: dict[int, float], x: int) -> float:
@@ -97,12 +99,14 @@ def speculation_pays(num_rows: int, accepted_per_round: float, costs: TickCosts)
     >>> speculation_pays(0, 2.0, costs), speculation_pays(3, 2.0, costs)
     (True, False)
     """
-    return _faster_with_slot(num_rows, accepted_per_round, costs.fused_s(num_rows) + costs.draft,
-                             costs.decode_s(num_rows + 1))
+    return _faster_with_slot(
+        num_rows, accepted_per_round, costs.fused_s(num_rows) + costs.draft, costs.decode_s(num_rows + 1)
+    )
 
 
-def _faster_with_slot(num_rows: int, accepted: float, fused_tick_s: float, decode_tick_s: float,
-                      margin: float = 1.0) -> bool:
+def _faster_with_slot(
+    num_rows: int, accepted: float, fused_tick_s: float, decode_tick_s: float, margin: float = 1.0
+) -> bool:
     """(rows + holder's tokens) per second of a fused tick beat `margin` times those of
     a decode step in which the holder is one more row."""
     return (num_rows + 1 + accepted) / fused_tick_s > margin * (num_rows + 1) / decode_tick_s
@@ -130,8 +134,7 @@ class AcceptanceTracker:
         return self._per_request.get(request_id, self.replica.get(greedy, self.optimistic))
 
     def record(self, request_id: str, num_accepted: int, greedy: bool = True) -> None:
-        self._per_request[request_id] = ((1 - EMA_WEIGHT) * self.estimate(request_id, greedy)
-                                         + EMA_WEIGHT * num_accepted)
+        self._per_request[request_id] = (1 - EMA_WEIGHT) * self.estimate(request_id, greedy) + EMA_WEIGHT * num_accepted
         old = self.replica.get(greedy, num_accepted)
         self.replica[greedy] = (1 - EMA_WEIGHT / 4) * old + (EMA_WEIGHT / 4) * num_accepted
 
@@ -149,6 +152,7 @@ class AcceptanceTracker:
         before long (a stream parked for its acceptance, once its hold is over:
         `parked_for_cost`). A stream whose shadow rounds keep its estimate current is
         left as measured (its hold still counts down: `held`)."""
+
         def relaxed(value: float) -> float:
             return value + RELAX_WEIGHT * (self.optimistic - value)
 
@@ -215,13 +219,20 @@ class LiveCosts:
     def pays(self, num_rows: int, accepted_per_round: float) -> bool:
         """Rows + holder tokens per second with the holder verifying, against the same
         rows and the holder decoding as one more row (by `BATCH_MARGIN` beside rows)."""
-        return _faster_with_slot(num_rows, accepted_per_round, self.tick_s("fused", num_rows),
-                                 self.tick_s("decode", num_rows + 1), BATCH_MARGIN if num_rows > 0 else 1.0)
+        return _faster_with_slot(
+            num_rows,
+            accepted_per_round,
+            self.tick_s("fused", num_rows),
+            self.tick_s("decode", num_rows + 1),
+            BATCH_MARGIN if num_rows > 0 else 1.0,
+        )
 
     def snapshot(self) -> dict:
-        return {**self.costs.to_dict(),
-                "tick_extra_ms": {kind: round(s * 1e3, 3) for kind, s in self.extra.items()},
-                "ticks_observed": dict(self.num_observed)}
+        return {
+            **self.costs.to_dict(),
+            "tick_extra_ms": {kind: round(s * 1e3, 3) for kind, s in self.extra.items()},
+            "ticks_observed": dict(self.num_observed),
+        }
 
 
 # Row drafts (`models.ragged_batch`): every classic row may verify its own n-gram drafts
@@ -345,7 +356,7 @@ def verify_costs(costs: TickCosts, num_draft_tokens: int) -> DraftFit:
     [3.5, 0.5, 0.2, 1.5, 0.3]
     """
     sizes = sorted(costs.decode)
-    slopes = [(costs.decode[b] - costs.decode[a]) / (b - a) for i, a in enumerate(sizes) for b in sizes[i + 1:]]
+    slopes = [(costs.decode[b] - costs.decode[a]) / (b - a) for i, a in enumerate(sizes) for b in sizes[i + 1 :]]
     per_token = max(statistics.median(slopes), 0.0) if slopes else 0.0
     per_forward = statistics.median(costs.decode[b] - per_token * b for b in sizes)
     k = num_draft_tokens
@@ -360,20 +371,28 @@ def verify_costs(costs: TickCosts, num_draft_tokens: int) -> DraftFit:
         return max(_interpolate(costs.one_draft, b) - costs.decode_s(b), 0.0)
 
     if costs.half_one and costs.all_verify and k > 1:
-        further = max(statistics.median((costs.half_one[b] - costs.decode_s(b) - first(b)) / (b // 2 - 1)
-                                        for b in costs.half_one if b >= 4), 0.0)
-        per_draft = statistics.median((costs.all_verify[b] - costs.decode_s(b) - first(b) - (b - 1) * further)
-                                      / (b * k - b) for b in costs.all_verify)
+        further = max(
+            statistics.median(
+                (costs.half_one[b] - costs.decode_s(b) - first(b)) / (b // 2 - 1) for b in costs.half_one if b >= 4
+            ),
+            0.0,
+        )
+        per_draft = statistics.median(
+            (costs.all_verify[b] - costs.decode_s(b) - first(b) - (b - 1) * further) / (b * k - b)
+            for b in costs.all_verify
+        )
         per_draft = min(max(per_draft, 0.0), further)
         per_row = further - per_draft
     else:
         per_row = 0.0
         if costs.all_verify:
-            per_draft = statistics.median((costs.all_verify[b] - costs.decode_s(b) - first(b)) / (b * k - 1)
-                                          for b in costs.all_verify)
+            per_draft = statistics.median(
+                (costs.all_verify[b] - costs.decode_s(b) - first(b)) / (b * k - 1) for b in costs.all_verify
+            )
         else:
-            per_draft = statistics.median((costs.fused[b] - costs.decode_s(b + 1) - first(b + 1)) / (k - 1 or 1)
-                                          for b in costs.fused)
+            per_draft = statistics.median(
+                (costs.fused[b] - costs.decode_s(b + 1) - first(b + 1)) / (k - 1 or 1) for b in costs.fused
+            )
         per_draft = max(per_draft, 0.0)
     first_draft = statistics.median(first(b) for b in costs.one_draft) - per_row - per_draft
     return DraftFit(per_forward, per_token, per_draft, max(first_draft, 0.0), per_row)
@@ -444,8 +463,9 @@ def step_draft_budget(num_rows: int, fit: DraftFit | tuple[float, ...], share: f
     return int(share * (per_forward + per_token * num_rows) / per_draft)
 
 
-def share_drafts(wants: list[int], lanes: list[int], skipped: list[int], budget: int | None,
-                 skip_cap: int) -> list[int]:
+def share_drafts(
+    wants: list[int], lanes: list[int], skipped: list[int], budget: int | None, skip_cap: int
+) -> list[int]:
     """Each row's drafts when a step may verify `budget` in all (None: every row gets
     what it wants). Rows are served in the grants' order: a row denied drafts
     `skip_cap` steps running goes first (the most denied first), then by lane (a lower
@@ -460,6 +480,7 @@ def share_drafts(wants: list[int], lanes: list[int], skipped: list[int], budget:
     """
     if budget is None:
         return list(wants)
+
     def rank(i: int) -> tuple:
         overdue = skipped[i] >= skip_cap
         return (not overdue, -skipped[i] if overdue else 0, lanes[i], i)

@@ -22,8 +22,14 @@ SAMPLE_WINDOW = 1024  # recent samples kept per lane and kind
 #   backlog_full             - the slot was taken and the grant backlog was full
 #   declined_at_promotion    - a fused-tick ring entry whose grant the gate declined
 #   batch_size_at_promotion  - likewise, stopped by the batch-size rule
-FALLBACK_REASONS = ("policy_declined", "batch_size", "slot_busy", "backlog_full",
-                    "declined_at_promotion", "batch_size_at_promotion")
+FALLBACK_REASONS = (
+    "policy_declined",
+    "batch_size",
+    "slot_busy",
+    "backlog_full",
+    "declined_at_promotion",
+    "batch_size_at_promotion",
+)
 # Ticks by the action they ran; "fused" counts speculative ticks whose round also
 # decoded the classic rows (so it overlaps "speculative").
 TICK_ACTIONS = tuple(action.value for action in Action) + ("fused",)
@@ -126,8 +132,16 @@ class Counters:
         self.live_sessions = live
         self.live_sessions_peak = max(self.live_sessions_peak, live)
 
-    def record_round(self, spec: SpecStats, num_drafted: int, num_accepted: int, *, probe: bool = False,
-                     row: bool = False, drafter: str = "") -> None:
+    def record_round(
+        self,
+        spec: SpecStats,
+        num_drafted: int,
+        num_accepted: int,
+        *,
+        probe: bool = False,
+        row: bool = False,
+        drafter: str = "",
+    ) -> None:
         """One verify round, counted once for the request (`spec`) and the replica: the
         slot holder's (`probe`: it measured classic decode) or, with `row`, a classic
         row's check of its own drafts. `drafter` names the drafts' kind."""
@@ -164,10 +178,25 @@ class Counters:
         plain = {
             name: getattr(self, name)
             for name in (
-                "grants", "parks", "promotions", "skip_escalations", "backlog_aborts", "demotions",
-                "cost_parks", "decode_interrupts", "prefill_yields", "prefill_overtakes", "backlog_depth", "backlog_peak",
-                "live_sessions", "live_sessions_peak",
-                "spec_rounds", "row_rounds", "probe_rounds", "drafted_tokens", "accepted_tokens",
+                "grants",
+                "parks",
+                "promotions",
+                "skip_escalations",
+                "backlog_aborts",
+                "demotions",
+                "cost_parks",
+                "decode_interrupts",
+                "prefill_yields",
+                "prefill_overtakes",
+                "backlog_depth",
+                "backlog_peak",
+                "live_sessions",
+                "live_sessions_peak",
+                "spec_rounds",
+                "row_rounds",
+                "probe_rounds",
+                "drafted_tokens",
+                "accepted_tokens",
             )
         }
         # Every declared key, zero or not: readers (the /metrics families) see the same

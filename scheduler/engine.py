@@ -76,8 +76,12 @@ def freeze_heap() -> None:
 
 
 class Engine:
-    def __init__(self, runner_factory: Callable[[], ModelRunner], config: SchedulerConfig,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        runner_factory: Callable[[], ModelRunner],
+        config: SchedulerConfig,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._runner_factory = runner_factory
         self._config = config
         self._clock = clock
@@ -253,9 +257,17 @@ class Engine:
         failed = {e.request_id: (e.stats, e.prompt_tokens) for e in finished}
         for r in requests:
             failed.setdefault(r.request_id, (r.spec, len(r.prompt_ids)))
-        events = [TokenEvent(request_id, [], finish_reason="error", error=f"scheduler failure: {exc}",
-                             stats=stats, prompt_tokens=prompt_tokens)
-                  for request_id, (stats, prompt_tokens) in failed.items()]
+        events = [
+            TokenEvent(
+                request_id,
+                [],
+                finish_reason="error",
+                error=f"scheduler failure: {exc}",
+                stats=stats,
+                prompt_tokens=prompt_tokens,
+            )
+            for request_id, (stats, prompt_tokens) in failed.items()
+        ]
         try:
             scheduler.cancel_all()  # releases sessions and rows; these events are superseded
         except Exception:  # noqa: BLE001

@@ -65,8 +65,9 @@ class TokenEvent:
 class EventSink:
     """Collects one tick's events; `drain()` hands them out in first-touch order."""
 
-    def __init__(self, counters: Counters, clock: Callable[[], float],
-                 on_finish: Callable[[Request], None] | None = None) -> None:
+    def __init__(
+        self, counters: Counters, clock: Callable[[], float], on_finish: Callable[[Request], None] | None = None
+    ) -> None:
         self._counters = counters
         self._clock = clock
         self._on_finish = on_finish
@@ -92,8 +93,7 @@ class EventSink:
         if logprobs is not None:
             event.logprobs = (event.logprobs or []) + list(logprobs)
 
-    def finish(self, request: Request, reason: str, error: str | None = None,
-               phase: str | None = None) -> None:
+    def finish(self, request: Request, reason: str, error: str | None = None, phase: str | None = None) -> None:
         """Mark `request` done and emit its finishing event. Idempotent.
 
         A cancellation is counted by phase: `phase` if given, else derived from the

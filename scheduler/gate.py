@@ -52,8 +52,7 @@ class CostGate:
         default) is priced like any other."""
         if self._config().b1_policy != "auto" or self.costs is None:
             return True
-        if (self._config().rows_draft
-                and self._runner.rows_draft_like_slot(request.sampling.is_greedy)):
+        if self._config().rows_draft and self._runner.rows_draft_like_slot(request.sampling.is_greedy):
             return False  # as a row it drafts and verifies the same way, without the slot
         return self.costs.pays(num_rows, self.acceptance.estimate(request.request_id, request.sampling.is_greedy))
 
@@ -93,6 +92,11 @@ class CostGate:
 
     def snapshot(self) -> dict:
         replica = self.acceptance.replica
-        return {"tick_costs": self._costs.snapshot() if self._costs is not None else None,
-                "acceptance_per_round": {"greedy" if greedy else "sampled": round(value, 3)
-                                         for greedy, value in sorted(replica.items(), reverse=True)} or None}
+        return {
+            "tick_costs": self._costs.snapshot() if self._costs is not None else None,
+            "acceptance_per_round": {
+                "greedy" if greedy else "sampled": round(value, 3)
+                for greedy, value in sorted(replica.items(), reverse=True)
+            }
+            or None,
+        }

@@ -66,8 +66,11 @@ def same_as(field: KnobField) -> Any:
 def knob_fields(cls: type) -> dict[str, KnobField]:
     """The knobs of a config dataclass, in declaration order."""
     hints = typing.get_type_hints(cls)
-    return {f.name: KnobField(f.name, hints[f.name], f.default, f.metadata["knob"])
-            for f in dataclasses.fields(cls) if "knob" in f.metadata}
+    return {
+        f.name: KnobField(f.name, hints[f.name], f.default, f.metadata["knob"])
+        for f in dataclasses.fields(cls)
+        if "knob" in f.metadata
+    }
 
 
 def unwrap_optional(annotation: Any) -> tuple[Any, bool]:
@@ -99,8 +102,7 @@ def _problem(field: KnobField, value: Any) -> str | None:
         ok = isinstance(value, bool)
     elif base in (int, float):
         allowed = (int,) if base is int else (int, float)
-        ok = (isinstance(value, allowed) and not isinstance(value, bool)
-              and (spec.ge is None or value >= spec.ge))
+        ok = isinstance(value, allowed) and not isinstance(value, bool) and (spec.ge is None or value >= spec.ge)
     elif base is str:
         ok = isinstance(value, str) and (not spec.choices or value in spec.choices)
     else:
@@ -122,5 +124,6 @@ def _expected(base: Any, spec: Knob) -> str:
 def env_defaults(cls: type, environ: Mapping[str, str]) -> dict[str, Any]:
     """Values of the knobs of `cls` that have an env variable, from `environ` (each
     knob's `parse_env` decides what an unset or unparseable value falls back to)."""
-    return {f.name: f.knob.parse_env(environ.get(f.knob.env), f.default)
-            for f in knob_fields(cls).values() if f.knob.env}
+    return {
+        f.name: f.knob.parse_env(environ.get(f.knob.env), f.default) for f in knob_fields(cls).values() if f.knob.env
+    }

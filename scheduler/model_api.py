@@ -2,7 +2,8 @@
 
 The scheduler decides one action per tick and calls exactly one of the action methods
 below (`classic_prefill`, `classic_decode`, `spec_begin`, `spec_round`,
-`spec_round_with_decode`); the others are bookkeeping that runs no model forward. `models.runner.MlxRunner` implements it over
+`spec_round_with_decode`); the others are bookkeeping that runs no model forward. `models.runner.MlxRunner`
+implements it over
 mlx-lm; tests use scripted fakes. Every method is called from the engine thread only.
 
 Token conventions: every token a method returns is final (already clipped to the
@@ -84,8 +85,9 @@ class ModelRunner(Protocol):
     fuse_blocker: str | None
 
     # -- classic continuous batching ------------------------------------------------
-    def classic_prefill(self, requests: Sequence[Request], between: Callable[[], None] | None = None,
-                        piece: int = 0) -> list[TokenBatch]:
+    def classic_prefill(
+        self, requests: Sequence[Request], between: Callable[[], None] | None = None, piece: int = 0
+    ) -> list[TokenBatch]:
         """Admit `requests` as classic rows and prefill them: one model action.
 
         Returns each new row's first token. May also return a token for existing rows
@@ -105,8 +107,9 @@ class ModelRunner(Protocol):
         runner's shortest chunk where it does not split prompts that finely (a GPU's).
         Bookkeeping."""
 
-    def classic_decode(self, drafts: bool = False, skip_cap: int = 2,
-                       interrupt: Callable[[], bool] | None = None) -> list[TokenBatch]:
+    def classic_decode(
+        self, drafts: bool = False, skip_cap: int = 2, interrupt: Callable[[], bool] | None = None
+    ) -> list[TokenBatch]:
         """One batched decode step over all active classic rows: one model action.
         A runner may return several tokens for a row decoding alone (a short burst of
         steps that amortizes the per-tick overhead); each row's tokens are in order.
@@ -162,8 +165,9 @@ class ModelRunner(Protocol):
         (`scheduler.shadow`); None when the drafter's drafts are not fixed tokens read off
         the text (a draft model). Optional: a runner without it gets no shadow rounds."""
 
-    def spec_round_with_decode(self, request_id: str, drafts: bool = False,
-                               skip_cap: int = 2) -> tuple[RoundOutcome, list[TokenBatch]]:
+    def spec_round_with_decode(
+        self, request_id: str, drafts: bool = False, skip_cap: int = 2
+    ) -> tuple[RoundOutcome, list[TokenBatch]]:
         """One round of the drafter's holder and one decode step of every classic row,
         in one model forward: the fused tick's single model action. Returns the round
         (never a probe) and the rows' tokens, as `spec_round` and `classic_decode(drafts)` would."""

@@ -116,8 +116,12 @@ class SamplingParams:
     def has_processors(self) -> bool:
         """Whether any logit processor changes the logits (each token then depends on
         the tokens before it, not only on the model)."""
-        return (bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.has_output_penalties
-                or self.grammar is not None)
+        return (
+            bool(self.logit_bias)
+            or self.repetition_penalty != 1.0
+            or self.has_output_penalties
+            or self.grammar is not None
+        )
 
     @property
     def has_output_penalties(self) -> bool:
@@ -148,12 +152,17 @@ class SpecStats:
     def as_usage(self) -> dict:
         """The `usage.speculative` object of a response (docs/configuration.md)."""
         return {
-            "rounds": self.num_rounds, "probe_rounds": self.num_probe_rounds, "row_rounds": self.num_row_rounds,
-            "drafted": self.num_drafted, "accepted": self.num_accepted,
-            "grants": self.num_grants, "parks": self.num_parks,
+            "rounds": self.num_rounds,
+            "probe_rounds": self.num_probe_rounds,
+            "row_rounds": self.num_row_rounds,
+            "drafted": self.num_drafted,
+            "accepted": self.num_accepted,
+            "grants": self.num_grants,
+            "parks": self.num_parks,
             "acceptance_length": round(self.num_accepted / self.num_rounds + 1, 4) if self.num_rounds else None,
-            "drafters": {kind: {"rounds": r, "drafted": d, "accepted": a}
-                         for kind, (r, d, a) in sorted(self.drafters.items())},
+            "drafters": {
+                kind: {"rounds": r, "drafted": d, "accepted": a} for kind, (r, d, a) in sorted(self.drafters.items())
+            },
         }
 
     @property
@@ -161,8 +170,9 @@ class SpecStats:
         """Full rounds the slot ran for this request (neither probes nor row verifies)."""
         return self.num_rounds - self.num_probe_rounds - self.num_row_rounds
 
-    def record_round(self, num_drafted: int, num_accepted: int, probe: bool = False, *,
-                     row: bool = False, drafter: str = "") -> None:
+    def record_round(
+        self, num_drafted: int, num_accepted: int, probe: bool = False, *, row: bool = False, drafter: str = ""
+    ) -> None:
         """One round that checked `num_drafted` drafts and accepted the first
         `num_accepted`: the slot holder's (a probe drafts nothing), or with `row` a
         classic row's own verify. `drafter` names the drafts' kind."""

@@ -51,8 +51,12 @@ class _Track:
 
 
 class ShadowRounds:
-    def __init__(self, make_index: Callable[[Sequence[int]], Proposer], num_drafts: Callable[[], int],
-                 record: Callable[[Request, int], None]) -> None:
+    def __init__(
+        self,
+        make_index: Callable[[Sequence[int]], Proposer],
+        num_drafts: Callable[[], int],
+        record: Callable[[Request, int], None],
+    ) -> None:
         """`make_index(history)`: a proposer over `history` that proposes as the slot's
         drafter does; `num_drafts()`: tokens a round drafts (K); `record(request,
         matches)`: a shadow round of `request` ended with `matches` leading drafts matched."""
@@ -75,7 +79,7 @@ class ShadowRounds:
             history = [*request.prompt_ids, *outputs[:before]][-MAX_HISTORY:]
             track = self._tracks[request.request_id] = _Track(self._make_index(history), before)
         elif track.seen != before:  # emitted as the slot's holder since: fold them in unscored
-            track.index.extend(outputs[track.seen:before])
+            track.index.extend(outputs[track.seen : before])
             track.drafts = None
         for token in outputs[before:]:
             if track.drafts is None:  # a round opens where the history stands

@@ -64,14 +64,22 @@ class ActiveJob:
 
 
 class SpecSlot:
-    def __init__(self, runner: ModelRunner, config: Callable[[], SchedulerConfig],
-                 policy: B1Policy, counters: Counters, sink: EventSink,
-                 to_classic: Callable[[Request, str], None], clock: Callable[[], float],
-                 live_requests: Callable[[], int] = lambda: 0, num_rows: Callable[[], int] = lambda: 0,
-                 adopt_row: Callable[[Request, list[TokenBatch]], None] | None = None,
-                 release_row: Callable[[Request, list[TokenBatch], bool, str | None], None] | None = None,
-                 unqueue: Callable[[Request], None] | None = None,
-                 rows_done: Callable[[list[TokenBatch], str | None], None] | None = None) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        config: Callable[[], SchedulerConfig],
+        policy: B1Policy,
+        counters: Counters,
+        sink: EventSink,
+        to_classic: Callable[[Request, str], None],
+        clock: Callable[[], float],
+        live_requests: Callable[[], int] = lambda: 0,
+        num_rows: Callable[[], int] = lambda: 0,
+        adopt_row: Callable[[Request, list[TokenBatch]], None] | None = None,
+        release_row: Callable[[Request, list[TokenBatch], bool, str | None], None] | None = None,
+        unqueue: Callable[[Request], None] | None = None,
+        rows_done: Callable[[list[TokenBatch], str | None], None] | None = None,
+    ) -> None:
         """`adopt_row(request, batches)`: the scheduler takes a demoted (or, in the
         fused tick, parked) request as a classic row and applies `batches` (other rows'
         tokens); None = never demote. `release_row(request, batches, started, error)`:
@@ -138,8 +146,7 @@ class SpecSlot:
     def _install(self, request: Request, *, started: bool) -> ActiveJob:
         config = self._config()
         request.status = RequestStatus.ACTIVE
-        self.active = ActiveJob(request, budget=config.grant_rounds, burst=not config.tick_slice,
-                                started=started)
+        self.active = ActiveJob(request, budget=config.grant_rounds, burst=not config.tick_slice, started=started)
         request.spec.num_grants += 1
         self.counters.grants += 1
         return self.active
@@ -333,8 +340,9 @@ class SpecSlot:
         try:
             if fuse:
                 config = self._config()
-                outcome, rows = self.runner.spec_round_with_decode(request.request_id, drafts=config.rows_draft,
-                                                                   skip_cap=config.skip_cap)
+                outcome, rows = self.runner.spec_round_with_decode(
+                    request.request_id, drafts=config.rows_draft, skip_cap=config.skip_cap
+                )
                 self._fused = True
                 self._rows_done(rows, None)
             else:
@@ -346,8 +354,9 @@ class SpecSlot:
             self._end(job, "error", error=f"spec_round failed: {exc}")
             return False
         job.slices_run += 1
-        self.counters.record_round(request.spec, outcome.num_drafted, outcome.num_accepted,
-                                   probe=outcome.probe, drafter=outcome.drafter)
+        self.counters.record_round(
+            request.spec, outcome.num_drafted, outcome.num_accepted, probe=outcome.probe, drafter=outcome.drafter
+        )
         self.gate.record(request, outcome)
         self.policy.record_round(outcome)
         self.sink.tokens(request, outcome.token_ids, outcome.logprobs)
@@ -392,8 +401,8 @@ class SpecSlot:
     def _demotable(self) -> bool:
         config = self._config()
         return self._adopt_row is not None and should_demote(
-            self._live_requests() - 1, config.speculative_disable_by_batch_size,
-            self._num_rows(), config.max_batch_size)
+            self._live_requests() - 1, config.speculative_disable_by_batch_size, self._num_rows(), config.max_batch_size
+        )
 
     def _demote(self, request: Request) -> None:
         """Move a started session (taken off the slot or out of the ring) into the
@@ -459,7 +468,9 @@ class SpecSlot:
     def snapshot(self) -> dict:
         job = self.active
         return {
-            "owner": None if job is None else {
+            "owner": None
+            if job is None
+            else {
                 "request_id": job.request.request_id,
                 "lane": job.request.lane.name.lower(),
                 "slices_run": job.slices_run,

@@ -70,14 +70,28 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, repeats: int = 3, k
         rows.append(row)
     drafter.sample_drafts = True
     runner.close()
-    return {"scenario": "accept_rule", "quick": quick, "max_tokens": max_tokens, "num_prompts": num_prompts,
-            "repeats": repeats, "machine": bench_util.machine(), "rows": rows}
+    return {
+        "scenario": "accept_rule",
+        "quick": quick,
+        "max_tokens": max_tokens,
+        "num_prompts": num_prompts,
+        "repeats": repeats,
+        "machine": bench_util.machine(),
+        "rows": rows,
+    }
 
 
-COLUMNS = [("temperature", "T"), ("k", "K"),
-           ("equality_accepted_per_round", "equality: accepted / round"), ("equality_tok_s", "equality tok/s"),
-           ("rejection_accepted_per_round", "rejection: accepted / round"), ("rejection_tok_s", "rejection tok/s"),
-           ("tok_s_ratio", "tok/s ratio (median pair)"), ("tok_s_ratio_min", "min"), ("tok_s_ratio_max", "max")]
+COLUMNS = [
+    ("temperature", "T"),
+    ("k", "K"),
+    ("equality_accepted_per_round", "equality: accepted / round"),
+    ("equality_tok_s", "equality tok/s"),
+    ("rejection_accepted_per_round", "rejection: accepted / round"),
+    ("rejection_tok_s", "rejection tok/s"),
+    ("tok_s_ratio", "tok/s ratio (median pair)"),
+    ("tok_s_ratio_min", "min"),
+    ("tok_s_ratio_max", "max"),
+]
 
 
 def main(argv=None) -> int:

@@ -26,8 +26,16 @@ SCENARIOS = [
     ("pressure", "scripts.bench_pressure", "3. sustained high-lane pressure: normal-lane grant gaps"),
     ("vs_mlx_lm", "scripts.bench_vs_mlx_lm", "4. side by side with mlx_lm.server (HTTP, alternating)"),
     ("overhead", "scripts.bench_overhead", "5. overheads: scheduler per tick, actor hop, engine vs raw"),
-    ("concurrency", "scripts.bench_concurrency", "6. speculation under concurrency: fused vs alternating tick vs classic"),
-    ("multiturn", "scripts.bench_multiturn", "7. multi-turn chat: TTFT per turn, prefix cache on vs off (and mlx_lm.server)"),
+    (
+        "concurrency",
+        "scripts.bench_concurrency",
+        "6. speculation under concurrency: fused vs alternating tick vs classic",
+    ),
+    (
+        "multiturn",
+        "scripts.bench_multiturn",
+        "7. multi-turn chat: TTFT per turn, prefix cache on vs off (and mlx_lm.server)",
+    ),
 ]
 
 
@@ -53,24 +61,31 @@ def main(argv=None) -> int:
         tic = time.perf_counter()
         proc = subprocess.run(cmd)
         wall = time.perf_counter() - tic
-        report["scenarios"][name] = {"command": " ".join(["python"] + cmd[1:]), "returncode": proc.returncode,
-                                     "wall_s": round(wall, 1)}
+        report["scenarios"][name] = {
+            "command": " ".join(["python"] + cmd[1:]),
+            "returncode": proc.returncode,
+            "wall_s": round(wall, 1),
+        }
         table_path = os.path.join(out_dir, f"{'single_stream' if name == 'single' else name}.md")
         table = open(table_path).read() if os.path.isfile(table_path) else f"(failed: exit {proc.returncode})\n"
         sections.append(f"## {title}\n\n`python {' '.join(cmd[1:])}` ({wall:.0f} s)\n\n{table}")
     report["total_wall_s"] = round(time.perf_counter() - started, 1)
     m = report["machine"]
-    header = (f"# Benchmark results ({'quick' if args.quick else 'full'})\n\n"
-              f"{m['date_utc']}, {m['nproc']} cores, {m['cpu']}, {m.get('mlx_device')}, python {m['python']}, "
-              f"{', '.join(f'{k} {v}' for k, v in m['versions'].items())}, commit {m.get('git_commit')}; "
-              f"total {report['total_wall_s']:.0f} s\n")
+    header = (
+        f"# Benchmark results ({'quick' if args.quick else 'full'})\n\n"
+        f"{m['date_utc']}, {m['nproc']} cores, {m['cpu']}, {m.get('mlx_device')}, python {m['python']}, "
+        f"{', '.join(f'{k} {v}' for k, v in m['versions'].items())}, commit {m.get('git_commit')}; "
+        f"total {report['total_wall_s']:.0f} s\n"
+    )
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(header + "\n" + "\n".join(sections))
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(report, f, indent=1)
     failed = [n for n, r in report["scenarios"].items() if r["returncode"] != 0]
-    print(f"total wall time {report['total_wall_s']:.0f} s; results in {args.out}"
-          + (f"; FAILED: {failed}" if failed else ""))
+    print(
+        f"total wall time {report['total_wall_s']:.0f} s; results in {args.out}"
+        + (f"; FAILED: {failed}" if failed else "")
+    )
     return 1 if failed else 0
 
 

@@ -65,27 +65,49 @@ NAMED = {**CONFIGS, **REPLICA, **BUDGET, **SAMPLED, **UNSHADOWED}
 ON_BATCHGEN = {"classic_batchgen"}  # configurations run on the BatchGenerator runner
 
 
-def one_run(runner, name: str, prompts: list[list[int]], concurrency: int, max_tokens: int,
-            grant_rounds: int, with_tokens: bool = False, temperature: float = 0.0, mixed: bool = False) -> dict:
+def one_run(
+    runner,
+    name: str,
+    prompts: list[list[int]],
+    concurrency: int,
+    max_tokens: int,
+    grant_rounds: int,
+    with_tokens: bool = False,
+    temperature: float = 0.0,
+    mixed: bool = False,
+) -> dict:
     """One closed-loop run; `with_tokens`: also each prompt's output tokens
     (`token_ids`, in prompt order); `temperature` > 0: request i samples with seed i
     (`mixed`: the odd-numbered requests only, the others greedy)."""
-    config = SchedulerConfig(num_draft_tokens=runner.num_draft_tokens, grant_rounds=grant_rounds,
-                             max_batch_size=max(16, concurrency), **NAMED[name])
+    config = SchedulerConfig(
+        num_draft_tokens=runner.num_draft_tokens,
+        grant_rounds=grant_rounds,
+        max_batch_size=max(16, concurrency),
+        **NAMED[name],
+    )
     if name not in ON_BATCHGEN:
         runner.replica_drafts = False  # a fresh index for each run
         runner.replica_drafts = name in REPLICA
         runner.draft_step_share = 0.5 if name in BUDGET else 0.0
         runner.sampled_row_drafts = name in SAMPLED
     lengths = random.Random(len(prompts)).choices(range(max_tokens // 2, 3 * max_tokens // 2 + 1), k=len(prompts))
-    arrivals = [Arrival(f"s{i}", p, n, after_request=f"s{i - concurrency}" if i >= concurrency else None,
-                        sampling=dict(temperature=temperature, seed=i) if temperature and (i % 2 or not mixed) else {})
-                for i, (p, n) in enumerate(zip(prompts, lengths))]
+    arrivals = [
+        Arrival(
+            f"s{i}",
+            p,
+            n,
+            after_request=f"s{i - concurrency}" if i >= concurrency else None,
+            sampling=dict(temperature=temperature, seed=i) if temperature and (i % 2 or not mixed) else {},
+        )
+        for i, (p, n) in enumerate(zip(prompts, lengths))
+    ]
     result = drive(runner, config, arrivals)
     records = list(result.records.values())
     summary = metrics.summarize(records, result.duration_s)
-    rounds = [((r["speculative"] or {}).get("rounds") or 0) - ((r["speculative"] or {}).get("probe_rounds") or 0)
-              for r in records]
+    rounds = [
+        ((r["speculative"] or {}).get("rounds") or 0) - ((r["speculative"] or {}).get("probe_rounds") or 0)
+        for r in records
+    ]
     return {
         "aggregate_tok_s": summary["output_throughput"],
         "median_tpot_ms": summary["median_tpot_ms"],
@@ -93,9 +115,11 @@ def one_run(runner, name: str, prompts: list[list[int]], concurrency: int, max_t
         "jain_rounds": metrics.jain_index(rounds),
         "acceptance_length": summary["acceptance_length"],
         "fused_ticks": result.counters.get("actions", {}).get("fused", 0),
-        "slot_rounds": result.counters.get("spec_rounds", 0), "row_rounds": result.counters.get("row_rounds", 0),
-        "outputs": {r["request_id"]: r["output_tokens"] for r in
-                    ({"request_id": k, **v} for k, v in result.records.items())},
+        "slot_rounds": result.counters.get("spec_rounds", 0),
+        "row_rounds": result.counters.get("row_rounds", 0),
+        "outputs": {
+            r["request_id"]: r["output_tokens"] for r in ({"request_id": k, **v} for k, v in result.records.items())
+        },
         **({"token_ids": [result.token_ids.get(a.request_id, []) for a in arrivals]} if with_tokens else {}),
     }
 
@@ -108,8 +132,18 @@ def random_prompts(tokenizer, num_prompts: int, seed: int, num_tokens: int = 64)
     return [rng.choices(ordinary, k=num_tokens) for _ in range(num_prompts)]
 
 
-def run(quick: bool, target: str, draft: str, drafter: str, repeats: int, waves: int, seed: int = 0,
-        workload: str = "code", configs: list[str] | None = None, temperature: float | None = None) -> dict:
+def run(
+    quick: bool,
+    target: str,
+    draft: str,
+    drafter: str,
+    repeats: int,
+    waves: int,
+    seed: int = 0,
+    workload: str = "code",
+    configs: list[str] | None = None,
+    temperature: float | None = None,
+) -> dict:
     """`temperature`: every request's (seeded; `mixed`: the odd-numbered ones'); None: the workload's (1.0
     random, 0.7 mixed, else greedy)."""
     if temperature is None:
@@ -136,54 +170,100 @@ def run(quick: bool, target: str, draft: str, drafter: str, repeats: int, waves:
         for _ in range(repeats):
             for name in names:  # interleaved: machine drift hits every configuration alike
                 on = batchgen if name in ON_BATCHGEN else runner
-                runs[name].append(one_run(on, name, prompts, n, max_tokens, grant_rounds=8,
-                                          temperature=temperature, mixed=workload == "mixed"))
-        ratios = {name: [f["aggregate_tok_s"] / c["aggregate_tok_s"] for f, c in zip(runs[name], runs["classic"])]
-                  for name in names if name != "classic"}
+                runs[name].append(
+                    one_run(
+                        on,
+                        name,
+                        prompts,
+                        n,
+                        max_tokens,
+                        grant_rounds=8,
+                        temperature=temperature,
+                        mixed=workload == "mixed",
+                    )
+                )
+        ratios = {
+            name: [f["aggregate_tok_s"] / c["aggregate_tok_s"] for f, c in zip(runs[name], runs["classic"])]
+            for name in names
+            if name != "classic"
+        }
         for name, results in runs.items():
-            rows.append({
-                "streams": n, "config": name,
-                "aggregate_tok_s": statistics.median(r["aggregate_tok_s"] for r in results),
-                "median_tpot_ms": statistics.median(r["median_tpot_ms"] for r in results),
-                "rounds_per_stream": statistics.median(sum(r["rounds"]) / len(r["rounds"]) for r in results),
-                "jain_rounds": results[-1]["jain_rounds"],
-                "acceptance_length": results[-1]["acceptance_length"],
-                "fused_ticks": results[-1]["fused_ticks"],
-                "ratio_vs_classic": statistics.median(ratios[name]) if name in ratios else 1.0,
-                "ratio_min": min(ratios[name]) if name in ratios else 1.0,
-                "same_lengths": all(r["outputs"] == runs["classic"][0]["outputs"] for r in results),
-                "runs": results,
-            })
+            rows.append(
+                {
+                    "streams": n,
+                    "config": name,
+                    "aggregate_tok_s": statistics.median(r["aggregate_tok_s"] for r in results),
+                    "median_tpot_ms": statistics.median(r["median_tpot_ms"] for r in results),
+                    "rounds_per_stream": statistics.median(sum(r["rounds"]) / len(r["rounds"]) for r in results),
+                    "jain_rounds": results[-1]["jain_rounds"],
+                    "acceptance_length": results[-1]["acceptance_length"],
+                    "fused_ticks": results[-1]["fused_ticks"],
+                    "ratio_vs_classic": statistics.median(ratios[name]) if name in ratios else 1.0,
+                    "ratio_min": min(ratios[name]) if name in ratios else 1.0,
+                    "same_lengths": all(r["outputs"] == runs["classic"][0]["outputs"] for r in results),
+                    "runs": results,
+                }
+            )
     long_rows = [long_streams(runner, n, 2 * max_tokens, seed) for n in (2, 3, 4)] if workload == "code" else []
-    return {"scenario": "concurrency", "temperature": temperature, "quick": quick, "drafter": drafter,
-            "workload": workload, "max_tokens": max_tokens,
-            "repeats": repeats, "waves": waves, "machine": bench_util.machine(), "rows": rows,
-            "long_streams": long_rows}
+    return {
+        "scenario": "concurrency",
+        "temperature": temperature,
+        "quick": quick,
+        "drafter": drafter,
+        "workload": workload,
+        "max_tokens": max_tokens,
+        "repeats": repeats,
+        "waves": waves,
+        "machine": bench_util.machine(),
+        "rows": rows,
+        "long_streams": long_rows,
+    }
 
 
 def long_streams(runner, n: int, max_tokens: int, seed: int) -> dict:
     """n long greedy requests of equal length, arriving together, in the default
     configuration: does every stream speculate, and evenly (Jain over rounds)?"""
     prompts = token_prompts(runner.tokenizer, n, seed + 100 + n, num_tokens=64)
-    config = SchedulerConfig(num_draft_tokens=runner.num_draft_tokens, grant_rounds=8,
-                             max_batch_size=16, **CONFIGS["default"])
+    config = SchedulerConfig(
+        num_draft_tokens=runner.num_draft_tokens, grant_rounds=8, max_batch_size=16, **CONFIGS["default"]
+    )
     result = drive(runner, config, [Arrival(f"l{i}", p, max_tokens) for i, p in enumerate(prompts)])
     specs = [r["speculative"] or {} for r in result.records.values()]
     rounds = [(s.get("rounds") or 0) - (s.get("probe_rounds") or 0) for s in specs]
-    return {"streams": n, "max_tokens": max_tokens, "rounds": rounds, "jain_rounds": metrics.jain_index(rounds),
-            "slot_rounds": result.counters.get("spec_rounds", 0), "row_rounds": result.counters.get("row_rounds", 0),
-            "aggregate_tok_s": metrics.summarize(list(result.records.values()), result.duration_s)["output_throughput"]}
+    return {
+        "streams": n,
+        "max_tokens": max_tokens,
+        "rounds": rounds,
+        "jain_rounds": metrics.jain_index(rounds),
+        "slot_rounds": result.counters.get("spec_rounds", 0),
+        "row_rounds": result.counters.get("row_rounds", 0),
+        "aggregate_tok_s": metrics.summarize(list(result.records.values()), result.duration_s)["output_throughput"],
+    }
 
 
-COLUMNS = [("streams", "streams"), ("config", "config"), ("aggregate_tok_s", "aggregate tok/s"),
-           ("ratio_vs_classic", "/ classic (median)"), ("ratio_min", "/ classic (min)"),
-           ("median_tpot_ms", "TPOT p50 ms"), ("rounds_per_stream", "spec rounds / stream"),
-           ("jain_rounds", "Jain (rounds)"), ("acceptance_length", "accept len"), ("fused_ticks", "fused ticks")]
+COLUMNS = [
+    ("streams", "streams"),
+    ("config", "config"),
+    ("aggregate_tok_s", "aggregate tok/s"),
+    ("ratio_vs_classic", "/ classic (median)"),
+    ("ratio_min", "/ classic (min)"),
+    ("median_tpot_ms", "TPOT p50 ms"),
+    ("rounds_per_stream", "spec rounds / stream"),
+    ("jain_rounds", "Jain (rounds)"),
+    ("acceptance_length", "accept len"),
+    ("fused_ticks", "fused ticks"),
+]
 
 
-LONG_COLUMNS = [("streams", "streams"), ("max_tokens", "tokens each"), ("rounds", "spec rounds per stream"),
-                ("jain_rounds", "Jain (rounds)"), ("slot_rounds", "slot rounds"), ("row_rounds", "row rounds"),
-                ("aggregate_tok_s", "aggregate tok/s")]
+LONG_COLUMNS = [
+    ("streams", "streams"),
+    ("max_tokens", "tokens each"),
+    ("rounds", "spec rounds per stream"),
+    ("jain_rounds", "Jain (rounds)"),
+    ("slot_rounds", "slot rounds"),
+    ("row_rounds", "row rounds"),
+    ("aggregate_tok_s", "aggregate tok/s"),
+]
 
 
 def plot(result: dict, path: str) -> None:
@@ -202,22 +282,31 @@ def plot(result: dict, path: str) -> None:
 
 def main(argv=None) -> int:
     ap = bench_util.scenario_args(__doc__.split("\n\n")[0], "results/concurrency")
-    ap.add_argument("--drafter", choices=list(DRAFTERS), default="ngram",
-                    help="default: what configs/local.yaml ships")
+    ap.add_argument("--drafter", choices=list(DRAFTERS), default="ngram", help="default: what configs/local.yaml ships")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 2 quick, 3 full)")
     ap.add_argument("--waves", type=int, default=None, help="requests per concurrency slot (default 3 quick, 4 full)")
-    ap.add_argument("--workload", choices=["code", "random", "repeat", "mixed"], default="code",
-                    help="code: greedy stdlib code (drafts land); random: random-token prompts at "
-                         "temperature 1.0, seeded (drafts never land); repeat: the code prompts, each "
-                         "asked twice (configurations default, replica, classic); mixed: the code "
-                         "prompts, every other request sampled at --temperature (0.7 unless given)")
-    ap.add_argument("--configs", default=None,
-                    help=f"comma-separated configurations (of {', '.join(NAMED)}; "
-                         "default: "
-                         "all of CONFIGS, or default,replica,classic for --workload repeat)")
-    ap.add_argument("--temperature", type=float, default=None,
-                    help="every request's temperature, seeded (default: the workload's, 1.0 random, "
-                         "0.7 mixed, else 0)")
+    ap.add_argument(
+        "--workload",
+        choices=["code", "random", "repeat", "mixed"],
+        default="code",
+        help="code: greedy stdlib code (drafts land); random: random-token prompts at "
+        "temperature 1.0, seeded (drafts never land); repeat: the code prompts, each "
+        "asked twice (configurations default, replica, classic); mixed: the code "
+        "prompts, every other request sampled at --temperature (0.7 unless given)",
+    )
+    ap.add_argument(
+        "--configs",
+        default=None,
+        help=f"comma-separated configurations (of {', '.join(NAMED)}; "
+        "default: "
+        "all of CONFIGS, or default,replica,classic for --workload repeat)",
+    )
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="every request's temperature, seeded (default: the workload's, 1.0 random, 0.7 mixed, else 0)",
+    )
     args = ap.parse_args(argv)
     configs = args.configs.split(",") if args.configs else None
     unknown = set(configs or ()) - set(NAMED)
@@ -225,8 +314,18 @@ def main(argv=None) -> int:
         ap.error(f"unknown configurations: {', '.join(sorted(unknown))}")
     repeats = args.repeats or (2 if args.quick else 3)
     waves = args.waves or (3 if args.quick else 4)
-    result = run(args.quick, args.target, args.draft, args.drafter, repeats, waves, args.seed, args.workload, configs,
-                 args.temperature)
+    result = run(
+        args.quick,
+        args.target,
+        args.draft,
+        args.drafter,
+        repeats,
+        waves,
+        args.seed,
+        args.workload,
+        configs,
+        args.temperature,
+    )
     text = metrics.table([{k: v for k, v in r.items() if k != "runs"} for r in result["rows"]], COLUMNS, digits=2)
     if result["long_streams"]:
         text += "\n\nLong streams, default configuration (equal lengths, arriving together):\n\n"

@@ -32,22 +32,43 @@ TARGET = "models/bundled/target"
 DRAFT = "models/bundled/draft"
 
 
-def load_runner(target: str = TARGET, drafter: str | None = "draft_model", draft_path: str = DRAFT,
-                num_draft_tokens: int = 4, max_batch_size: int = 16, ragged: bool | None = None) -> MlxRunner:
+def load_runner(
+    target: str = TARGET,
+    drafter: str | None = "draft_model",
+    draft_path: str = DRAFT,
+    num_draft_tokens: int = 4,
+    max_batch_size: int = 16,
+    ragged: bool | None = None,
+) -> MlxRunner:
     return MlxRunner.from_paths(
-        target, drafter_kind=drafter,
+        target,
+        drafter_kind=drafter,
         drafter_path=draft_path if drafter in DRAFTERS and DRAFTERS[drafter].needs_weights else None,
-        num_draft_tokens=num_draft_tokens, max_batch_size=max_batch_size,
-        prefill_batch_size=min(8, max_batch_size), ragged=ragged)
+        num_draft_tokens=num_draft_tokens,
+        max_batch_size=max_batch_size,
+        prefill_batch_size=min(8, max_batch_size),
+        ragged=ragged,
+    )
 
 
 class TimedRunner:
     """Proxy that adds the wall time spent inside the runner's model calls to `seconds`
     (tick time minus this = the scheduler's own decision and bookkeeping time)."""
 
-    _TIMED = frozenset({"classic_prefill", "classic_decode", "classic_remove", "spec_begin",
-                        "spec_round", "spec_round_with_decode", "spec_park", "spec_resume", "spec_finish",
-                        "spec_to_classic"})
+    _TIMED = frozenset(
+        {
+            "classic_prefill",
+            "classic_decode",
+            "classic_remove",
+            "spec_begin",
+            "spec_round",
+            "spec_round_with_decode",
+            "spec_park",
+            "spec_resume",
+            "spec_finish",
+            "spec_to_classic",
+        }
+    )
 
     def __init__(self, runner) -> None:
         self._runner = runner
@@ -64,6 +85,7 @@ class TimedRunner:
                 return attr(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - tic
+
         return timed
 
 
@@ -89,8 +111,9 @@ class RunResult:
     token_ids: dict[str, list[int]] = field(default_factory=dict)  # each request's output
 
 
-def drive(runner, config: SchedulerConfig, arrivals: list[Arrival], max_ticks: int = 1_000_000,
-          policy=None) -> RunResult:
+def drive(
+    runner, config: SchedulerConfig, arrivals: list[Arrival], max_ticks: int = 1_000_000, policy=None
+) -> RunResult:
     """Run `arrivals` to completion on a fresh Scheduler; returns per-request records
     (see `scripts.metrics`) and a per-tick timeline. `policy`: a `B1Policy` to share
     across runs (as one replica's policy outlives its requests); None = a fresh one."""
@@ -104,17 +127,33 @@ def drive(runner, config: SchedulerConfig, arrivals: list[Arrival], max_ticks: i
     t0 = time.perf_counter()
     num_grants = 0
     for tick_index in range(max_ticks):
-        due = [a for a in pending if emitted >= a.after_tokens
-               and (a.after_request is None or a.after_request in finished)]
+        due = [
+            a for a in pending if emitted >= a.after_tokens and (a.after_request is None or a.after_request in finished)
+        ]
         for a in due:
             pending.remove(a)
             now = time.perf_counter()
             records[a.request_id] = {
-                "lane": a.lane.name.lower(), "arrival_s": now - t0, "first_token_s": None,
-                "chunks": [], "finish_s": None, "prompt_tokens": len(a.prompt_ids),
-                "output_tokens": 0, "speculative": None, "error": None, "finish_reason": None}
-            scheduler.submit(Request(a.request_id, list(a.prompt_ids), SamplingParams(max_tokens=a.max_tokens, **a.sampling),
-                                     lane=a.lane, arrival_time=now))
+                "lane": a.lane.name.lower(),
+                "arrival_s": now - t0,
+                "first_token_s": None,
+                "chunks": [],
+                "finish_s": None,
+                "prompt_tokens": len(a.prompt_ids),
+                "output_tokens": 0,
+                "speculative": None,
+                "error": None,
+                "finish_reason": None,
+            }
+            scheduler.submit(
+                Request(
+                    a.request_id,
+                    list(a.prompt_ids),
+                    SamplingParams(max_tokens=a.max_tokens, **a.sampling),
+                    lane=a.lane,
+                    arrival_time=now,
+                )
+            )
         if not scheduler.has_work():
             if not pending:
                 break
@@ -124,8 +163,9 @@ def drive(runner, config: SchedulerConfig, arrivals: list[Arrival], max_ticks: i
         events = scheduler.tick()
         toc = time.perf_counter()
         action = scheduler.last_decision.action.value if scheduler.last_decision else None
-        result.ticks.append({"t": toc - t0, "action": action, "tick_s": toc - tic,
-                             "runner_s": timed.seconds - runner_before})
+        result.ticks.append(
+            {"t": toc - t0, "action": action, "tick_s": toc - tic, "runner_s": timed.seconds - runner_before}
+        )
         if scheduler.counters.grants > num_grants:
             num_grants = scheduler.counters.grants
             owner = scheduler.slot.active
@@ -155,12 +195,21 @@ def drive(runner, config: SchedulerConfig, arrivals: list[Arrival], max_ticks: i
     return result
 
 
-def stream_arrivals(tokenizer, num_streams: int, max_tokens: int, prompt_tokens: int = 64, seed: int = 0,
-                    stagger_tokens: int = 0, lane: Lane = Lane.NORMAL, prefix: str = "s") -> list[Arrival]:
+def stream_arrivals(
+    tokenizer,
+    num_streams: int,
+    max_tokens: int,
+    prompt_tokens: int = 64,
+    seed: int = 0,
+    stagger_tokens: int = 0,
+    lane: Lane = Lane.NORMAL,
+    prefix: str = "s",
+) -> list[Arrival]:
     """`num_streams` long streams; stream i arrives after i * stagger_tokens emitted tokens."""
     prompts = token_prompts(tokenizer, num_streams, seed, prompt_tokens)
-    return [Arrival(f"{prefix}{i}", p, max_tokens, lane, after_tokens=i * stagger_tokens)
-            for i, p in enumerate(prompts)]
+    return [
+        Arrival(f"{prefix}{i}", p, max_tokens, lane, after_tokens=i * stagger_tokens) for i, p in enumerate(prompts)
+    ]
 
 
 def raw_generate_step(model, prompt_ids: list[int], num_tokens: int) -> float:
@@ -209,22 +258,43 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the JSON result here")
     args = ap.parse_args(argv)
-    runner = load_runner(args.target, None if args.drafter == NO_DRAFTER else args.drafter, args.draft,
-                         args.num_draft_tokens)
-    config = SchedulerConfig(grant_rounds=args.grant_rounds, b1_policy=args.b1_policy,
-                             num_draft_tokens=args.num_draft_tokens, backlog_cap=args.backlog_cap,
-                             speculative_disable_by_batch_size=args.speculative_disable_by_batch_size)
-    arrivals = stream_arrivals(runner.tokenizer, args.streams, args.max_tokens, args.prompt_tokens,
-                               args.seed, args.stagger_tokens)
+    runner = load_runner(
+        args.target, None if args.drafter == NO_DRAFTER else args.drafter, args.draft, args.num_draft_tokens
+    )
+    config = SchedulerConfig(
+        grant_rounds=args.grant_rounds,
+        b1_policy=args.b1_policy,
+        num_draft_tokens=args.num_draft_tokens,
+        backlog_cap=args.backlog_cap,
+        speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
+    )
+    arrivals = stream_arrivals(
+        runner.tokenizer, args.streams, args.max_tokens, args.prompt_tokens, args.seed, args.stagger_tokens
+    )
     run = drive(runner, config, arrivals)
     summary = metrics.summarize(list(run.records.values()), run.duration_s)
-    out = {"args": vars(args), "summary": summary, "grant_log": run.grant_log, "counters": run.counters,
-           "ticks_by_action": ticks_by_action(run.ticks), "requests": run.records}
-    print(json.dumps({**{k: summary[k] for k in ("completed", "output_throughput", "mean_ttft_ms",
-                                                 "mean_tpot_ms", "acceptance_length")},
-                      "ttft_ms": sorted(round(1000 * r["first_token_s"]) for r in run.records.values()),
-                      "ticks_by_action": out["ticks_by_action"],
-                      "classic_fallbacks": run.counters["classic_fallbacks"]}, indent=1))
+    out = {
+        "args": vars(args),
+        "summary": summary,
+        "grant_log": run.grant_log,
+        "counters": run.counters,
+        "ticks_by_action": ticks_by_action(run.ticks),
+        "requests": run.records,
+    }
+    print(
+        json.dumps(
+            {
+                **{
+                    k: summary[k]
+                    for k in ("completed", "output_throughput", "mean_ttft_ms", "mean_tpot_ms", "acceptance_length")
+                },
+                "ttft_ms": sorted(round(1000 * r["first_token_s"]) for r in run.records.values()),
+                "ticks_by_action": out["ticks_by_action"],
+                "classic_fallbacks": run.counters["classic_fallbacks"],
+            },
+            indent=1,
+        )
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1, default=str)

@@ -22,14 +22,25 @@ SCHEMA = {
         "name": {"type": "string"},
         "age": {"type": "integer"},
         "tags": {"type": "array", "items": {"type": "string"}},
-        "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
-                    "required": ["city", "zip"], "additionalProperties": False},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
     },
     "required": ["name", "age", "tags", "address"],
     "additionalProperties": False,
 }
-DOCUMENT = json.dumps({"name": "Ada Lovelace", "age": 36, "tags": ["math", "engines", "poetry"],
-                       "address": {"city": "London", "zip": "W1"}}, separators=(",", ":"))
+DOCUMENT = json.dumps(
+    {
+        "name": "Ada Lovelace",
+        "age": 36,
+        "tags": ["math", "engines", "poetry"],
+        "address": {"city": "London", "zip": "W1"},
+    },
+    separators=(",", ":"),
+)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -62,6 +73,7 @@ def bench_llguidance(hf_tokenizer, token_ids: list[int]) -> dict:
 
 def _byte_vocabulary(hf_tokenizer) -> tuple[dict[bytes, list[int]], int]:
     from tokenizers.decoders import ByteLevel
+
     eos = hf_tokenizer.eos_token_id
     decoder = ByteLevel()
     vocab: dict[bytes, list[int]] = {}
@@ -106,7 +118,7 @@ def bench_specslot_masks(hf_tokenizer, token_ids: list[int], num_positions: int)
     vocab, costs = len(hf_tokenizer), []
     for i in range(len(token_ids) - num_positions):
         start = time.perf_counter()
-        matcher.masks(num_positions, token_ids[i + 1:i + num_positions], vocab)
+        matcher.masks(num_positions, token_ids[i + 1 : i + num_positions], vocab)
         costs.append(time.perf_counter() - start)
         matcher.accept([token_ids[i]])
     return {"compile_ms": compile_ms, "mask_us": costs}
@@ -119,18 +131,25 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from transformers import AutoTokenizer
+
     hf_tokenizer = AutoTokenizer.from_pretrained(args.model)
     token_ids = hf_tokenizer.encode(DOCUMENT)
     rows = {}
-    engines = (("llguidance", bench_llguidance), ("outlines-core", bench_outlines_core),
-               ("specslot, 1 position", lambda t, ids: bench_specslot_masks(t, ids, 1)),
-               ("specslot, 5 positions", lambda t, ids: bench_specslot_masks(t, ids, 5)))
+    engines = (
+        ("llguidance", bench_llguidance),
+        ("outlines-core", bench_outlines_core),
+        ("specslot, 1 position", lambda t, ids: bench_specslot_masks(t, ids, 1)),
+        ("specslot, 5 positions", lambda t, ids: bench_specslot_masks(t, ids, 5)),
+    )
     for name, bench in engines:
         runs = [bench(hf_tokenizer, token_ids) for _ in range(args.repeats)]
         costs = [c * 1e6 for run in runs[1:] or runs for c in run["mask_us"]]
-        rows[name] = {"compile_ms": statistics.median(r["compile_ms"] for r in runs),
-                      "mask_us_mean": statistics.mean(costs), "mask_us_p95": _percentile(costs, 0.95),
-                      "tokens": len(token_ids)}
+        rows[name] = {
+            "compile_ms": statistics.median(r["compile_ms"] for r in runs),
+            "mask_us_mean": statistics.mean(costs),
+            "mask_us_p95": _percentile(costs, 0.95),
+            "tokens": len(token_ids),
+        }
     print(f"vocab {len(hf_tokenizer)}, document {len(token_ids)} tokens, {args.repeats} repeats")
     print(f"{'engine':<22} {'compile ms':>11} {'mask µs mean':>13} {'mask µs p95':>12}")
     for name, row in rows.items():

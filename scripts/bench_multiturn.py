@@ -42,28 +42,44 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import os
 import time
 
 from scripts import bench_util, metrics, servers
-from scripts.proc_tree import peak_rss_mb
 from scripts.bench_vs_mlx_lm import parse_config_spec
+from scripts.proc_tree import peak_rss_mb
 from scripts.prompts import stdlib_snippets
 
 DEFAULT_CONFIG = "configs/local.yaml"
 # Where a turn's TTFT goes, from our servers' own series (docs/metrics.md): the replica's
 # TTFT (arrival at the replica to the first token reaching it), and the scheduler's
 # queue (arrival at the engine to first scheduled) and prefill (to the first token).
-PHASES = {"replica": "specslot:time_to_first_token_seconds", "queue": "specslot:request_queue_time_seconds",
-          "prefill": "specslot:request_prefill_time_seconds"}
+PHASES = {
+    "replica": "specslot:time_to_first_token_seconds",
+    "queue": "specslot:request_queue_time_seconds",
+    "prefill": "specslot:request_prefill_time_seconds",
+}
 
 
 def sizes(quick: bool) -> dict:
     if quick:
-        return {"num_conversations": 4, "num_turns": 3, "concurrency": 2, "first_tokens": 350,
-                "turn_tokens": 64, "max_tokens": 16, "repeats": 1}
-    return {"num_conversations": 8, "num_turns": 6, "concurrency": 4, "first_tokens": 350,
-            "turn_tokens": 64, "max_tokens": 32, "repeats": 1}
+        return {
+            "num_conversations": 4,
+            "num_turns": 3,
+            "concurrency": 2,
+            "first_tokens": 350,
+            "turn_tokens": 64,
+            "max_tokens": 16,
+            "repeats": 1,
+        }
+    return {
+        "num_conversations": 8,
+        "num_turns": 6,
+        "concurrency": 4,
+        "first_tokens": 350,
+        "turn_tokens": 64,
+        "max_tokens": 32,
+        "repeats": 1,
+    }
 
 
 def split_sizes(quick: bool, repeats: int | None, overrides: dict | None) -> tuple[dict, dict]:
@@ -79,8 +95,9 @@ def split_sizes(quick: bool, repeats: int | None, overrides: dict | None) -> tup
     return size, overrides
 
 
-def user_texts(tokenizer, num_conversations: int, num_turns: int, first_tokens: int, turn_tokens: int,
-               seed: int) -> list[list[str]]:
+def user_texts(
+    tokenizer, num_conversations: int, num_turns: int, first_tokens: int, turn_tokens: int, seed: int
+) -> list[list[str]]:
     """Per conversation, its user messages: the first `first_tokens` tokens long, the
     others `turn_tokens`; deterministic in `seed`. A message longer than one held-out
     file joins snippets until it has its tokens. A first message begins with a line
@@ -98,20 +115,31 @@ def user_texts(tokenizer, num_conversations: int, num_turns: int, first_tokens: 
         return tokenizer.decode(ids[:num_tokens])
 
     texts = iter(snippets)
-    return [[cut((f"# conversation {seed}-{index}\n" if turn == 0 else "") + next(texts),
-                 first_tokens if turn == 0 else turn_tokens) for turn in range(num_turns)]
-            for index in range(num_conversations)]
+    return [
+        [
+            cut(
+                (f"# conversation {seed}-{index}\n" if turn == 0 else "") + next(texts),
+                first_tokens if turn == 0 else turn_tokens,
+            )
+            for turn in range(num_turns)
+        ]
+        for index in range(num_conversations)
+    ]
 
 
 async def stream_chat(session, base_url: str, messages: list[dict], max_tokens: int, session_id: str | None) -> dict:
     """One streamed chat completion: TTFT, the reply's text, what usage reports and which
     replica answered. `session_id` goes in Serve's session header (replica affinity);
     None sends none."""
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     tic = time.perf_counter()
-    rec = {"ttft_s": None, "text": "", "prompt_tokens": None, "cached_tokens": None, "error": None,
-           "replica": None}
+    rec = {"ttft_s": None, "text": "", "prompt_tokens": None, "cached_tokens": None, "error": None, "replica": None}
     headers = {"X-Session-Id": session_id} if session_id else {}
     async with session.post(base_url + "/v1/chat/completions", json=body, headers=headers) as resp:
         rec["replica"] = resp.headers.get("X-Specslot-Replica")
@@ -138,8 +166,14 @@ async def stream_chat(session, base_url: str, messages: list[dict], max_tokens: 
     return rec
 
 
-async def run_conversations(base_url: str, conversations: list[list[str]], concurrency: int,
-                            max_tokens: int, run_id: str = "run", session_ids: bool = True) -> list[dict]:
+async def run_conversations(
+    base_url: str,
+    conversations: list[list[str]],
+    concurrency: int,
+    max_tokens: int,
+    run_id: str = "run",
+    session_ids: bool = True,
+) -> list[dict]:
     """Every conversation's turns in order, `concurrency` conversations at a time; one
     record per turn, with its conversation and turn index. `session_ids`: each
     conversation sends its own X-Session-Id."""
@@ -149,14 +183,16 @@ async def run_conversations(base_url: str, conversations: list[list[str]], concu
     pending = list(enumerate(conversations))
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+
         async def worker():
             while pending:
                 index, user_messages = pending.pop(0)
                 history: list[dict] = []
                 for turn, text in enumerate(user_messages):
                     history.append({"role": "user", "content": text})
-                    rec = await stream_chat(session, base_url, history, max_tokens,
-                                            f"{run_id}-{index}" if session_ids else None)
+                    rec = await stream_chat(
+                        session, base_url, history, max_tokens, f"{run_id}-{index}" if session_ids else None
+                    )
                     records.append({"conversation": index, "turn": turn + 1, **rec})
                     history.append({"role": "assistant", "content": rec["text"]})
 
@@ -167,8 +203,10 @@ async def run_conversations(base_url: str, conversations: list[list[str]], concu
 def phase_totals(text: str) -> dict[str, list[float]]:
     """Per phase of `PHASES`, [seconds, observations] summed over label sets, from a
     /metrics exposition `text`."""
-    return {phase: [metrics.series_total(text, name + suffix) for suffix in ("_sum", "_count")]
-            for phase, name in PHASES.items()}
+    return {
+        phase: [metrics.series_total(text, name + suffix) for suffix in ("_sum", "_count")]
+        for phase, name in PHASES.items()
+    }
 
 
 def scrape_phases(base_url: str) -> dict[str, list[float]]:
@@ -201,17 +239,31 @@ def phase_rows(phases: dict[str, dict]) -> list[dict]:
         mean = {phase: 1000 * seconds / count if count else None for phase, (seconds, count) in total.items()}
         if None in mean.values():
             continue
-        rows.append({"server": name, "turns": int(total["client"][1]), "client_ms": mean["client"],
-                     "replica_ms": mean["replica"], "queue_ms": mean["queue"], "prefill_ms": mean["prefill"],
-                     "serving_ms": mean["client"] - mean["replica"],
-                     "hop_ms": mean["replica"] - mean["queue"] - mean["prefill"]})
+        rows.append(
+            {
+                "server": name,
+                "turns": int(total["client"][1]),
+                "client_ms": mean["client"],
+                "replica_ms": mean["replica"],
+                "queue_ms": mean["queue"],
+                "prefill_ms": mean["prefill"],
+                "serving_ms": mean["client"] - mean["replica"],
+                "hop_ms": mean["replica"] - mean["queue"] - mean["prefill"],
+            }
+        )
     return rows
 
 
-PHASE_COLUMNS = [("server", "server"), ("turns", "turns"), ("client_ms", "TTFT at the client"),
-                 ("replica_ms", "at the replica"), ("queue_ms", "engine queue"), ("prefill_ms", "engine prefill"),
-                 ("serving_ms", "proxy and stream out (client - replica)"),
-                 ("hop_ms", "replica to engine and back (replica - queue - prefill)")]
+PHASE_COLUMNS = [
+    ("server", "server"),
+    ("turns", "turns"),
+    ("client_ms", "TTFT at the client"),
+    ("replica_ms", "at the replica"),
+    ("queue_ms", "engine queue"),
+    ("prefill_ms", "engine prefill"),
+    ("serving_ms", "proxy and stream out (client - replica)"),
+    ("hop_ms", "replica to engine and back (replica - queue - prefill)"),
+]
 
 
 def turn_rows(records: list[dict], names: list[str]) -> list[dict]:
@@ -250,14 +302,27 @@ def affinity_stats(records: list[dict], name: str) -> dict:
 def columns(names: list[str]) -> list[tuple[str, str]]:
     cols = [("turn", "turn"), ("prompt_tokens", "prompt tokens")]
     for name in names:
-        cols += [(f"{name}_p50_ms", f"{name} TTFT p50 ms"), (f"{name}_p99_ms", f"{name} p99 ms"),
-                 (f"{name}_cached", f"{name} cached tokens")]
+        cols += [
+            (f"{name}_p50_ms", f"{name} TTFT p50 ms"),
+            (f"{name}_p99_ms", f"{name} p99 ms"),
+            (f"{name}_cached", f"{name} cached tokens"),
+        ]
     return cols + [("off_over_on_p50", "cache off / on (p50)")]
 
 
-def run(quick: bool, target: str | None, seed: int = 0, out_dir: str = "results/multiturn", base_port: int = 8160,
-        with_peer: bool | None = None, repeats: int | None = None, replicas: int = 0,
-        prompt_key: bool = False, config: str = DEFAULT_CONFIG, overrides: dict | None = None) -> dict:
+def run(
+    quick: bool,
+    target: str | None,
+    seed: int = 0,
+    out_dir: str = "results/multiturn",
+    base_port: int = 8160,
+    with_peer: bool | None = None,
+    repeats: int | None = None,
+    replicas: int = 0,
+    prompt_key: bool = False,
+    config: str = DEFAULT_CONFIG,
+    overrides: dict | None = None,
+) -> dict:
     """`config`, `overrides`: our servers' deployment config and `args` merged over its
     own; `overrides` may also set the workload's sizes (`sizes` keys)."""
     from transformers import AutoTokenizer
@@ -265,17 +330,35 @@ def run(quick: bool, target: str | None, seed: int = 0, out_dir: str = "results/
     size, ours = split_sizes(quick, repeats, overrides)
     target = target or servers.config_models(config, ours)[0]
     with_peer = (not quick) if with_peer is None else with_peer
-    fleet = [servers.ours(base_port, out_dir, config, ours, name="cache_on"),
-             servers.ours(base_port + 1, out_dir, config, {**ours, "prefix_cache_bytes": 0}, name="cache_off")]
+    fleet = [
+        servers.ours(base_port, out_dir, config, ours, name="cache_on"),
+        servers.ours(base_port + 1, out_dir, config, {**ours, "prefix_cache_bytes": 0}, name="cache_off"),
+    ]
     if with_peer:
         model = servers.float32_copy(target, out_dir) if _is_cpu() else target
         fleet.append(servers.mlx_lm_server(base_port + 2, out_dir, model, name="mlx_lm"))
     if replicas > 1:
-        fleet.append(servers.ours(base_port + 3, out_dir, config, ours, name=f"cache_on_x{replicas}",
-                                  deployment={"num_replicas": replicas}))
+        fleet.append(
+            servers.ours(
+                base_port + 3,
+                out_dir,
+                config,
+                ours,
+                name=f"cache_on_x{replicas}",
+                deployment={"num_replicas": replicas},
+            )
+        )
         if prompt_key:
-            fleet.append(servers.ours(base_port + 4, out_dir, config, {**ours, "affinity_key": "prompt"},
-                                      name=f"cache_on_x{replicas}_prompt", deployment={"num_replicas": replicas}))
+            fleet.append(
+                servers.ours(
+                    base_port + 4,
+                    out_dir,
+                    config,
+                    {**ours, "affinity_key": "prompt"},
+                    name=f"cache_on_x{replicas}_prompt",
+                    deployment={"num_replicas": replicas},
+                )
+            )
     without_session = {server.name for server in fleet if server.name.endswith("_prompt")}
     tokenizer = AutoTokenizer.from_pretrained(target)
     records, rss, phases = [], {}, {}
@@ -288,39 +371,67 @@ def run(quick: bool, target: str | None, seed: int = 0, out_dir: str = "results/
         # each holds one session when the measured ones arrive).
         warm = user_texts(tokenizer, max(1, replicas), 2, 64, 16, seed + 999)
         for server in fleet:
-            asyncio.run(run_conversations(server.base_url, warm, 1, 4, run_id="warm",
-                                          session_ids=server.name not in without_session))
+            asyncio.run(
+                run_conversations(
+                    server.base_url, warm, 1, 4, run_id="warm", session_ids=server.name not in without_session
+                )
+            )
         for rep in range(size["repeats"]):
-            conversations = user_texts(tokenizer, size["num_conversations"], size["num_turns"],
-                                       size["first_tokens"], size["turn_tokens"], seed + rep)
+            conversations = user_texts(
+                tokenizer,
+                size["num_conversations"],
+                size["num_turns"],
+                size["first_tokens"],
+                size["turn_tokens"],
+                seed + rep,
+            )
             for server in fleet:
                 before = scrape_phases(server.base_url) if server.name in ours_names else None
                 tic = time.perf_counter()
-                run_records = asyncio.run(run_conversations(
-                    server.base_url, conversations, size["concurrency"], size["max_tokens"], run_id=f"rep{rep}",
-                    session_ids=server.name not in without_session))
+                run_records = asyncio.run(
+                    run_conversations(
+                        server.base_url,
+                        conversations,
+                        size["concurrency"],
+                        size["max_tokens"],
+                        run_id=f"rep{rep}",
+                        session_ids=server.name not in without_session,
+                    )
+                )
                 if before is not None:
-                    add_phases(phases.setdefault(server.name, {}), before, scrape_phases(server.base_url),
-                               run_records)
+                    add_phases(phases.setdefault(server.name, {}), before, scrape_phases(server.base_url), run_records)
                 records += [{"server": server.name, "repeat": rep, **r} for r in run_records]
                 errors = [r["error"] for r in run_records if r["error"]]
-                print(f"rep={rep} {server.name:<10} {len(run_records)} turns in {time.perf_counter() - tic:.1f} s"
-                      + (f"; {len(errors)} errors, first: {errors[0]}" if errors else ""), flush=True)
+                print(
+                    f"rep={rep} {server.name:<10} {len(run_records)} turns in {time.perf_counter() - tic:.1f} s"
+                    + (f"; {len(errors)} errors, first: {errors[0]}" if errors else ""),
+                    flush=True,
+                )
         rss = {server.name: peak_rss_mb(server.proc.pid) for server in fleet}
     finally:
         stops = {server.name: server.stop() for server in fleet}
     names = [server.name for server in fleet]
-    return {"scenario": "multiturn", "quick": quick, **size, "machine": bench_util.machine(),
-            "servers": {s.name: s.cmd for s in fleet}, "exit_codes": stops,
-            "startup_s": {s.name: s.startup_s for s in fleet}, "peak_rss": rss,
-            "records": [{k: v for k, v in r.items() if k != "text"} for r in records],
-            "num_errors": sum(1 for r in records if r["error"]), "rows": turn_rows(records, names),
-            "affinity": {name: affinity_stats(records, name) for name in names if "_x" in name},
-            "phases": phase_rows(phases), "server_names": names}
+    return {
+        "scenario": "multiturn",
+        "quick": quick,
+        **size,
+        "machine": bench_util.machine(),
+        "servers": {s.name: s.cmd for s in fleet},
+        "exit_codes": stops,
+        "startup_s": {s.name: s.startup_s for s in fleet},
+        "peak_rss": rss,
+        "records": [{k: v for k, v in r.items() if k != "text"} for r in records],
+        "num_errors": sum(1 for r in records if r["error"]),
+        "rows": turn_rows(records, names),
+        "affinity": {name: affinity_stats(records, name) for name in names if "_x" in name},
+        "phases": phase_rows(phases),
+        "server_names": names,
+    }
 
 
-def engine_conversations(engine, tokenizer, conversations: list[list[str]], concurrency: int,
-                         max_tokens: int, run_id: str = "run") -> list[dict]:
+def engine_conversations(
+    engine, tokenizer, conversations: list[list[str]], concurrency: int, max_tokens: int, run_id: str = "run"
+) -> list[dict]:
     """`run_conversations` in-process: the conversations' turns on `engine` (a started
     `scheduler.engine.Engine`, the scheduler actor's engine thread without Ray),
     `concurrency` conversations at a time, each turn submitted from this thread when the
@@ -335,8 +446,15 @@ def engine_conversations(engine, tokenizer, conversations: list[list[str]], conc
         text = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
         ids = tokenizer.encode(text, add_special_tokens=False)
         request_id = f"{run_id}-c{index}t{turn}"
-        live[request_id] = {"conversation": index, "turn": turn + 1, "history": history, "out": [],
-                            "submitted": time.perf_counter(), "ttft_s": None, "prompt_tokens": len(ids)}
+        live[request_id] = {
+            "conversation": index,
+            "turn": turn + 1,
+            "history": history,
+            "out": [],
+            "submitted": time.perf_counter(),
+            "ttft_s": None,
+            "prompt_tokens": len(ids),
+        }
         engine.submit(Request(request_id, ids, SamplingParams(max_tokens=max_tokens)))
 
     def next_conversation() -> None:
@@ -359,21 +477,42 @@ def engine_conversations(engine, tokenizer, conversations: list[list[str]], conc
             if event.finish_reason is None:
                 continue
             del live[event.request_id]
-            records.append({"conversation": state["conversation"], "turn": state["turn"], "ttft_s": state["ttft_s"],
-                            "prompt_tokens": state["prompt_tokens"], "cached_tokens": event.num_cached_tokens,
-                            "error": event.error, "replica": None})
+            records.append(
+                {
+                    "conversation": state["conversation"],
+                    "turn": state["turn"],
+                    "ttft_s": state["ttft_s"],
+                    "prompt_tokens": state["prompt_tokens"],
+                    "cached_tokens": event.num_cached_tokens,
+                    "error": event.error,
+                    "replica": None,
+                }
+            )
             user_messages = conversations[state["conversation"]]
             if state["turn"] < len(user_messages):
                 reply = tokenizer.decode(state["out"], skip_special_tokens=True)
-                start(state["conversation"], state["turn"], state["history"] + [
-                    {"role": "assistant", "content": reply}, {"role": "user", "content": user_messages[state["turn"]]}])
+                start(
+                    state["conversation"],
+                    state["turn"],
+                    state["history"]
+                    + [
+                        {"role": "assistant", "content": reply},
+                        {"role": "user", "content": user_messages[state["turn"]]},
+                    ],
+                )
             else:
                 next_conversation()
     return records
 
 
-def run_engine(quick: bool, target: str | None, seed: int = 0, repeats: int | None = None,
-               config: str = DEFAULT_CONFIG, overrides: dict | None = None) -> dict:
+def run_engine(
+    quick: bool,
+    target: str | None,
+    seed: int = 0,
+    repeats: int | None = None,
+    config: str = DEFAULT_CONFIG,
+    overrides: dict | None = None,
+) -> dict:
     """The workload of `run`, in-process on the engine `config` (with `overrides`) builds
     (`serve_app.actor.build_engine`, as the scheduler actor does), with the prefix cache
     at its configured budget (`cache_on`) and off (`cache_off`)."""
@@ -386,30 +525,54 @@ def run_engine(quick: bool, target: str | None, seed: int = 0, repeats: int | No
     tokenizer = AutoTokenizer.from_pretrained(target)
     names, records = ["cache_on", "cache_off"], []
     for name in names:
-        engine, _ = engine_from_config(config, target, {**ours, **({"prefix_cache_bytes": 0} if name == "cache_off" else {})})
+        engine, _ = engine_from_config(
+            config, target, {**ours, **({"prefix_cache_bytes": 0} if name == "cache_off" else {})}
+        )
         try:
             warm = user_texts(tokenizer, 1, 2, 64, 16, seed + 999)
             engine_conversations(engine, tokenizer, warm, 1, 4, run_id="warm")
             for rep in range(size["repeats"]):
-                conversations = user_texts(tokenizer, size["num_conversations"], size["num_turns"],
-                                           size["first_tokens"], size["turn_tokens"], seed + rep)
+                conversations = user_texts(
+                    tokenizer,
+                    size["num_conversations"],
+                    size["num_turns"],
+                    size["first_tokens"],
+                    size["turn_tokens"],
+                    seed + rep,
+                )
                 tic = time.perf_counter()
-                run_records = engine_conversations(engine, tokenizer, conversations, size["concurrency"],
-                                                   size["max_tokens"], run_id=f"rep{rep}")
+                run_records = engine_conversations(
+                    engine, tokenizer, conversations, size["concurrency"], size["max_tokens"], run_id=f"rep{rep}"
+                )
                 records += [{"server": name, "repeat": rep, **r} for r in run_records]
-                print(f"rep={rep} engine {name:<10} {len(run_records)} turns in {time.perf_counter() - tic:.1f} s",
-                      flush=True)
+                print(
+                    f"rep={rep} engine {name:<10} {len(run_records)} turns in {time.perf_counter() - tic:.1f} s",
+                    flush=True,
+                )
         finally:
             engine.stop()
-    return {"scenario": "multiturn", "level": "engine", "quick": quick, **size, "machine": bench_util.machine(),
-            "config": config, "overrides": ours, "peak_rss": {}, "records": records,
-            "num_errors": sum(1 for r in records if r["error"]), "rows": turn_rows(records, names),
-            "affinity": {}, "server_names": names}
+    return {
+        "scenario": "multiturn",
+        "level": "engine",
+        "quick": quick,
+        **size,
+        "machine": bench_util.machine(),
+        "config": config,
+        "overrides": ours,
+        "peak_rss": {},
+        "records": records,
+        "num_errors": sum(1 for r in records if r["error"]),
+        "rows": turn_rows(records, names),
+        "affinity": {},
+        "server_names": names,
+    }
 
 
 def _is_cpu() -> bool:
-    import models  # noqa: F401
     import mlx.core as mx
+
+    import models  # noqa: F401
+
     return mx.default_device() == mx.cpu
 
 
@@ -417,8 +580,9 @@ def plot(result: dict, path: str) -> None:
     plt = bench_util.pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in result["server_names"]:
-        ax.plot([r["turn"] for r in result["rows"]], [r[f"{name}_p50_ms"] for r in result["rows"]],
-                marker="o", label=name)
+        ax.plot(
+            [r["turn"] for r in result["rows"]], [r[f"{name}_p50_ms"] for r in result["rows"]], marker="o", label=name
+        )
     ax.set_xlabel("turn")
     ax.set_ylabel("TTFT p50 (ms)")
     ax.set_title("Scenario 7: multi-turn chat")
@@ -427,44 +591,86 @@ def plot(result: dict, path: str) -> None:
 
 
 def render(result: dict) -> str:
-    rss = "; ".join(f"{name} {info['peak_rss_mb']:.0f} MB ({info['process']})"
-                    for name, info in result["peak_rss"].items() if info.get("peak_rss_mb"))
-    affinity = "".join(f"\n{name}: {info['same_replica_share']:.0%} of later turns on their first turn's "
-                       f"replica; requests per replica {sorted(info['requests_per_replica'].values())}"
-                       for name, info in result.get("affinity", {}).items() if info["same_replica_share"] is not None)
+    rss = "; ".join(
+        f"{name} {info['peak_rss_mb']:.0f} MB ({info['process']})"
+        for name, info in result["peak_rss"].items()
+        if info.get("peak_rss_mb")
+    )
+    affinity = "".join(
+        f"\n{name}: {info['same_replica_share']:.0%} of later turns on their first turn's "
+        f"replica; requests per replica {sorted(info['requests_per_replica'].values())}"
+        for name, info in result.get("affinity", {}).items()
+        if info["same_replica_share"] is not None
+    )
     phases = result.get("phases")
-    where = ("\n\nWhere a turn's TTFT goes, ms (means over every measured turn, from each server's /metrics):\n\n"
-             + metrics.table(phases, PHASE_COLUMNS, digits=1)) if phases else ""
-    return (metrics.table(result["rows"], columns(result["server_names"]), digits=1)
-            + f"\n\nPeak RSS (largest process, per replica for ours): {rss or '-'}" + affinity + where)
+    where = (
+        (
+            "\n\nWhere a turn's TTFT goes, ms (means over every measured turn, from each server's /metrics):\n\n"
+            + metrics.table(phases, PHASE_COLUMNS, digits=1)
+        )
+        if phases
+        else ""
+    )
+    return (
+        metrics.table(result["rows"], columns(result["server_names"]), digits=1)
+        + f"\n\nPeak RSS (largest process, per replica for ours): {rss or '-'}"
+        + affinity
+        + where
+    )
 
 
 def main(argv=None) -> int:
     ap = bench_util.scenario_args(__doc__.split("\n\n")[0], "results/multiturn")
     peer = ap.add_mutually_exclusive_group()
-    peer.add_argument("--peer", dest="with_peer", action="store_true", default=None,
-                      help="also run mlx_lm.server (the default in full mode)")
+    peer.add_argument(
+        "--peer",
+        dest="with_peer",
+        action="store_true",
+        default=None,
+        help="also run mlx_lm.server (the default in full mode)",
+    )
     peer.add_argument("--no-peer", dest="with_peer", action="store_false", help="skip mlx_lm.server")
     ap.add_argument("--repeats", type=int, default=None, help="runs of the whole workload per server (default 1)")
-    ap.add_argument("--replicas", type=int, default=0,
-                    help="also run the cached service with this many replicas (affinity routing)")
-    ap.add_argument("--prompt-key", action="store_true",
-                    help="with --replicas: also run it with affinity_key: prompt, sending no session ids")
-    ap.add_argument("--engine", action="store_true",
-                    help="no servers: the conversations in-process on the config's scheduler, cache on and off")
-    ap.add_argument("--config", default=DEFAULT_CONFIG, metavar="PATH[:key=value,...]",
-                    help=f"our deployment config and args overrides (default {DEFAULT_CONFIG}); the keys "
-                         f"{', '.join(sizes(False))} set the workload instead")
+    ap.add_argument(
+        "--replicas", type=int, default=0, help="also run the cached service with this many replicas (affinity routing)"
+    )
+    ap.add_argument(
+        "--prompt-key",
+        action="store_true",
+        help="with --replicas: also run it with affinity_key: prompt, sending no session ids",
+    )
+    ap.add_argument(
+        "--engine",
+        action="store_true",
+        help="no servers: the conversations in-process on the config's scheduler, cache on and off",
+    )
+    ap.add_argument(
+        "--config",
+        default=DEFAULT_CONFIG,
+        metavar="PATH[:key=value,...]",
+        help=f"our deployment config and args overrides (default {DEFAULT_CONFIG}); the keys "
+        f"{', '.join(sizes(False))} set the workload instead",
+    )
     ap.set_defaults(target=None)  # the model the config serves
     args = ap.parse_args(argv)
     config, overrides = parse_config_spec(args.config)
     if args.engine:
-        result = run_engine(args.quick, args.target, args.seed, repeats=args.repeats, config=config,
-                            overrides=overrides)
+        result = run_engine(
+            args.quick, args.target, args.seed, repeats=args.repeats, config=config, overrides=overrides
+        )
     else:
-        result = run(args.quick, args.target, args.seed, out_dir=args.out, with_peer=args.with_peer,
-                     repeats=args.repeats, replicas=args.replicas, prompt_key=args.prompt_key, config=config,
-                     overrides=overrides)
+        result = run(
+            args.quick,
+            args.target,
+            args.seed,
+            out_dir=args.out,
+            with_peer=args.with_peer,
+            repeats=args.repeats,
+            replicas=args.replicas,
+            prompt_key=args.prompt_key,
+            config=config,
+            overrides=overrides,
+        )
     bench_util.publish(args, "multiturn", result, render(result), plot)
     return 1 if result["num_errors"] else 0
 

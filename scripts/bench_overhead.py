@@ -44,13 +44,22 @@ def scheduler_tick_overhead(target: str, draft: str, quick: bool, seed: int) -> 
     by_action = {}
     for action in sorted({t["action"] for t in result.ticks}):
         xs = [t["tick_s"] - t["runner_s"] for t in result.ticks if t["action"] == action]
-        by_action[action] = {"ticks": len(xs), "mean_us": statistics.fmean(xs) * 1e6,
-                             "p99_us": metrics.describe(xs, "x")["p99_x_ms"] * 1000}
+        by_action[action] = {
+            "ticks": len(xs),
+            "mean_us": statistics.fmean(xs) * 1e6,
+            "p99_us": metrics.describe(xs, "x")["p99_x_ms"] * 1000,
+        }
     d = metrics.describe(own, "x")
-    return {"ticks": len(own), "mean_us": d["mean_x_ms"] * 1000, "median_us": d["median_x_ms"] * 1000,
-            "p90_us": d["p90_x_ms"] * 1000, "p99_us": d["p99_x_ms"] * 1000,
-            "share_of_tick_time": share, "by_action": by_action,
-            "classic_fallbacks": result.counters["classic_fallbacks"]}
+    return {
+        "ticks": len(own),
+        "mean_us": d["mean_x_ms"] * 1000,
+        "median_us": d["median_x_ms"] * 1000,
+        "p90_us": d["p90_x_ms"] * 1000,
+        "p99_us": d["p99_x_ms"] * 1000,
+        "share_of_tick_time": share,
+        "by_action": by_action,
+        "classic_fallbacks": result.counters["classic_fallbacks"],
+    }
 
 
 def engine_decode_rate(engine: Engine, prompt: list[int], max_tokens: int, request_id: str) -> tuple[float, int]:
@@ -94,14 +103,25 @@ def engine_vs_raw(target: str, quick: bool, seed: int) -> dict:
             engine.stop()
         # Same token count as the engine produced (it may stop at EOS before max_tokens).
         raw_rate = raw_generate_step(raw.model, prompt, engine_tokens)
-        pairs.append({"engine_tok_s": engine_rate, "raw_tok_s": raw_rate, "tokens": engine_tokens,
-                      "ratio": engine_rate / raw_rate})
+        pairs.append(
+            {
+                "engine_tok_s": engine_rate,
+                "raw_tok_s": raw_rate,
+                "tokens": engine_tokens,
+                "ratio": engine_rate / raw_rate,
+            }
+        )
     ratios = [p["ratio"] for p in pairs]
-    return {"max_tokens": max_tokens, "pairs": pairs, "ratio_median": statistics.median(ratios),
-            "ratio_min": min(ratios), "ratio_max": max(ratios),
-            "engine_tok_s_median": statistics.median(p["engine_tok_s"] for p in pairs),
-            "raw_tok_s_median": statistics.median(p["raw_tok_s"] for p in pairs),
-            "meets_0_95": statistics.median(ratios) >= 0.95}
+    return {
+        "max_tokens": max_tokens,
+        "pairs": pairs,
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "engine_tok_s_median": statistics.median(p["engine_tok_s"] for p in pairs),
+        "raw_tok_s_median": statistics.median(p["raw_tok_s"] for p in pairs),
+        "meets_0_95": statistics.median(ratios) >= 0.95,
+    }
 
 
 def actor_hop(quick: bool, out_dir: str) -> dict:
@@ -116,26 +136,37 @@ def actor_hop(quick: bool, out_dir: str) -> dict:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired:
         return {"available": True, "command": " ".join(cmd[1:]), "error": "timed out after 600 s"}
-    result = {"available": True, "command": "python " + " ".join(cmd[1:]), "returncode": proc.returncode,
-              "stdout": proc.stdout[-8000:], "stderr_tail": proc.stderr[-2000:]}
+    result = {
+        "available": True,
+        "command": "python " + " ".join(cmd[1:]),
+        "returncode": proc.returncode,
+        "stdout": proc.stdout[-8000:],
+        "stderr_tail": proc.stderr[-2000:],
+    }
     if proc.returncode == 0 and os.path.isfile(out_json):
         with open(out_json) as f:
             result["measured"] = json.load(f)
     return result
 
 
-def run(quick: bool, target: str, draft: str, seed: int = 0, with_actor_hop: bool = True,
-        out_dir: str = "results/overhead") -> dict:
-    return {"scenario": "overhead", "quick": quick, "machine": bench_util.machine(),
-            "scheduler_tick": scheduler_tick_overhead(target, draft, quick, seed),
-            "engine_vs_raw": engine_vs_raw(target, quick, seed),
-            "actor_hop": actor_hop(quick, out_dir) if with_actor_hop else {"available": False, "note": "skipped"}}
+def run(
+    quick: bool, target: str, draft: str, seed: int = 0, with_actor_hop: bool = True, out_dir: str = "results/overhead"
+) -> dict:
+    return {
+        "scenario": "overhead",
+        "quick": quick,
+        "machine": bench_util.machine(),
+        "scheduler_tick": scheduler_tick_overhead(target, draft, quick, seed),
+        "engine_vs_raw": engine_vs_raw(target, quick, seed),
+        "actor_hop": actor_hop(quick, out_dir) if with_actor_hop else {"available": False, "note": "skipped"},
+    }
 
 
 def report(result: dict) -> str:
     tick, evr = result["scheduler_tick"], result["engine_vs_raw"]
     lines = [
-        "| measure | value |", "|---|---|",
+        "| measure | value |",
+        "|---|---|",
         f"| scheduler time per tick, mean / median / p99 | {tick['mean_us']:.0f} / {tick['median_us']:.0f} / "
         f"{tick['p99_us']:.0f} us ({tick['ticks']} ticks) |",
         f"| scheduler share of tick time | {100 * tick['share_of_tick_time']:.2f} % |",
@@ -151,7 +182,9 @@ def report(result: dict) -> str:
             lines.append(f"| actor hop added per token, concurrency {conc} | {us:+.1f} us |")
         lines.append(f"| bare actor poll round trip | {measured.get('poll_round_trip_us', float('nan')):.0f} us |")
     else:
-        lines.append(f"| actor hop | not measured: {hop.get('note') or hop.get('error') or hop.get('stderr_tail', '')[-200:]} |")
+        lines.append(
+            f"| actor hop | not measured: {hop.get('note') or hop.get('error') or hop.get('stderr_tail', '')[-200:]} |"
+        )
     return "\n".join(lines)
 
 
@@ -159,8 +192,7 @@ def main(argv=None) -> int:
     ap = bench_util.scenario_args(__doc__.split("\n\n")[0], "results/overhead")
     ap.add_argument("--no-actor-hop", action="store_true")
     args = ap.parse_args(argv)
-    result = run(args.quick, args.target, args.draft, args.seed, with_actor_hop=not args.no_actor_hop,
-                 out_dir=args.out)
+    result = run(args.quick, args.target, args.draft, args.seed, with_actor_hop=not args.no_actor_hop, out_dir=args.out)
     text = report(result)
     bench_util.publish(args, "overhead", result, text)
     if result["actor_hop"].get("stdout"):

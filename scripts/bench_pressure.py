@@ -37,8 +37,16 @@ def pressure_arrivals(tokenizer, normal_tokens: int, high_tokens: int, seed: int
         previous = None
         for j in range(chain_length):
             rid = f"h{chain}.{j}"
-            arrivals.append(Arrival(rid, prompts[chain * chain_length + j], high_tokens, Lane.HIGH,
-                                    after_tokens=1, after_request=previous))
+            arrivals.append(
+                Arrival(
+                    rid,
+                    prompts[chain * chain_length + j],
+                    high_tokens,
+                    Lane.HIGH,
+                    after_tokens=1,
+                    after_request=previous,
+                )
+            )
             previous = rid
     return arrivals
 
@@ -49,10 +57,16 @@ def grant_gaps(grants: list[dict], request_id: str, until_s: float) -> dict:
     own = [i for i, g in enumerate(grants) if g["request_id"] == request_id and g["t_start"] <= until_s]
     in_grants = [b - a - 1 for a, b in zip(own, own[1:])]
     in_ms = [(grants[b]["t_start"] - grants[a + 1]["t_start"]) * 1000 for a, b in zip(own, own[1:]) if b > a + 1]
-    return {"num_grants": len(own), "gap_grants": in_grants, "gap_ms": in_ms,
-            "max_gap_grants": max(in_grants, default=None), "mean_gap_grants": statistics.fmean(in_grants) if in_grants else None,
-            "max_gap_ms": max(in_ms, default=None), "mean_gap_ms": statistics.fmean(in_ms) if in_ms else None,
-            "first_grant_index": own[0] if own else None}
+    return {
+        "num_grants": len(own),
+        "gap_grants": in_grants,
+        "gap_ms": in_ms,
+        "max_gap_grants": max(in_grants, default=None),
+        "mean_gap_grants": statistics.fmean(in_grants) if in_grants else None,
+        "max_gap_ms": max(in_ms, default=None),
+        "mean_gap_ms": statistics.fmean(in_ms) if in_ms else None,
+        "first_grant_index": own[0] if own else None,
+    }
 
 
 def run(quick: bool, target: str, draft: str, seed: int = 0, grant_rounds: tuple[int, ...] = GRANT_ROUNDS) -> dict:
@@ -63,38 +77,62 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, grant_rounds: tuple
     arrivals = pressure_arrivals(runner.tokenizer, normal_tokens, high_tokens, seed)
     rows = []
     for budget in grant_rounds:
-        config = SchedulerConfig(grant_rounds=budget, skip_cap=SKIP_CAP, b1_policy="on", num_draft_tokens=4,
-                                 row_drafts=False)  # the slot's lanes and skip cap alone
+        config = SchedulerConfig(
+            grant_rounds=budget, skip_cap=SKIP_CAP, b1_policy="on", num_draft_tokens=4, row_drafts=False
+        )  # the slot's lanes and skip cap alone
         result = drive(runner, config, arrivals)
         normal = result.records["n0"]
         gaps = grant_gaps(result.grants, "n0", normal["finish_s"])
         during = [r for r in result.records.values() if r["arrival_s"] <= normal["finish_s"]]
         summary = metrics.summarize(during, normal["finish_s"])
-        rows.append({"grant_rounds": budget, "skip_cap": SKIP_CAP, **gaps,
-                     "normal_ttft_ms": metrics.per_request(normal)["ttft_s"] * 1000,
-                     "normal_tok_s": normal["output_tokens"] / metrics.per_request(normal)["e2el_s"],
-                     "normal_speculative": normal["speculative"],
-                     "high_mean_ttft_ms": summary["lanes"].get("high", {}).get("mean_ttft_ms"),
-                     "high_requests_during": sum(1 for r in during if r["lane"] == "high"),
-                     "classic_fallbacks": result.counters["classic_fallbacks"],
-                     "skip_escalations": result.counters["skip_escalations"],
-                     "grant_sequence": [g["request_id"] for g in result.grants], "summary": summary})
+        rows.append(
+            {
+                "grant_rounds": budget,
+                "skip_cap": SKIP_CAP,
+                **gaps,
+                "normal_ttft_ms": metrics.per_request(normal)["ttft_s"] * 1000,
+                "normal_tok_s": normal["output_tokens"] / metrics.per_request(normal)["e2el_s"],
+                "normal_speculative": normal["speculative"],
+                "high_mean_ttft_ms": summary["lanes"].get("high", {}).get("mean_ttft_ms"),
+                "high_requests_during": sum(1 for r in during if r["lane"] == "high"),
+                "classic_fallbacks": result.counters["classic_fallbacks"],
+                "skip_escalations": result.counters["skip_escalations"],
+                "grant_sequence": [g["request_id"] for g in result.grants],
+                "summary": summary,
+            }
+        )
     runner.close()
-    return {"scenario": "pressure", "quick": quick, "normal_tokens": normal_tokens, "high_tokens": high_tokens,
-            "machine": bench_util.machine(), "rows": rows}
+    return {
+        "scenario": "pressure",
+        "quick": quick,
+        "normal_tokens": normal_tokens,
+        "high_tokens": high_tokens,
+        "machine": bench_util.machine(),
+        "rows": rows,
+    }
 
 
-COLUMNS = [("grant_rounds", "grant_rounds"), ("num_grants", "normal grants"), ("max_gap_grants", "max gap (grants)"),
-           ("mean_gap_grants", "mean gap (grants)"), ("max_gap_ms", "max gap ms"), ("mean_gap_ms", "mean gap ms"),
-           ("normal_ttft_ms", "normal TTFT ms"), ("high_mean_ttft_ms", "high mean TTFT ms"),
-           ("normal_tok_s", "normal tok/s"), ("skip_escalations", "skip-cap grants")]
+COLUMNS = [
+    ("grant_rounds", "grant_rounds"),
+    ("num_grants", "normal grants"),
+    ("max_gap_grants", "max gap (grants)"),
+    ("mean_gap_grants", "mean gap (grants)"),
+    ("max_gap_ms", "max gap ms"),
+    ("mean_gap_ms", "mean gap ms"),
+    ("normal_ttft_ms", "normal TTFT ms"),
+    ("high_mean_ttft_ms", "high mean TTFT ms"),
+    ("normal_tok_s", "normal tok/s"),
+    ("skip_escalations", "skip-cap grants"),
+]
 
 
 def plot(result: dict, path: str) -> None:
     plt = bench_util.pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for row in result["rows"]:
-        ax.plot(range(1, len(row["gap_ms"]) + 1), row["gap_ms"], marker="o", label=f"grant_rounds={row['grant_rounds']}")
+        ax.plot(
+            range(1, len(row["gap_ms"]) + 1), row["gap_ms"], marker="o", label=f"grant_rounds={row['grant_rounds']}"
+        )
     ax.set_xlabel("normal stream's n-th wait for the slot")
     ax.set_ylabel("ms between its grants")
     ax.set_title("Scenario 3: normal lane under high-lane pressure")

@@ -25,8 +25,14 @@ from scripts.bench_engine import drive, load_runner, stream_arrivals
 CONFIGS = [("g8", 8, "on"), ("g2", 2, "on"), ("g1", 1, "on"), ("g0", 0, "on"), ("classic", 8, "off")]
 
 
-def run(quick: bool, target: str, draft: str, seed: int = 0, repeats: int | None = None,
-        stream_counts: tuple[int, ...] = (2, 3, 4)) -> dict:
+def run(
+    quick: bool,
+    target: str,
+    draft: str,
+    seed: int = 0,
+    repeats: int | None = None,
+    stream_counts: tuple[int, ...] = (2, 3, 4),
+) -> dict:
     max_tokens = 64 if quick else 256
     stagger = 8 if quick else 16
     runner = load_runner(target, "draft_model", draft, num_draft_tokens=4)
@@ -34,20 +40,28 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, repeats: int | None
     repeats = repeats or 3
     rows = []
     for num_streams in stream_counts:
-        arrivals = stream_arrivals(runner.tokenizer, num_streams, max_tokens, prompt_tokens=64,
-                                   seed=seed, stagger_tokens=stagger)
+        arrivals = stream_arrivals(
+            runner.tokenizer, num_streams, max_tokens, prompt_tokens=64, seed=seed, stagger_tokens=stagger
+        )
         runs: dict[str, list] = {name: [] for name, _, _ in CONFIGS}
         for _ in range(repeats):  # configs interleaved, so a burst of machine noise hits all of them
             for name, grant_rounds, policy in CONFIGS:
                 # The slot's rotation alone: rows verifying their own drafts would blur it.
-                config = SchedulerConfig(grant_rounds=grant_rounds, b1_policy=policy, num_draft_tokens=4,
-                                         row_drafts=False)
+                config = SchedulerConfig(
+                    grant_rounds=grant_rounds, b1_policy=policy, num_draft_tokens=4, row_drafts=False
+                )
                 runs[name].append(drive(runner, config, arrivals))
         for name, grant_rounds, policy in CONFIGS:
             rows.append(_row(num_streams, name, grant_rounds, policy, arrivals, runs[name]))
     runner.close()
-    return {"scenario": "rotation", "quick": quick, "max_tokens": max_tokens, "stagger_tokens": stagger,
-            "machine": bench_util.machine(), "rows": rows}
+    return {
+        "scenario": "rotation",
+        "quick": quick,
+        "max_tokens": max_tokens,
+        "stagger_tokens": stagger,
+        "machine": bench_util.machine(),
+        "rows": rows,
+    }
 
 
 def _row(num_streams, name, grant_rounds, policy, arrivals, runs) -> dict:
@@ -62,10 +76,14 @@ def _row(num_streams, name, grant_rounds, policy, arrivals, runs) -> dict:
     late_ttft = [metrics.per_request(r)["ttft_s"] * 1000 for r in recs[1:]]
     summary = metrics.summarize(recs, result.duration_s)
     return {
-        "streams": num_streams, "config": name, "grant_rounds": grant_rounds, "b1_policy": policy,
+        "streams": num_streams,
+        "config": name,
+        "grant_rounds": grant_rounds,
+        "b1_policy": policy,
         "aggregate_tok_s": summary["output_throughput"],
-        "aggregate_tok_s_all_runs": [sum(r["output_tokens"] for r in run.records.values()) / run.duration_s
-                                     for run in runs],
+        "aggregate_tok_s_all_runs": [
+            sum(r["output_tokens"] for r in run.records.values()) / run.duration_s for run in runs
+        ],
         "rounds": rounds,
         "round_share": [r / total_rounds if total_rounds else 0.0 for r in rounds],
         "stream_tok_s": rates,
@@ -88,12 +106,24 @@ def _short(values, digits=2) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    view = [dict(r, rounds_s=_short(r["rounds"]), share_s=_short(r["round_share"]),
-                 late_s=_short(r["late_ttft_ms"], 0)) for r in rows]
-    return metrics.table(view, [("streams", "streams"), ("config", "config"),
-                                ("aggregate_tok_s", "aggregate tok/s"), ("rounds_s", "spec rounds per stream"),
-                                ("share_s", "round share"), ("jain_rate", "Jain (rate)"),
-                                ("jain_rounds", "Jain (rounds)"), ("late_s", "late TTFT ms")], digits=2)
+    view = [
+        dict(r, rounds_s=_short(r["rounds"]), share_s=_short(r["round_share"]), late_s=_short(r["late_ttft_ms"], 0))
+        for r in rows
+    ]
+    return metrics.table(
+        view,
+        [
+            ("streams", "streams"),
+            ("config", "config"),
+            ("aggregate_tok_s", "aggregate tok/s"),
+            ("rounds_s", "spec rounds per stream"),
+            ("share_s", "round share"),
+            ("jain_rate", "Jain (rate)"),
+            ("jain_rounds", "Jain (rounds)"),
+            ("late_s", "late TTFT ms"),
+        ],
+        digits=2,
+    )
 
 
 def plot(result: dict, path: str) -> None:

@@ -45,12 +45,19 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, with_auto: bool = F
                     # The B=1 policy ("auto") judges the alternating tick; a lone stream
                     # runs the same either way.
                     config = SchedulerConfig(b1_policy=policy, num_draft_tokens=k, tick_mode="alternate")
-                    result = drive(runner, config, [Arrival(f"{mode}{i}", prompt, max_tokens)],
-                                   policy=auto_policy if mode == "auto" else None)
+                    result = drive(
+                        runner,
+                        config,
+                        [Arrival(f"{mode}{i}", prompt, max_tokens)],
+                        policy=auto_policy if mode == "auto" else None,
+                    )
                     rec = result.records[f"{mode}{i}"]
-                    pair[mode] = {"tokens_per_s": stream_tokens_per_s(rec), "output_tokens": rec["output_tokens"],
-                                  "speculative": rec["speculative"],
-                                  "ttft_ms": metrics.per_request(rec)["ttft_s"] * 1000}
+                    pair[mode] = {
+                        "tokens_per_s": stream_tokens_per_s(rec),
+                        "output_tokens": rec["output_tokens"],
+                        "speculative": rec["speculative"],
+                        "ttft_ms": metrics.per_request(rec)["ttft_s"] * 1000,
+                    }
                 pair["ratio"] = pair["speculative"]["tokens_per_s"] / pair["classic"]["tokens_per_s"]
                 if with_auto:
                     pair["auto_ratio"] = pair["auto"]["tokens_per_s"] / pair["classic"]["tokens_per_s"]
@@ -58,7 +65,8 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, with_auto: bool = F
             spec = [p["speculative"]["speculative"] for p in pairs]
             rounds = full_rounds(spec)
             row = {
-                "drafter": drafter, "k": k,
+                "drafter": drafter,
+                "k": k,
                 "classic_tok_s": statistics.median(p["classic"]["tokens_per_s"] for p in pairs),
                 "spec_tok_s": statistics.median(p["speculative"]["tokens_per_s"] for p in pairs),
                 "ratio_median": statistics.median(p["ratio"] for p in pairs),
@@ -76,8 +84,14 @@ def run(quick: bool, target: str, draft: str, seed: int = 0, with_auto: bool = F
                 row["auto_enabled"] = auto_policy.should_run()
             rows.append(row)
             runner.close()
-    return {"scenario": "single_stream", "quick": quick, "max_tokens": max_tokens, "num_prompts": num_prompts,
-            "machine": bench_util.machine(), "rows": rows}
+    return {
+        "scenario": "single_stream",
+        "quick": quick,
+        "max_tokens": max_tokens,
+        "num_prompts": num_prompts,
+        "machine": bench_util.machine(),
+        "rows": rows,
+    }
 
 
 def full_rounds(stats: list[dict]) -> int:
@@ -92,20 +106,30 @@ def settled_policy(runner, k: int, max_tokens: int, seed: int) -> B1Policy:
     measured ones."""
     config = SchedulerConfig(b1_policy="auto", num_draft_tokens=k, tick_mode="alternate")
     policy = B1Policy.from_config(config, runner.policy_key())
-    for j, prompt in enumerate(token_prompts(runner.tokenizer, config.b1_profile_requests, seed + 1,
-                                             num_tokens=64)):
+    for j, prompt in enumerate(token_prompts(runner.tokenizer, config.b1_profile_requests, seed + 1, num_tokens=64)):
         drive(runner, config, [Arrival(f"profile{j}", prompt, max_tokens)], policy=policy)
     if not policy.settled:
         raise RuntimeError(f"the policy did not settle after {config.b1_profile_requests} requests")
     return policy
 
 
-COLUMNS = [("drafter", "drafter"), ("k", "K"), ("classic_tok_s", "classic tok/s"),
-           ("spec_tok_s", "spec tok/s"), ("ratio_median", "ratio (median)"), ("ratio_min", "min"),
-           ("ratio_max", "max"), ("acceptance_length", "accept len")]
-AUTO_COLUMNS = [("auto_estimate", "auto est"), ("auto_enabled", "auto on"),
-                ("auto_ratio_median", "auto / classic (median)"), ("auto_ratio_min", "auto min"),
-                ("auto_spec_rounds", "auto spec rounds")]
+COLUMNS = [
+    ("drafter", "drafter"),
+    ("k", "K"),
+    ("classic_tok_s", "classic tok/s"),
+    ("spec_tok_s", "spec tok/s"),
+    ("ratio_median", "ratio (median)"),
+    ("ratio_min", "min"),
+    ("ratio_max", "max"),
+    ("acceptance_length", "accept len"),
+]
+AUTO_COLUMNS = [
+    ("auto_estimate", "auto est"),
+    ("auto_enabled", "auto on"),
+    ("auto_ratio_median", "auto / classic (median)"),
+    ("auto_ratio_min", "auto min"),
+    ("auto_spec_rounds", "auto spec rounds"),
+]
 
 
 def plot(result: dict, path: str) -> None:
@@ -124,8 +148,9 @@ def plot(result: dict, path: str) -> None:
 
 def main(argv=None) -> int:
     parser = bench_util.scenario_args(__doc__.split("\n\n")[0], "results/single")
-    parser.add_argument("--with-auto", action="store_true",
-                        help="also run each prompt under the adaptive policy (b1_policy auto)")
+    parser.add_argument(
+        "--with-auto", action="store_true", help="also run each prompt under the adaptive policy (b1_policy auto)"
+    )
     args = parser.parse_args(argv)
     result = run(args.quick, args.target, args.draft, args.seed, with_auto=args.with_auto)
     text = metrics.table(result["rows"], COLUMNS + (AUTO_COLUMNS if args.with_auto else []), digits=2)

@@ -41,18 +41,29 @@ def machine() -> dict:
             versions[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             versions[dist] = None
-    info = {"date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "nproc": os.cpu_count(), "cpu": cpu, "platform": platform.platform(),
-            "python": sys.version.split()[0], "versions": versions, "argv": sys.argv,
-            "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    info = {
+        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "versions": versions,
+        "argv": sys.argv,
+        "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
     try:
         import mlx.core as mx
+
         info["mlx_device"] = str(mx.default_device())
     except Exception:  # noqa: BLE001 - informational only
         pass
     try:
-        info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                            text=True, timeout=5).stdout.strip() or None
+        info["git_commit"] = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         info["git_commit"] = None
     return info
@@ -90,6 +101,7 @@ def pyplot():
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -109,8 +121,11 @@ def warm_up(runner, tokenizer) -> None:
 
     prompt = token_prompts(tokenizer, 1, seed=12345, num_tokens=32)[0]
     for policy in ("off", "on"):
-        drive(runner, SchedulerConfig(b1_policy=policy, num_draft_tokens=runner.num_draft_tokens),
-              [Arrival(f"warm-{policy}", prompt, 16)])
+        drive(
+            runner,
+            SchedulerConfig(b1_policy=policy, num_draft_tokens=runner.num_draft_tokens),
+            [Arrival(f"warm-{policy}", prompt, 16)],
+        )
 
 
 def median_eval_s(fn, repeats: int, warmup: int = 3) -> float:

@@ -69,8 +69,10 @@ WIDE = ("--decode-concurrency", "64", "--prompt-concurrency", "16")  # the `mlx_
 
 
 def _is_cpu() -> bool:
-    import models  # noqa: F401
     import mlx.core as mx
+
+    import models  # noqa: F401
+
     return mx.default_device() == mx.cpu
 
 
@@ -105,7 +107,7 @@ def split_overrides(overrides: dict) -> tuple[dict, dict, dict]:
     parts: dict[str, dict] = {"deployment.": {}, "env.": {}, "": {}}
     for key, value in overrides.items():
         prefix = next(p for p in parts if key.startswith(p))
-        parts[prefix][key[len(prefix):]] = str(value) if prefix == "env." else value
+        parts[prefix][key[len(prefix) :]] = str(value) if prefix == "env." else value
     return parts[""], parts["deployment."], parts["env."]
 
 
@@ -117,9 +119,10 @@ def our_servers(specs: list[str], base_port: int, out_dir: str) -> list:
     for i, spec in enumerate(specs):
         path, overrides = parse_config_spec(spec)
         args, deployment, env = split_overrides(overrides)
-        name = "specslot" if len(specs) == 1 else f"specslot[{os.path.basename(path)}{spec[len(path):]}]"
-        fleet.append(servers.ours(base_port + i, out_dir, path, args, name=name, deployment=deployment or None,
-                                  env=env))
+        name = "specslot" if len(specs) == 1 else f"specslot[{os.path.basename(path)}{spec[len(path) :]}]"
+        fleet.append(
+            servers.ours(base_port + i, out_dir, path, args, name=name, deployment=deployment or None, env=env)
+        )
     return fleet
 
 
@@ -153,8 +156,10 @@ def select_peers(target: str, draft: str | None, peer_names: list[str] | None, c
     if unknown:
         raise ValueError(f"unknown peer(s) {sorted(unknown)}; choose from {[p[0] for p in peers]}")
     if draft is None and any(name.endswith("+draft") for name in named):
-        raise ValueError(f"peer(s) {sorted(n for n in named if n.endswith('+draft'))} need a draft model, "
-                         f"and {target} has none: --draft names one")
+        raise ValueError(
+            f"peer(s) {sorted(n for n in named if n.endswith('+draft'))} need a draft model, "
+            f"and {target} has none: --draft names one"
+        )
     if peer_names == ["none"]:  # ours only (e.g. one replica against two)
         return []
     if peer_names:
@@ -166,13 +171,28 @@ def select_peers(target: str, draft: str | None, peer_names: list[str] | None, c
 PROMPT_SETS = ("completions", "code", "chat")
 
 
-def run(quick: bool, target: str | None, draft: str | None, seed: int = 0, out_dir: str = "results/vs_mlx_lm",
-        concurrencies: tuple[int, ...] = CONCURRENCIES, base_port: int = 8120,
-        configs: list[str] | None = None, peer_names: list[str] | None = None,
-        repeats: int | None = None, repeat_prompts: bool = False, max_tokens: int | None = None,
-        prompts_per_stream: int | None = None, temperature: float = 0.0,
-        startup_timeout_s: float = 300.0, prompt_chars: int = 600, shared_prefix_chars: int = 0,
-        engine: bool = False, prompt_tokens: int = 0, prompts: str = "completions") -> dict:
+def run(
+    quick: bool,
+    target: str | None,
+    draft: str | None,
+    seed: int = 0,
+    out_dir: str = "results/vs_mlx_lm",
+    concurrencies: tuple[int, ...] = CONCURRENCIES,
+    base_port: int = 8120,
+    configs: list[str] | None = None,
+    peer_names: list[str] | None = None,
+    repeats: int | None = None,
+    repeat_prompts: bool = False,
+    max_tokens: int | None = None,
+    prompts_per_stream: int | None = None,
+    temperature: float = 0.0,
+    startup_timeout_s: float = 300.0,
+    prompt_chars: int = 600,
+    shared_prefix_chars: int = 0,
+    engine: bool = False,
+    prompt_tokens: int = 0,
+    prompts: str = "completions",
+) -> dict:
     max_tokens = max_tokens or (32 if quick else 128)
     repeats = repeats or (2 if quick else 3)
     target, draft = peer_models(configs or [DEFAULT_CONFIG], target, draft)
@@ -181,21 +201,32 @@ def run(quick: bool, target: str | None, draft: str | None, seed: int = 0, out_d
     def f32(path):  # the f32 peers' float32 copies, made once, only for the peers that run
         return path and servers.float32_copy(path, out_dir)
 
-    peers = [(name, f32(m), f32(d), extra) if "-f32" in name else (name, m, d, extra)
-             for name, m, d, extra in peers]
+    peers = [(name, f32(m), f32(d), extra) if "-f32" in name else (name, m, d, extra) for name, m, d, extra in peers]
     ours = our_servers(configs or [DEFAULT_CONFIG], base_port, out_dir)
-    fleet = ours + [servers.mlx_lm_server(base_port + len(ours) + i, out_dir, model, d, name=name, extra=extra)
-                    for i, (name, model, d, extra) in enumerate(peers)]
+    fleet = ours + [
+        servers.mlx_lm_server(base_port + len(ours) + i, out_dir, model, d, name=name, extra=extra)
+        for i, (name, model, d, extra) in enumerate(peers)
+    ]
     runs = []
 
     def load_config(base_url: str, concurrency: int, prompt_seed: int) -> LoadConfig:
         num_prompts = max(4 if quick else 8, (prompts_per_stream or (1 if quick else 4)) * concurrency)
-        return LoadConfig(base_url=base_url, num_prompts=num_prompts, concurrency=concurrency,
-                          max_tokens=max_tokens, seed=prompt_seed, progress=False, ignore_eos="off",
-                          temperature=temperature, prompt_chars=prompt_chars, shared_prefix_chars=shared_prefix_chars,
-                          prompt_tokens=prompt_tokens, tokenizer=target if prompt_tokens else None,
-                          endpoint="completions" if prompts == "completions" else "chat",
-                          chat_prompts="questions" if prompts == "chat" else "code")
+        return LoadConfig(
+            base_url=base_url,
+            num_prompts=num_prompts,
+            concurrency=concurrency,
+            max_tokens=max_tokens,
+            seed=prompt_seed,
+            progress=False,
+            ignore_eos="off",
+            temperature=temperature,
+            prompt_chars=prompt_chars,
+            shared_prefix_chars=shared_prefix_chars,
+            prompt_tokens=prompt_tokens,
+            tokenizer=target if prompt_tokens else None,
+            endpoint="completions" if prompts == "completions" else "chat",
+            chat_prompts="questions" if prompts == "chat" else "code",
+        )
 
     def seeds():
         for concurrency in concurrencies:
@@ -206,8 +237,18 @@ def run(quick: bool, target: str | None, draft: str | None, seed: int = 0, out_d
         for server in fleet:
             server.start("/v1/models", timeout_s=startup_timeout_s)
         for server in fleet:  # warm-up: first-call costs out of the measured runs
-            asyncio.run(run_load(LoadConfig(base_url=server.base_url, num_prompts=2, concurrency=2,
-                                            max_tokens=8, seed=seed + 999, progress=False)))
+            asyncio.run(
+                run_load(
+                    LoadConfig(
+                        base_url=server.base_url,
+                        num_prompts=2,
+                        concurrency=2,
+                        max_tokens=8,
+                        seed=seed + 999,
+                        progress=False,
+                    )
+                )
+            )
         warmed = set()
         for concurrency, rep, prompt_seed in seeds():
             if concurrency not in warmed:  # an unmeasured run of the same shape first, on every server
@@ -223,48 +264,82 @@ def run(quick: bool, target: str | None, draft: str | None, seed: int = 0, out_d
                 cpu_before = proc_tree.cpu_seconds(server.proc.pid)
                 wall, client_cpu = time.perf_counter(), time.process_time()
                 result = asyncio.run(run_load(cfg))
-                cores = cores_used(cpu_before, proc_tree.cpu_seconds(server.proc.pid), time.perf_counter() - wall,
-                                   time.process_time() - client_cpu)
+                cores = cores_used(
+                    cpu_before,
+                    proc_tree.cpu_seconds(server.proc.pid),
+                    time.perf_counter() - wall,
+                    time.process_time() - client_cpu,
+                )
                 server_side = ticks = None
                 if before is not None:
                     after = scrape(server)
                     server_side = metrics.bucket_delta(before["ttft"], after["ttft"])
                     ticks = tick_delta(before, after)
-                runs.append(run_record(server.name, concurrency, rep, prompt_seed, result, server_side, ticks,
-                                       cores))
-                within = "" if server_side is None else \
-                    " server TTFT <= 1 s: %d / %d" % metrics.share_within(server_side, 1.0)
+                runs.append(run_record(server.name, concurrency, rep, prompt_seed, result, server_side, ticks, cores))
+                within = (
+                    ""
+                    if server_side is None
+                    else " server TTFT <= 1 s: %d / %d" % metrics.share_within(server_side, 1.0)
+                )
                 spread = "" if before is None else replica_line(before, after)
-                print(f"{run_line(server.name, concurrency, rep, result['summary'])} failed "
-                      f"{result['summary']['failed']} cached prompt tokens {result['cached_prompt_tokens']}{within}"
-                      f"{tick_line(ticks)}{spread}{cores_line(cores)}", flush=True)
+                print(
+                    f"{run_line(server.name, concurrency, rep, result['summary'])} failed "
+                    f"{result['summary']['failed']} cached prompt tokens {result['cached_prompt_tokens']}{within}"
+                    f"{tick_line(ticks)}{spread}{cores_line(cores)}",
+                    flush=True,
+                )
     finally:
         stops = {server.name: server.stop() for server in fleet}
     if engine:  # the same runs in-process, once the servers are gone
         runs += engine_runs((configs or [DEFAULT_CONFIG])[0], target, seeds(), load_config, seed)
     startup = {server.name: server.startup_s for server in fleet}
-    return {"scenario": "vs_mlx_lm", "quick": quick, "max_tokens": max_tokens, "repeats": repeats,
-            "repeat_prompts": repeat_prompts, "shared_prefix_chars": shared_prefix_chars, "temperature": temperature,
-            "machine": bench_util.machine(), "servers": {s.name: s.cmd for s in fleet}, "startup_s": startup,
-            "exit_codes": stops, "runs": runs,
-            "rows": pair_ratios(runs, [p[0] for p in peers], [s.name for s in ours]),
-            "engine_rows": engine_rows(runs, ours[0].name) if engine else []}
+    return {
+        "scenario": "vs_mlx_lm",
+        "quick": quick,
+        "max_tokens": max_tokens,
+        "repeats": repeats,
+        "repeat_prompts": repeat_prompts,
+        "shared_prefix_chars": shared_prefix_chars,
+        "temperature": temperature,
+        "machine": bench_util.machine(),
+        "servers": {s.name: s.cmd for s in fleet},
+        "startup_s": startup,
+        "exit_codes": stops,
+        "runs": runs,
+        "rows": pair_ratios(runs, [p[0] for p in peers], [s.name for s in ours]),
+        "engine_rows": engine_rows(runs, ours[0].name) if engine else [],
+    }
 
 
 ENGINE = "specslot-engine"
 
 
-def run_record(name: str, concurrency: int, repeat: int, prompt_seed: int, result: dict,
-               server_side: dict | None = None, ticks: dict | None = None, cores: dict | None = None) -> dict:
+def run_record(
+    name: str,
+    concurrency: int,
+    repeat: int,
+    prompt_seed: int,
+    result: dict,
+    server_side: dict | None = None,
+    ticks: dict | None = None,
+    cores: dict | None = None,
+) -> dict:
     """One run as the results keep it: `result` from the load generator (or the
     in-process load), `server_side` the replica's TTFT histogram over the run,
     `ticks` its scheduler's ticks (`tick_delta`; None: not read) and `cores` the CPU
     cores each kind of the server's processes and the load generator used (`cores_used`)."""
-    return {"server": name, "concurrency": concurrency, "repeat": repeat, "prompt_seed": prompt_seed,
-            "cached_prompt_tokens": result["cached_prompt_tokens"], "summary": result["summary"],
-            "output_lengths": result["output_lengths"],
-            "server_ttft_buckets": None if server_side is None else {str(k): v for k, v in server_side.items()},
-            "server_ticks": ticks, "cores": cores}
+    return {
+        "server": name,
+        "concurrency": concurrency,
+        "repeat": repeat,
+        "prompt_seed": prompt_seed,
+        "cached_prompt_tokens": result["cached_prompt_tokens"],
+        "summary": result["summary"],
+        "output_lengths": result["output_lengths"],
+        "server_ttft_buckets": None if server_side is None else {str(k): v for k, v in server_side.items()},
+        "server_ticks": ticks,
+        "cores": cores,
+    }
 
 
 def cores_used(before: dict, after: dict, wall_s: float, client_cpu_s: float) -> dict:
@@ -292,8 +367,10 @@ def cores_line(cores: dict | None, top: int = 5) -> str:
 
 def run_line(name: str, concurrency: int, repeat: int, summary: dict) -> str:
     """The progress line of one run: throughput, mean TTFT, TPOT p50."""
-    return (f"c={concurrency} rep={repeat} {name:<18} {summary['output_throughput']:8.1f} tok/s "
-            f"TTFT {summary['mean_ttft_ms']:8.1f} ms  TPOT {metrics.fmt(summary['median_tpot_ms'])} ms")
+    return (
+        f"c={concurrency} rep={repeat} {name:<18} {summary['output_throughput']:8.1f} tok/s "
+        f"TTFT {summary['mean_ttft_ms']:8.1f} ms  TPOT {metrics.fmt(summary['median_tpot_ms'])} ms"
+    )
 
 
 def engine_runs(spec: str, target: str, seeds, load_config, seed: int) -> list[dict]:
@@ -327,24 +404,41 @@ def engine_rows(runs: list[dict], ours_name: str) -> list[dict]:
     serving path adds."""
     rows = []
     for concurrency in sorted({r["concurrency"] for r in runs if r["server"] == ENGINE}):
+
         def median(server, key):
-            values = [r["summary"][key] for r in runs if r["server"] == server and r["concurrency"] == concurrency
-                      and r["summary"][key] is not None]
+            values = [
+                r["summary"][key]
+                for r in runs
+                if r["server"] == server and r["concurrency"] == concurrency and r["summary"][key] is not None
+            ]
             return statistics.median(values) if values else None
+
         http, inproc = median(ours_name, "median_tpot_ms"), median(ENGINE, "median_tpot_ms")
-        rows.append({"concurrency": concurrency, "http_tpot_ms": http, "engine_tpot_ms": inproc,
-                     "http_share": None if not http or inproc is None else 1 - inproc / http,
-                     "http_ttft_ms": median(ours_name, "median_ttft_ms"),
-                     "engine_ttft_ms": median(ENGINE, "median_ttft_ms"),
-                     "http_tok_s": median(ours_name, "output_throughput"),
-                     "engine_tok_s": median(ENGINE, "output_throughput")})
+        rows.append(
+            {
+                "concurrency": concurrency,
+                "http_tpot_ms": http,
+                "engine_tpot_ms": inproc,
+                "http_share": None if not http or inproc is None else 1 - inproc / http,
+                "http_ttft_ms": median(ours_name, "median_ttft_ms"),
+                "engine_ttft_ms": median(ENGINE, "median_ttft_ms"),
+                "http_tok_s": median(ours_name, "output_throughput"),
+                "engine_tok_s": median(ENGINE, "output_throughput"),
+            }
+        )
     return rows
 
 
-ENGINE_COLUMNS = [("concurrency", "concurrency"), ("http_tok_s", "server tok/s"), ("engine_tok_s", "engine tok/s"),
-                  ("http_tpot_ms", "server TPOT p50 ms"), ("engine_tpot_ms", "engine TPOT p50 ms"),
-                  ("http_share", "serving path's share of TPOT"), ("http_ttft_ms", "server TTFT p50 ms"),
-                  ("engine_ttft_ms", "engine TTFT p50 ms")]
+ENGINE_COLUMNS = [
+    ("concurrency", "concurrency"),
+    ("http_tok_s", "server tok/s"),
+    ("engine_tok_s", "engine tok/s"),
+    ("http_tpot_ms", "server TPOT p50 ms"),
+    ("engine_tpot_ms", "engine TPOT p50 ms"),
+    ("http_share", "serving path's share of TPOT"),
+    ("http_ttft_ms", "server TTFT p50 ms"),
+    ("engine_ttft_ms", "engine TTFT p50 ms"),
+]
 
 
 TTFT_HISTOGRAM = "specslot:time_to_first_token_seconds"
@@ -365,9 +459,11 @@ def scrape(server) -> dict:
     out = {"ttft": {}, "tick_count": {}, "tick_sum": {}, "gap_s": 0.0, "steps": [0.0, 0.0], "replicas": {}}
     for replica, text in texts.items():
         ttft = metrics.histogram_buckets(text, TTFT_HISTOGRAM)
-        for key, series in (("ttft", ttft),
-                            ("tick_count", metrics.labelled_samples(text, TICK_SUMMARY + "_count", "action")),
-                            ("tick_sum", metrics.labelled_samples(text, TICK_SUMMARY + "_sum", "action"))):
+        for key, series in (
+            ("ttft", ttft),
+            ("tick_count", metrics.labelled_samples(text, TICK_SUMMARY + "_count", "action")),
+            ("tick_sum", metrics.labelled_samples(text, TICK_SUMMARY + "_sum", "action")),
+        ):
             for label, value in series.items():
                 out[key][label] = out[key].get(label, 0.0) + value
         out["gap_s"] += metrics.labelled_samples(text, TICK_GAP, "").get("", 0.0)
@@ -381,8 +477,10 @@ def replica_line(before: dict, after: dict) -> str:
     """The progress line's part about how the requests spread over replicas ("" with one)."""
     if len(after["replicas"]) < 2:
         return ""
-    counts = [int(n - before["replicas"].get(rid, 0.0)) for rid, n in sorted(after["replicas"].items(),
-                                                                             key=lambda kv: str(kv[0]))]
+    counts = [
+        int(n - before["replicas"].get(rid, 0.0))
+        for rid, n in sorted(after["replicas"].items(), key=lambda kv: str(kv[0]))
+    ]
     return f"; requests by replica {' / '.join(map(str, counts))}"
 
 
@@ -431,8 +529,11 @@ def pair_ratios(runs: list[dict], peers: list[str], ours_names: list[str] = ("sp
 def _pairs_at(runs: list[dict], concurrency: int, ours_name: str, peers: list[str]) -> list[dict]:
     rows = []
     ours = {r["repeat"]: r["summary"] for r in runs if r["concurrency"] == concurrency and r["server"] == ours_name}
-    buckets = [r["server_ttft_buckets"] for r in runs if r["concurrency"] == concurrency
-               and r["server"] == ours_name and r.get("server_ttft_buckets")]
+    buckets = [
+        r["server_ttft_buckets"]
+        for r in runs
+        if r["concurrency"] == concurrency and r["server"] == ours_name and r.get("server_ttft_buckets")
+    ]
     # requests whose first token (server side, text or not) came after 1 s, in all repeats
     over = [n - k for k, n in (metrics.share_within({float(b): c for b, c in d.items()}, 1.0) for d in buckets)]
     for peer in peers:
@@ -442,37 +543,61 @@ def _pairs_at(runs: list[dict], concurrency: int, ours_name: str, peers: list[st
             continue
         tput = [ours[k]["output_throughput"] / theirs[k]["output_throughput"] for k in reps]
         ttft = [ours[k]["mean_ttft_ms"] / theirs[k]["mean_ttft_ms"] for k in reps]
-        rows.append({"concurrency": concurrency, "ours": ours_name, "peer": peer, "pairs": len(reps),
-                     "ours_tok_s": statistics.median(ours[k]["output_throughput"] for k in reps),
-                     "peer_tok_s": statistics.median(theirs[k]["output_throughput"] for k in reps),
-                     "throughput_ratios": tput, "throughput_ratio_median": statistics.median(tput),
-                     "ttft_ratios": ttft, "ttft_ratio_median": statistics.median(ttft),
-                     "ours_ttft_ms": statistics.median(ours[k]["mean_ttft_ms"] for k in reps),
-                     "peer_ttft_ms": statistics.median(theirs[k]["mean_ttft_ms"] for k in reps),
-                     **_latency(ours, reps, "ours"), **_latency(theirs, reps, "peer"),
-                     "ours_server_ttft_over_1s": sum(over) if over else None})
+        rows.append(
+            {
+                "concurrency": concurrency,
+                "ours": ours_name,
+                "peer": peer,
+                "pairs": len(reps),
+                "ours_tok_s": statistics.median(ours[k]["output_throughput"] for k in reps),
+                "peer_tok_s": statistics.median(theirs[k]["output_throughput"] for k in reps),
+                "throughput_ratios": tput,
+                "throughput_ratio_median": statistics.median(tput),
+                "ttft_ratios": ttft,
+                "ttft_ratio_median": statistics.median(ttft),
+                "ours_ttft_ms": statistics.median(ours[k]["mean_ttft_ms"] for k in reps),
+                "peer_ttft_ms": statistics.median(theirs[k]["mean_ttft_ms"] for k in reps),
+                **_latency(ours, reps, "ours"),
+                **_latency(theirs, reps, "peer"),
+                "ours_server_ttft_over_1s": sum(over) if over else None,
+            }
+        )
     return rows
 
 
 def _latency(summaries: dict[int, dict], reps: list[int], side: str) -> dict:
     """TTFT and TPOT p50/p99 (medians over repeats) of one server, and the p99 TTFT of its
     first repeat: the first wave at this concurrency, which pays any first-use compiles."""
-    out = {f"{side}_{stat}_{name}_ms": statistics.median(summaries[k][f"{stat}_{name}_ms"] for k in reps)
-           for stat in ("median", "p99") for name in ("ttft", "tpot")
-           if all(summaries[k][f"{stat}_{name}_ms"] is not None for k in reps)}
+    out = {
+        f"{side}_{stat}_{name}_ms": statistics.median(summaries[k][f"{stat}_{name}_ms"] for k in reps)
+        for stat in ("median", "p99")
+        for name in ("ttft", "tpot")
+        if all(summaries[k][f"{stat}_{name}_ms"] is not None for k in reps)
+    }
     out[f"{side}_first_p99_ttft_ms"] = summaries[reps[0]]["p99_ttft_ms"]
     return out
 
 
-COLUMNS = [("concurrency", "concurrency"), ("ours", "ours"), ("peer", "peer"), ("ours_tok_s", "specslot tok/s"),
-           ("peer_tok_s", "peer tok/s"), ("throughput_ratio_median", "tok/s ratio (median of pairs)"),
-           ("ours_ttft_ms", "specslot TTFT ms"), ("peer_ttft_ms", "peer TTFT ms"),
-           ("ttft_ratio_median", "TTFT ratio"), ("ours_p99_ttft_ms", "specslot TTFT p99"),
-           ("peer_p99_ttft_ms", "peer TTFT p99"), ("ours_median_tpot_ms", "specslot TPOT p50"),
-           ("peer_median_tpot_ms", "peer TPOT p50"), ("ours_p99_tpot_ms", "specslot TPOT p99"),
-           ("peer_p99_tpot_ms", "peer TPOT p99"), ("ours_first_p99_ttft_ms", "specslot 1st-wave TTFT p99"),
-           ("peer_first_p99_ttft_ms", "peer 1st-wave TTFT p99"),
-           ("ours_server_ttft_over_1s", "specslot requests with a server-side TTFT over 1 s")]
+COLUMNS = [
+    ("concurrency", "concurrency"),
+    ("ours", "ours"),
+    ("peer", "peer"),
+    ("ours_tok_s", "specslot tok/s"),
+    ("peer_tok_s", "peer tok/s"),
+    ("throughput_ratio_median", "tok/s ratio (median of pairs)"),
+    ("ours_ttft_ms", "specslot TTFT ms"),
+    ("peer_ttft_ms", "peer TTFT ms"),
+    ("ttft_ratio_median", "TTFT ratio"),
+    ("ours_p99_ttft_ms", "specslot TTFT p99"),
+    ("peer_p99_ttft_ms", "peer TTFT p99"),
+    ("ours_median_tpot_ms", "specslot TPOT p50"),
+    ("peer_median_tpot_ms", "peer TPOT p50"),
+    ("ours_p99_tpot_ms", "specslot TPOT p99"),
+    ("peer_p99_tpot_ms", "peer TPOT p99"),
+    ("ours_first_p99_ttft_ms", "specslot 1st-wave TTFT p99"),
+    ("peer_first_p99_ttft_ms", "peer 1st-wave TTFT p99"),
+    ("ours_server_ttft_over_1s", "specslot requests with a server-side TTFT over 1 s"),
+]
 
 
 def plot(result: dict, path: str) -> None:
@@ -493,45 +618,92 @@ def plot(result: dict, path: str) -> None:
 
 def main(argv=None) -> int:
     ap = bench_util.scenario_args(__doc__.split("\n\n")[0], "results/vs_mlx_lm")
-    ap.add_argument("--config", action="append", default=None, metavar="PATH[:key=value,...]",
-                    help=f"our deployment config, repeatable (default {DEFAULT_CONFIG})")
-    ap.add_argument("--concurrency", action="append", type=int, default=None,
-                    help=f"repeatable (default {' '.join(map(str, CONCURRENCIES))})")
+    ap.add_argument(
+        "--config",
+        action="append",
+        default=None,
+        metavar="PATH[:key=value,...]",
+        help=f"our deployment config, repeatable (default {DEFAULT_CONFIG})",
+    )
+    ap.add_argument(
+        "--concurrency",
+        action="append",
+        type=int,
+        default=None,
+        help=f"repeatable (default {' '.join(map(str, CONCURRENCIES))})",
+    )
     ap.add_argument("--peer", action="append", default=None, help="only these peers (repeatable; `none`: ours only)")
     ap.add_argument("--repeats", type=int, default=None, help="runs per server and concurrency")
-    ap.add_argument("--repeat-prompts", action="store_true",
-                    help="reuse the same prompts in every run (exercises the peer's prompt cache)")
+    ap.add_argument(
+        "--repeat-prompts",
+        action="store_true",
+        help="reuse the same prompts in every run (exercises the peer's prompt cache)",
+    )
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default 128; quick 32)")
-    ap.add_argument("--prompts-per-stream", type=int, default=None,
-                    help="requests per run = this x concurrency (default 4; quick 1)")
+    ap.add_argument(
+        "--prompts-per-stream",
+        type=int,
+        default=None,
+        help="requests per run = this x concurrency (default 4; quick 1)",
+    )
     ap.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (default greedy)")
     ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for each server to be ready")
     ap.add_argument("--prompt-chars", type=int, default=600, help="characters per prompt (default 600)")
-    ap.add_argument("--prompt-tokens", type=int, default=0,
-                    help="prompts of this many tokens instead of --prompt-chars characters (the target's "
-                         "tokenizer counts them; each starts with a line of its own)")
-    ap.add_argument("--shared-prefix-chars", type=int, default=0,
-                    help="every prompt of every run starts with the same text of this many characters, as an "
-                         "agent's system prompt does (both servers' prefix caches; default none)")
-    ap.add_argument("--prompts", choices=PROMPT_SETS, default="completions",
-                    help="completions: code snippets to continue (default); code: chat requests to continue "
-                         "them; chat: everyday chat questions (prose answers: prompt lookup rarely drafts)")
-    ap.add_argument("--engine", action="store_true",
-                    help="then the same runs in-process on the engine the first config builds "
-                         "(no HTTP, no Ray): what the serving path adds, per concurrency")
+    ap.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=0,
+        help="prompts of this many tokens instead of --prompt-chars characters (the target's "
+        "tokenizer counts them; each starts with a line of its own)",
+    )
+    ap.add_argument(
+        "--shared-prefix-chars",
+        type=int,
+        default=0,
+        help="every prompt of every run starts with the same text of this many characters, as an "
+        "agent's system prompt does (both servers' prefix caches; default none)",
+    )
+    ap.add_argument(
+        "--prompts",
+        choices=PROMPT_SETS,
+        default="completions",
+        help="completions: code snippets to continue (default); code: chat requests to continue "
+        "them; chat: everyday chat questions (prose answers: prompt lookup rarely drafts)",
+    )
+    ap.add_argument(
+        "--engine",
+        action="store_true",
+        help="then the same runs in-process on the engine the first config builds "
+        "(no HTTP, no Ray): what the serving path adds, per concurrency",
+    )
     ap.set_defaults(target=None, draft=None)  # the peers run what the first config serves
     args = ap.parse_args(argv)
-    result = run(args.quick, args.target, args.draft, args.seed, out_dir=args.out,
-                 concurrencies=tuple(args.concurrency or CONCURRENCIES), configs=args.config,
-                 peer_names=args.peer, repeats=args.repeats, repeat_prompts=args.repeat_prompts,
-                 max_tokens=args.max_tokens, prompts_per_stream=args.prompts_per_stream,
-                 temperature=args.temperature, startup_timeout_s=args.startup_timeout,
-                 prompt_chars=args.prompt_chars, shared_prefix_chars=args.shared_prefix_chars,
-                 engine=args.engine, prompt_tokens=args.prompt_tokens, prompts=args.prompts)
+    result = run(
+        args.quick,
+        args.target,
+        args.draft,
+        args.seed,
+        out_dir=args.out,
+        concurrencies=tuple(args.concurrency or CONCURRENCIES),
+        configs=args.config,
+        peer_names=args.peer,
+        repeats=args.repeats,
+        repeat_prompts=args.repeat_prompts,
+        max_tokens=args.max_tokens,
+        prompts_per_stream=args.prompts_per_stream,
+        temperature=args.temperature,
+        startup_timeout_s=args.startup_timeout,
+        prompt_chars=args.prompt_chars,
+        shared_prefix_chars=args.shared_prefix_chars,
+        engine=args.engine,
+        prompt_tokens=args.prompt_tokens,
+        prompts=args.prompts,
+    )
     text = metrics.table(result["rows"], COLUMNS, digits=2)
     if result["engine_rows"]:
-        text += "\n\nThe same runs in-process (`--engine`):\n\n" + metrics.table(result["engine_rows"], ENGINE_COLUMNS,
-                                                                                 digits=2)
+        text += "\n\nThe same runs in-process (`--engine`):\n\n" + metrics.table(
+            result["engine_rows"], ENGINE_COLUMNS, digits=2
+        )
     bench_util.publish(args, "vs_mlx_lm", result, text, plot)
     return 0
 

@@ -55,7 +55,7 @@ def split_counts(total: int, mix: dict[str, float]) -> dict[str, int]:
     weight = sum(mix.values())
     exact = {k: total * w / weight for k, w in mix.items()}
     counts = {k: int(v) for k, v in exact.items()}
-    for k in sorted(exact, key=lambda k: counts[k] - exact[k])[:total - sum(counts.values())]:
+    for k in sorted(exact, key=lambda k: counts[k] - exact[k])[: total - sum(counts.values())]:
         counts[k] += 1
     return counts
 
@@ -64,10 +64,14 @@ def training_prompts(tokenizer, counts: dict[str, int], seed: int, code_chars: i
     """Token prompts per kind, from the training-side prompt sets only."""
     return {
         "chat": [encode_chat(tokenizer, m) for m in prompt_sets.training_chat_questions(counts.get("chat", 0), seed)],
-        "code_chat": [encode_chat(tokenizer, m) for m in
-                      prompt_sets.training_code_messages(counts.get("code_chat", 0), seed + 1, code_chars)],
-        "code": [list(tokenizer.encode(s)) for s in
-                 prompt_sets.training_snippets(counts.get("code", 0), seed + 2, code_chars)],
+        "code_chat": [
+            encode_chat(tokenizer, m)
+            for m in prompt_sets.training_code_messages(counts.get("code_chat", 0), seed + 1, code_chars)
+        ],
+        "code": [
+            list(tokenizer.encode(s))
+            for s in prompt_sets.training_snippets(counts.get("code", 0), seed + 2, code_chars)
+        ],
     }
 
 
@@ -140,9 +144,19 @@ def _length_bucket(n: int) -> int:
     return -(-n // PAD_TO) * PAD_TO
 
 
-def generate(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, eos_ids,
-             topk: int, batch_size: int, deadline: float = math.inf, label: str = "gen",
-             log_every_s: float = 10.0) -> tuple[list[Example], dict]:
+def generate(
+    model,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    eos_ids,
+    topk: int,
+    batch_size: int,
+    deadline: float = math.inf,
+    label: str = "gen",
+    log_every_s: float = 10.0,
+) -> tuple[list[Example], dict]:
     """The target's continuation of each prompt (stopping at an EOS id, which is kept, or
     after `max_new_tokens`), with its top-`topk` log-probabilities at every generated
     position. Prompts of similar lengths run together, `batch_size` at a time, left-padded
@@ -159,9 +173,10 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int, temperatur
         if time.monotonic() > deadline:
             stopped_by = "time"
             break
-        chunk = order[lo:lo + batch_size]
-        batch = _FixedBatch(model, [prompts[i] for i in chunk], _length_bucket(max(len(prompts[i]) for i in chunk)),
-                            new)
+        chunk = order[lo : lo + batch_size]
+        batch = _FixedBatch(
+            model, [prompts[i] for i in chunk], _length_bucket(max(len(prompts[i]) for i in chunk)), new
+        )
         width = batch.tokens.shape[1]
         batch.feed(width)
         with last_positions(model, [(r + 1) * width - 1 for r in range(len(chunk))]) as gathered:
@@ -172,8 +187,11 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int, temperatur
         for step in range(max_new_tokens):
             logprobs = logits.astype(mx.float32)
             logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
-            token = (mx.argmax(logprobs, axis=-1) if temperature == 0
-                     else mx.random.categorical(logprobs * (1.0 / temperature)))
+            token = (
+                mx.argmax(logprobs, axis=-1)
+                if temperature == 0
+                else mx.random.categorical(logprobs * (1.0 / temperature))
+            )
             if topk:
                 ids = mx.argpartition(-logprobs, kth=topk - 1, axis=-1)[:, :topk]
                 step_ids.append(ids)
@@ -199,20 +217,30 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens: int, temperatur
             cut = next((j + 1 for j, t in enumerate(out) if t in stop), len(out))
             num_done += cut < len(out) or cut == max_new_tokens  # stopped, or ran its whole budget
             num_tokens += cut
-            results[i] = Example(list(prompts[i]), out[:cut],
-                                 ids[row, :cut].astype(np.int32) if topk else np.zeros((cut, 0), np.int32),
-                                 lps[row, :cut] if topk else np.zeros((cut, 0), np.float32))
+            results[i] = Example(
+                list(prompts[i]),
+                out[:cut],
+                ids[row, :cut].astype(np.int32) if topk else np.zeros((cut, 0), np.int32),
+                lps[row, :cut] if topk else np.zeros((cut, 0), np.float32),
+            )
         now = time.monotonic()
         if now - last_log >= log_every_s or lo + batch_size >= len(order):
             last_log = now
             rate = num_tokens / max(now - start, 1e-9)
-            print(f"{label}: {len(results)}/{len(prompts)} prompts, {num_tokens:,} tokens, {rate:,.0f} tok/s",
-                  flush=True)
+            print(
+                f"{label}: {len(results)}/{len(prompts)} prompts, {num_tokens:,} tokens, {rate:,.0f} tok/s", flush=True
+            )
     seconds = time.monotonic() - start
     examples = [results[i] for i in range(len(prompts)) if i in results and results[i].completion_ids]
-    stats = {"prompts": len(prompts), "finished": num_done, "kept": len(examples), "tokens": num_tokens,
-             "seconds": round(seconds, 2), "tokens_per_s": round(num_tokens / max(seconds, 1e-9), 1),
-             "stopped_by": stopped_by}
+    stats = {
+        "prompts": len(prompts),
+        "finished": num_done,
+        "kept": len(examples),
+        "tokens": num_tokens,
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(num_tokens / max(seconds, 1e-9), 1),
+        "stopped_by": stopped_by,
+    }
     return examples, stats
 
 
@@ -222,7 +250,7 @@ def clip(example: Example, max_seq: int) -> Example:
     room = max_seq - 1
     completion = example.completion_ids[:room]
     keep = len(completion)
-    prompt = example.prompt_ids[max(0, len(example.prompt_ids) - (max_seq - keep)):]
+    prompt = example.prompt_ids[max(0, len(example.prompt_ids) - (max_seq - keep)) :]
     return Example(prompt, completion, example.topk_ids[:keep], example.topk_logprobs[:keep])
 
 
@@ -250,7 +278,7 @@ def plan_batches(lengths: list[int], batch_tokens: int, rng: np.random.Generator
     for length in sorted(by_length):
         members = [by_length[length][j] for j in rng.permutation(len(by_length[length]))]
         rows = max(1, batch_tokens // length)
-        batches += [members[j:j + rows] for j in range(0, len(members), rows)]
+        batches += [members[j : j + rows] for j in range(0, len(members), rows)]
     return [batches[j] for j in rng.permutation(len(batches))]
 
 

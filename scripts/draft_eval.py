@@ -28,7 +28,7 @@ def draft_matches(draft: nn.Module, examples: list[Example]) -> list[list[bool]]
     for e in examples:
         seq = e.prompt_ids + e.completion_ids
         inputs = seq[:-1] + [0] * (padded_length(len(seq)) - len(seq) + 1)
-        logits = draft(mx.array(inputs)[None])[0, len(e.prompt_ids) - 1:len(seq) - 1]
+        logits = draft(mx.array(inputs)[None])[0, len(e.prompt_ids) - 1 : len(seq) - 1]
         predicted = mx.argmax(logits, axis=-1).tolist()
         out.append([p == t for p, t in zip(predicted, e.completion_ids)])
     return out
@@ -57,8 +57,11 @@ def accepted_per_round(matches: list[list[bool]], k: int) -> float:
 def acceptance(matches: list[list[bool]], ks=(2, 4, 6)) -> dict:
     """Per-token agreement and simulated accepted drafts per round at each K."""
     positions = sum(len(row) for row in matches)
-    result = {"prompts": len(matches), "positions": positions,
-              "agreement": round(sum(map(sum, matches)) / positions, 4) if positions else 0.0}
+    result = {
+        "prompts": len(matches),
+        "positions": positions,
+        "agreement": round(sum(map(sum, matches)) / positions, 4) if positions else 0.0,
+    }
     for k in ks:
         result[f"accepted_per_round_k{k}"] = round(accepted_per_round(matches, k), 3)
     return result

@@ -36,13 +36,23 @@ from scripts.draft_data import Example, collate, padded_length, plan_batches
 FAMILIES = ("llama", "mistral")  # mlx-lm builds both with its llama module
 # Keys of the target's config that describe its weights, not the draft's.
 _TARGET_ONLY = ("quantization", "quantization_config", "gguf_sha256", "torch_dtype", "dtype", "_name_or_path")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 
 
-def draft_config(target_config: dict, *, hidden: int, layers: int, intermediate: int, heads: int,
-                 kv_heads: int, head_dim: int | None) -> dict:
+def draft_config(
+    target_config: dict, *, hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int, head_dim: int | None
+) -> dict:
     """The target's config with the draft's sizes (and a tied head); ValueError for a
     family or a shape the draft cannot take."""
     family = target_config.get("model_type")
@@ -56,9 +66,15 @@ def draft_config(target_config: dict, *, hidden: int, layers: int, intermediate:
     if head_dim % 2:
         raise ValueError(f"head dim {head_dim} must be even (rotary embeddings)")
     config = {k: v for k, v in target_config.items() if k not in _TARGET_ONLY}
-    config.update(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=intermediate,
-                  num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                  tie_word_embeddings=True)
+    config.update(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=intermediate,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        tie_word_embeddings=True,
+    )
     if isinstance(config.get("layer_types"), list):
         config["layer_types"] = config["layer_types"][:layers]
     return config
@@ -76,8 +92,7 @@ def num_params(model: nn.Module) -> int:
 
 def _dense_weight(module: nn.Module) -> mx.array:
     if "scales" in module:  # a quantized embedding the loader kept
-        return mx.dequantize(module["weight"], module["scales"], module.get("biases"), module.group_size,
-                             module.bits)
+        return mx.dequantize(module["weight"], module["scales"], module.get("biases"), module.group_size, module.bits)
     return module.weight
 
 
@@ -116,8 +131,10 @@ def init_from_target(draft: nn.Module, target: nn.Module) -> str:
         draft.model.embed_tokens.weight = mx.array(projected)
         draft.model.norm.weight = mx.full((width,), soft_start_gain(projected), mx.float32)
         mx.eval(draft.parameters())
-        return (f"embedding: the target's projected on its top {width} principal directions; "
-                "final norm scaled for logits of standard deviation 1")
+        return (
+            f"embedding: the target's projected on its top {width} principal directions; "
+            "final norm scaled for logits of standard deviation 1"
+        )
     draft.model.embed_tokens.weight = mx.array(embedding)
     draft.model.norm.weight = target.model.norm.weight.astype(mx.float32)
     taken = 0
@@ -162,21 +179,47 @@ def differentiable_kernels():
         cpu_math.install()
 
 
-def train(model: nn.Module, examples: list[Example], *, steps: int, batch_tokens: int, lr: float, warmup: int,
-          weight_decay: float, kd_weight: float, topk: int, seed: int, deadline: float = math.inf,
-          log_every: int = 50, compiled: bool = False) -> dict:
+def train(
+    model: nn.Module,
+    examples: list[Example],
+    *,
+    steps: int,
+    batch_tokens: int,
+    lr: float,
+    warmup: int,
+    weight_decay: float,
+    kd_weight: float,
+    topk: int,
+    seed: int,
+    deadline: float = math.inf,
+    log_every: int = 50,
+    compiled: bool = False,
+) -> dict:
     """Train `model` in place for `steps` steps, or until `deadline` (time.monotonic());
     returns the record: steps run, why it stopped, the loss curve, tokens, seconds.
     `compiled`: one `mx.compile`d step per batch shape (a first step of each shape pays for
     building its kernels)."""
     with differentiable_kernels():
-        return _train(model, examples, steps=steps, batch_tokens=batch_tokens, lr=lr, warmup=warmup,
-                      weight_decay=weight_decay, kd=kd_weight if topk else 0.0, topk=topk, seed=seed,
-                      deadline=deadline, log_every=log_every, compiled=compiled)
+        return _train(
+            model,
+            examples,
+            steps=steps,
+            batch_tokens=batch_tokens,
+            lr=lr,
+            warmup=warmup,
+            weight_decay=weight_decay,
+            kd=kd_weight if topk else 0.0,
+            topk=topk,
+            seed=seed,
+            deadline=deadline,
+            log_every=log_every,
+            compiled=compiled,
+        )
 
 
-def _train(model, examples, *, steps, batch_tokens, lr, warmup, weight_decay, kd, topk, seed, deadline,
-           log_every, compiled) -> dict:
+def _train(
+    model, examples, *, steps, batch_tokens, lr, warmup, weight_decay, kd, topk, seed, deadline, log_every, compiled
+) -> dict:
 
     def loss_fn(model, inputs, targets, mask, top_ids, top_probs):
         logits = model(inputs).astype(mx.float32)
@@ -227,18 +270,28 @@ def _train(model, examples, *, steps, batch_tokens, lr, warmup, weight_decay, kd
                 eta = min(elapsed / step * (steps - step), max(0.0, deadline - now))
                 mean = window_loss / window_steps
                 curve.append({"step": step, "loss": round(mean, 4), "seconds": round(elapsed, 1)})
-                print(f"train: step {step}/{steps} loss {mean:.3f} lr {optimizer.learning_rate.item():.2e} "
-                      f"{window_tokens / max(now - window_start, 1e-9):,.0f} completion tok/s {elapsed:.0f}s "
-                      f"eta {eta:.0f}s", flush=True)
+                print(
+                    f"train: step {step}/{steps} loss {mean:.3f} lr {optimizer.learning_rate.item():.2e} "
+                    f"{window_tokens / max(now - window_start, 1e-9):,.0f} completion tok/s {elapsed:.0f}s "
+                    f"eta {eta:.0f}s",
+                    flush=True,
+                )
                 window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, now
             if stopped_by:
                 break
-    return {"steps_run": step, "stopped_by": stopped_by, "epochs": round(step / max(num_batches, 1), 2),
-            "loss_curve": curve, "trained_tokens": num_tokens, "seconds": round(time.monotonic() - start, 1)}
+    return {
+        "steps_run": step,
+        "stopped_by": stopped_by,
+        "epochs": round(step / max(num_batches, 1), 2),
+        "loss_curve": curve,
+        "trained_tokens": num_tokens,
+        "seconds": round(time.monotonic() - start, 1),
+    }
 
 
-def save(model: nn.Module, config: dict, out_dir: str, tokenizer_dir: str, *, dtype: str, bits: int,
-         group_size: int) -> dict:
+def save(
+    model: nn.Module, config: dict, out_dir: str, tokenizer_dir: str, *, dtype: str, bits: int, group_size: int
+) -> dict:
     """Write config.json, model.safetensors and the target's tokenizer files into
     `out_dir`, the weights in `dtype` and, with `bits`, quantized (mlx-lm affine, groups
     of `group_size`). Returns what the files hold, for the record."""
@@ -254,7 +307,13 @@ def save(model: nn.Module, config: dict, out_dir: str, tokenizer_dir: str, *, dt
         if os.path.isfile(os.path.join(tokenizer_dir, name)):
             shutil.copy(os.path.join(tokenizer_dir, name), os.path.join(out_dir, name))
             copied.append(name)
-    weight_bytes = sum(os.path.getsize(os.path.join(out_dir, f)) for f in os.listdir(out_dir)
-                       if f.endswith(".safetensors"))
-    return {"dtype": dtype, "bits": bits or None, "group_size": group_size if bits else None,
-            "weight_file_bytes": weight_bytes, "tokenizer_files": copied}
+    weight_bytes = sum(
+        os.path.getsize(os.path.join(out_dir, f)) for f in os.listdir(out_dir) if f.endswith(".safetensors")
+    )
+    return {
+        "dtype": dtype,
+        "bits": bits or None,
+        "group_size": group_size if bits else None,
+        "weight_file_bytes": weight_bytes,
+        "tokenizer_files": copied,
+    }

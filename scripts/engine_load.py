@@ -80,12 +80,24 @@ def run_engine_load(engine, codec, eos_ids, cfg: LoadConfig) -> dict:
         prompt = codec.encode(body["prompt"]) if "prompt" in body else codec.encode_chat(body["messages"])
         request_id = f"load-{next(ids)}"
         now = time.perf_counter() - t0
-        live[request_id] = {"index": item["index"], "lane": item["lane"], "arrival_s": now, "first_token_s": None,
-                            "chunks": [], "finish_s": None, "prompt_tokens": len(prompt), "output_tokens": 0,
-                            "speculative": None, "error": None, "finish_reason": None, "usage_reported": True,
-                            "cached_prompt_tokens": None}
-        sampling = SamplingParams(max_tokens=body["max_tokens"], temperature=body["temperature"],
-                                  stop_token_ids=tuple(eos_ids))
+        live[request_id] = {
+            "index": item["index"],
+            "lane": item["lane"],
+            "arrival_s": now,
+            "first_token_s": None,
+            "chunks": [],
+            "finish_s": None,
+            "prompt_tokens": len(prompt),
+            "output_tokens": 0,
+            "speculative": None,
+            "error": None,
+            "finish_reason": None,
+            "usage_reported": True,
+            "cached_prompt_tokens": None,
+        }
+        sampling = SamplingParams(
+            max_tokens=body["max_tokens"], temperature=body["temperature"], stop_token_ids=tuple(eos_ids)
+        )
         engine.submit(Request(request_id, prompt, sampling, lane=Lane[item["lane"].upper()]))
 
     for _ in range(max(1, cfg.concurrency or 1)):
@@ -105,18 +117,30 @@ def run_engine_load(engine, codec, eos_ids, cfg: LoadConfig) -> dict:
                     rec["first_token_s"] = now
             if event.finish_reason is None:
                 continue
-            rec.update(finish_s=now, finish_reason=event.finish_reason, error=event.error,
-                       cached_prompt_tokens=event.num_cached_tokens,
-                       speculative=event.stats.as_usage() if event.stats is not None else None)
+            rec.update(
+                finish_s=now,
+                finish_reason=event.finish_reason,
+                error=event.error,
+                cached_prompt_tokens=event.num_cached_tokens,
+                speculative=event.stats.as_usage() if event.stats is not None else None,
+            )
             records.append(live.pop(event.request_id))
             if queue:
                 submit(queue.pop(0))
     duration = time.perf_counter() - t0
     records.sort(key=lambda r: r["index"])
     lengths = [r["output_tokens"] for r in records if not r["error"]]
-    return {"config": dict(cfg.__dict__), "ignore_eos_sent": False,
-            "output_lengths": {"requested": cfg.max_tokens, "min": min(lengths, default=None),
-                               "max": max(lengths, default=None),
-                               "mean": sum(lengths) / len(lengths) if lengths else None, "usage_reported": True},
-            "cached_prompt_tokens": sum(r["cached_prompt_tokens"] or 0 for r in records),
-            "summary": metrics.summarize(records, duration), "requests": records}
+    return {
+        "config": dict(cfg.__dict__),
+        "ignore_eos_sent": False,
+        "output_lengths": {
+            "requested": cfg.max_tokens,
+            "min": min(lengths, default=None),
+            "max": max(lengths, default=None),
+            "mean": sum(lengths) / len(lengths) if lengths else None,
+            "usage_reported": True,
+        },
+        "cached_prompt_tokens": sum(r["cached_prompt_tokens"] or 0 for r in records),
+        "summary": metrics.summarize(records, duration),
+        "requests": records,
+    }

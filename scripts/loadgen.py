@@ -28,7 +28,6 @@ from urllib.parse import urlparse
 from scripts import metrics
 from scripts.prompts import chat_messages, chat_questions, sized_snippets, stdlib_snippets
 
-
 SHARED_PREFIX_SEED = 7919  # the shared prefix's snippet, the same in every run
 
 
@@ -62,7 +61,7 @@ class LoadConfig:
 
 
 def parse_mix(text: str) -> dict[str, float]:
-    """"high=0.2,normal=0.8" -> {"high": 0.2, "normal": 0.8} (weights, normalized later)."""
+    """ "high=0.2,normal=0.8" -> {"high": 0.2, "normal": 0.8} (weights, normalized later)."""
     mix = {}
     for part in text.split(","):
         lane, _, weight = part.partition("=")
@@ -94,19 +93,28 @@ def build_requests(cfg: LoadConfig) -> list[dict]:
         raise ValueError("prompt_tokens sizes completions prompts without a shared prefix, and needs a tokenizer")
     if cfg.endpoint == "chat":
         system = [{"role": "system", "content": shared}] if shared else []
-        chats = (chat_questions(cfg.num_prompts, cfg.seed) if cfg.chat_prompts == "questions"
-                 else chat_messages(cfg.num_prompts, cfg.seed, cfg.prompt_chars))
+        chats = (
+            chat_questions(cfg.num_prompts, cfg.seed)
+            if cfg.chat_prompts == "questions"
+            else chat_messages(cfg.num_prompts, cfg.seed, cfg.prompt_chars)
+        )
         prompts = [{"messages": system + m} for m in chats]
     elif cfg.prompt_tokens:
         from serve_app.codec import TextCodec
+
         codec = TextCodec.from_path(cfg.tokenizer)
         prompts = [{"prompt": p} for p in sized_snippets(codec, cfg.num_prompts, cfg.seed, cfg.prompt_tokens)]
     else:
         prompts = [{"prompt": shared + p} for p in stdlib_snippets(cfg.num_prompts, cfg.seed, cfg.prompt_chars)]
     out = []
     for i, prompt in enumerate(prompts):
-        body = {**prompt, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            **prompt,
+            "max_tokens": cfg.max_tokens,
+            "temperature": cfg.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if cfg.model:
             body["model"] = cfg.model
         out.append({"index": i, "body": body, "lane": rng.choices(lanes, weights)[0]})
@@ -130,10 +138,21 @@ async def probe_ignore_eos(session, cfg: LoadConfig) -> bool:
 
 async def one_request(session, cfg: LoadConfig, item: dict, t0: float, send_ignore_eos: bool) -> dict:
     body = dict(item["body"], **({"ignore_eos": True} if send_ignore_eos else {}))
-    rec = {"index": item["index"], "lane": item["lane"], "arrival_s": time.perf_counter() - t0,
-           "first_token_s": None, "chunks": [], "finish_s": None, "prompt_tokens": 0, "output_tokens": 0,
-           "speculative": None, "error": None, "finish_reason": None, "usage_reported": False,
-           "cached_prompt_tokens": None}
+    rec = {
+        "index": item["index"],
+        "lane": item["lane"],
+        "arrival_s": time.perf_counter() - t0,
+        "first_token_s": None,
+        "chunks": [],
+        "finish_s": None,
+        "prompt_tokens": 0,
+        "output_tokens": 0,
+        "speculative": None,
+        "error": None,
+        "finish_reason": None,
+        "usage_reported": False,
+        "cached_prompt_tokens": None,
+    }
     num_chunks = 0
     try:
         async with session.post(cfg.base_url + _path(cfg), json=body, headers={"X-Priority": item["lane"]}) as resp:
@@ -196,6 +215,7 @@ async def run_load(cfg: LoadConfig) -> dict:
         bar = None
         if cfg.progress:
             from tqdm import tqdm
+
             bar = tqdm(total=len(items), desc="requests", leave=False)
         t0 = time.perf_counter()
         records: list[dict] = []
@@ -219,6 +239,7 @@ async def run_load(cfg: LoadConfig) -> dict:
             async def worker():
                 while queue:
                     await run_one(queue.pop(0))
+
             await asyncio.gather(*(worker() for _ in range(max(1, cfg.concurrency or 1))))
         duration = time.perf_counter() - t0
         if bar is not None:
@@ -229,20 +250,42 @@ async def run_load(cfg: LoadConfig) -> dict:
     return {
         "config": {k: v for k, v in cfg.__dict__.items()},
         "ignore_eos_sent": send_ignore_eos,
-        "output_lengths": {"requested": cfg.max_tokens, "min": min(lengths, default=None),
-                           "max": max(lengths, default=None),
-                           "mean": sum(lengths) / len(lengths) if lengths else None,
-                           "usage_reported": all(r["usage_reported"] for r in records)},
+        "output_lengths": {
+            "requested": cfg.max_tokens,
+            "min": min(lengths, default=None),
+            "max": max(lengths, default=None),
+            "mean": sum(lengths) / len(lengths) if lengths else None,
+            "usage_reported": all(r["usage_reported"] for r in records),
+        },
         "cached_prompt_tokens": sum(r.get("cached_prompt_tokens") or 0 for r in records),
         "summary": summary,
         "requests": records,
     }
 
 
-SUMMARY_KEYS = ["completed", "failed", "request_throughput", "output_throughput", "mean_ttft_ms",
-                "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p90_tpot_ms",
-                "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p90_itl_ms", "p99_itl_ms", "mean_e2el_ms",
-                "median_e2el_ms", "p90_e2el_ms", "p99_e2el_ms", "acceptance_length"]
+SUMMARY_KEYS = [
+    "completed",
+    "failed",
+    "request_throughput",
+    "output_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p90_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "p90_tpot_ms",
+    "p99_tpot_ms",
+    "mean_itl_ms",
+    "median_itl_ms",
+    "p90_itl_ms",
+    "p99_itl_ms",
+    "mean_e2el_ms",
+    "median_e2el_ms",
+    "p90_e2el_ms",
+    "p99_e2el_ms",
+    "acceptance_length",
+]
 
 
 def report(result: dict) -> str:
@@ -252,9 +295,11 @@ def report(result: dict) -> str:
         values = [s.get(key)] + [lane.get(key) for lane in s["lanes"].values()]
         lines.append(f"{key:<24}" + "".join(f"{metrics.fmt(v, 2):>12}" for v in values))
     lengths = result["output_lengths"]
-    lines.append(f"output tokens per request: requested {lengths['requested']}, actual "
-                 f"{lengths['min']}..{lengths['max']} (mean {metrics.fmt(lengths['mean'], 1)}); "
-                 f"ignore_eos sent: {result['ignore_eos_sent']}")
+    lines.append(
+        f"output tokens per request: requested {lengths['requested']}, actual "
+        f"{lengths['min']}..{lengths['max']} (mean {metrics.fmt(lengths['mean'], 1)}); "
+        f"ignore_eos sent: {result['ignore_eos_sent']}"
+    )
     return "\n".join(lines)
 
 
@@ -292,11 +337,19 @@ def main(argv=None) -> int:
     ap.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-chars", type=int, default=600)
-    ap.add_argument("--prompt-tokens", type=int, default=0,
-                    help="completions prompts of this many tokens instead, as --tokenizer counts them")
+    ap.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=0,
+        help="completions prompts of this many tokens instead, as --tokenizer counts them",
+    )
     ap.add_argument("--tokenizer", default=None, help="a model directory whose tokenizer sizes --prompt-tokens")
-    ap.add_argument("--shared-prefix-chars", type=int, default=0,
-                    help="every prompt starts with the same text of this many characters (default none)")
+    ap.add_argument(
+        "--shared-prefix-chars",
+        type=int,
+        default=0,
+        help="every prompt starts with the same text of this many characters (default none)",
+    )
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--priority-mix", default="normal=1", help="e.g. high=0.2,normal=0.7,low=0.1")
@@ -305,13 +358,25 @@ def main(argv=None) -> int:
     ap.add_argument("--allow-remote", action="store_true")
     ap.add_argument("--out", default=None, help="JSON result path (a PNG plot is written next to it)")
     args = ap.parse_args(argv)
-    cfg = LoadConfig(base_url=args.base_url.rstrip("/"), endpoint=args.endpoint, model=args.model,
-                     num_prompts=args.num_prompts, concurrency=args.concurrency, request_rate=args.request_rate,
-                     max_tokens=args.max_tokens, prompt_chars=args.prompt_chars,
-                     prompt_tokens=args.prompt_tokens, tokenizer=args.tokenizer,
-                     shared_prefix_chars=args.shared_prefix_chars, temperature=args.temperature, seed=args.seed,
-                     priority_mix=parse_mix(args.priority_mix), ignore_eos=args.ignore_eos,
-                     progress=not args.no_progress, allow_remote=args.allow_remote)
+    cfg = LoadConfig(
+        base_url=args.base_url.rstrip("/"),
+        endpoint=args.endpoint,
+        model=args.model,
+        num_prompts=args.num_prompts,
+        concurrency=args.concurrency,
+        request_rate=args.request_rate,
+        max_tokens=args.max_tokens,
+        prompt_chars=args.prompt_chars,
+        prompt_tokens=args.prompt_tokens,
+        tokenizer=args.tokenizer,
+        shared_prefix_chars=args.shared_prefix_chars,
+        temperature=args.temperature,
+        seed=args.seed,
+        priority_mix=parse_mix(args.priority_mix),
+        ignore_eos=args.ignore_eos,
+        progress=not args.no_progress,
+        allow_remote=args.allow_remote,
+    )
     result = asyncio.run(run_load(cfg))
     print(report(result))
     if args.out:

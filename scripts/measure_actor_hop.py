@@ -27,9 +27,14 @@ def make_requests(codec, n, max_tokens, eos):
     from scheduler.request import Request, SamplingParams
 
     prompts = ["def parse(text):\n    ", "import os\nimport ", "class Stack:\n    def push(self, item):"]
-    return [Request(f"hop-{time.monotonic_ns()}-{i}", codec.encode(prompts[i % len(prompts)]),
-                    SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=tuple(eos)))
-            for i in range(n)]
+    return [
+        Request(
+            f"hop-{time.monotonic_ns()}-{i}",
+            codec.encode(prompts[i % len(prompts)]),
+            SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=tuple(eos)),
+        )
+        for i in range(n)
+    ]
 
 
 async def run_workload(client, codec, n, max_tokens, concurrency):
@@ -49,29 +54,33 @@ async def run_workload(client, codec, n, max_tokens, concurrency):
 
 
 async def measure(args, serve_args, codec):
-    import ray
 
     from serve_app.actor import ActorSource, build_engine
     from serve_app.client import EngineClient, LocalSource
 
     rows = []
     for kind in ("in-process", "ray-actor"):
-        source = (LocalSource(lambda: build_engine(serve_args)) if kind == "in-process"
-                  else ActorSource(serve_args))
+        source = LocalSource(lambda: build_engine(serve_args)) if kind == "in-process" else ActorSource(serve_args)
         client = EngineClient(source)
         await client.start()
         await run_workload(client, codec, 3, 32, 1)  # warm-up; settles the adaptive policy
         for concurrency in args.concurrency:
             best = None
             for _ in range(args.repeats):
-                seconds, counts = await run_workload(client, codec, args.requests, args.max_tokens,
-                                                     concurrency)
+                seconds, counts = await run_workload(client, codec, args.requests, args.max_tokens, concurrency)
                 if best is None or seconds < best[0]:
                     best = (seconds, counts)
             seconds, counts = best
-            rows.append({"path": kind, "concurrency": concurrency, "tokens": counts["tokens"],
-                         "seconds": seconds, "us_per_token": 1e6 * seconds / counts["tokens"],
-                         "tokens_per_event": counts["tokens"] / counts["event_batches"]})
+            rows.append(
+                {
+                    "path": kind,
+                    "concurrency": concurrency,
+                    "tokens": counts["tokens"],
+                    "seconds": seconds,
+                    "us_per_token": 1e6 * seconds / counts["tokens"],
+                    "tokens_per_event": counts["tokens"] / counts["event_batches"],
+                }
+            )
         if kind == "ray-actor":
             actor = source.actor
             await actor.poll.remote(0)
@@ -99,11 +108,11 @@ def main() -> None:
     from serve_app.config import ServeArgs
 
     target, draft = build_tiny_pair(tempfile.mkdtemp(prefix="hop-"))
-    serve_args = ServeArgs.model_validate(
-        {"model": target, "drafter": {"kind": "draft_model", "path": draft}})
+    serve_args = ServeArgs.model_validate({"model": target, "drafter": {"kind": "draft_model", "path": draft}})
     codec = TextCodec.from_path(target)
-    ray.init(num_cpus=2, include_dashboard=False, address="local",
-             runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+    ray.init(
+        num_cpus=2, include_dashboard=False, address="local", runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}}
+    )
     try:
         rows, poll_us = asyncio.run(measure(args, serve_args, codec))
     finally:
@@ -111,8 +120,10 @@ def main() -> None:
 
     print(f"{'path':<11} {'conc':>4} {'tokens':>7} {'seconds':>8} {'us/token':>9} {'tok/event':>9}")
     for r in rows:
-        print(f"{r['path']:<11} {r['concurrency']:>4} {r['tokens']:>7} {r['seconds']:>8.3f} "
-              f"{r['us_per_token']:>9.1f} {r['tokens_per_event']:>9.2f}")
+        print(
+            f"{r['path']:<11} {r['concurrency']:>4} {r['tokens']:>7} {r['seconds']:>8.3f} "
+            f"{r['us_per_token']:>9.1f} {r['tokens_per_event']:>9.2f}"
+        )
     overhead = {}
     for c in args.concurrency:
         local = next(r for r in rows if r["path"] == "in-process" and r["concurrency"] == c)
@@ -122,8 +133,16 @@ def main() -> None:
     print(f"bare poll round trip: {poll_us:.0f} us")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"rows": rows, "overhead_us_per_token": overhead, "poll_round_trip_us": poll_us,
-                   "machine": f"{os.cpu_count()} CPU cores, tiny fixture models"}, f, indent=2)
+        json.dump(
+            {
+                "rows": rows,
+                "overhead_us_per_token": overhead,
+                "poll_round_trip_us": poll_us,
+                "machine": f"{os.cpu_count()} CPU cores, tiny fixture models",
+            },
+            f,
+            indent=2,
+        )
 
 
 if __name__ == "__main__":

@@ -60,8 +60,11 @@ def per_request(record: dict) -> dict:
 def summarize(records: list[dict], duration_s: float) -> dict:
     """vLLM-style summary over `records`, plus the same per lane."""
     out = _summary(records, duration_s)
-    out["lanes"] = {lane: _summary([r for r in records if r["lane"] == lane], duration_s)
-                    for lane in LANES if any(r["lane"] == lane for r in records)}
+    out["lanes"] = {
+        lane: _summary([r for r in records if r["lane"] == lane], duration_s)
+        for lane in LANES
+        if any(r["lane"] == lane for r in records)
+    }
     return out
 
 
@@ -91,8 +94,10 @@ def _summary(records: list[dict], duration_s: float) -> dict:
 def speculative_totals(records: list[dict]) -> dict:
     """Sums of the per-request speculative usage extension, and acceptance length."""
     stats = [r["speculative"] for r in records if r.get("speculative")]
-    totals = {k: sum(s.get(k) or 0 for s in stats)
-              for k in ("rounds", "probe_rounds", "row_rounds", "drafted", "accepted", "grants", "parks")}
+    totals = {
+        k: sum(s.get(k) or 0 for s in stats)
+        for k in ("rounds", "probe_rounds", "row_rounds", "drafted", "accepted", "grants", "parks")
+    }
     real_rounds = totals["rounds"] - totals["probe_rounds"]
     return {
         "speculative": totals,
@@ -129,7 +134,7 @@ def histogram_buckets(text: str, name: str) -> dict[float, float]:
     for line in text.splitlines():
         if not line.startswith(prefix):
             continue
-        labels, _, value = line[len(prefix):].rpartition("} ")
+        labels, _, value = line[len(prefix) :].rpartition("} ")
         le = next(part.split("=", 1)[1].strip('"') for part in labels.split(",") if part.startswith("le="))
         bound = math.inf if le == "+Inf" else float(le)
         out[bound] = out.get(bound, 0.0) + float(value)
@@ -156,12 +161,12 @@ def labelled_samples(text: str, name: str, label: str) -> dict[str, float]:
     """
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if not line.startswith(name) or line[len(name):len(name) + 1] not in ("{", " "):
+        if not line.startswith(name) or line[len(name) : len(name) + 1] not in ("{", " "):
             continue
         head, _, value = line.rpartition(" ")
         key = ""
         if "{" in head:
-            parts = head[head.index("{") + 1:head.rindex("}")].split(",")
+            parts = head[head.index("{") + 1 : head.rindex("}")].split(",")
             key = next((p.split("=", 1)[1].strip('"') for p in parts if p.startswith(label + "=")), "")
         out[key] = out.get(key, 0.0) + float(value)
     return out

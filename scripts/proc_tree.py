@@ -88,8 +88,9 @@ def cpu_seconds(root_pid: int) -> dict[int, tuple[str, float]]:
     return out
 
 
-def cpu_by_kind(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
-                wall_s: float) -> dict[str, float]:
+def cpu_by_kind(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], wall_s: float
+) -> dict[str, float]:
     """Cores used per kind between two `cpu_seconds` reads `wall_s` apart (a process
     that started in between counts from zero; one that ended is left out), largest
     first.

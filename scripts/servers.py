@@ -38,8 +38,13 @@ class Server:
         os.makedirs(os.path.dirname(self.log_path) or ".", exist_ok=True)
         log = open(self.log_path, "w")
         tic = time.perf_counter()
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, **(self.env or {})})
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(self.env or {})},
+        )
         deadline = tic + timeout_s
         while time.perf_counter() < deadline:
             if self.proc.poll() is not None:
@@ -66,8 +71,15 @@ class Server:
             return self.proc.wait(10)
 
 
-def ours(port: int, out_dir: str, base_config: str = "configs/local.yaml", args: dict | None = None,
-         name: str = "specslot", deployment: dict | None = None, env: dict | None = None) -> Server:
+def ours(
+    port: int,
+    out_dir: str,
+    base_config: str = "configs/local.yaml",
+    args: dict | None = None,
+    name: str = "specslot",
+    deployment: dict | None = None,
+    env: dict | None = None,
+) -> Server:
     """Our service through its own entry point (`python -m serve_app.cli <config>`), with
     the config's HTTP port moved to `port`, and `args` and `deployment` options (if any)
     merged over the first application's `args` and first deployment's options; `env`
@@ -86,8 +98,13 @@ def ours(port: int, out_dir: str, base_config: str = "configs/local.yaml", args:
     # A private Ray temp dir: otherwise `ray.init()` joins whatever cluster last wrote
     # /tmp/ray/ray_current_cluster on this machine (e.g. someone's test cluster).
     ray_tmp = f"/tmp/specslot-bench-ray-{port}"
-    server = Server(name, [sys.executable, "-m", "serve_app.cli", path], port,
-                    os.path.join(out_dir, f"specslot-{port}.log"), env={"RAY_ADDRESS": "", "RAY_TMPDIR": ray_tmp, **(env or {})})
+    server = Server(
+        name,
+        [sys.executable, "-m", "serve_app.cli", path],
+        port,
+        os.path.join(out_dir, f"specslot-{port}.log"),
+        env={"RAY_ADDRESS": "", "RAY_TMPDIR": ray_tmp, **(env or {})},
+    )
     server.num_replicas = int(config["applications"][0]["deployments"][0].get("num_replicas", 1))
     return server
 
@@ -112,10 +129,31 @@ def bundled_draft(target: str) -> str | None:
     return BUNDLED_DRAFT if same else None
 
 
-def mlx_lm_server(port: int, out_dir: str, model: str, draft: str | None = None,
-                  num_draft_tokens: int = 4, name: str = "mlx_lm.server", extra: tuple[str, ...] = ()) -> Server:
-    cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--host", HOST, "--port", str(port),
-           "--max-tokens", "4096", "--log-level", "WARNING"]
+def mlx_lm_server(
+    port: int,
+    out_dir: str,
+    model: str,
+    draft: str | None = None,
+    num_draft_tokens: int = 4,
+    name: str = "mlx_lm.server",
+    extra: tuple[str, ...] = (),
+) -> Server:
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlx_lm",
+        "server",
+        "--model",
+        model,
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--max-tokens",
+        "4096",
+        "--log-level",
+        "WARNING",
+    ]
     if draft:
         cmd += ["--draft-model", draft, "--num-draft-tokens", str(num_draft_tokens)]
     cmd += list(extra)
@@ -132,7 +170,10 @@ def float32_copy(model: str, out_dir: str) -> str:
         if os.path.isfile(config_path):  # else a hub id: mlx_lm reads it from the cache
             with open(config_path) as f:
                 quantized = bool({"quantization", "quantization_config"} & set(json.load(f)))
-        subprocess.run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", model, "--mlx-path", dest,
-                        "--dtype", "float32"] + (["--dequantize"] if quantized else []),
-                       check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "mlx_lm", "convert", "--hf-path", model, "--mlx-path", dest, "--dtype", "float32"]
+            + (["--dequantize"] if quantized else []),
+            check=True,
+            capture_output=True,
+        )
     return dest

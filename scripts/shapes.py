@@ -27,8 +27,11 @@ BUNDLED_TOKENIZER = "models/bundled/target"
 
 SHAPES = {  # family, (hidden, layers, heads, kv heads, intermediate, vocab), extra config
     "q15": ("qwen2", (1536, 28, 12, 2, 8960, 151936), dict(rms_norm_eps=1e-6, rope_theta=1000000.0)),
-    "q7": ("qwen2", (3584, 28, 28, 4, 18944, 152064),
-           dict(rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False)),
+    "q7": (
+        "qwen2",
+        (3584, 28, 28, 4, 18944, 152064),
+        dict(rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False),
+    ),
     "llama1b": ("llama", (2048, 16, 32, 8, 8192, 128256), dict(rms_norm_eps=1e-5, rope_theta=500000.0, head_dim=64)),
     "tiny": ("qwen2", (128, 2, 4, 2, 256, 151936), dict(rms_norm_eps=1e-6, rope_theta=1000000.0)),
 }
@@ -42,16 +45,25 @@ def tokenizer_vocab(tokenizer_dir: str = BUNDLED_TOKENIZER) -> int:
 def build(shape: str, path: str, vocab: int | None = None, bits: int = 4) -> int:
     """Writes a model directory of `shape` (random weights, the bundled tokenizer's files)
     at `path`; `vocab` overrides the shape's vocabulary size. Returns the vocabulary size."""
-    import models  # noqa: F401  (fast BLAS before mlx on a CPU)
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
+    import models  # noqa: F401  (fast BLAS before mlx on a CPU)
+
     family, (hidden, layers, heads, kv, inter, full_vocab), extra = SHAPES[shape]
     module = importlib.import_module(f"mlx_lm.models.{family}")
-    cfg = dict(model_type=family, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-               num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab or full_vocab,
-               max_position_embeddings=32768, tie_word_embeddings=True)
+    cfg = dict(
+        model_type=family,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        intermediate_size=inter,
+        vocab_size=vocab or full_vocab,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+    )
     cfg.update(extra)
     model = module.Model(module.ModelArgs.from_dict(cfg))
     model.set_dtype(mx.bfloat16)
@@ -73,8 +85,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("shape", choices=sorted(SHAPES))
     ap.add_argument("path")
-    ap.add_argument("--tokenizer-vocab", action="store_true",
-                    help="cut the vocabulary to the bundled tokenizer's (for servers that detokenize)")
+    ap.add_argument(
+        "--tokenizer-vocab",
+        action="store_true",
+        help="cut the vocabulary to the bundled tokenizer's (for servers that detokenize)",
+    )
     ap.add_argument("--bits", type=int, default=4, choices=(0, 4, 8), help="0: unquantized bf16")
     args = ap.parse_args(argv)
     vocab = build(args.shape, args.path, tokenizer_vocab() if args.tokenizer_vocab else None, args.bits)

@@ -39,16 +39,25 @@ from scheduler.request import Lane, Request, SamplingParams
 from scripts.soak_inject import CancelInjector
 
 PROMPTS = [
-    "def parse(text):\n    ", "import os\nimport ", "class Stack:\n    def push(self, item):",
-    "for i in range(10):", "while lo < hi:\n    mid = (lo + hi) // 2", "raise ValueError(",
-    "def wrap(text, width=70, **kwargs):", "lines = text.splitlines()", "x", "# Copyright",
-    "try:\n    import re\nexcept ImportError:", "return ''.join(result)",
+    "def parse(text):\n    ",
+    "import os\nimport ",
+    "class Stack:\n    def push(self, item):",
+    "for i in range(10):",
+    "while lo < hi:\n    mid = (lo + hi) // 2",
+    "raise ValueError(",
+    "def wrap(text, width=70, **kwargs):",
+    "lines = text.splitlines()",
+    "x",
+    "# Copyright",
+    "try:\n    import re\nexcept ImportError:",
+    "return ''.join(result)",
 ]
 MAX_TOKENS = (8, 48)  # per-request max_tokens drawn from this range
 # Small classic batch so requests really wait in the admission queue; grant_rounds 2 so
 # the slot rotates (parks) often; b1 "on" so the tiny pair always takes the slot.
-SOAK_CONFIG = dict(b1_policy="on", grant_rounds=2, backlog_cap=2, max_batch_size=4,
-                   prefill_batch_size=2, max_queue_depth=64)
+SOAK_CONFIG = dict(
+    b1_policy="on", grant_rounds=2, backlog_cap=2, max_batch_size=4, prefill_batch_size=2, max_queue_depth=64
+)
 
 
 @dataclass
@@ -118,9 +127,18 @@ def references(engine, prompt_ids: list[list[int]], stop_ids: tuple, max_tokens:
     return out
 
 
-def engine_soak(engine, injector: CancelInjector, prompt_ids: list[list[int]], refs: list[list[int]],
-                stop_ids: tuple, num_requests: int, concurrency: int, cancel_fraction: float,
-                seed: int, timeout_s: float = 600.0) -> SoakReport:
+def engine_soak(
+    engine,
+    injector: CancelInjector,
+    prompt_ids: list[list[int]],
+    refs: list[list[int]],
+    stop_ids: tuple,
+    num_requests: int,
+    concurrency: int,
+    cancel_fraction: float,
+    seed: int,
+    timeout_s: float = 600.0,
+) -> SoakReport:
     """Drive `num_requests` through a started engine; see the module docstring."""
     rng = random.Random(seed)
     report = SoakReport(requests=num_requests, max_live_sessions=1 + engine.snapshot()["config"]["backlog_cap"])
@@ -144,8 +162,9 @@ def engine_soak(engine, injector: CancelInjector, prompt_ids: list[list[int]], r
             if target is not None:
                 injector.targets[rid] = target
             lane = rng.choice((Lane.HIGH, Lane.NORMAL, Lane.NORMAL, Lane.LOW))
-            engine.submit(Request(rid, list(prompt_ids[p]),
-                                  SamplingParams(max_tokens, stop_token_ids=stop_ids), lane=lane))
+            engine.submit(
+                Request(rid, list(prompt_ids[p]), SamplingParams(max_tokens, stop_token_ids=stop_ids), lane=lane)
+            )
             live.add(rid)
             if target == "inbox":
                 injector.try_cancel(rid, "inbox")
@@ -168,7 +187,7 @@ def engine_soak(engine, injector: CancelInjector, prompt_ids: list[list[int]], r
             report.errors += 1
         elif reason == "cancelled":
             report.cancelled += 1
-            if streams[rid] != expected[rid][:len(streams[rid])]:
+            if streams[rid] != expected[rid][: len(streams[rid])]:
                 report.mismatched.append(rid)
         else:
             report.completed += 1
@@ -206,9 +225,15 @@ def start_engine(target: str, draft: str, **config):
     holder: dict = {}
 
     def factory():
-        holder["runner"] = CancelInjector(MlxRunner.from_paths(
-            target, drafter_kind="draft_model", drafter_path=draft,
-            max_batch_size=cfg.max_batch_size, prefill_batch_size=cfg.prefill_batch_size))
+        holder["runner"] = CancelInjector(
+            MlxRunner.from_paths(
+                target,
+                drafter_kind="draft_model",
+                drafter_path=draft,
+                max_batch_size=cfg.max_batch_size,
+                prefill_batch_size=cfg.prefill_batch_size,
+            )
+        )
         return holder["runner"]
 
     engine = Engine(factory, cfg)
@@ -218,8 +243,15 @@ def start_engine(target: str, draft: str, **config):
     return engine, injector
 
 
-def run_engine(target: str, draft: str, num_requests: int, concurrency: int,
-               cancel_fraction: float, seed: int, tick_mode: str = "alternate") -> SoakReport:
+def run_engine(
+    target: str,
+    draft: str,
+    num_requests: int,
+    concurrency: int,
+    cancel_fraction: float,
+    seed: int,
+    tick_mode: str = "alternate",
+) -> SoakReport:
     """`tick_mode` alternate (the default here) exercises the seed's ring, whose waiting
     and parked entries are phases of their own (as the seed ran it: rows decode one
     token per step); fused, the ring of classic rows, which verify their own drafts."""
@@ -229,8 +261,9 @@ def run_engine(target: str, draft: str, num_requests: int, concurrency: int,
         prompt_ids = [tok.encode(p) for p in PROMPTS]
         stop_ids = tuple(injector.eos_token_ids)
         refs = references(engine, prompt_ids, stop_ids, MAX_TOKENS[1])
-        return engine_soak(engine, injector, prompt_ids, refs, stop_ids, num_requests,
-                           concurrency, cancel_fraction, seed)
+        return engine_soak(
+            engine, injector, prompt_ids, refs, stop_ids, num_requests, concurrency, cancel_fraction, seed
+        )
     finally:
         engine.stop()
 
@@ -261,8 +294,7 @@ def main(argv=None) -> int:
         report = http_soak(args.http, args.requests, min(args.concurrency, 8), args.seed)
     else:
         target, draft = model_paths(args.model)
-        report = run_engine(target, draft, args.requests, args.concurrency,
-                            args.cancel_fraction, args.seed)
+        report = run_engine(target, draft, args.requests, args.concurrency, args.cancel_fraction, args.seed)
     body = asdict(report)
     body["mismatched"] = len(report.mismatched)
     body["problems"] = report.problems()

@@ -27,8 +27,12 @@ import httpx
 from scheduler.counters import CANCEL_PHASES
 from scripts.soak import SoakReport
 
-HTTP_PROMPTS = ["def parse(text):\n    ", "import os\nimport ", "class Stack:\n    def push(self, item):",
-                "while lo < hi:\n    mid = (lo + hi) // 2"]
+HTTP_PROMPTS = [
+    "def parse(text):\n    ",
+    "import os\nimport ",
+    "class Stack:\n    def push(self, item):",
+    "while lo < hi:\n    mid = (lo + hi) // 2",
+]
 HTTP_MAX_TOKENS = 40
 
 
@@ -45,8 +49,7 @@ def _one(base: str, headers: dict, prompt: str, hang_up_after: int | None, give_
     url = f"{base}/v1/completions"
     if give_up_s is not None:  # a non-streaming client that stops waiting
         try:
-            r = httpx.post(url, json=_body(prompt, False), headers=headers,
-                           timeout=httpx.Timeout(10, read=give_up_s))
+            r = httpx.post(url, json=_body(prompt, False), headers=headers, timeout=httpx.Timeout(10, read=give_up_s))
         except httpx.ReadTimeout:
             return "hung_up", "", None
         if r.status_code == 503:
@@ -78,9 +81,15 @@ def _one(base: str, headers: dict, prompt: str, hang_up_after: int | None, give_
     return "error", "stream ended without [DONE]", None
 
 
-def http_soak(base: str, num_requests: int, concurrency: int, seed: int,
-              headers: dict | None = None, hang_up_fraction: float = 0.5,
-              drain_timeout_s: float = 30.0) -> SoakReport:
+def http_soak(
+    base: str,
+    num_requests: int,
+    concurrency: int,
+    seed: int,
+    headers: dict | None = None,
+    hang_up_fraction: float = 0.5,
+    drain_timeout_s: float = 30.0,
+) -> SoakReport:
     host = urlparse(base).hostname
     if host not in ("127.0.0.1", "localhost", "::1"):
         raise ValueError("the HTTP soak only talks to loopback servers")
@@ -117,11 +126,15 @@ def http_soak(base: str, num_requests: int, concurrency: int, seed: int,
     deadline = time.monotonic() + drain_timeout_s
     while True:  # cancels of the last hang-ups may still be in flight
         state = _state(base, headers)
-        final = {"unfinished": state["unfinished"], "queued": sum(state["queue_depth"].values()),
-                 "classic_rows": state["classic_rows"], "slot_owner": state["slot"]["owner"] is not None,
-                 "backlog": len(state["slot"]["backlog"]),
-                 "live_sessions": state["counters"]["live_sessions"],
-                 "open_streams": state["replica"]["open_streams"]}
+        final = {
+            "unfinished": state["unfinished"],
+            "queued": sum(state["queue_depth"].values()),
+            "classic_rows": state["classic_rows"],
+            "slot_owner": state["slot"]["owner"] is not None,
+            "backlog": len(state["slot"]["backlog"]),
+            "live_sessions": state["counters"]["live_sessions"],
+            "open_streams": state["replica"]["open_streams"],
+        }
         if not any(final.values()) or time.monotonic() > deadline:
             break
         time.sleep(0.1)

@@ -33,6 +33,8 @@ import sys
 import time
 
 import models  # noqa: F401  (fast BLAS before mlx.core)
+
+# isort: split
 import mlx.core as mx
 import numpy as np
 
@@ -67,8 +69,9 @@ def parse_mix(text: str) -> dict[str, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m scripts.train_draft", description=__doc__,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(
+        prog="python -m scripts.train_draft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--target", required=True, help="model directory, .gguf, pypi:PACKAGE/FILE or cached hub id")
     p.add_argument("--out", required=True, help="directory to write the draft into")
     p.add_argument("--overwrite", action="store_true", help="replace a model already in --out")
@@ -77,14 +80,22 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--num-prompts", type=int, default=2048, help="training prompts the target continues")
     g.add_argument("--max-new-tokens", type=int, default=256, help="tokens per continuation, at most")
-    g.add_argument("--mix", type=parse_mix, default=parse_mix("chat:0.5,code_chat:0.25,code:0.25"),
-                   help="prompt kinds and their shares (chat, code_chat, code)")
+    g.add_argument(
+        "--mix",
+        type=parse_mix,
+        default=parse_mix("chat:0.5,code_chat:0.25,code:0.25"),
+        help="prompt kinds and their shares (chat, code_chat, code)",
+    )
     g.add_argument("--sampled-fraction", type=float, default=0.5, help="share continued by sampling, not greedily")
     g.add_argument("--temperature", type=float, default=0.7, help="for the sampled continuations")
     g.add_argument("--code-chars", type=int, default=600, help="characters per code snippet prompt")
     g.add_argument("--gen-batch", type=int, default=128, help="rows the target decodes at once")
-    g.add_argument("--gen-share", type=float, default=0.45,
-                   help="share of --max-minutes generation may take before it stops where it is")
+    g.add_argument(
+        "--gen-share",
+        type=float,
+        default=0.45,
+        help="share of --max-minutes generation may take before it stops where it is",
+    )
     g.add_argument("--topk", type=int, default=8, help="target log-probabilities kept per token (0: none)")
     g = p.add_argument_group("draft shape")
     g.add_argument("--layers", type=int, default=4)
@@ -106,8 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("output and evaluation")
     g.add_argument("--bits", type=int, default=8, choices=(0, 4, 8), help="quantize the draft (0: no)")
     g.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
-    g.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"),
-                   help="dtype of the saved weights (of the scales when quantized)")
+    g.add_argument(
+        "--dtype",
+        default="float16",
+        choices=("float16", "bfloat16", "float32"),
+        help="dtype of the saved weights (of the scales when quantized)",
+    )
     g.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts per kind")
     g.add_argument("--eval-tokens", type=int, default=128, help="target tokens per held-out prompt")
     g.add_argument("--eval-seed", type=int, default=0, help="seed of the held-out prompt sets")
@@ -115,8 +130,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    positive = ("num_prompts", "max_new_tokens", "gen_batch", "steps", "batch_tokens", "eval_prompts",
-                "eval_tokens", "log_every", "code_chars")
+    positive = (
+        "num_prompts",
+        "max_new_tokens",
+        "gen_batch",
+        "steps",
+        "batch_tokens",
+        "eval_prompts",
+        "eval_tokens",
+        "log_every",
+        "code_chars",
+    )
     for name in positive:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
@@ -147,29 +171,46 @@ def make_data(target, args, deadline: float) -> tuple[list[draft_data.Example], 
     eos = sorted(tokenizer.eos_token_ids)
     start, examples, passes = time.monotonic(), [], {}
     share = len(greedy) / max(1, len(greedy) + len(sampled_prompts))
-    for name, group, temp, end in (("greedy", [list(p) for p in greedy], 0.0, start + share * (deadline - start)),
-                                   ("sampled", sampled_prompts, args.temperature, deadline)):
+    for name, group, temp, end in (
+        ("greedy", [list(p) for p in greedy], 0.0, start + share * (deadline - start)),
+        ("sampled", sampled_prompts, args.temperature, deadline),
+    ):
         if not group:
             continue
         mx.random.seed(args.seed + 1)  # the sampled pass draws from a fixed state
         got, passes[name] = draft_data.generate(
-            target.model, group, max_new_tokens=args.max_new_tokens, temperature=temp, eos_ids=eos,
-            topk=args.topk, batch_size=args.gen_batch, deadline=end, label=f"generate ({name})")
+            target.model,
+            group,
+            max_new_tokens=args.max_new_tokens,
+            temperature=temp,
+            eos_ids=eos,
+            topk=args.topk,
+            batch_size=args.gen_batch,
+            deadline=end,
+            label=f"generate ({name})",
+        )
         examples += got
         print(f"generate ({name}): {passes[name]}", flush=True)
     examples = [draft_data.clip(e, args.max_seq) for e in examples]
-    stats = {"prompts_per_kind": counts, "greedy_prompts_distinct": len(greedy),
-             "sampled_prompts": len(sampled_prompts), "passes": passes, "examples": len(examples),
-             "prompt_tokens": sum(len(e.prompt_ids) for e in examples),
-             "completion_tokens": sum(len(e.completion_ids) for e in examples)}
+    stats = {
+        "prompts_per_kind": counts,
+        "greedy_prompts_distinct": len(greedy),
+        "sampled_prompts": len(sampled_prompts),
+        "passes": passes,
+        "examples": len(examples),
+        "prompt_tokens": sum(len(e.prompt_ids) for e in examples),
+        "completion_tokens": sum(len(e.completion_ids) for e in examples),
+    }
     return examples, stats
 
 
 def run(args: argparse.Namespace) -> dict:
+    from pathlib import Path
+
+    from mlx_lm.utils import load_config
+
     from models import dense_weights
     from models.loader import check_same_vocabulary, load_model
-    from mlx_lm.utils import load_config
-    from pathlib import Path
 
     t0 = time.monotonic()
     end = t0 + args.max_minutes * 60
@@ -179,9 +220,15 @@ def run(args: argparse.Namespace) -> dict:
     target = load_model(args.target, "target")
     dense_weights.apply(target.model, target.name, None)  # what the runner serves (fast matmuls)
     target_config = load_config(Path(target.path))
-    config = draft_fit.draft_config(target_config, hidden=args.hidden, layers=args.layers,
-                                    intermediate=args.intermediate, heads=args.heads, kv_heads=args.kv_heads,
-                                    head_dim=args.head_dim)
+    config = draft_fit.draft_config(
+        target_config,
+        hidden=args.hidden,
+        layers=args.layers,
+        intermediate=args.intermediate,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+    )
 
     examples, data_stats = make_data(target, args, t0 + args.gen_share * args.max_minutes * 60)
     if not examples:
@@ -190,9 +237,16 @@ def run(args: argparse.Namespace) -> dict:
     held_out = draft_data.held_out_prompts(target.tokenizer, args.eval_prompts, args.eval_seed, args.code_chars)
     eval_sets = {}
     for kind, group in held_out.items():
-        eval_sets[kind], _ = draft_data.generate(target.model, group, max_new_tokens=args.eval_tokens, temperature=0.0,
-                                                 eos_ids=eos, topk=0, batch_size=args.gen_batch,
-                                                 label=f"held-out {kind}")
+        eval_sets[kind], _ = draft_data.generate(
+            target.model,
+            group,
+            max_new_tokens=args.eval_tokens,
+            temperature=0.0,
+            eos_ids=eos,
+            topk=0,
+            batch_size=args.gen_batch,
+            label=f"held-out {kind}",
+        )
     print(f"held-out continuations written after {time.monotonic() - t0:.0f}s", flush=True)
 
     mx.random.seed(args.seed)
@@ -200,16 +254,31 @@ def run(args: argparse.Namespace) -> dict:
     init = draft_fit.init_from_target(draft, target.model)
     params = draft_fit.num_params(draft)
     embed = draft.model.embed_tokens.weight.size
-    print(f"draft: {args.layers} layers x {args.hidden} hidden, {params:,} parameters "
-          f"({embed / params:.0%} in the tied embedding); {init}", flush=True)
+    print(
+        f"draft: {args.layers} layers x {args.hidden} hidden, {params:,} parameters "
+        f"({embed / params:.0%} in the tied embedding); {init}",
+        flush=True,
+    )
     reserve = max(RESERVE_S, 0.05 * args.max_minutes * 60)
-    training = draft_fit.train(draft, examples, steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr,
-                               warmup=args.warmup, weight_decay=args.weight_decay, kd_weight=args.kd_weight,
-                               topk=args.topk, seed=args.seed, deadline=end - reserve, log_every=args.log_every,
-                               compiled=args.compile)
+    training = draft_fit.train(
+        draft,
+        examples,
+        steps=args.steps,
+        batch_tokens=args.batch_tokens,
+        lr=args.lr,
+        warmup=args.warmup,
+        weight_decay=args.weight_decay,
+        kd_weight=args.kd_weight,
+        topk=args.topk,
+        seed=args.seed,
+        deadline=end - reserve,
+        log_every=args.log_every,
+        compiled=args.compile,
+    )
 
-    files = draft_fit.save(draft, config, args.out, target.path, dtype=args.dtype, bits=args.bits,
-                           group_size=args.group_size)
+    files = draft_fit.save(
+        draft, config, args.out, target.path, dtype=args.dtype, bits=args.bits, group_size=args.group_size
+    )
     saved = load_model(args.out, "draft")
     check_same_vocabulary(target, saved)
     dense_weights.apply(saved.model, saved.name, None)
@@ -220,26 +289,56 @@ def run(args: argparse.Namespace) -> dict:
     target_s, draft_s = draft_eval.step_seconds(target.model, probe), draft_eval.step_seconds(saved.model, probe)
     record = {
         "command": shlex.join([sys.executable, "-m", "scripts.train_draft", *sys.argv[1:]])
-        if args.argv is None else shlex.join(["python", "-m", "scripts.train_draft", *args.argv]),
+        if args.argv is None
+        else shlex.join(["python", "-m", "scripts.train_draft", *args.argv]),
         "args": {k: v for k, v in vars(args).items() if k != "argv"},
         "seed": args.seed,
         "device": str(mx.default_device()),
-        "versions": {"python": platform.python_version(), "mlx": mx.__version__, "mlx_lm": _version("mlx-lm"),
-                     "numpy": np.__version__},
-        "target": {"source": args.target, "path": target.path, "fingerprint": target.fingerprint,
-                   "model_type": target_config.get("model_type"), "layers": target_config.get("num_hidden_layers"),
-                   "hidden": target_config.get("hidden_size"), "vocab_size": target_config.get("vocab_size")},
-        "draft": {"fingerprint": saved.fingerprint, "parameters": params, "embedding_parameters": embed,
-                  "init": init, "config": {k: config[k] for k in ("num_hidden_layers", "hidden_size",
-                                                                   "intermediate_size", "num_attention_heads",
-                                                                   "num_key_value_heads", "head_dim")},
-                  **files},
+        "versions": {
+            "python": platform.python_version(),
+            "mlx": mx.__version__,
+            "mlx_lm": _version("mlx-lm"),
+            "numpy": np.__version__,
+        },
+        "target": {
+            "source": args.target,
+            "path": target.path,
+            "fingerprint": target.fingerprint,
+            "model_type": target_config.get("model_type"),
+            "layers": target_config.get("num_hidden_layers"),
+            "hidden": target_config.get("hidden_size"),
+            "vocab_size": target_config.get("vocab_size"),
+        },
+        "draft": {
+            "fingerprint": saved.fingerprint,
+            "parameters": params,
+            "embedding_parameters": embed,
+            "init": init,
+            "config": {
+                k: config[k]
+                for k in (
+                    "num_hidden_layers",
+                    "hidden_size",
+                    "intermediate_size",
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                    "head_dim",
+                )
+            },
+            **files,
+        },
         "data": data_stats,
-        "training": {**training, "loss_first": training["loss_curve"][0]["loss"] if training["loss_curve"] else None,
-                     "loss_last": training["loss_curve"][-1]["loss"] if training["loss_curve"] else None},
+        "training": {
+            **training,
+            "loss_first": training["loss_curve"][0]["loss"] if training["loss_curve"] else None,
+            "loss_last": training["loss_curve"][-1]["loss"] if training["loss_curve"] else None,
+        },
         "held_out_acceptance": evaluation,
-        "decode_step_ms": {"target": round(target_s * 1e3, 3), "draft": round(draft_s * 1e3, 3),
-                           "draft_over_target": round(draft_s / target_s, 3)},
+        "decode_step_ms": {
+            "target": round(target_s * 1e3, 3),
+            "draft": round(draft_s * 1e3, 3),
+            "draft_over_target": round(draft_s / target_s, 3),
+        },
         "seconds": round(time.monotonic() - t0, 1),
     }
     with open(os.path.join(args.out, "provenance.json"), "w") as f:
@@ -265,9 +364,17 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelLoadError, ValueError, OSError) as exc:
         print(f"train_draft: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps({"held_out_acceptance": record["held_out_acceptance"],
-                      "decode_step_ms": record["decode_step_ms"],
-                      "weight_file_bytes": record["draft"]["weight_file_bytes"]}, indent=2), flush=True)
+    print(
+        json.dumps(
+            {
+                "held_out_acceptance": record["held_out_acceptance"],
+                "decode_step_ms": record["decode_step_ms"],
+                "weight_file_bytes": record["draft"]["weight_file_bytes"],
+            },
+            indent=2,
+        ),
+        flush=True,
+    )
     print(f"draft written to {args.out} in {record['seconds']:.0f}s", flush=True)
     return 0
 

@@ -56,8 +56,12 @@ def build_engine(args: ServeArgs):
 
         device_memory.set_share(args.actor_num_gpus)  # a fraction of a GPU sizes its caches from it
         runner = MlxRunner.from_paths(args.model, **args.runner_args())
-        logger.info("loaded in %.1f s (device %s, %s batch)", time.perf_counter() - tic, hardware_name(),
-                    "slab" if runner.fuse_blocker is None else "BatchGenerator")
+        logger.info(
+            "loaded in %.1f s (device %s, %s batch)",
+            time.perf_counter() - tic,
+            hardware_name(),
+            "slab" if runner.fuse_blocker is None else "BatchGenerator",
+        )
         info["max_context"] = runner.max_context
         info["eos_token_ids"] = sorted(runner.eos_token_ids)
         # For the ready line and /health: why the slot is off, and why the fused tick is.
@@ -92,8 +96,9 @@ def set_process_nice(nice: int) -> int:
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
                 changed += 1
         except PermissionError:
-            logger.warning("scheduler_nice %d: not permitted (niceness stays %d)", nice,
-                           os.getpriority(os.PRIO_PROCESS, tid))
+            logger.warning(
+                "scheduler_nice %d: not permitted (niceness stays %d)", nice, os.getpriority(os.PRIO_PROCESS, tid)
+            )
             break
         except ProcessLookupError:  # the thread ended meanwhile
             continue
@@ -171,13 +176,16 @@ class ActorSource:
         # Named (per incarnation, so a re-creation never races the dead one's name) so
         # operators and tests can find a replica's scheduler: `ray.get_actor(name, "specslot")`.
         self._num_created += 1
-        self.actor_name = (f"{self._name_prefix}-{self._num_created}"
-                           if self._name_prefix else None)
+        self.actor_name = f"{self._name_prefix}-{self._num_created}" if self._name_prefix else None
         # num_cpus=0: the engine thread is the real CPU user and the replica is idle
         # glue; reserving cores here would make small machines unschedulable.
         return cls.options(
-            num_cpus=0, num_gpus=self._num_gpus, max_concurrency=ACTOR_MAX_CONCURRENCY,
-            max_restarts=0, name=self.actor_name, namespace=ACTOR_NAMESPACE if self.actor_name else None,
+            num_cpus=0,
+            num_gpus=self._num_gpus,
+            max_concurrency=ACTOR_MAX_CONCURRENCY,
+            max_restarts=0,
+            name=self.actor_name,
+            namespace=ACTOR_NAMESPACE if self.actor_name else None,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         ).remote(self._args.model_dump(mode="json"))
 
@@ -197,8 +205,11 @@ class ActorSource:
 
         try:
             return await method.remote(*args)
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError,
-                ray.exceptions.ActorUnavailableError) as err:
+        except (
+            ray.exceptions.RayActorError,
+            ray.exceptions.ActorDiedError,
+            ray.exceptions.ActorUnavailableError,
+        ) as err:
             raise SchedulerLost(str(err)) from None
         except ray.exceptions.RayTaskError as err:
             if isinstance(err.cause, QueueFull):  # the replica answers it; no remote traceback

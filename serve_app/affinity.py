@@ -59,8 +59,7 @@ def place_key(key: str, pin_counts: Mapping[str, int], queue_lens: Mapping[str, 
     >>> place_key("k", {"a": 3, "b": 2}, {"a": 0, "b": 5})
     'b'
     """
-    return min(queue_lens, key=lambda rid: (pin_counts.get(rid, 0), queue_lens[rid],
-                                            -rendezvous_score(key, rid), rid))
+    return min(queue_lens, key=lambda rid: (pin_counts.get(rid, 0), queue_lens[rid], -rendezvous_score(key, rid), rid))
 
 
 def home_replica(pin: Pin | None, served_at: Mapping[str, float], candidates: Container[str]) -> str | None:
@@ -84,8 +83,13 @@ def home_replica(pin: Pin | None, served_at: Mapping[str, float], candidates: Co
     return latest
 
 
-def choose_replica(key: str | None, queue_lens: Mapping[str, int], load_margin: int,
-                   pinned: str | None = None, pin_counts: Mapping[str, int] | None = None) -> str:
+def choose_replica(
+    key: str | None,
+    queue_lens: Mapping[str, int],
+    load_margin: int,
+    pinned: str | None = None,
+    pin_counts: Mapping[str, int] | None = None,
+) -> str:
     """The replica for one request, given every candidate's queue length, the replica
     `key` is pinned to (None: not pinned, or pinned to a replica that is gone) and how
     many keys each replica holds pinned.
@@ -106,8 +110,13 @@ def choose_replica(key: str | None, queue_lens: Mapping[str, int], load_margin: 
     return home
 
 
-def rank_replicas(key: str | None, queue_lens: Mapping[str, int], load_margin: int,
-                  pinned: str | None = None, pin_counts: Mapping[str, int] | None = None) -> list[str]:
+def rank_replicas(
+    key: str | None,
+    queue_lens: Mapping[str, int],
+    load_margin: int,
+    pinned: str | None = None,
+    pin_counts: Mapping[str, int] | None = None,
+) -> list[str]:
     """Every candidate, best first: `choose_replica`'s choice, then the rest by queue
     length (what the router tries when the first refuses the request)."""
     first = choose_replica(key, queue_lens, load_margin, pinned, pin_counts)

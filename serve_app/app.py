@@ -6,7 +6,8 @@ Hugging Face cache) before anything starts. Each replica owns exactly one schedu
 (`serve_app.actor`), tokenizes on its own side, and serves the Starlette app from
 `serve_app.http`. The replica loads in the background, so
 `/health` answers 503 (model loading) at once and 200 when ready, while /v1 requests
-wait for the load; a failed load is reported by `/health` and the health check. `user_config` may carry the live knobs of
+wait for the load; a failed load is reported by `/health` and the health check. `user_config` may carry the
+live knobs of
 `LiveConfig`. With `affinity_routing`, each replica records the session ids it serves and
 reports them to every router as Serve routing stats (`serve_app.served_keys`).
 """
@@ -19,17 +20,16 @@ import os
 import time
 from pathlib import Path
 
-import models  # noqa: F401  (fast BLAS before anything imports mlx)
 from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+import models  # noqa: F401  (fast BLAS before anything imports mlx)
 from serve_app.actor import ActorSource
 from serve_app.client import EngineClient
 from serve_app.codec import TextCodec
-from serve_app.config import (ConfigError, LiveConfig, ServeArgs, format_validation_error,
-                              read_chat_template)
+from serve_app.config import ConfigError, LiveConfig, ServeArgs, format_validation_error, read_chat_template
 from serve_app.http import OpenAIService
 from serve_app.ingress import SpecslotIngress, run_asgi
 from serve_app.ready import last_error_line
@@ -74,8 +74,9 @@ class SpecslotReplica:
     async def __init__(self, args: dict) -> None:
         self.args = validate_args(args)
         identity = _identity()
-        source = ActorSource(self.args, num_gpus=self.args.actor_num_gpus,
-                             name_prefix=f"scheduler-{identity['replica_id']}")
+        source = ActorSource(
+            self.args, num_gpus=self.args.actor_num_gpus, name_prefix=f"scheduler-{identity['replica_id']}"
+        )
         self.client = EngineClient(source)
         self.service = OpenAIService(self.client, None, self.args, identity=identity)
         self._forwarded_app = None
@@ -161,8 +162,11 @@ async def load_replica(service: OpenAIService) -> None:
 def _identity() -> dict:
     import ray
 
-    return {"replica_id": serve.get_replica_context().replica_id.unique_id,
-            "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+    return {
+        "replica_id": serve.get_replica_context().replica_id.unique_id,
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "pid": os.getpid(),
+    }
 
 
 def build_app(args: dict) -> Application:
@@ -189,6 +193,8 @@ def affinity_router_config(args: ServeArgs) -> RequestRouterConfig:
     """Serve's request router for `affinity_routing` (by path: the proxy imports it)."""
     from serve_app.router import ROUTER_PATH
 
-    return RequestRouterConfig(request_router_class=ROUTER_PATH,
-                               request_router_kwargs={"load_margin": args.affinity_load_margin},
-                               request_routing_stats_period_s=args.affinity_stats_period_s)
+    return RequestRouterConfig(
+        request_router_class=ROUTER_PATH,
+        request_router_kwargs={"load_margin": args.affinity_load_margin},
+        request_routing_stats_period_s=args.affinity_stats_period_s,
+    )

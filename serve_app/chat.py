@@ -6,9 +6,10 @@ A history may hold what agents replay: `tool` messages answering a call
 checks what pydantic cannot (which role may carry what) and returns plain dicts in the
 shape templates expect:
 
->>> template_messages([ChatMessage(role="assistant", tool_calls=[ToolCall(id="c1",
-...     function=FunctionCall(name="f", arguments='{"x": 1}'))])])
-[{'role': 'assistant', 'tool_calls': [{'id': 'c1', 'type': 'function', 'function': {'name': 'f', 'arguments': {'x': 1}}}]}]
+>>> [call] = template_messages([ChatMessage(role="assistant", tool_calls=[ToolCall(id="c1",
+...     function=FunctionCall(name="f", arguments='{"x": 1}'))])])[0]["tool_calls"]
+>>> call
+{'id': 'c1', 'type': 'function', 'function': {'name': 'f', 'arguments': {'x': 1}}}
 
 Many templates (SmolLM2's, plain ChatML ones) never render `tool_calls` and read
 `content` on every message; for those, `calls_as_content` writes the calls into the
@@ -77,8 +78,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
         if m.role == "tool" and m.tool_call_id is None:
             _reject(f"{where}.tool_call_id", "required for tool messages")
         if m.content is None and not (m.role == "assistant" and m.tool_calls):
-            _reject(f"{where}.content", "required (null only for an assistant message with "
-                    "tool_calls)")
+            _reject(f"{where}.content", "required (null only for an assistant message with tool_calls)")
         message = {"role": "system" if m.role == "developer" else m.role}
         if m.content is not None:
             message["content"] = _content_text(m.content, f"{where}.content")
@@ -101,8 +101,7 @@ def calls_as_content(messages: list[dict], write: Callable[[list[tuple[str, Any]
     out = []
     for message in messages:
         if message.get("tool_calls"):
-            calls = write([(c["function"]["name"], c["function"]["arguments"])
-                           for c in message["tool_calls"]])
+            calls = write([(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]])
             text = message.get("content") or ""
             message = {k: v for k, v in message.items() if k != "tool_calls"}
             message["content"] = f"{text}\n{calls}" if text else calls
@@ -116,9 +115,12 @@ def _content_text(content: str | list[ContentPart], where: str) -> str:
     texts = []
     for j, part in enumerate(content):
         if part.type != "text":
-            raise APIError(400, f"{where}[{j}]: content parts of type '{part.type[:64]}' are "
-                           "not supported; only 'text'", param=f"{where}[{j}]",
-                           code="unsupported_value")
+            raise APIError(
+                400,
+                f"{where}[{j}]: content parts of type '{part.type[:64]}' are not supported; only 'text'",
+                param=f"{where}[{j}]",
+                code="unsupported_value",
+            )
         if part.text is None:
             _reject(f"{where}[{j}].text", "required for a text part")
         texts.append(part.text)
@@ -132,8 +134,7 @@ def _tool_call(call: ToolCall) -> dict:
         arguments = None
     if not isinstance(arguments, dict):
         arguments = call.function.arguments
-    return {"id": call.id, "type": call.type,
-            "function": {"name": call.function.name, "arguments": arguments}}
+    return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
 
 
 def _reject(param: str, reason: str) -> None:

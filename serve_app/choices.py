@@ -60,8 +60,9 @@ async def sse_body(fmt: ResponseFormat, streams: list, include_usage: bool):
                 released = None
             if finish_reason is not None:
                 if fmt.holds_back_stream:
-                    ending = fmt.final_chunks("".join(held.pop(i, [])), finish_reason, i,
-                                              held_entries.pop(i, None) if fmt.logprobs else None)
+                    ending = fmt.final_chunks(
+                        "".join(held.pop(i, [])), finish_reason, i, held_entries.pop(i, None) if fmt.logprobs else None
+                    )
                 else:
                     ending = [fmt.chunk(None, finish_reason, index=i, entries=released or None)]
                 for chunk in ending:

@@ -65,14 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     _log_to_stderr()
 
     import ray
-    from ray import serve
     from ray.serve.scripts import cli
 
     if not ray.is_initialized():
         # "local" always starts a fresh instance: with no address, ray.init joins the
         # cluster recorded under /tmp/ray, which may be another user's or a dead one.
-        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", namespace="serve",
-                 include_dashboard=False)
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", namespace="serve", include_dashboard=False)
     # After ray.init, which installs its own SIGTERM handler (a bare sys.exit).
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
@@ -130,8 +128,7 @@ def _bounded(fn, timeout_s: float, give_up=lambda: False) -> bool:
     while worker.is_alive() and time.monotonic() < deadline and not give_up():
         worker.join(0.2)
     if worker.is_alive():
-        print(f"specslot: {fn.__module__}.{fn.__name__} did not return; Ray is going away",
-              file=sys.stderr, flush=True)
+        print(f"specslot: {fn.__module__}.{fn.__name__} did not return; Ray is going away", file=sys.stderr, flush=True)
     return not worker.is_alive()
 
 
@@ -142,6 +139,7 @@ def _log_to_stderr() -> None:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False  # Ray may configure the root logger too; print once
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -52,9 +52,13 @@ class IncrementalDecoder:
     spelled out (a tool call's markers).
     """
 
-    def __init__(self, tokenizer, skip_ids: frozenset[int] = frozenset(),
-                 kept_ids: dict[int, str] | None = None,
-                 token_bytes: Callable[[int], bytes | None] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        skip_ids: frozenset[int] = frozenset(),
+        kept_ids: dict[int, str] | None = None,
+        token_bytes: Callable[[int], bytes | None] | None = None,
+    ) -> None:
         self._tok = tokenizer
         self._skip_ids = skip_ids
         self._kept_ids = dict(kept_ids or {})
@@ -74,17 +78,17 @@ class IncrementalDecoder:
     def _delta(self, final: bool) -> str:
         if self._read == len(self._ids):
             return ""
-        prefix_text = self._decode(self._ids[self._prefix:self._read])
-        new_text = self._decode(self._ids[self._prefix:])
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        new_text = self._decode(self._ids[self._prefix :])
         if not final and new_text.endswith("\ufffd") and self._incomplete():
             return ""
-        delta = new_text[len(prefix_text):]
+        delta = new_text[len(prefix_text) :]
         self._prefix, self._read = self._read, len(self._ids)
         return delta
 
     def _incomplete(self) -> bool:
         """Whether the unread tokens end inside a character that later tokens can complete."""
-        pending = self._ids[self._read:]
+        pending = self._ids[self._read :]
         if len(pending) >= MAX_HELD_TOKENS:
             return False
         raw = [self._bytes(t) for t in pending]
@@ -129,10 +133,12 @@ class TextCodec:
         self._calls_as_text = self._template_text is not None and "tool_calls" not in self._template_text
 
     @classmethod
-    def from_path(cls, model_path: str, chat_template: str | None = None,
-                  tool_call_format: str = "auto") -> "TextCodec":
-        import models  # noqa: F401  (fast BLAS before anything imports mlx)
+    def from_path(
+        cls, model_path: str, chat_template: str | None = None, tool_call_format: str = "auto"
+    ) -> "TextCodec":
         from mlx_lm.tokenizer_utils import load
+
+        import models  # noqa: F401  (fast BLAS before anything imports mlx)
 
         return cls(load(Path(model_path)), chat_template, tool_call_format)
 
@@ -149,8 +155,9 @@ class TextCodec:
         added = getattr(self._tok, "added_tokens_decoder", None) or {}
         special = {token_id for token_id, token in added.items() if getattr(token, "special", False)}
         markers = ToolFormat(name).markers
-        return ToolFormat(name, marker_special_ids(
-            markers, lambda text: self._tok.encode(text, add_special_tokens=False), special))
+        return ToolFormat(
+            name, marker_special_ids(markers, lambda text: self._tok.encode(text, add_special_tokens=False), special)
+        )
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text))
@@ -162,8 +169,9 @@ class TextCodec:
         own = getattr(self._tok, "has_chat_template", None)  # mlx-lm's wrapper: Python renderers too
         return bool(own if own is not None else getattr(self._tok, "chat_template", None))
 
-    def encode_chat(self, messages: list[dict], template_kwargs: dict | None = None,
-                    tools: list[dict] | None = None) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict], template_kwargs: dict | None = None, tools: list[dict] | None = None
+    ) -> list[int]:
         """Token ids of `messages` rendered with a generation prompt; `template_kwargs`
         become template variables (e.g. `enable_thinking`); `tools` (OpenAI function
         tools) are the template's `tools`, for templates that render them. A template
@@ -176,9 +184,13 @@ class TextCodec:
         `chat_template_invalid` when the template itself does not parse.
         """
         if not self.has_chat_template:
-            raise APIError(400, "this model has no chat template; use the completions "
-                           "endpoint, or set chat_template in the deployment's args",
-                           param="messages", code="no_chat_template")
+            raise APIError(
+                400,
+                "this model has no chat template; use the completions "
+                "endpoint, or set chat_template in the deployment's args",
+                param="messages",
+                code="no_chat_template",
+            )
         if self._calls_as_text:
             messages = calls_as_content(messages, self.tool_format.text)
         kwargs = dict(template_kwargs or {})
@@ -187,18 +199,21 @@ class TextCodec:
         if tools:
             kwargs["tools"] = tools
         try:
-            ids = self._tok.apply_chat_template(messages, add_generation_prompt=True,
-                                                tokenize=True, **kwargs)
+            ids = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
         except TemplateSyntaxError as exc:
-            raise APIError(500, f"the chat template does not parse: {_short(exc)}", "server_error",
-                           code="chat_template_invalid") from None
+            raise APIError(
+                500, f"the chat template does not parse: {_short(exc)}", "server_error", code="chat_template_invalid"
+            ) from None
         except TemplateError as exc:
-            raise APIError(400, f"chat template: {_short(exc)}", param="messages",
-                           code="chat_template_error") from None
+            raise APIError(400, f"chat template: {_short(exc)}", param="messages", code="chat_template_error") from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
             # Python errors inside the template: these messages do not fit what it expects.
-            raise APIError(400, f"the chat template cannot render these messages: {_short(exc)}",
-                           param="messages", code="chat_template_error") from None
+            raise APIError(
+                400,
+                f"the chat template cannot render these messages: {_short(exc)}",
+                param="messages",
+                code="chat_template_error",
+            ) from None
         return list(ids)
 
     def decoder(self, skip_ids=(), kept_ids: dict[int, str] | None = None) -> IncrementalDecoder:

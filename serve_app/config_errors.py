@@ -12,8 +12,7 @@ class ConfigError(ValueError):
     """Deployment args or user_config failed validation (message lists every problem)."""
 
 
-def format_validation_error(err: ValidationError, prefix: str = "args",
-                            schema: type[BaseModel] | None = None) -> str:
+def format_validation_error(err: ValidationError, prefix: str = "args", schema: type[BaseModel] | None = None) -> str:
     """One line per problem, `args.field: message`, for operators reading a failed deploy.
 
     With `schema` (the model validated), an unknown key names its closest known

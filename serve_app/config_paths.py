@@ -26,8 +26,7 @@ def read_chat_template(value: str | None, cwd: Path | None = None) -> str | None
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ConfigError(f"invalid specslot config:\n  args.chat_template: cannot read "
-                          f"{path!r}: {reason}") from None
+        raise ConfigError(f"invalid specslot config:\n  args.chat_template: cannot read {path!r}: {reason}") from None
     if not text.strip():
         raise ConfigError(f"invalid specslot config:\n  args.chat_template: {path!r} is empty")
     return text

@@ -14,9 +14,15 @@ logger = logging.getLogger("serve_app.http")
 class APIError(Exception):
     """A client-visible error: HTTP status plus the OpenAI `error` object."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -26,8 +32,7 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type,
-                          "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 async def _api_error(request: HTTPRequest, exc: APIError) -> Response:
@@ -49,5 +54,4 @@ async def _internal(request: HTTPRequest, exc: Exception) -> Response:
     return JSONResponse(err.body(), status_code=500)
 
 
-EXCEPTION_HANDLERS = {APIError: _api_error, 404: _not_found, 405: _method_not_allowed,
-                      Exception: _internal}
+EXCEPTION_HANDLERS = {APIError: _api_error, 404: _not_found, 405: _method_not_allowed, Exception: _internal}

@@ -50,8 +50,9 @@ class EventRouter:
 def merged(first: TokenEvent, later: TokenEvent) -> TokenEvent:
     """One event for two consecutive events of a request (`first` does not finish it):
     both events' tokens and logprobs, and `later`'s finish with what comes with it."""
-    logprobs = None if first.logprobs is None and later.logprobs is None else \
-        (first.logprobs or []) + (later.logprobs or [])
+    logprobs = (
+        None if first.logprobs is None and later.logprobs is None else (first.logprobs or []) + (later.logprobs or [])
+    )
     return dataclasses.replace(later, token_ids=first.token_ids + later.token_ids, logprobs=logprobs)
 
 

@@ -53,8 +53,14 @@ TOKENIZE_OFF_LOOP_BYTES = 16 * 1024
 
 
 class OpenAIService:
-    def __init__(self, client: EngineClient, codec: TextCodec | None, args: ServeArgs,
-                 metrics: ReplicaMetrics | None = None, identity: dict | None = None) -> None:
+    def __init__(
+        self,
+        client: EngineClient,
+        codec: TextCodec | None,
+        args: ServeArgs,
+        metrics: ReplicaMetrics | None = None,
+        identity: dict | None = None,
+    ) -> None:
         """`codec` None: still loading; call `mark_ready(codec)` once `client` is started."""
         self.client = client
         self.identity = dict(identity or {})  # e.g. replica and node ids, for operators
@@ -93,8 +99,9 @@ class OpenAIService:
         if self.load_error is not None:
             raise APIError(503, self.load_error, "server_error", code="model_load_failed")
         if self.codec is None:
-            raise APIError(503, "the model is loading; retry later", "server_error",
-                           code="model_loading", headers=self._retry())
+            raise APIError(
+                503, "the model is loading; retry later", "server_error", code="model_loading", headers=self._retry()
+            )
 
     async def _wait_loaded(self) -> None:
         await self._load_ended.wait()
@@ -116,15 +123,21 @@ class OpenAIService:
     async def health(self, request: HTTPRequest) -> Response:
         self._check_loaded()
         if not self.client.healthy:
-            raise APIError(503, "the scheduler is restarting; retry later", "server_error",
-                           code="scheduler_unavailable", headers=self._retry())
+            raise APIError(
+                503,
+                "the scheduler is restarting; retry later",
+                "server_error",
+                code="scheduler_unavailable",
+                headers=self._retry(),
+            )
         return JSONResponse(health_body(self.args, self.client.info))
 
     async def prometheus(self, request: HTTPRequest) -> Response:
         snapshot = await self._snapshot_or_none()
         # The header names the replica that answered: through Serve's proxy, one of them.
-        return Response(self.metrics.render(snapshot), media_type="text/plain; version=0.0.4",
-                        headers=self._id_header())
+        return Response(
+            self.metrics.render(snapshot), media_type="text/plain; version=0.0.4", headers=self._id_header()
+        )
 
     async def models(self, request: HTTPRequest) -> Response:
         request_inputs.lane_cap(self.args, request)
@@ -136,8 +149,12 @@ class OpenAIService:
         await self._wait_loaded()
         model_id = request.path_params["model_id"]
         if model_id != self.args.model_name:
-            raise APIError(404, f"model '{model_id[:64]}' is not served here; "
-                           f"use '{self.args.model_name}'", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"model '{model_id[:64]}' is not served here; use '{self.args.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
         return JSONResponse(self._model_card())
 
     def _model_card(self) -> dict:
@@ -150,12 +167,15 @@ class OpenAIService:
         if snapshot is None:
             raise APIError(503, "scheduler unavailable", "server_error", headers=self._retry())
         snapshot = dict(snapshot)
-        snapshot["replica"] = {**self.identity, "open_streams": self.client.num_open_streams,
-                               "events_merged": self.client.num_events_merged,
-                               "scheduler_restarts": self.client.num_restarts,
-                               "scheduler_node_id": self.client.info.get("node_id"),
-                               "scheduler_actor": self.client.info.get("actor_name"),
-                               "scheduler_pid": self.client.info.get("pid")}
+        snapshot["replica"] = {
+            **self.identity,
+            "open_streams": self.client.num_open_streams,
+            "events_merged": self.client.num_events_merged,
+            "scheduler_restarts": self.client.num_restarts,
+            "scheduler_node_id": self.client.info.get("node_id"),
+            "scheduler_actor": self.client.info.get("actor_name"),
+            "scheduler_pid": self.client.info.get("pid"),
+        }
         return JSONResponse(snapshot)
 
     async def _snapshot_or_none(self) -> dict | None:
@@ -181,8 +201,12 @@ class OpenAIService:
         body = await request_inputs.read_body(http, self.args.max_body_bytes)
         spec = parse_generation(decode_json(body), chat, self.codec.tool_format)
         if spec.model is not None and spec.model != self.args.model_name:
-            raise APIError(400, f"model '{spec.model[:64]}' is not served here; "
-                           f"use '{self.args.model_name}'", param="model", code="model_not_found")
+            raise APIError(
+                400,
+                f"model '{spec.model[:64]}' is not served here; use '{self.args.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
         info = self.client.info
         prompt_ids = await self._prompt_ids(spec, len(body))
         max_tokens = request_inputs.max_tokens(spec, len(prompt_ids), info.get("max_context"), self.args)
@@ -191,26 +215,32 @@ class OpenAIService:
         request_id = prefix + uuid.uuid4().hex
         # n choices are n engine requests; a seeded request's choices get seed, seed + 1, ...
         eos_ids = info.get("eos_token_ids") or ()
-        requests = [Request(request_id if spec.n == 1 else f"{request_id}-{i}", prompt_ids,
-                            request_inputs.sampling(spec, max_tokens, i, self.sampling_defaults,
-                                                    self.codec.vocab_size, eos_ids),
-                            lane=lane) for i in range(spec.n)]
+        requests = [
+            Request(
+                request_id if spec.n == 1 else f"{request_id}-{i}",
+                prompt_ids,
+                request_inputs.sampling(spec, max_tokens, i, self.sampling_defaults, self.codec.vocab_size, eos_ids),
+                lane=lane,
+            )
+            for i in range(spec.n)
+        ]
         streams = []
         for request in requests:
             try:
                 events = await self.client.submit(request)
             except Exception as exc:
-                for submitted in requests[:len(streams)]:
+                for submitted in requests[: len(streams)]:
                     self._spawn(self._abandon(submitted.request_id, lane.name.lower()))
                 raise self._submit_error(request.request_id, exc) from None
             streams.append(self._pieces(request, events, spec, len(prompt_ids), StreamTimes(arrival=arrival)))
-        logprobs = None if spec.logprobs is None else LogprobFormat(self.codec.token_text, chat,
-                                                                     self.codec.token_bytes)
+        logprobs = None if spec.logprobs is None else LogprobFormat(self.codec.token_text, chat, self.codec.token_bytes)
         fmt = ResponseFormat(request_id, self.args.model_name, chat, spec.output, logprobs)
         if spec.stream:
-            return StreamingResponse(self._sse(fmt, streams, requests, spec.include_usage),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", **self._id_header()})
+            return StreamingResponse(
+                self._sse(fmt, streams, requests, spec.include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", **self._id_header()},
+            )
         response = await self._collect(fmt, streams, requests)
         response.headers.update(self._id_header())
         return response
@@ -226,17 +256,24 @@ class OpenAIService:
         if self._tokenizer_thread is None:
             self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specslot-tokenizer")
         return await asyncio.get_running_loop().run_in_executor(
-            self._tokenizer_thread, request_inputs.prompt_ids, spec, self.codec)
+            self._tokenizer_thread, request_inputs.prompt_ids, spec, self.codec
+        )
 
     def _submit_error(self, request_id: str, exc: Exception) -> APIError:
         self.metrics.rejected.labels("503").inc()
         if isinstance(exc, QueueFull):
-            return APIError(503, "the server is at capacity; retry later", "server_error",
-                            code="queue_full", headers=self._retry())
+            return APIError(
+                503, "the server is at capacity; retry later", "server_error", code="queue_full", headers=self._retry()
+            )
         # scheduler dead or restarting: the replica recovers it
         logger.warning("submitting %s failed", request_id, exc_info=exc)
-        return APIError(503, "the scheduler is restarting; retry later", "server_error",
-                        code="scheduler_unavailable", headers=self._retry())
+        return APIError(
+            503,
+            "the scheduler is restarting; retry later",
+            "server_error",
+            code="scheduler_unavailable",
+            headers=self._retry(),
+        )
 
     def _id_header(self) -> dict[str, str]:
         replica = self.identity.get("replica_id")
@@ -272,16 +309,16 @@ class OpenAIService:
                 self._spawn(self._abandon(request.request_id, request.lane.name.lower()))
         self._started.difference_update(r.request_id for r in requests)
 
-    async def _pieces(self, request: Request, events, spec: GenerationSpec, num_prompt: int,
-                      times: StreamTimes):
+    async def _pieces(self, request: Request, events, spec: GenerationSpec, num_prompt: int, times: StreamTimes):
         """(text, finish_reason, usage, error, logprob entries) tuples of one request
         (entries: those of the tokens whose text this piece begins, or on the final
         piece every billed token's not given yet; None without logprobs); cancels the
         request if abandoned."""
         rid, lane = request.request_id, request.lane.name.lower()
         self._started.add(rid)
-        decoder = self.codec.decoder(skip_ids=self.client.info.get("eos_token_ids") or (),
-                                     kept_ids=spec.output.kept_ids)
+        decoder = self.codec.decoder(
+            skip_ids=self.client.info.get("eos_token_ids") or (), kept_ids=spec.output.kept_ids
+        )
         trail = None if spec.logprobs is None else LogprobTrail()
         completion = CompletionText(decoder, spec.stop, per_token=trail is not None)
         done = False
@@ -311,8 +348,9 @@ class OpenAIService:
                 done = True
                 stats = None if final is None else final.stats
                 cached = 0 if final is None else final.num_cached_tokens
-                self.metrics.record_finish(lane, finish, times, time.monotonic(), stats,
-                                           None if final is None else final.times)
+                self.metrics.record_finish(
+                    lane, finish, times, time.monotonic(), stats, None if final is None else final.times
+                )
                 released = None if trail is None else trail.release(completion.starts, 0, completion.num_billed)
                 yield text, finish, Usage(num_prompt, completion.num_billed, stats, cached), error, released
                 return

@@ -35,8 +35,19 @@ logger = logging.getLogger("ray.serve")
 
 INGRESS_NAME = "SpecslotIngress"
 APP_EXIT_GRACE_S = 2.0  # after a disconnect, the app's time to cancel its request
-SCOPE_KEYS = ("type", "http_version", "method", "scheme", "path", "raw_path", "root_path",
-              "query_string", "headers", "client", "server")
+SCOPE_KEYS = (
+    "type",
+    "http_version",
+    "method",
+    "scheme",
+    "path",
+    "raw_path",
+    "root_path",
+    "query_string",
+    "headers",
+    "client",
+    "server",
+)
 
 
 def session_header_name() -> str:
@@ -52,7 +63,7 @@ def request_key(scope: dict, body: bytes, session_header: str) -> str | None:
     path = scope.get("path", "")
     root = scope.get("root_path", "")
     if root and path.startswith(root):
-        path = path[len(root):]
+        path = path[len(root) :]
     return prompt_affinity_key(path, body)
 
 
@@ -65,7 +76,7 @@ async def read_body(receive, limit: int) -> bytes:
             raise ConnectionAbortedError
         chunk = message.get("body", b"")
         if size <= limit:
-            chunks.append(chunk[:limit + 1 - size])
+            chunks.append(chunk[: limit + 1 - size])
             size += len(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
@@ -115,13 +126,15 @@ class Forwarder:
                 responses.cancel()
 
 
-@serve.deployment(name=INGRESS_NAME, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0},
-                  graceful_shutdown_timeout_s=5)
+@serve.deployment(
+    name=INGRESS_NAME, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=5
+)
 @serve.ingress()
 class SpecslotIngress:
     def __init__(self, server: DeploymentHandle, max_body_bytes: int) -> None:
-        self.forwarder = Forwarder(server.options(method_name="forward_http", stream=True),
-                                   max_body_bytes, session_header_name())
+        self.forwarder = Forwarder(
+            server.options(method_name="forward_http", stream=True), max_body_bytes, session_header_name()
+        )
 
     def __serve_build_asgi_app__(self):
         return self.forwarder
@@ -185,10 +198,23 @@ async def _wait_disconnect(receive) -> None:
 
 
 async def _send_unavailable(send) -> None:
-    body = json.dumps({"error": {"message": "no replica could serve the request; retry later",
-                                 "type": "server_error", "param": None, "code": "replica_unavailable"}}).encode()
-    await send({"type": "http.response.start", "status": 503,
-                "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1")]})
+    body = json.dumps(
+        {
+            "error": {
+                "message": "no replica could serve the request; retry later",
+                "type": "server_error",
+                "param": None,
+                "code": "replica_unavailable",
+            }
+        }
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 503,
+            "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1")],
+        }
+    )
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 

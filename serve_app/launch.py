@@ -73,8 +73,11 @@ def app_targets(config: dict) -> list[AppTarget]:
     targets = []
     for app in config.get("applications", []):
         prefix = (app.get("route_prefix") or "/").rstrip("/")
-        targets.append(AppTarget(app.get("name", "default"), f"http://{host}:{port}{prefix}",
-                                 f"http://127.0.0.1:{port}{prefix}/health"))
+        targets.append(
+            AppTarget(
+                app.get("name", "default"), f"http://{host}:{port}{prefix}", f"http://127.0.0.1:{port}{prefix}/health"
+            )
+        )
     return targets
 
 
@@ -95,14 +98,15 @@ def probe_health(url: str) -> tuple[int, dict] | None:
 def serve_app_statuses() -> dict[str, tuple[str, str]]:
     from ray import serve
 
-    return {name: (str(app.status), app.message or "")
-            for name, app in serve.status().applications.items()}
+    return {name: (str(app.status), app.message or "") for name, app in serve.status().applications.items()}
 
 
-def wait_until_ready(targets: list[AppTarget],
-                     probe: Callable[[str], tuple[int, dict] | None] = probe_health,
-                     statuses: Callable[[], dict[str, tuple[str, str]]] = serve_app_statuses,
-                     interval_s: float = 0.5) -> list[str]:
+def wait_until_ready(
+    targets: list[AppTarget],
+    probe: Callable[[str], tuple[int, dict] | None] = probe_health,
+    statuses: Callable[[], dict[str, tuple[str, str]]] = serve_app_statuses,
+    interval_s: float = 0.5,
+) -> list[str]:
     """Block until every app's /health is 200; log and return one ready line per app.
     Raises LaunchError on a failed model load or a failed Serve application."""
     pending = {t.name: t for t in targets}

@@ -45,8 +45,9 @@ class LogprobTrail:
 
     def add(self, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> None:
         if len(logprobs or ()) != len(token_ids):  # a decode path that lost them: a bug, made visible
-            log.warning("%d tokens arrived with %d logprobs; reported as %s", len(token_ids),
-                        len(logprobs or ()), LOGPROB_FLOOR)
+            log.warning(
+                "%d tokens arrived with %d logprobs; reported as %s", len(token_ids), len(logprobs or ()), LOGPROB_FLOOR
+            )
             logprobs = [TokenLogprob(LOGPROB_FLOOR)] * len(token_ids)
         self.token_ids += token_ids
         self.logprobs += logprobs
@@ -65,8 +66,9 @@ class LogprobTrail:
 class LogprobFormat:
     """Entries (token id, TokenLogprob, text offset) as one endpoint's `logprobs` object."""
 
-    def __init__(self, token_text: Callable[[int], str], chat: bool,
-                 token_bytes: Callable[[int], bytes] | None = None) -> None:
+    def __init__(
+        self, token_text: Callable[[int], str], chat: bool, token_bytes: Callable[[int], bytes] | None = None
+    ) -> None:
         """`token_text`: one token's text, special tokens spelled out; `token_bytes`: its
         own UTF-8 bytes, which differ from the text's for a token holding part of a
         multi-byte character (its text is U+FFFD). Without it the text's bytes are used."""
@@ -79,14 +81,21 @@ class LogprobFormat:
 
     def build(self, entries: list[tuple]) -> dict:
         if self.chat:
-            return {"content": [{**self._token(t, lp.logprob), "top_logprobs": [self._token(a, v) for a, v in lp.top]}
-                                for t, lp, _ in entries]}
+            return {
+                "content": [
+                    {**self._token(t, lp.logprob), "top_logprobs": [self._token(a, v) for a, v in lp.top]}
+                    for t, lp, _ in entries
+                ]
+            }
         tops = []
         for t, lp, _ in entries:
             top = {}
             for a, v in (*lp.top, (t, lp.logprob)):
                 top.setdefault(self._text(a), _value(v))
             tops.append(top)
-        return {"tokens": [self._text(t) for t, _, _ in entries],
-                "token_logprobs": [_value(lp.logprob) for _, lp, _ in entries],
-                "top_logprobs": tops, "text_offset": [offset for _, _, offset in entries]}
+        return {
+            "tokens": [self._text(t) for t, _, _ in entries],
+            "token_logprobs": [_value(lp.logprob) for _, lp, _ in entries],
+            "top_logprobs": tops,
+            "text_offset": [offset for _, _, offset in entries],
+        }

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import (
-    CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest)
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 
 from scheduler.events import RequestTimes
 from scheduler.request import Lane, SpecStats
@@ -23,8 +22,7 @@ from serve_app.scheduler_metrics import scheduler_families
 disable_created_metrics()  # `_created` series double the output for no operator value
 
 # Per token gap, and per request (TTFT, phases, end to end).
-_TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2,
-                      0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+_TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _ACCEPT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 16.0)
 
@@ -79,59 +77,80 @@ class ReplicaMetrics:
             return Counter(name, doc, by_model, registry=r).labels(m)
 
         # -- vLLM's names ------------------------------------------------------------
-        self.ttft = histogram("specslot:time_to_first_token_seconds",
-                              "Replica arrival to first token reaching the replica.")
-        self.itl = histogram("specslot:inter_token_latency_seconds",
-                             "Gap between consecutive output tokens, one observation per token "
-                             "(a chunk of n tokens after a gap g counts n gaps of g/n).",
-                             _TOKEN_GAP_BUCKETS)
-        self.tpot = histogram("specslot:request_time_per_output_token_seconds",
-                              "Per request: first to last token over tokens - 1.", _TOKEN_GAP_BUCKETS)
-        self.e2e = histogram("specslot:e2e_request_latency_seconds",
-                             "Replica arrival to the finishing event (stop, length or error).")
-        self.queue_time = histogram("specslot:request_queue_time_seconds",
-                                    "Scheduler arrival to first scheduled (classic prefill or slot slice 0).")
-        self.prefill_time = histogram("specslot:request_prefill_time_seconds",
-                                      "First scheduled to first token, on the scheduler's clock.")
-        self.decode_time = histogram("specslot:request_decode_time_seconds",
-                                     "First to last token, on the scheduler's clock.")
-        self.inference_time = histogram("specslot:request_inference_time_seconds",
-                                        "First scheduled to last token, on the scheduler's clock.")
-        self.prompt_tokens = counter("specslot:prompt_tokens", "Prompt tokens of requests that "
-                                     "reached their first token.")
+        self.ttft = histogram(
+            "specslot:time_to_first_token_seconds", "Replica arrival to first token reaching the replica."
+        )
+        self.itl = histogram(
+            "specslot:inter_token_latency_seconds",
+            "Gap between consecutive output tokens, one observation per token "
+            "(a chunk of n tokens after a gap g counts n gaps of g/n).",
+            _TOKEN_GAP_BUCKETS,
+        )
+        self.tpot = histogram(
+            "specslot:request_time_per_output_token_seconds",
+            "Per request: first to last token over tokens - 1.",
+            _TOKEN_GAP_BUCKETS,
+        )
+        self.e2e = histogram(
+            "specslot:e2e_request_latency_seconds", "Replica arrival to the finishing event (stop, length or error)."
+        )
+        self.queue_time = histogram(
+            "specslot:request_queue_time_seconds",
+            "Scheduler arrival to first scheduled (classic prefill or slot slice 0).",
+        )
+        self.prefill_time = histogram(
+            "specslot:request_prefill_time_seconds", "First scheduled to first token, on the scheduler's clock."
+        )
+        self.decode_time = histogram(
+            "specslot:request_decode_time_seconds", "First to last token, on the scheduler's clock."
+        )
+        self.inference_time = histogram(
+            "specslot:request_inference_time_seconds", "First scheduled to last token, on the scheduler's clock."
+        )
+        self.prompt_tokens = counter(
+            "specslot:prompt_tokens", "Prompt tokens of requests that reached their first token."
+        )
         self.generation_tokens = counter("specslot:generation_tokens", "Output tokens streamed.")
-        self.success = Counter("specslot:request_success", "Finished requests by finished_reason "
-                               "(abort: the client went away).", ["model_name", "finished_reason"],
-                               registry=r)
+        self.success = Counter(
+            "specslot:request_success",
+            "Finished requests by finished_reason (abort: the client went away).",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
         for reason in FINISHED_REASONS.values():
             self.success.labels(m, reason)
         # Speculative decoding, slot rounds and row verifies alike.
         self.spec_drafts = counter("specslot:spec_decode_num_drafts", "Verifies that checked drafts.")
         self.spec_draft_tokens = counter("specslot:spec_decode_num_draft_tokens", "Draft tokens verified.")
-        self.spec_accepted_tokens = counter("specslot:spec_decode_num_accepted_tokens",
-                                            "Draft tokens accepted.")
+        self.spec_accepted_tokens = counter("specslot:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.spec_accepted_per_pos = Counter(
             "specslot:spec_decode_num_accepted_tokens_per_pos",
             "Verifies whose draft at this position (0-based) was accepted.",
-            ["model_name", "position"], registry=r)
+            ["model_name", "position"],
+            registry=r,
+        )
         for position in range(num_draft_tokens):
             self.spec_accepted_per_pos.labels(m, str(position))
 
         # -- specslot's own, per lane --------------------------------------------------
-        self.requests = Counter("specslot_requests", "Finished requests.",
-                                ["lane", "finish_reason"], registry=r)
-        self.rejected = Counter("specslot_rejected_requests", "Requests refused before scheduling.",
-                                ["status"], registry=r)
-        self.lane_ttft = Histogram("specslot_ttft_seconds", "Time to first token.", ["lane"],
-                                   buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("specslot_requests", "Finished requests.", ["lane", "finish_reason"], registry=r)
+        self.rejected = Counter(
+            "specslot_rejected_requests", "Requests refused before scheduling.", ["status"], registry=r
+        )
+        self.lane_ttft = Histogram(
+            "specslot_ttft_seconds", "Time to first token.", ["lane"], buckets=_LATENCY_BUCKETS, registry=r
+        )
         for lane in _LANES:
             self.lane_ttft.labels(lane)
             for outcome in FINISHED_REASONS:
                 self.requests.labels(lane, outcome)
         self.rejected.labels("503")
         self.acceptance = Histogram(
-            "specslot_acceptance_length", "Tokens per speculative round (accepted / rounds + 1).",
-            buckets=_ACCEPT_BUCKETS, registry=r)
+            "specslot_acceptance_length",
+            "Tokens per speculative round (accepted / rounds + 1).",
+            buckets=_ACCEPT_BUCKETS,
+            registry=r,
+        )
         self.drafted = Counter("specslot_drafted_tokens", "Drafted tokens.", registry=r)
         self.accepted = Counter("specslot_accepted_tokens", "Accepted draft tokens.", registry=r)
         self.grants = Counter("specslot_request_grants", "Slot grants received by requests.", registry=r)
@@ -148,8 +167,15 @@ class ReplicaMetrics:
         for _ in range(count):
             self.itl.observe(gap)
 
-    def record_finish(self, lane: str, outcome: str, times: StreamTimes, now: float,
-                      stats: SpecStats | None, phases: RequestTimes | None) -> None:
+    def record_finish(
+        self,
+        lane: str,
+        outcome: str,
+        times: StreamTimes,
+        now: float,
+        stats: SpecStats | None,
+        phases: RequestTimes | None,
+    ) -> None:
         """A request ended with `outcome` ("stop", "length", "error"); `stats` and
         `phases` come with the scheduler's finishing event (None when it was lost)."""
         self.requests.labels(lane, outcome).inc()
@@ -160,9 +186,12 @@ class ReplicaMetrics:
         if times.num_tokens > 1:
             self.tpot.observe((times.last_token - times.first_token) / (times.num_tokens - 1))
         if phases is not None:
-            for histogram, seconds in ((self.queue_time, phases.queue_s), (self.prefill_time, phases.prefill_s),
-                                       (self.decode_time, phases.decode_s),
-                                       (self.inference_time, phases.inference_s)):
+            for histogram, seconds in (
+                (self.queue_time, phases.queue_s),
+                (self.prefill_time, phases.prefill_s),
+                (self.decode_time, phases.decode_s),
+                (self.inference_time, phases.inference_s),
+            ):
                 if seconds is not None:
                     histogram.observe(seconds)
         if stats is not None:

@@ -71,7 +71,7 @@ def _leading_messages(messages) -> list | None:
         return None
     for index, message in enumerate(messages):
         if isinstance(message, dict) and message.get("role") == "user":
-            return messages[:index + 1]
+            return messages[: index + 1]
     return messages
 
 

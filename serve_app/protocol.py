@@ -93,7 +93,8 @@ class _Common(BaseModel):
 
 class CompletionBody(_Common):
     prompt: Union[str, list[int], list[str], list[list[int]]] = Field(
-        ..., description="Prompt text or token ids; a list holding one prompt is that prompt.")
+        ..., description="Prompt text or token ids; a list holding one prompt is that prompt."
+    )
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
@@ -116,16 +117,37 @@ class ChatBody(_Common):
 # and ignored); any other value is a 400 naming the field.
 _NOT_YET: dict[str, tuple] = {"echo": (False,), "best_of": (1,), "suffix": ()}
 # Body fields that are `SamplingParams` fields of the same name.
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty")
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 # apply_chat_template's own arguments and the variables every template gets from it.
-_RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
-    "sanitize_control_tokens",
-})
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "sanitize_control_tokens",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -172,8 +194,7 @@ def decode_json(raw: bytes) -> dict:
         try:
             json.dumps(body, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
-            raise APIError(400, "request body contains an unpaired surrogate escape",
-                           code="invalid_body") from None
+            raise APIError(400, "request body contains an unpaired surrogate escape", code="invalid_body") from None
     return body
 
 
@@ -198,17 +219,27 @@ def parse_generation(body: dict, chat: bool, tool_format: ToolFormat = ToolForma
     if chat:
         messages = template_messages(parsed.messages)
         template_kwargs = _template_kwargs(parsed.chat_template_kwargs)
-        output = resolve(parsed.response_format, parsed.tools, parsed.tool_choice,
-                         parsed.parallel_tool_calls, tool_format)
+        output = resolve(
+            parsed.response_format, parsed.tools, parsed.tool_choice, parsed.parallel_tool_calls, tool_format
+        )
     else:
         prompt_text, prompt_ids = _one_prompt(parsed.prompt)
     return GenerationSpec(
-        chat=chat, model=parsed.model, prompt_text=prompt_text, prompt_ids=prompt_ids,
-        messages=messages, chat_template_kwargs=template_kwargs, max_tokens=max_tokens,
-        sampling=_sampling(parsed), stop=list(parsed.stop or []),
-        seed=parsed.seed, stream=parsed.stream,
+        chat=chat,
+        model=parsed.model,
+        prompt_text=prompt_text,
+        prompt_ids=prompt_ids,
+        messages=messages,
+        chat_template_kwargs=template_kwargs,
+        max_tokens=max_tokens,
+        sampling=_sampling(parsed),
+        stop=list(parsed.stop or []),
+        seed=parsed.seed,
+        stream=parsed.stream,
         include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
-        output=output, logprobs=_logprobs(parsed, chat), n=parsed.n,
+        output=output,
+        logprobs=_logprobs(parsed, chat),
+        n=parsed.n,
     )
 
 
@@ -238,8 +269,12 @@ def _one_prompt(prompt) -> tuple[str | None, list[int] | None]:
         return prompt, None
     if prompt and not isinstance(prompt[0], int):  # a list of prompts
         if len(prompt) > 1:
-            raise APIError(400, f"prompt: a batch of {len(prompt)} prompts is not supported; "
-                           "send one prompt per request", param="prompt", code="unsupported_value")
+            raise APIError(
+                400,
+                f"prompt: a batch of {len(prompt)} prompts is not supported; send one prompt per request",
+                param="prompt",
+                code="unsupported_value",
+            )
         return _one_prompt(prompt[0])
     if any(t < 0 for t in prompt):
         raise APIError(400, "prompt token ids must be non-negative", param="prompt")
@@ -267,12 +302,17 @@ def _same(value, neutral) -> bool:
 def _template_kwargs(kwargs: dict | None) -> dict:
     for key in kwargs or {}:
         if key in _RESERVED_TEMPLATE_KWARGS:
-            raise APIError(400, f"chat_template_kwargs.{key}: set by the server, not the request",
-                           param=f"chat_template_kwargs.{key}", code="invalid_value")
+            raise APIError(
+                400,
+                f"chat_template_kwargs.{key}: set by the server, not the request",
+                param=f"chat_template_kwargs.{key}",
+                code="invalid_value",
+            )
     return dict(kwargs or {})
 
 
 # -- validation messages ---------------------------------------------------------------------
+
 
 def _field_names(*models: type[BaseModel]) -> frozenset[str]:
     """Every field name of the body models and the models nested in them."""
@@ -342,5 +382,4 @@ def _invalid(err: ValidationError) -> APIError:
     if first["type"] in ("model_type", "dict_type") and message is first["msg"]:
         message = "Input should be a JSON object"  # not pydantic's class names
     param = format_param(parts) or None
-    return APIError(400, f"{param}: {message}" if param else message, param=param,
-                    code="invalid_value")
+    return APIError(400, f"{param}: {message}" if param else message, param=param, code="invalid_value")

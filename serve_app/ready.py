@@ -40,15 +40,22 @@ def speculation_status(args: ServeArgs, info: dict) -> tuple[bool, str]:
 def health_body(args: ServeArgs, info: dict) -> dict:
     """The 200 body of /health once the model is loaded."""
     on, why = speculation_status(args, info)
-    return {"status": "ok", "model": args.model_name, "drafter": drafter_label(args),
-            "speculation": "on" if on else "off", "speculation_reason": why}
+    return {
+        "status": "ok",
+        "model": args.model_name,
+        "drafter": drafter_label(args),
+        "speculation": "on" if on else "off",
+        "speculation_reason": why,
+    }
 
 
 def ready_line(base_url: str, body: dict) -> str:
     """`specslot ready at http://127.0.0.1:8000/v1 — model m, drafter ngram, speculation on (fused tick)`"""
-    return (f"specslot ready at {base_url.rstrip('/')}/v1 — model {body.get('model')}, "
-            f"drafter {body.get('drafter')}, speculation {body.get('speculation')} "
-            f"({body.get('speculation_reason')})")
+    return (
+        f"specslot ready at {base_url.rstrip('/')}/v1 — model {body.get('model')}, "
+        f"drafter {body.get('drafter')}, speculation {body.get('speculation')} "
+        f"({body.get('speculation_reason')})"
+    )
 
 
 def last_error_line(message: str) -> str:

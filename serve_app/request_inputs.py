@@ -63,34 +63,51 @@ def max_tokens(spec: GenerationSpec, num_prompt: int, max_context: int | None, a
     """`max_context` None: the model's context is unknown and only `max_tokens_limit` bounds."""
     param = "messages" if spec.chat else "prompt"
     if max_context is not None and num_prompt >= max_context:
-        raise APIError(400, f"prompt has {num_prompt} tokens; this model's context is "
-                       f"{max_context}", param=param, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"prompt has {num_prompt} tokens; this model's context is {max_context}",
+            param=param,
+            code="context_length_exceeded",
+        )
     limit = args.max_tokens_limit
     if spec.max_tokens is None:
         room = limit if max_context is None else max_context - num_prompt
         return min(args.default_max_tokens, room)
     if spec.max_tokens > limit:
-        raise APIError(400, f"max_tokens must be at most {limit}", param="max_tokens",
-                       code="invalid_value")
+        raise APIError(400, f"max_tokens must be at most {limit}", param="max_tokens", code="invalid_value")
     if max_context is not None and num_prompt + spec.max_tokens > max_context:
-        raise APIError(400, f"prompt ({num_prompt} tokens) plus max_tokens exceeds the "
-                       f"context of {max_context}", param="max_tokens",
-                       code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"prompt ({num_prompt} tokens) plus max_tokens exceeds the context of {max_context}",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     return spec.max_tokens
 
 
-def sampling(spec: GenerationSpec, max_tokens: int, choice: int, defaults: dict, vocab_size: int,
-             eos_token_ids: Sequence[int]) -> SamplingParams:
+def sampling(
+    spec: GenerationSpec, max_tokens: int, choice: int, defaults: dict, vocab_size: int, eos_token_ids: Sequence[int]
+) -> SamplingParams:
     """The parameters of choice `choice` (of `spec.n`): the request's fields over
     `defaults`; a seeded request's choice i has seed + i (wrapping at 2**64), so choices
     differ and each is reproducible. E.g. seed 7, n 3: seeds 7, 8, 9."""
     fields = {**defaults, **spec.sampling}
     for token_id, _ in fields.get("logit_bias", ()):
         if token_id >= vocab_size:
-            raise APIError(400, f"logit_bias: token id {token_id} is outside the vocabulary "
-                           f"({vocab_size} tokens)", param="logit_bias", code="invalid_value")
+            raise APIError(
+                400,
+                f"logit_bias: token id {token_id} is outside the vocabulary ({vocab_size} tokens)",
+                param="logit_bias",
+                code="invalid_value",
+            )
     seed = spec.seed
     if seed is not None and choice:
         seed = (seed + choice) % 2**64 if seed >= 0 else seed + choice
-    return SamplingParams(max_tokens=max_tokens, seed=seed, grammar=spec.output.grammar, logprobs=spec.logprobs,
-                          stop_token_ids=tuple(eos_token_ids), **fields)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        seed=seed,
+        grammar=spec.output.grammar,
+        logprobs=spec.logprobs,
+        stop_token_ids=tuple(eos_token_ids),
+        **fields,
+    )

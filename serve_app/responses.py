@@ -40,7 +40,7 @@ class StopMatcher:
         hits = [i for i in (self._buf.find(s) for s in self._stops) if i >= 0]
         if hits:
             self.cut_at = self._num_fed - len(self._buf) + min(hits)
-            out, self._buf = self._buf[:min(hits)], ""
+            out, self._buf = self._buf[: min(hits)], ""
             return out, True
         cut = max(len(self._buf) - self._hold, 0)
         out, self._buf = self._buf[:cut], self._buf[cut:]
@@ -125,8 +125,12 @@ class Usage:
         if len(usages) == 1:
             return first
         stats = [u.stats for u in usages]
-        return cls(first.prompt_tokens, sum(u.completion_tokens for u in usages),
-                   None if None in stats else merge_stats(stats), first.cached_tokens)
+        return cls(
+            first.prompt_tokens,
+            sum(u.completion_tokens for u in usages),
+            None if None in stats else merge_stats(stats),
+            first.cached_tokens,
+        )
 
     def to_dict(self) -> dict:
         out = {
@@ -150,8 +154,7 @@ def merge_stats(stats: list):
             if isinstance(theirs, list):
                 setattr(total, f.name, _add_lists(mine, theirs))
             elif isinstance(theirs, dict):
-                setattr(total, f.name, {k: _add_lists(mine.get(k, []), theirs.get(k, []))
-                                        for k in {**mine, **theirs}})
+                setattr(total, f.name, {k: _add_lists(mine.get(k, []), theirs.get(k, [])) for k in {**mine, **theirs}})
             else:
                 setattr(total, f.name, mine + theirs)
     return total
@@ -173,8 +176,14 @@ class ResponseFormat:
     With `logprobs` (the request asked) a choice carries its tokens' logprobs: a chunk
     those of the tokens whose text it begins, a full response all of them."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, output: OutputSpec | None = None,
-                 logprobs: LogprobFormat | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        chat: bool,
+        output: OutputSpec | None = None,
+        logprobs: LogprobFormat | None = None,
+    ) -> None:
         self.request_id = request_id
         self.model = model
         self.chat = chat
@@ -203,22 +212,33 @@ class ResponseFormat:
         delta = {k: v for k, v in message.items() if v}
         if "tool_calls" in delta:
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta["tool_calls"])]
-        chunks = [self._envelope("chat.completion.chunk", [
-            {"index": index, "delta": delta, "logprobs": self._logprobs(entries), "finish_reason": None}])
-        ] if delta else []
+        chunks = (
+            [
+                self._envelope(
+                    "chat.completion.chunk",
+                    [{"index": index, "delta": delta, "logprobs": self._logprobs(entries), "finish_reason": None}],
+                )
+            ]
+            if delta
+            else []
+        )
         return chunks + [self.chunk(None, finish_reason, index=index, entries=None if delta else entries)]
 
     def _envelope(self, obj: str, choices: list) -> dict:
-        return {"id": self.request_id, "object": obj, "created": self.created,
-                "model": self.model, "choices": choices}
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def chunk(self, text: str | None, finish_reason: str | None, first: bool = False, index: int = 0,
-              entries: list | None = None) -> dict:
+    def chunk(
+        self,
+        text: str | None,
+        finish_reason: str | None,
+        first: bool = False,
+        index: int = 0,
+        entries: list | None = None,
+    ) -> dict:
         """`entries`: logprobs of the tokens this chunk carries (None: none)."""
         logprobs = self._logprobs(entries)
         if self.chat:
-            delta = {"role": "assistant", "content": text or ""} if first else (
-                {"content": text} if text else {})
+            delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", [choice])
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
@@ -234,8 +254,12 @@ class ResponseFormat:
         logprobs = self._logprobs(entries)
         if self.chat:
             message, finish_reason = self._message(text, finish_reason)
-            return {"index": index, "message": {"role": "assistant", **message},
-                    "logprobs": logprobs, "finish_reason": finish_reason}
+            return {
+                "index": index,
+                "message": {"role": "assistant", **message},
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def full(self, choices: list[dict], usage: Usage) -> dict:

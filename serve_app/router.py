@@ -58,8 +58,9 @@ class PrefixAffinityRouter(RequestRouter):
         self.pins = SessionPins(max_pins)
         self.unreported = UnreportedPins(max_pins)
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         """One replica per rank, best first; Serve tries them in order."""
         if not candidate_replicas:
             return []
@@ -79,8 +80,10 @@ class PrefixAffinityRouter(RequestRouter):
         served_at = {rid: t for rid, report in reports.items() if (t := report.served_at(digest)) is not None}
         home = home_replica(self.pins.lookup(key), served_at, by_id)
         self.unreported.retain(by_id)
-        num_sessions = {rid: report.num_sessions + self.unreported.count(rid, report.served, report.reported_at)
-                        for rid, report in reports.items()}
+        num_sessions = {
+            rid: report.num_sessions + self.unreported.count(rid, report.served, report.reported_at)
+            for rid, report in reports.items()
+        }
         ranked = rank_replicas(key, queue_lens, self.load_margin, home, num_sessions)
         self.pins.pin(key, ranked[0], now)
         self.unreported.note(ranked[0], digest, now, reports[ranked[0]].served)

@@ -69,8 +69,9 @@ def read_generation_config(model_dir: str) -> dict:
         SamplingDefaults.model_validate(picked)
     except ValidationError as err:
         bad = {e["loc"][0] for e in err.errors()}
-        logger.warning("ignoring %s in %s: %s", sorted(bad), path,
-                       "; ".join(f"{e['loc'][0]}: {e['msg']}" for e in err.errors()))
+        logger.warning(
+            "ignoring %s in %s: %s", sorted(bad), path, "; ".join(f"{e['loc'][0]}: {e['msg']}" for e in err.errors())
+        )
         picked = {k: v for k, v in picked.items() if k not in bad}
     return SamplingDefaults.model_validate(picked).values()
 

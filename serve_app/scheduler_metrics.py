@@ -37,8 +37,12 @@ COUNTERS = (
 )
 # `counters` key -> label name, declared label values, help
 LABELLED_COUNTERS = (
-    ("classic_fallbacks", "reason", FALLBACK_REASONS,
-     "Requests the slot could serve that went to the classic batch, by reason."),
+    (
+        "classic_fallbacks",
+        "reason",
+        FALLBACK_REASONS,
+        "Requests the slot could serve that went to the classic batch, by reason.",
+    ),
     ("cancelled_by_phase", "phase", CANCEL_PHASES, "Cancellations by the phase they took effect in."),
     ("actions", "action", TICK_ACTIONS, "Scheduler ticks by the action they ran."),
 )
@@ -54,8 +58,11 @@ SUMMARIES = (
     ("ttft", "Arrival to first token, per lane, on the scheduler's clock."),
 )
 # `counters` key -> help; per action, its count the `actions` tally
-TICK_TIMES = ("tick_seconds", "Scheduler ticks' wall time (drain to events), by the action they ran; "
-              "a fused tick counts under speculative and under fused.")
+TICK_TIMES = (
+    "tick_seconds",
+    "Scheduler ticks' wall time (drain to events), by the action they ran; "
+    "a fused tick counts under speculative and under fused.",
+)
 # The `prefix_cache` snapshot (the runner's `PrefixCache.stats()`, None when off; every
 # series reads 0 then). vLLM's token counters, under our prefix with `model_name`:
 PREFIX_CACHE_TOKEN_COUNTERS = (
@@ -79,8 +86,11 @@ PREFIX_CACHE_GAUGES = (
 # that counts neither; both read 0 then): key -> series, help.
 CLASSIC_STEPS = (
     ("steps", "classic_steps", "Classic decode steps (a slot verify riding in one included)."),
-    ("pipelined", "pipelined_steps", "Classic decode steps whose tokens a step queued before them had drawn "
-                                     "(a grid slab's plain steps, GPU)."),
+    (
+        "pipelined",
+        "pipelined_steps",
+        "Classic decode steps whose tokens a step queued before them had drawn (a grid slab's plain steps, GPU).",
+    ),
 )
 # Snapshot keys that are not series: a sum of a labelled counter (sum() it in PromQL).
 NOT_EXPORTED = ("classic_fallbacks_total",)
@@ -91,11 +101,18 @@ def scheduler_families(snapshot: dict, model_name: str) -> list:
     """The families of one engine snapshot (`Engine.snapshot()`)."""
     counters = snapshot.get("counters") or {}
     families = [
-        _gauge("specslot:num_requests_running", "Requests in a model forward each step "
-               "(classic rows and the slot holder).", model_name, snapshot.get("num_running", 0)),
-        _gauge("specslot:num_requests_waiting", "Requests waiting: queued for prefill, in the "
-               "grant backlog (parked included), or not yet routed.", model_name,
-               snapshot.get("num_waiting", 0)),
+        _gauge(
+            "specslot:num_requests_running",
+            "Requests in a model forward each step (classic rows and the slot holder).",
+            model_name,
+            snapshot.get("num_running", 0),
+        ),
+        _gauge(
+            "specslot:num_requests_waiting",
+            "Requests waiting: queued for prefill, in the grant backlog (parked included), or not yet routed.",
+            model_name,
+            snapshot.get("num_waiting", 0),
+        ),
     ]
     for key, doc in COUNTERS:
         families.append(CounterMetricFamily(PREFIX + key, doc, value=counters.get(key, 0)))
@@ -118,9 +135,14 @@ def scheduler_families(snapshot: dict, model_name: str) -> list:
     for name in _ordered(TICK_ACTIONS, seconds):
         fam.add_metric([name], count_value=actions.get(name, 0), sum_value=seconds.get(name, 0.0))
     families.append(fam)
-    families.append(CounterMetricFamily(PREFIX + "tick_gap_seconds", "Engine thread time between consecutive "
-                                        "ticks while work was waiting (handing events out, reconfiguring, locks).",
-                                        value=snapshot.get("tick_gap_seconds", 0.0)))
+    families.append(
+        CounterMetricFamily(
+            PREFIX + "tick_gap_seconds",
+            "Engine thread time between consecutive "
+            "ticks while work was waiting (handing events out, reconfiguring, locks).",
+            value=snapshot.get("tick_gap_seconds", 0.0),
+        )
+    )
     for key, doc in SUMMARIES:
         samples = counters.get(key) or {}
         fam = SummaryMetricFamily(f"{PREFIX}{key}_seconds", doc, labels=["lane"])
@@ -139,8 +161,10 @@ def _prefix_cache_families(stats: dict, model_name: str) -> list:
         families.append(fam)
     # The draft model's own prefixes (`prefix_cache.draft`; 0 without a draft model) as the
     # same series under `PREFIX_CACHE_DRAFT`.
-    for prefix, part, owner in ((PREFIX_CACHE, stats, ""), (PREFIX_CACHE_DRAFT, stats.get("draft") or {},
-                                                               "The draft model's: ")):
+    for prefix, part, owner in (
+        (PREFIX_CACHE, stats, ""),
+        (PREFIX_CACHE_DRAFT, stats.get("draft") or {}, "The draft model's: "),
+    ):
         for key, doc in PREFIX_CACHE_COUNTERS:
             families.append(CounterMetricFamily(prefix + key, owner + doc, value=part.get(key, 0)))
         for key, doc in PREFIX_CACHE_GAUGES:

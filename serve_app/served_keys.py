@@ -58,8 +58,11 @@ def read_report(routing_stats: Mapping[str, Any] | None) -> Report:
     deployment's shape) reads as an empty report. Reads, never copies the keys."""
     if not routing_stats or not isinstance(routing_stats.get("served_keys"), Mapping):
         return NO_REPORT
-    return Report(routing_stats["served_keys"], int(routing_stats.get("num_sessions", 0)),
-                  float(routing_stats.get("reported_at", 0.0)))
+    return Report(
+        routing_stats["served_keys"],
+        int(routing_stats.get("num_sessions", 0)),
+        float(routing_stats.get("reported_at", 0.0)),
+    )
 
 
 class ServedKeys:
@@ -93,7 +96,6 @@ class ServedKeys:
         count and when the report was taken. Nothing served since the last report: that
         same report, which Serve does not broadcast again."""
         if self._changed or not self._report:
-            self._report = {"served_keys": dict(self._served), "num_sessions": len(self._served),
-                            "reported_at": now}
+            self._report = {"served_keys": dict(self._served), "num_sessions": len(self._served), "reported_at": now}
             self._changed = False
         return self._report

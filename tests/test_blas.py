@@ -15,56 +15,70 @@ from tests.conftest import FAST_BLAS_MIN_RATIO
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="macOS uses Accelerate")
-x86_linux = pytest.mark.skipif(not (sys.platform.startswith("linux") and platform.machine() == "x86_64"),
-                               reason="emulates x86-64 CPUs")
+x86_linux = pytest.mark.skipif(
+    not (sys.platform.startswith("linux") and platform.machine() == "x86_64"), reason="emulates x86-64 CPUs"
+)
 
 AVX512 = {"sse2", "sse4_2", "avx", "avx2", "fma", "avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}
 AVX2 = {"sse2", "sse4_2", "avx", "avx2", "fma"}
 SSE42 = {"sse2", "sse4_2"}
 
 
-@pytest.mark.parametrize("system, machine, flags, library", [
-    ("linux", "x86_64", AVX512, blas.OPENBLAS),
-    ("linux", "x86_64", AVX2, blas.OPENBLAS),
-    ("linux", "x86_64", SSE42, blas.OPENBLAS),
-    ("linux", "x86_64", set(), blas.REFERENCE),  # flags unreadable: load nothing
-    ("linux", "aarch64", {"fp", "asimd", "sve"}, blas.OPENBLAS),
-    ("linux", "aarch64", {"fp"}, blas.REFERENCE),
-    ("linux", "riscv64", {"rv64"}, blas.REFERENCE),
-    ("darwin", "arm64", set(), blas.ACCELERATE),
-])
+@pytest.mark.parametrize(
+    "system, machine, flags, library",
+    [
+        ("linux", "x86_64", AVX512, blas.OPENBLAS),
+        ("linux", "x86_64", AVX2, blas.OPENBLAS),
+        ("linux", "x86_64", SSE42, blas.OPENBLAS),
+        ("linux", "x86_64", set(), blas.REFERENCE),  # flags unreadable: load nothing
+        ("linux", "aarch64", {"fp", "asimd", "sve"}, blas.OPENBLAS),
+        ("linux", "aarch64", {"fp"}, blas.REFERENCE),
+        ("linux", "riscv64", {"rv64"}, blas.REFERENCE),
+        ("darwin", "arm64", set(), blas.ACCELERATE),
+    ],
+)
 def test_selection_table(system, machine, flags, library):
     choice = blas.select(system, machine, frozenset(flags))
     assert choice.library == library
     assert choice.reason  # every choice says why
 
 
-@pytest.mark.parametrize("coretype, flags, conflict", [
-    ("SkylakeX", AVX2, True),
-    ("skylakex", AVX512, False),
-    ("Haswell", SSE42, True),
-    ("Haswell", AVX2, False),
-    ("Nehalem", SSE42, False),
-    ("SapphireRapids", AVX512, True),  # needs bf16 and AMX on top
-    ("NeoverseV1", {"asimd"}, True),
-    ("SomeFutureCore", SSE42, False),  # unknown names are OpenBLAS's to judge
-    (None, SSE42, False),
-])
+@pytest.mark.parametrize(
+    "coretype, flags, conflict",
+    [
+        ("SkylakeX", AVX2, True),
+        ("skylakex", AVX512, False),
+        ("Haswell", SSE42, True),
+        ("Haswell", AVX2, False),
+        ("Nehalem", SSE42, False),
+        ("SapphireRapids", AVX512, True),  # needs bf16 and AMX on top
+        ("NeoverseV1", {"asimd"}, True),
+        ("SomeFutureCore", SSE42, False),  # unknown names are OpenBLAS's to judge
+        (None, SSE42, False),
+    ],
+)
 def test_forced_coretype_is_checked_against_the_flags(coretype, flags, conflict):
     assert (blas.coretype_conflict(coretype, frozenset(flags)) is not None) is conflict
 
 
-@pytest.mark.parametrize("environ, launch, in_ray, expected", [
-    ({}, {}, False, (8, "all 8 usable cores")),
-    ({"OPENBLAS_NUM_THREADS": "3", "OMP_NUM_THREADS": "5"}, {}, False, (3, "OPENBLAS_NUM_THREADS")),
-    ({"OMP_NUM_THREADS": "5"}, {"OMP_NUM_THREADS": "5"}, False, (5, "OMP_NUM_THREADS")),
-    ({"OMP_NUM_THREADS": "1"}, {}, True,  # Ray's worker default is ignored; one core is left to the others
-     (7, "7 of 8 usable cores: one left to the node's other processes")),
-    ({"OPENBLAS_NUM_THREADS": "8"}, {}, True, (8, "OPENBLAS_NUM_THREADS")),
-    ({"OMP_NUM_THREADS": "2"}, {"OMP_NUM_THREADS": "2"}, True, (2, "OMP_NUM_THREADS")),  # the user's
-    ({"OPENBLAS_NUM_THREADS": "0"}, {}, False, (8, "all 8 usable cores")),
-    ({"OPENBLAS_NUM_THREADS": "many"}, {}, False, (8, "all 8 usable cores")),
-])
+@pytest.mark.parametrize(
+    "environ, launch, in_ray, expected",
+    [
+        ({}, {}, False, (8, "all 8 usable cores")),
+        ({"OPENBLAS_NUM_THREADS": "3", "OMP_NUM_THREADS": "5"}, {}, False, (3, "OPENBLAS_NUM_THREADS")),
+        ({"OMP_NUM_THREADS": "5"}, {"OMP_NUM_THREADS": "5"}, False, (5, "OMP_NUM_THREADS")),
+        (
+            {"OMP_NUM_THREADS": "1"},
+            {},
+            True,  # Ray's worker default is ignored; one core is left to the others
+            (7, "7 of 8 usable cores: one left to the node's other processes"),
+        ),
+        ({"OPENBLAS_NUM_THREADS": "8"}, {}, True, (8, "OPENBLAS_NUM_THREADS")),
+        ({"OMP_NUM_THREADS": "2"}, {"OMP_NUM_THREADS": "2"}, True, (2, "OMP_NUM_THREADS")),  # the user's
+        ({"OPENBLAS_NUM_THREADS": "0"}, {}, False, (8, "all 8 usable cores")),
+        ({"OPENBLAS_NUM_THREADS": "many"}, {}, False, (8, "all 8 usable cores")),
+    ],
+)
 def test_thread_count(environ, launch, in_ray, expected):
     assert blas.thread_count(environ, launch, in_ray, 8) == expected
 
@@ -73,20 +87,25 @@ def test_a_ray_worker_on_one_core_keeps_its_thread():
     assert blas.thread_count({}, {}, True, 1) == (1, "all 1 usable cores")
 
 
-@pytest.mark.parametrize("environ, expected", [
-    ({}, ("4", "specslot default")),
-    ({"OPENBLAS_THREAD_TIMEOUT": "28"}, ("28", "OPENBLAS_THREAD_TIMEOUT")),
-    ({"GOTO_THREAD_TIMEOUT": "20"}, ("20", "GOTO_THREAD_TIMEOUT")),
-    ({"OPENBLAS_THREAD_TIMEOUT": "6", "GOTO_THREAD_TIMEOUT": "20"}, ("6", "OPENBLAS_THREAD_TIMEOUT")),
-    ({"OPENBLAS_THREAD_TIMEOUT": " "}, ("4", "specslot default")),
-])
+@pytest.mark.parametrize(
+    "environ, expected",
+    [
+        ({}, ("4", "specslot default")),
+        ({"OPENBLAS_THREAD_TIMEOUT": "28"}, ("28", "OPENBLAS_THREAD_TIMEOUT")),
+        ({"GOTO_THREAD_TIMEOUT": "20"}, ("20", "GOTO_THREAD_TIMEOUT")),
+        ({"OPENBLAS_THREAD_TIMEOUT": "6", "GOTO_THREAD_TIMEOUT": "20"}, ("6", "OPENBLAS_THREAD_TIMEOUT")),
+        ({"OPENBLAS_THREAD_TIMEOUT": " "}, ("4", "specslot default")),
+    ],
+)
 def test_thread_timeout(environ, expected):
     assert blas.thread_timeout(environ) == expected
 
 
-_IDLE_CPU = ("import time, models, mlx.core as mx\n"
-             "a = mx.random.normal((512, 512)); mx.eval(a @ a)\n"
-             "c = time.process_time(); time.sleep(0.5); print(time.process_time() - c)")
+_IDLE_CPU = (
+    "import time, models, mlx.core as mx\n"
+    "a = mx.random.normal((512, 512)); mx.eval(a @ a)\n"
+    "c = time.process_time(); time.sleep(0.5); print(time.process_time() - c)"
+)
 
 
 @linux_only
@@ -98,10 +117,18 @@ def test_idle_blas_threads_sleep_instead_of_spinning():
         pytest.skip("one usable core: OpenBLAS runs no second thread to spin")
 
     def idle_cpu_s(env: dict) -> float:
-        proc = subprocess.run([sys.executable, "-c", _IDLE_CPU], cwd=REPO, capture_output=True, text=True,
-                              timeout=300, env={k: v for k, v in {**os.environ, **env}.items()
-                                                if k not in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")
-                                                or k in env})
+        proc = subprocess.run(
+            [sys.executable, "-c", _IDLE_CPU],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={
+                k: v
+                for k, v in {**os.environ, **env}.items()
+                if k not in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT") or k in env
+            },
+        )
         return float(_assert_ran(proc))
 
     assert idle_cpu_s({}) < 0.03
@@ -152,20 +179,31 @@ def test_this_process_runs_mlx_on_openblas_with_every_core(reference_gflops):
     assert result["library"] == blas.OPENBLAS and result["openblas_mapped"], blas.loaded()
     expected = blas.thread_count(os.environ, blas._launch_environ(), False, blas._usable_cores())[0]
     assert result["threads"] == min(expected, 64)
-    assert result["gflops"] > FAST_BLAS_MIN_RATIO * reference_gflops, \
+    assert result["gflops"] > FAST_BLAS_MIN_RATIO * reference_gflops, (
         f"{result['gflops']:.1f} GFLOP/s against the reference's {reference_gflops:.1f}: slow BLAS"
+    )
 
 
 def _run_matmul(prefix: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    code = ("import models, models._blas as b, mlx.core as mx\n"
-            "a = mx.random.normal((128, 128)); mx.eval(a @ a)\n"
-            "print(b.loaded().choice.library, b.loaded().core)")
-    return subprocess.run(prefix + [sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, **(env or {})})
+    code = (
+        "import models, models._blas as b, mlx.core as mx\n"
+        "a = mx.random.normal((128, 128)); mx.eval(a @ a)\n"
+        "print(b.loaded().choice.library, b.loaded().core)"
+    )
+    return subprocess.run(
+        prefix + [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def _assert_ran(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 0, f"child exited {proc.returncode} (signal {-proc.returncode} if < 0): {proc.stderr[-2000:]}"
+    assert proc.returncode == 0, (
+        f"child exited {proc.returncode} (signal {-proc.returncode} if < 0): {proc.stderr[-2000:]}"
+    )
     return proc.stdout.strip()
 
 
@@ -178,11 +216,19 @@ def test_import_and_matmul_in_a_child_process():
 def test_a_forced_coretype_the_cpu_lacks_is_dropped_with_a_warning():
     # No x86 or arm64 CPU has both AVX-512 and SVE, so one of the two always conflicts.
     coretype = "NeoverseV1" if platform.machine() == "x86_64" else "SkylakeX"
-    code = ("import os, models, mlx.core as mx\n"
-            "a = mx.random.normal((64, 64)); mx.eval(a @ a)\n"
-            "print(os.environ.get('OPENBLAS_CORETYPE'))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OPENBLAS_CORETYPE": coretype})
+    code = (
+        "import os, models, mlx.core as mx\n"
+        "a = mx.random.normal((64, 64)); mx.eval(a @ a)\n"
+        "print(os.environ.get('OPENBLAS_CORETYPE'))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OPENBLAS_CORETYPE": coretype},
+    )
     assert _assert_ran(proc) == "None"
     assert f"OPENBLAS_CORETYPE={coretype} needs" in proc.stderr
 
@@ -201,8 +247,9 @@ def test_runs_on_x86_cpus_without_avx512(cpu, kernels):
 
 
 def test_doctor_reports_the_choice():
-    proc = subprocess.run([sys.executable, "-m", "models.doctor", "--size", "256"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "models.doctor", "--size", "256"], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     out = _assert_ran(proc)
     for heading in ("platform", "cpu flags", "blas", "matmul", "mlx device", "versions"):
         assert any(line.startswith(heading) for line in out.splitlines()), (heading, out)
@@ -213,10 +260,12 @@ def test_doctor_reports_the_choice():
 
 
 def test_no_fast_library_warns_once_with_reason_and_rate_and_keeps_working():
-    code = ("import platform; platform.machine = lambda: 'riscv64'\n"
-            "import models, models._blas as b, mlx.core as mx\n"
-            "a = mx.random.normal((64, 64)); mx.eval(a @ a)\n"
-            "print(b.loaded().choice.library)")
+    code = (
+        "import platform; platform.machine = lambda: 'riscv64'\n"
+        "import models, models._blas as b, mlx.core as mx\n"
+        "a = mx.random.normal((64, 64)); mx.eval(a @ a)\n"
+        "print(b.loaded().choice.library)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert _assert_ran(proc) == blas.REFERENCE
     warnings = [line for line in proc.stderr.splitlines() if "reference CPU BLAS" in line]

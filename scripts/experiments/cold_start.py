@@ -44,5 +44,6 @@ def main() -> None:
         print(f"  {os.path.getmtime(path) - T0:6.1f} s  {os.path.basename(path)[:-4][:70]}")
     engine.stop()
 
+
 if __name__ == "__main__":
     main()

@@ -28,6 +28,8 @@ HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, HERE)
 
 import models  # noqa: E402,F401  (fast BLAS before mlx)
+
+# isort: split
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models import activations  # noqa: E402
 
@@ -79,8 +81,12 @@ def main() -> int:
             for side in sides:
                 use(side == "cpu_math")
                 base = tokens(466)
-                run = [("fresh 76", tokens(76)), ("fresh 466", base), ("cached turn (466 + 76)", base + tokens(76)),
-                       ("fresh 900", tokens(900))]
+                run = [
+                    ("fresh 76", tokens(76)),
+                    ("fresh 466", base),
+                    ("cached turn (466 + 76)", base + tokens(76)),
+                    ("fresh 900", tokens(900)),
+                ]
                 for case, ids in run:
                     took = first_token_s(engine, ids, f"r{k}-{side}-{case}")
                     if k >= 2:
@@ -133,7 +139,7 @@ def bare(target: str, rounds: int) -> int:
     for k in range(rounds + 2):
         for prompt in TURN_PROMPTS:
             sides = (("fresh", 0, prompt), ("cached", prompt - TURN_TOKENS, TURN_TOKENS))
-            for side, cached, new in (sides if k % 2 else sides[::-1]):
+            for side, cached, new in sides if k % 2 else sides[::-1]:
                 took = forward_s(cached, new)
                 if k >= 2:
                     times.setdefault((prompt, side), []).append(took)

@@ -22,7 +22,6 @@ HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, HERE)
 
 import models  # noqa: E402,F401  (fast BLAS before mlx)
-
 from scheduler.request import Request, SamplingParams  # noqa: E402
 from scripts.engine_load import engine_from_config  # noqa: E402
 from scripts.prompts import chat_messages, chat_questions, stdlib_snippets  # noqa: E402
@@ -57,8 +56,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/bundled.yaml")
     ap.add_argument("--target", default=None, help="model (default: what --config serves)")
-    ap.add_argument("--prompts", choices=("snippets", "code", "chat"), default="snippets",
-                    help="snippets: code to complete; code: chats asking to continue code; chat: everyday questions")
+    ap.add_argument(
+        "--prompts",
+        choices=("snippets", "code", "chat"),
+        default="snippets",
+        help="snippets: code to complete; code: chats asking to continue code; chat: everyday questions",
+    )
     ap.add_argument("--a", default="{}", help="configuration A's `args` overrides (JSON)")
     ap.add_argument("--b", default="{}", help="configuration B's `args` overrides (JSON)")
     ap.add_argument("--streams", type=int, default=4)
@@ -71,8 +74,10 @@ def main() -> None:
 
     target = args.target or config_models(args.config)[0]
     codec = TextCodec.from_path(target)
-    engines = {"A": engine_from_config(args.config, target, json.loads(args.a))[0],
-               "B": engine_from_config(args.config, target, json.loads(args.b))[0]}
+    engines = {
+        "A": engine_from_config(args.config, target, json.loads(args.a))[0],
+        "B": engine_from_config(args.config, target, json.loads(args.b))[0],
+    }
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
     try:
         for r in range(args.rounds):
@@ -85,10 +90,12 @@ def main() -> None:
         for engine in engines.values():
             engine.stop()
     for name, runs in results.items():
-        print(f"{name} {getattr(args, name.lower())}: {args.streams} streams, T = {args.temperature}: tok/s "
-              + " ".join(f"{rate:.0f}" for rate, _ in runs)
-              + f"; median {statistics.median(rate for rate, _ in runs):.1f}, mean TTFT median "
-              f"{statistics.median(ttft for _, ttft in runs):.0f} ms")
+        print(
+            f"{name} {getattr(args, name.lower())}: {args.streams} streams, T = {args.temperature}: tok/s "
+            + " ".join(f"{rate:.0f}" for rate, _ in runs)
+            + f"; median {statistics.median(rate for rate, _ in runs):.1f}, mean TTFT median "
+            f"{statistics.median(ttft for _, ttft in runs):.0f} ms"
+        )
     ratios = [a / b for (a, _), (b, _) in zip(results["A"], results["B"])]
     print(f"A / B per burst pair: {' '.join(f'{x:.2f}' for x in ratios)}; median {statistics.median(ratios):.2f}")
 

@@ -26,8 +26,11 @@ def tick_state(engine) -> dict:
     """The engine's tick tallies in the shape `bench_vs_mlx_lm.tick_delta` reads from a
     server's /metrics."""
     state = engine.snapshot()
-    return {"tick_count": state["counters"]["actions"], "tick_sum": state["counters"]["tick_seconds"],
-            "gap_s": state["tick_gap_seconds"]}
+    return {
+        "tick_count": state["counters"]["actions"],
+        "tick_sum": state["counters"]["tick_seconds"],
+        "gap_s": state["tick_gap_seconds"],
+    }
 
 
 def main() -> None:
@@ -50,18 +53,33 @@ def main() -> None:
     engine, info = engine_from_config(args.config, args.target)
     codec, eos = TextCodec.from_path(args.target), info["eos_token_ids"]
     try:
-        run_engine_load(engine, codec, eos, LoadConfig(base_url="", num_prompts=2, concurrency=2, max_tokens=8,
-                                                       seed=999, progress=False))
+        run_engine_load(
+            engine,
+            codec,
+            eos,
+            LoadConfig(base_url="", num_prompts=2, concurrency=2, max_tokens=8, seed=999, progress=False),
+        )
         for rep in range(args.repeats):
             for streams in args.streams:
                 before = tick_state(engine)
-                cfg = LoadConfig(base_url="", num_prompts=args.requests_per_stream * streams, concurrency=streams,
-                                 max_tokens=args.tokens, seed=1000 * streams + rep, temperature=args.temperature,
-                                 prompt_chars=args.prompt_chars, ignore_eos="off", progress=False)
+                cfg = LoadConfig(
+                    base_url="",
+                    num_prompts=args.requests_per_stream * streams,
+                    concurrency=streams,
+                    max_tokens=args.tokens,
+                    seed=1000 * streams + rep,
+                    temperature=args.temperature,
+                    prompt_chars=args.prompt_chars,
+                    ignore_eos="off",
+                    progress=False,
+                )
                 summary = run_engine_load(engine, codec, eos, cfg)["summary"]
                 ticks = tick_delta(before, tick_state(engine))
-                print(f"engine thread, {streams} streams, repeat {rep}: {summary['output_throughput']:.1f} tok/s, "
-                      f"TPOT p50 {summary['median_tpot_ms']:.2f} ms{tick_line(ticks)}", flush=True)
+                print(
+                    f"engine thread, {streams} streams, repeat {rep}: {summary['output_throughput']:.1f} tok/s, "
+                    f"TPOT p50 {summary['median_tpot_ms']:.2f} ms{tick_line(ticks)}",
+                    flush=True,
+                )
     finally:
         engine.stop()
 

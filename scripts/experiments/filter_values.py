@@ -27,7 +27,6 @@ HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, HERE)
 
 import models  # noqa: E402,F401  (fast BLAS before mlx)
-
 from models.sampling import min_p_filter, top_p_filter  # noqa: E402
 from scheduler.request import Request, SamplingParams  # noqa: E402
 from scripts.engine_load import engine_from_config  # noqa: E402
@@ -36,8 +35,10 @@ from scripts.engine_load import engine_from_config  # noqa: E402
 def use_filters(way: str) -> None:
     """Point the sampler at one way of applying top_p and min_p."""
     from models import sampling
+
     if way == "mlx_lm":
         from mlx_lm.sample_utils import apply_min_p, apply_top_p
+
         sampling.top_p_filter, sampling.min_p_filter = apply_top_p, apply_min_p
     else:
         sampling.top_p_filter, sampling.min_p_filter = top_p_filter, min_p_filter
@@ -79,7 +80,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    prompt = tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
+    prompt = tokenizer.encode('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n')
     engine, _ = engine_from_config(args.config, args.target)
     rng = random.Random(time.time_ns())
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
@@ -93,16 +94,22 @@ def main() -> None:
                 for name in ("top_p", "min_p"):
                     value = round(rng.uniform(0.80, 0.98) if name == "top_p" else rng.uniform(0.01, 0.2), 6)
                     results.setdefault((way, name), []).append(
-                        probe(engine, prompt, f"{way}{n}{name}", args.streams, args.tokens, {name: value}))
+                        probe(engine, prompt, f"{way}{n}{name}", args.streams, args.tokens, {name: value})
+                    )
     finally:
         use_filters("ours")
         engine.stop()
-    print(f"{args.config}: {args.streams} streams decoding (T = 0.7, top_p 0.9), then one request with a "
-          f"new value; medians of {args.probes} probes")
+    print(
+        f"{args.config}: {args.streams} streams decoding (T = 0.7, top_p 0.9), then one request with a "
+        f"new value; medians of {args.probes} probes"
+    )
     print("| filters | parameter | TTFT ms | the others' longest gap ms |\n|---|---|---|---|")
     for (way, name), runs in sorted(results.items()):
-        print(f"| {way} | {name} | {statistics.median(t for t, _ in runs):.1f} | "
-              f"{statistics.median(g for _, g in runs):.1f} |")
+        print(
+            f"| {way} | {name} | {statistics.median(t for t, _ in runs):.1f} | "
+            f"{statistics.median(g for _, g in runs):.1f} |"
+        )
+
 
 if __name__ == "__main__":
     main()

@@ -17,6 +17,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import models  # noqa: E402,F401  (fast BLAS before mlx)
+
+# isort: split
 import mlx.core as mx  # noqa: E402
 
 from models import dense_weights, fused_projections  # noqa: E402
@@ -38,13 +40,21 @@ def main() -> None:
             raise SystemExit(f"{path}: not a llama-family model with plain layers")
         slab = Slab(model, rows=8)
         rows = [slab.add() for _ in range(ROWS)]
-        mx.eval(slab.forward(model, [(r, [(j * 7919 + i) % 2000 + 3 for j in range(300)]) for i, r in enumerate(rows)],
-                             last_only=True), slab.arrays())
+        mx.eval(
+            slab.forward(
+                model,
+                [(r, [(j * 7919 + i) % 2000 + 3 for j in range(300)]) for i, r in enumerate(rows)],
+                last_only=True,
+            ),
+            slab.arrays(),
+        )
         models_[name] = (model, slab, rows)
     outs = [models_[n][1].forward(models_[n][0], [(r, [7]) for r in models_[n][2]]) for n in models_]
     mx.eval(outs)
-    print("largest logit difference", max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
-                                          for a, b in zip(*outs)))
+    print(
+        "largest logit difference",
+        max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item() for a, b in zip(*outs)),
+    )
     for name in models_:
         for r in models_[name][2]:
             for c in r.cache:
@@ -68,13 +78,17 @@ def main() -> None:
                 step(name, k)
         times = {n: ([], []) for n in models_}
         for i in range(30):
-            for name in (("separate", "fused") if i % 2 else ("fused", "separate")):
+            for name in ("separate", "fused") if i % 2 else ("fused", "separate"):
                 built, total = step(name, k)
                 times[name][0].append(built)
                 times[name][1].append(total)
-        print(f"{ROWS} rows x {k} tokens: " + ", ".join(
-            f"{n} build {1e3 * statistics.median(b):.2f} ms, step {1e3 * statistics.median(t):.2f} ms"
-            for n, (b, t) in times.items()))
+        print(
+            f"{ROWS} rows x {k} tokens: "
+            + ", ".join(
+                f"{n} build {1e3 * statistics.median(b):.2f} ms, step {1e3 * statistics.median(t):.2f} ms"
+                for n, (b, t) in times.items()
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -21,8 +21,11 @@ import time
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, HERE)
 
-SHAPES = [(rows, 512, length) for rows in (1, 8) for length in (0, 512, 1024, 1536)] + [
-    (rows, width, 0) for rows in (1, 2, 4) for width in (1024, 2048)] + [(2, 1024, 1024)]
+SHAPES = (
+    [(rows, 512, length) for rows in (1, 8) for length in (0, 512, 1024, 1536)]
+    + [(rows, width, 0) for rows in (1, 2, 4) for width in (1024, 2048)]
+    + [(2, 1024, 1024)]
+)
 
 
 def main() -> None:
@@ -30,13 +33,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    import models  # noqa: F401  (a fast BLAS before mlx.core on a CPU)
     import mlx.core as mx
     import numpy as np
+
+    import models  # noqa: F401  (a fast BLAS before mlx.core on a CPU)
     from models.slab_forward import STEP, _grid_attention
 
     dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
-    heads, kv_heads, dim, scale = 12, 2, 128, 128 ** -0.5
+    heads, kv_heads, dim, scale = 12, 2, 128, 128**-0.5
 
     def masked(rows: int, width: int, length: int):
         keys = -(-(length + width) // STEP) * STEP
@@ -47,7 +51,8 @@ def main() -> None:
         "matmul": lambda q, k, v, mask, t: _grid_attention(q, k, v, scale, mask),
         "fused_mask": lambda q, k, v, mask, t: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask),
         "fused_causal": lambda q, k, v, mask, t: mx.fast.scaled_dot_product_attention(
-            q, k[:, :, :t], v[:, :, :t], scale=scale, mask="causal"),
+            q, k[:, :, :t], v[:, :, :t], scale=scale, mask="causal"
+        ),
     }
     results = []
     for rows, width, length in SHAPES:
@@ -69,9 +74,12 @@ def main() -> None:
             row[name] = {"first_ms": round(times[0], 2), "ms": round(statistics.median(times[1:]), 3)}
         row["max_diff"] = max(mx.abs(outs[n] - outs["matmul"]).max().item() for n in ways)
         results.append(row)
-        print(f"rows {rows} width {width:5d} after {length:5d}: "
-              + "  ".join(f"{n} {row[n]['ms']:.2f} ms (first {row[n]['first_ms']:.1f})" for n in ways)
-              + f"  max diff {row['max_diff']:.3g}", flush=True)
+        print(
+            f"rows {rows} width {width:5d} after {length:5d}: "
+            + "  ".join(f"{n} {row[n]['ms']:.2f} ms (first {row[n]['first_ms']:.1f})" for n in ways)
+            + f"  max diff {row['max_diff']:.3g}",
+            flush=True,
+        )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"device": str(mx.default_device()), "dtype": str(dtype), "shapes": results}, f, indent=1)

@@ -27,6 +27,8 @@ HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, HERE)
 
 import models  # noqa: E402,F401  (a fast BLAS before MLX on a CPU)
+
+# isort: split
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -37,7 +39,7 @@ HEADS, KV_HEADS, DIM, LAYERS, CAPACITY = 12, 2, 128, 28, 1024
 
 
 def attention_table(rows_list: list[int], keys: int, repeats: int, dtype: mx.Dtype) -> None:
-    scale = DIM ** -0.5
+    scale = DIM**-0.5
     names = ["mask (bool)", "mask (additive)", "no mask (floor)", "two matmuls", "a call per row"]
     print(f"device {mx.default_device()}, mlx {mx.__version__}: {LAYERS} layers' decode attention, ms")
     print("| rows | " + " | ".join(names) + " |")
@@ -52,20 +54,33 @@ def attention_table(rows_list: list[int], keys: int, repeats: int, dtype: mx.Dty
         mx.eval(k_all, v_all, q, mask, additive)
 
         def sdpa(layer, m):
-            return mx.fast.scaled_dot_product_attention(q[layer], k_all[layer][:rows, :, :keys],
-                                                        v_all[layer][:rows, :, :keys], scale=scale, mask=m)
+            return mx.fast.scaled_dot_product_attention(
+                q[layer], k_all[layer][:rows, :, :keys], v_all[layer][:rows, :, :keys], scale=scale, mask=m
+            )
 
         def per_row(layer):
-            return mx.concatenate([mx.fast.scaled_dot_product_attention(
-                q[layer][r:r + 1], k_all[layer][r:r + 1, :, :n + 1], v_all[layer][r:r + 1, :, :n + 1], scale=scale)
-                for r, n in enumerate(lengths.tolist())])
+            return mx.concatenate(
+                [
+                    mx.fast.scaled_dot_product_attention(
+                        q[layer][r : r + 1],
+                        k_all[layer][r : r + 1, :, : n + 1],
+                        v_all[layer][r : r + 1, :, : n + 1],
+                        scale=scale,
+                    )
+                    for r, n in enumerate(lengths.tolist())
+                ]
+            )
 
-        ways = [lambda: [sdpa(i, mask) for i in range(LAYERS)],
-                lambda: [sdpa(i, additive) for i in range(LAYERS)],
-                lambda: [sdpa(i, None) for i in range(LAYERS)],
-                lambda: [_grid_attention(q[i], k_all[i][:rows, :, :keys], v_all[i][:rows, :, :keys], scale, mask)
-                         for i in range(LAYERS)],
-                lambda: [per_row(i) for i in range(LAYERS)]]
+        ways = [
+            lambda: [sdpa(i, mask) for i in range(LAYERS)],
+            lambda: [sdpa(i, additive) for i in range(LAYERS)],
+            lambda: [sdpa(i, None) for i in range(LAYERS)],
+            lambda: [
+                _grid_attention(q[i], k_all[i][:rows, :, :keys], v_all[i][:rows, :, :keys], scale, mask)
+                for i in range(LAYERS)
+            ],
+            lambda: [per_row(i) for i in range(LAYERS)],
+        ]
         print(f"| {rows} | " + " | ".join(f"{median_eval_s(w, repeats) * 1e3:.2f}" for w in ways) + " |", flush=True)
 
 
@@ -87,10 +102,32 @@ def main() -> None:
     for k in range(args.rounds):
         for mode in ("mask", "rows", "matmuls"):
             out = subprocess.run(
-                [sys.executable, script, "--target", args.target, "--config", args.config,
-                 "--requests", str(args.streams), "--per-stream", "3", "--tokens", "128", "--prompt-chars", "600",
-                 "--temperature", "0.7", "--decode-attention", mode, "--out", os.devnull],
-                capture_output=True, text=True, cwd=HERE)
+                [
+                    sys.executable,
+                    script,
+                    "--target",
+                    args.target,
+                    "--config",
+                    args.config,
+                    "--requests",
+                    str(args.streams),
+                    "--per-stream",
+                    "3",
+                    "--tokens",
+                    "128",
+                    "--prompt-chars",
+                    "600",
+                    "--temperature",
+                    "0.7",
+                    "--decode-attention",
+                    mode,
+                    "--out",
+                    os.devnull,
+                ],
+                capture_output=True,
+                text=True,
+                cwd=HERE,
+            )
             lines = [line for line in out.stdout.splitlines() if line.startswith(("decode ", "prefill "))]
             print(f"round {k} {mode:<8} " + (" | ".join(lines) or f"failed: {out.stderr[-400:]}"), flush=True)
 

@@ -56,12 +56,12 @@ def fuse_quantized(model: nn.Module) -> int:
 
     count = 0
     for layer in model.model.layers:
-        for owner, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")),
-                             (layer.mlp, ("gate_proj", "up_proj"))):
+        for owner, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")), (layer.mlp, ("gate_proj", "up_proj"))):
             parts = [getattr(owner, name) for name in names]
             first = parts[0]
-            fused = nn.QuantizedLinear(first.weight.shape[1] * 32 // first.bits, 1, bias=False,
-                                       group_size=first.group_size, bits=first.bits)
+            fused = nn.QuantizedLinear(
+                first.weight.shape[1] * 32 // first.bits, 1, bias=False, group_size=first.group_size, bits=first.bits
+            )
             fused.weight = mx.concatenate([p.weight for p in parts])
             fused.scales = mx.concatenate([p.scales for p in parts])
             fused.biases = mx.concatenate([p.biases for p in parts])
@@ -121,7 +121,9 @@ def main() -> None:
     kinds = ["bf16", "bf16+fused", "4bit-flat", "4bit-flat+fused"]
     models = {kind: loaded(kind) for kind in kinds}
     print(f"device {mx.default_device()}, mlx {mx.__version__}, context {args.context}")
-    print("| rows x width | " + " | ".join(f"{k} ms" for k in kinds) + f" | {kinds[-1]} padded to {args.pad} tokens ms |")
+    print(
+        "| rows x width | " + " | ".join(f"{k} ms" for k in kinds) + f" | {kinds[-1]} padded to {args.pad} tokens ms |"
+    )
     print("|---|" + "---|" * (len(kinds) + 1))
     for width in args.widths:
         for rows in args.rows:

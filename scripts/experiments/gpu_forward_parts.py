@@ -24,11 +24,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from scripts.gpu_bench import log, random_llama  # noqa: E402
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache  # noqa: E402
 
 from models.bucketed import BucketedForward  # noqa: E402
+from scripts.gpu_bench import log, random_llama  # noqa: E402
 
 
 def timings(forward, cache, n: int, reps: int = 15) -> dict:
@@ -59,8 +59,9 @@ def timings(forward, cache, n: int, reps: int = 15) -> dict:
             mx.async_eval(outs[-1])
         mx.eval(outs)
         pipelined.append((time.perf_counter() - tic) / 10)
-    return {k: statistics.median(v) * 1e3 for k, v in
-            (("sync", sync), ("pipelined", pipelined), ("dispatch", dispatch))}
+    return {
+        k: statistics.median(v) * 1e3 for k, v in (("sync", sync), ("pipelined", pipelined), ("dispatch", dispatch))
+    }
 
 
 def kernel_profile(forward, cache, n: int, reps: int = 10) -> tuple[float, int, list]:
@@ -105,8 +106,10 @@ def main() -> None:
                 forward = fast.greedy_every
             for n in lengths:
                 t = timings(forward, cache, n)
-                line = (f"[{args.size}] {name:8s} L={n}: sync {t['sync']:5.2f}  pipelined {t['pipelined']:5.2f}  "
-                        f"dispatch {t['dispatch']:5.2f} ms")
+                line = (
+                    f"[{args.size}] {name:8s} L={n}: sync {t['sync']:5.2f}  pipelined {t['pipelined']:5.2f}  "
+                    f"dispatch {t['dispatch']:5.2f} ms"
+                )
                 if args.profile:
                     gpu, kernels, top = kernel_profile(forward, cache, n)
                     line += f"  | GPU kernels {gpu:5.2f} ms, {kernels} kernels"

@@ -22,23 +22,26 @@ import argparse
 import json
 import os
 import sys
-import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, HERE)
 
-SHAPES = ([(r, w, n) for n in (100, 700) for w in (2, 5) for r in (1, 4, 8, 16, 32)]
-          + [(r, w, n) for n in (0, 1536) for w in (16, 64, 256, 512) for r in (1, 8)]
-          + [(r, 1, n) for n in (100, 700) for r in (1, 8, 32)])
+SHAPES = (
+    [(r, w, n) for n in (100, 700) for w in (2, 5) for r in (1, 4, 8, 16, 32)]
+    + [(r, w, n) for n in (0, 1536) for w in (16, 64, 256, 512) for r in (1, 8)]
+    + [(r, 1, n) for n in (100, 700) for r in (1, 8, 32)]
+)
 
 
 def fused_attention() -> None:
     """Grid attention with several queries per row back on the fused kernel (with a mask)."""
     import mlx.core as mx
+
     from models import slab_forward
 
     slab_forward._grid_attention = lambda q, k, v, scale, mask: mx.fast.scaled_dot_product_attention(
-        q, k, v, scale=scale, mask=mask)
+        q, k, v, scale=scale, mask=mask
+    )
 
 
 def main() -> None:
@@ -48,9 +51,10 @@ def main() -> None:
     parser.add_argument("--variant", default="default", help="default, q4, fused, q4+fused")
     args = parser.parse_args()
     import mlx.core as mx
+
+    from models.dense_weights import dequantize
     from models.loader import load_pair
     from models.slab import Slab
-    from models.dense_weights import dequantize
     from scripts.experiments.gpu_shapes import timed
 
     target, _ = load_pair(args.model, None)

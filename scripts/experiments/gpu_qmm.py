@@ -24,8 +24,15 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["1", "2", "4", "8", "4,1", "64,1", "64", "256", "1024", "4096"])
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args()
-    outs = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN),
-            (INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
+    outs = [
+        (HIDDEN, HIDDEN),
+        (KV, HIDDEN),
+        (KV, HIDDEN),
+        (HIDDEN, HIDDEN),
+        (INTERMEDIATE, HIDDEN),
+        (INTERMEDIATE, HIDDEN),
+        (HIDDEN, INTERMEDIATE),
+    ]
     dense = [[(mx.random.normal(s) * 0.02).astype(mx.bfloat16) for s in outs] for _ in range(LAYERS)]
     quant = [[mx.quantize(w, group_size=64, bits=4) for w in layer] for layer in dense]
     mx.eval(dense, quant)

@@ -37,10 +37,14 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--parts", default="shapes,prefill")
-    parser.add_argument("--fused", action="store_true",
-                        help="grid attention on the fused kernel, as before the matmul attention (gpu_prefill.py)")
+    parser.add_argument(
+        "--fused",
+        action="store_true",
+        help="grid attention on the fused kernel, as before the matmul attention (gpu_prefill.py)",
+    )
     args = parser.parse_args()
     import mlx.core as mx
+
     from models.dense_weights import dequantize
     from models.loader import load_pair
     from models.slab import Slab
@@ -81,8 +85,9 @@ def main() -> None:
                 for length in (0, 512, 1536):
                     first = timed(lambda: run(r, w, length, logits=False))
                     again = timed(lambda: run(r, w, length, logits=False), 2)
-                    shapes.append(dict(rows=r, width=w, length=length, first_ms=first * 1e3, again_ms=again * 1e3,
-                                       prefill=True))
+                    shapes.append(
+                        dict(rows=r, width=w, length=length, first_ms=first * 1e3, again_ms=again * 1e3, prefill=True)
+                    )
             print(f"prefill rows {r}: {[round(s['first_ms']) for s in shapes[-15:]]}", flush=True)
         result["shapes"] = shapes
         result["shapes_total_s"] = time.perf_counter() - t0

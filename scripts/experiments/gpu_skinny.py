@@ -51,6 +51,8 @@ import functools  # noqa: E402
 import glob  # noqa: E402
 
 import models  # noqa: E402,F401  (before mlx, as the service imports it)
+
+# isort: split
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
@@ -147,8 +149,9 @@ _SOURCE = """
 
 @functools.cache
 def _kernel():
-    return mx.fast.cuda_kernel(name="skinny_matmul", input_names=["x", "w", "bias", "dims"], output_names=["y"],
-                               source=_SOURCE, header=_HEADER)
+    return mx.fast.cuda_kernel(
+        name="skinny_matmul", input_names=["x", "w", "bias", "dims"], output_names=["y"], source=_SOURCE, header=_HEADER
+    )
 
 
 @functools.cache
@@ -187,9 +190,13 @@ class _Launch:
     def __init__(self, n: int, k: int, m: int, dtype: mx.Dtype) -> None:
         self.zeros = _zeros(m, dtype)
         self.dims = mx.array([n, k, m], dtype=mx.int32)
-        self.kwargs = {"template": [("T", dtype), ("NB", bucket(n)), ("ROWS", ROWS), ("BLOCK", BLOCK)],
-                       "grid": (-(-m // ROWS) * BLOCK, 1, 1), "threadgroup": (BLOCK, 1, 1),
-                       "output_shapes": [(n, m)], "output_dtypes": [dtype]}
+        self.kwargs = {
+            "template": [("T", dtype), ("NB", bucket(n)), ("ROWS", ROWS), ("BLOCK", BLOCK)],
+            "grid": (-(-m // ROWS) * BLOCK, 1, 1),
+            "threadgroup": (BLOCK, 1, 1),
+            "output_shapes": [(n, m)],
+            "output_dtypes": [dtype],
+        }
 
     def bias(self, bias: mx.array | None) -> mx.array:
         """The bias input: the layer's in the kernel's dtype, or zeros."""
@@ -236,10 +243,13 @@ def _nvrtc() -> ctypes.CDLL:
 def _include_dirs() -> list[str]:
     """Folders holding cuda_bf16.h: the CUDA toolkit's, or the pip wheels' (nvidia/*)."""
     roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
-    found = [os.path.join(r, "include") for r in roots if r and os.path.exists(os.path.join(r, "include", "cuda_bf16.h"))]
+    found = [
+        os.path.join(r, "include") for r in roots if r and os.path.exists(os.path.join(r, "include", "cuda_bf16.h"))
+    ]
     for entry in sys.path:
-        found += sorted(os.path.dirname(h) for h in glob.glob(os.path.join(entry, "nvidia", "**", "cuda_bf16.h"),
-                                                             recursive=True))
+        found += sorted(
+            os.path.dirname(h) for h in glob.glob(os.path.join(entry, "nvidia", "**", "cuda_bf16.h"), recursive=True)
+        )
     return list(dict.fromkeys(found))
 
 
@@ -249,11 +259,13 @@ def _compiled(nb: int) -> tuple[str, bytes]:
     NVRTC from a standalone copy of the source (MLX 0.32.4 keeps its custom kernels' code
     in memory only: its PTX cache stays empty for them)."""
     name = f"skinny_matmul_nb{nb}"
-    source = ("#include <cuda_bf16.h>\n" + _HEADER + f'extern "C" __global__ void {name}(\n'
-              "    const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* bias, const int* dims,\n"
-              "    __nv_bfloat16* y) {\n"
-              f"  using T = __nv_bfloat16;\n  constexpr int NB = {nb};\n  constexpr int ROWS = {ROWS};\n"
-              f"  constexpr int BLOCK = {BLOCK};\n" + _SOURCE + "}\n")
+    source = (
+        "#include <cuda_bf16.h>\n" + _HEADER + f'extern "C" __global__ void {name}(\n'
+        "    const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* bias, const int* dims,\n"
+        "    __nv_bfloat16* y) {\n"
+        f"  using T = __nv_bfloat16;\n  constexpr int NB = {nb};\n  constexpr int ROWS = {ROWS};\n"
+        f"  constexpr int BLOCK = {BLOCK};\n" + _SOURCE + "}\n"
+    )
     lib = _nvrtc()
     prog = ctypes.c_void_p()
 
@@ -267,8 +279,7 @@ def _compiled(nb: int) -> tuple[str, bytes]:
 
     ok(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None), "create")
     # PTX for compute_90 (the H200): the driver compiles it for the GPU at load.
-    opts = [b"--gpu-architecture=compute_90"] + [f"--include-path={d}".encode()
-                                                                      for d in _include_dirs()]
+    opts = [b"--gpu-architecture=compute_90"] + [f"--include-path={d}".encode() for d in _include_dirs()]
     ok(lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)), "compile")
     size = ctypes.c_size_t()
     ok(lib.nvrtcGetPTXSize(prog, ctypes.byref(size)), "ptx size")
@@ -284,9 +295,16 @@ def matmul_precompiled(x: mx.array, weight: mx.array) -> mx.array:
     args = _launch(n, k, m, weight.dtype)
     name, code = _compiled(bucket(n))
     return mx.fast.precompiled_cuda_kernel(
-        name=name, compiled_source=code, inputs=[x, weight, args.zeros, args.dims],
-        output_shapes=args.kwargs["output_shapes"], output_dtypes=args.kwargs["output_dtypes"], scalars=[],
-        grid=args.kwargs["grid"], threadgroup=args.kwargs["threadgroup"], ensure_row_contiguous=True)[0]
+        name=name,
+        compiled_source=code,
+        inputs=[x, weight, args.zeros, args.dims],
+        output_shapes=args.kwargs["output_shapes"],
+        output_dtypes=args.kwargs["output_dtypes"],
+        scalars=[],
+        grid=args.kwargs["grid"],
+        threadgroup=args.kwargs["threadgroup"],
+        ensure_row_contiguous=True,
+    )[0]
 
 
 def host(token_counts: list[int], calls: int = 2000) -> None:
@@ -297,8 +315,11 @@ def host(token_counts: list[int], calls: int = 2000) -> None:
         x = mx.random.normal((n, HIDDEN)).astype(mx.bfloat16)
         mx.eval(w, x)
         ref = (x @ w.T).astype(mx.float32)
-        for label, fn in (("cuBLAS", lambda: x @ w.T), ("cuda_kernel", lambda: matmul(x, w)),
-                          ("precompiled", lambda: matmul_precompiled(x, w))):
+        for label, fn in (
+            ("cuBLAS", lambda: x @ w.T),
+            ("cuda_kernel", lambda: matmul(x, w)),
+            ("precompiled", lambda: matmul_precompiled(x, w)),
+        ):
             diff = mx.abs(fn().astype(mx.float32) - ref).max().item()
             tic = time.perf_counter()
             outs = [fn() for _ in range(calls)]
@@ -311,8 +332,10 @@ def host(token_counts: list[int], calls: int = 2000) -> None:
     for n in token_counts:
         inputs = {d: mx.random.normal((n, d)).astype(mx.bfloat16) for d in (HIDDEN, INTERMEDIATE)}
         mx.eval(inputs)
-        row = [median_ms(lambda: [f(inputs[w.shape[1]], w) for layer in dense for w in layer])
-               for f in (lambda a, b: a @ b.T, matmul, matmul_precompiled)]
+        row = [
+            median_ms(lambda: [f(inputs[w.shape[1]], w) for layer in dense for w in layer])
+            for f in (lambda a, b: a @ b.T, matmul, matmul_precompiled)
+        ]
         print(f"| {n} | " + " | ".join(f"{v:.2f}" for v in row) + " |", flush=True)
 
 
@@ -327,8 +350,15 @@ def median_ms(fn, repeats: int = 15) -> float:
 def forward_weights() -> list[list[mx.array]]:
     """Random bf16 weights of one forward at the q15 shape: per layer q, k, v, o, gate,
     up, down, as (out, in)."""
-    outs = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN),
-            (INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
+    outs = [
+        (HIDDEN, HIDDEN),
+        (KV, HIDDEN),
+        (KV, HIDDEN),
+        (HIDDEN, HIDDEN),
+        (INTERMEDIATE, HIDDEN),
+        (INTERMEDIATE, HIDDEN),
+        (HIDDEN, INTERMEDIATE),
+    ]
     dense = [[(mx.random.normal(s) * 0.02).astype(mx.bfloat16) for s in outs] for _ in range(LAYERS)]
     mx.eval(dense)
     return dense
@@ -342,7 +372,7 @@ def accuracy() -> None:
         for n in (2, 3, 4, 7, 8, 13, 16, 20, 32):
             for with_bias, aligned in ((False, True), (True, True), (False, False)):
                 base = mx.random.normal((n * k + 1,)).astype(mx.bfloat16)
-                x = (base[:n * k] if aligned else base[1:]).reshape(n, k)
+                x = (base[: n * k] if aligned else base[1:]).reshape(n, k)
                 b = bias if with_bias else None
                 ref = x.astype(mx.float32) @ w.astype(mx.float32).T + (b.astype(mx.float32) if b is not None else 0)
                 got = matmul(x, w, b)
@@ -370,8 +400,7 @@ def matmuls(token_counts: list[int]) -> None:
             ROWS, BLOCK = rows, block
             _launch.cache_clear()
             if n >= 2:
-                row.append(median_ms(lambda: [matmul(inputs[w.shape[1]], w) for layer in dense
-                                              for w in layer]))
+                row.append(median_ms(lambda: [matmul(inputs[w.shape[1]], w) for layer in dense for w in layer]))
             else:
                 row.append(float("nan"))
         ROWS, BLOCK = defaults
@@ -412,8 +441,11 @@ def steps(path: str, row_counts: list[int]) -> None:
             figures[name] = (median_ms(step), median_ms(pipelined, 5) / 10)
         for m in linears:
             m.__class__ = nn.Linear
-        print(f"| {rows} | {figures['plain'][0]:.2f} | {figures['skinny'][0]:.2f} | {figures['plain'][1]:.2f} | "
-              f"{figures['skinny'][1]:.2f} |", flush=True)
+        print(
+            f"| {rows} | {figures['plain'][0]:.2f} | {figures['skinny'][0]:.2f} | {figures['plain'][1]:.2f} | "
+            f"{figures['skinny'][1]:.2f} |",
+            flush=True,
+        )
 
 
 def main() -> None:

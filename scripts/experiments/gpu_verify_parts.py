@@ -20,6 +20,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import models  # noqa: E402,F401  (fast BLAS before mlx.core)
+
+# isort: split
 import mlx.core as mx  # noqa: E402
 
 from scripts.bench_util import median_eval_s  # noqa: E402
@@ -35,9 +37,15 @@ def per_op_us(fn, reps: int = 20) -> float:
 def main() -> None:
     dt = mx.bfloat16 if mx.default_device() != mx.cpu else mx.float32
     mx.random.seed(0)
-    weights = {name: [mx.random.normal(shape).astype(dt) * 0.02 for _ in range(LAYERS)]
-               for name, shape in [("q/o proj", (HIDDEN, HIDDEN)), ("k/v proj", (HIDDEN, KV_HEADS * HEAD_DIM)),
-                                   ("gate/up proj", (HIDDEN, MLP)), ("down proj", (MLP, HIDDEN))]}
+    weights = {
+        name: [mx.random.normal(shape).astype(dt) * 0.02 for _ in range(LAYERS)]
+        for name, shape in [
+            ("q/o proj", (HIDDEN, HIDDEN)),
+            ("k/v proj", (HIDDEN, KV_HEADS * HEAD_DIM)),
+            ("gate/up proj", (HIDDEN, MLP)),
+            ("down proj", (MLP, HIDDEN)),
+        ]
+    }
     mx.eval(weights)
     keys = mx.random.normal((1, KV_HEADS, KEYS, HEAD_DIM)).astype(dt)
     values = mx.random.normal((1, KV_HEADS, KEYS, HEAD_DIM)).astype(dt)
@@ -58,10 +66,13 @@ def main() -> None:
         mx.eval(additive)
         masked = per_op_us(lambda: [sdpa(q, keys, values, scale=0.125, mask=mask) for _ in range(LAYERS)])
         added = per_op_us(lambda: [sdpa(q, keys, values, scale=0.125, mask=additive) for _ in range(LAYERS)])
-        plain = per_op_us(lambda: [sdpa(q, keys, values, scale=0.125, mask=None if length == 1 else "causal")
-                                   for _ in range(LAYERS)])
-        print(f"attention L={length}: boolean mask {masked:7.1f}   additive mask {added:7.1f}   "
-              f"{'no mask' if length == 1 else 'causal'} {plain:7.1f}")
+        plain = per_op_us(
+            lambda: [sdpa(q, keys, values, scale=0.125, mask=None if length == 1 else "causal") for _ in range(LAYERS)]
+        )
+        print(
+            f"attention L={length}: boolean mask {masked:7.1f}   additive mask {added:7.1f}   "
+            f"{'no mask' if length == 1 else 'causal'} {plain:7.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ class OneTokenClient:
 
         async def events():
             yield TokenEvent(request.request_id, [5], "length")
+
         return events()
 
     async def cancel(self, request_id) -> None:
@@ -72,6 +73,7 @@ async def lateness_while(coro) -> tuple[list[float], object]:
             tic = time.perf_counter()
             await asyncio.sleep(0.001)
             late.append(1e3 * (time.perf_counter() - tic - 0.001))
+
     task = asyncio.ensure_future(sleeper())
     try:
         result = await coro
@@ -92,6 +94,7 @@ async def burst(http_client, messages: list[dict], num_requests: int, gap_s: flo
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
         return time.perf_counter() - start - delay
+
     return await asyncio.gather(*(one(k * gap_s) for k in range(num_requests)))
 
 
@@ -115,7 +118,7 @@ async def main_async(args) -> int:
             ids = len(codec.encode_chat(messages))
             results: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in sides}
             for k in range(args.rounds + 1):
-                for name in (sides if k % 2 else list(sides)[::-1]):
+                for name in sides if k % 2 else list(sides)[::-1]:
                     http.TOKENIZE_OFF_LOOP_BYTES = sides[name]
                     late, took = await lateness_while(burst(client, messages, args.requests, args.gap_ms / 1e3))
                     if k:  # the first round warms both sides
@@ -124,8 +127,10 @@ async def main_async(args) -> int:
             http.TOKENIZE_OFF_LOOP_BYTES = default
             for name, (late, took) in results.items():
                 late.sort()
-                print(f"| {ids:,} | {size:,} | {name} | {late[-1]:.1f} | {late[int(len(late) * 0.99)]:.1f} | "
-                      f"{1e3 * statistics.mean(took):.1f} |")
+                print(
+                    f"| {ids:,} | {size:,} | {name} | {late[-1]:.1f} | {late[int(len(late) * 0.99)]:.1f} | "
+                    f"{1e3 * statistics.mean(took):.1f} |"
+                )
     return 0
 
 

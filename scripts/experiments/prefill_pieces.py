@@ -53,13 +53,13 @@ def main() -> int:
         mx.eval(slab.arrays())
         tic = time.perf_counter()
         for start in range(0, len(ids), width):
-            out = slab.forward(model, [(row, ids[start:start + width])], last_only=True)
+            out = slab.forward(model, [(row, ids[start : start + width])], last_only=True)
             mx.eval([x for x in out if x is not None], slab.arrays())
         return time.perf_counter() - tic
 
     times: dict[int, list[float]] = {w: [] for w in widths}
     for k in range(args.rounds + 1):
-        for w in (widths if k % 2 else widths[::-1]):
+        for w in widths if k % 2 else widths[::-1]:
             took = prefill_s(w)
             if k:
                 times[w].append(took)

@@ -36,8 +36,9 @@ def one_repeat(engine, rep: int, args, tokens) -> dict:
     before_counts = engine.snapshot()["counters"]
     streams = [f"r{rep}-stream{i}" for i in range(args.streams)]
     for i, request_id in enumerate(streams):
-        engine.submit(Request(request_id, tokens(100), SamplingParams(max_tokens=args.stream_tokens,
-                                                                      temperature=0.7, seed=i)))
+        engine.submit(
+            Request(request_id, tokens(100), SamplingParams(max_tokens=args.stream_tokens, temperature=0.7, seed=i))
+        )
     times: dict[str, list[float]] = {}
     start = time.perf_counter()
     sent: dict[str, float] = {}
@@ -67,13 +68,16 @@ def one_repeat(engine, rep: int, args, tokens) -> dict:
         around += mine
         worst.append(max(mine))
     counts = engine.snapshot()["counters"]
-    return {"yields": counts["prefill_yields"] - before_counts["prefill_yields"],
-            "grants": counts["grants"] - before_counts["grants"],
-            "overtakes": counts["prefill_overtakes"] - before_counts["prefill_overtakes"],
-            "gap_p50_ms": 1e3 * statistics.median(before), "gap_max_ms": 1e3 * max(around),
-            "stream_max_ms": " / ".join(f"{1e3 * w:.0f}" for w in sorted(worst)),
-            "long_ttft_ms": 1e3 * (times[f"r{rep}-long"][0] - sent["long"]),
-            "short_ttft_ms": 1e3 * (times[f"r{rep}-short"][0] - sent["short"])}
+    return {
+        "yields": counts["prefill_yields"] - before_counts["prefill_yields"],
+        "grants": counts["grants"] - before_counts["grants"],
+        "overtakes": counts["prefill_overtakes"] - before_counts["prefill_overtakes"],
+        "gap_p50_ms": 1e3 * statistics.median(before),
+        "gap_max_ms": 1e3 * max(around),
+        "stream_max_ms": " / ".join(f"{1e3 * w:.0f}" for w in sorted(worst)),
+        "long_ttft_ms": 1e3 * (times[f"r{rep}-long"][0] - sent["long"]),
+        "short_ttft_ms": 1e3 * (times[f"r{rep}-short"][0] - sent["short"]),
+    }
 
 
 def main() -> int:
@@ -95,18 +99,24 @@ def main() -> int:
     engine, _ = engine_from_config(path, args.target, overrides)
     rng = random.Random(0)
     tokens = lambda n: [rng.randrange(3, 2000) for _ in range(n)]  # noqa: E731
-    print(f"{path} {overrides}: {args.streams} streams decoding, a {args.prompt_tokens}-token prompt, "
-          f"a 20-token high-lane request {args.short_after_ms:g} ms after it")
-    print("| repeat | stream gap p50 before, ms | longest stream gap around the prefill, ms | "
-          "each stream's longest gap, ms | long prompt TTFT, ms | short request TTFT, ms | "
-          "decode steps within prefills | requests prefilled within prefills | slot grants |")
+    print(
+        f"{path} {overrides}: {args.streams} streams decoding, a {args.prompt_tokens}-token prompt, "
+        f"a 20-token high-lane request {args.short_after_ms:g} ms after it"
+    )
+    print(
+        "| repeat | stream gap p50 before, ms | longest stream gap around the prefill, ms | "
+        "each stream's longest gap, ms | long prompt TTFT, ms | short request TTFT, ms | "
+        "decode steps within prefills | requests prefilled within prefills | slot grants |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     try:
         for rep in range(args.repeats):
             r = one_repeat(engine, rep, args, tokens)
-            print(f"| {rep} | {r['gap_p50_ms']:.0f} | {r['gap_max_ms']:.0f} | {r['stream_max_ms']} | "
-                  f"{r['long_ttft_ms']:.0f} | "
-                  f"{r['short_ttft_ms']:.0f} | {r['yields']} | {r['overtakes']} | {r['grants']} |")
+            print(
+                f"| {rep} | {r['gap_p50_ms']:.0f} | {r['gap_max_ms']:.0f} | {r['stream_max_ms']} | "
+                f"{r['long_ttft_ms']:.0f} | "
+                f"{r['short_ttft_ms']:.0f} | {r['yields']} | {r['overtakes']} | {r['grants']} |"
+            )
     finally:
         engine.stop()
     return 0

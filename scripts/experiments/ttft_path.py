@@ -44,8 +44,10 @@ def prompts(target: str, long_tokens: int) -> list[tuple[str, list[dict]]]:
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     long_text = user_texts(tokenizer, 1, 1, long_tokens, 1, seed=5)[0][0]
-    return [("short", [{"role": "user", "content": "hi"}]),
-            (f"{long_tokens} tokens, prefix cached", [{"role": "user", "content": long_text}])]
+    return [
+        ("short", [{"role": "user", "content": "hi"}]),
+        (f"{long_tokens} tokens, prefix cached", [{"role": "user", "content": long_text}]),
+    ]
 
 
 def engine_mode(config: str, target: str, cases, repeats: int) -> None:
@@ -59,16 +61,19 @@ def engine_mode(config: str, target: str, cases, repeats: int) -> None:
 
     def first_token_s(ids: list[int]) -> float:
         sampling = SamplingParams(max_tokens=1, temperature=0.0, stop_token_ids=tuple(info["eos_token_ids"]))
-        return first_token(engine, Request(request_id=f"ttft-{next(ids_counter)}", prompt_ids=ids,
-                                           sampling=sampling))[0]
+        return first_token(engine, Request(request_id=f"ttft-{next(ids_counter)}", prompt_ids=ids, sampling=sampling))[
+            0
+        ]
 
     try:
         for name, messages in cases:
             ids = codec.encode_chat(messages)
             first_token_s(ids), first_token_s(ids)
             times = [first_token_s(ids) for _ in range(repeats)]
-            print(f"{name} ({len(ids)} prompt tokens): in-process TTFT mean {1000 * statistics.mean(times):.1f} ms, "
-                  f"p50 {1000 * statistics.median(times):.1f} ms")
+            print(
+                f"{name} ({len(ids)} prompt tokens): in-process TTFT mean {1000 * statistics.mean(times):.1f} ms, "
+                f"p50 {1000 * statistics.median(times):.1f} ms"
+            )
     finally:
         engine.stop()
 
@@ -77,16 +82,19 @@ def service_series(url: str) -> dict[str, float]:
     from scripts import metrics
 
     text = metrics.fetch(url)
-    return {"scheduler_s": metrics.series_total(text, "specslot_scheduler_ttft_seconds_sum"),
-            "scheduler_n": metrics.series_total(text, "specslot_scheduler_ttft_seconds_count"),
-            "replica_s": metrics.series_total(text, "specslot:time_to_first_token_seconds_sum"),
-            "replica_n": metrics.series_total(text, "specslot:time_to_first_token_seconds_count")}
+    return {
+        "scheduler_s": metrics.series_total(text, "specslot_scheduler_ttft_seconds_sum"),
+        "scheduler_n": metrics.series_total(text, "specslot_scheduler_ttft_seconds_count"),
+        "replica_s": metrics.series_total(text, "specslot:time_to_first_token_seconds_sum"),
+        "replica_n": metrics.series_total(text, "specslot:time_to_first_token_seconds_count"),
+    }
 
 
 def client_first_token_s(url: str, messages: list[dict]) -> float:
     body = json.dumps({"messages": messages, "max_tokens": 1, "temperature": 0.0, "stream": True}).encode()
-    request = urllib.request.Request(url + "/v1/chat/completions", data=body,
-                                     headers={"content-type": "application/json"})
+    request = urllib.request.Request(
+        url + "/v1/chat/completions", data=body, headers={"content-type": "application/json"}
+    )
     tic = time.perf_counter()
     first = None
     with urllib.request.urlopen(request, timeout=60) as resp:
@@ -108,11 +116,15 @@ def url_mode(url: str, cases, repeats: int) -> None:
         before = service_series(url)
         times = [client_first_token_s(url, messages) for _ in range(repeats)]
         after = service_series(url)
-        mean = {side: (after[f"{side}_s"] - before[f"{side}_s"]) / max(1.0, after[f"{side}_n"] - before[f"{side}_n"])
-                for side in ("replica", "scheduler")}
-        print(f"{name}: client TTFT mean {1000 * statistics.mean(times):.1f} ms (p50 "
-              f"{1000 * statistics.median(times):.1f}); replica {1000 * mean['replica']:.1f} ms; "
-              f"scheduler {1000 * mean['scheduler']:.1f} ms")
+        mean = {
+            side: (after[f"{side}_s"] - before[f"{side}_s"]) / max(1.0, after[f"{side}_n"] - before[f"{side}_n"])
+            for side in ("replica", "scheduler")
+        }
+        print(
+            f"{name}: client TTFT mean {1000 * statistics.mean(times):.1f} ms (p50 "
+            f"{1000 * statistics.median(times):.1f}); replica {1000 * mean['replica']:.1f} ms; "
+            f"scheduler {1000 * mean['scheduler']:.1f} ms"
+        )
 
 
 def main() -> None:

@@ -25,15 +25,14 @@ import argparse
 import bisect
 import os
 import statistics
-from collections import Counter
 import sys
 import time
+from collections import Counter
 
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, HERE)
 
 import models  # noqa: E402,F401  (fast BLAS before mlx)
-
 from scripts import bench_multiturn  # noqa: E402
 from scripts.bench_vs_mlx_lm import parse_config_spec  # noqa: E402
 
@@ -82,9 +81,13 @@ def split_turn(recorder: Recorder, request_id: str, ttft_s: float) -> dict | Non
     if own is None:
         return None
     first = bisect.bisect_right(recorder.starts, submitted)  # the first tick to start after the submit
-    parts = {"in flight": 0.0, "own tick": 1e3 * (ticks[own][1] - ticks[own][0]),
-             "with": ticks[own][3] - 1, "own action": ticks[own][2],
-             "in flight action": None}
+    parts = {
+        "in flight": 0.0,
+        "own tick": 1e3 * (ticks[own][1] - ticks[own][0]),
+        "with": ticks[own][3] - 1,
+        "own action": ticks[own][2],
+        "in flight action": None,
+    }
     if first > 0 and ticks[first - 1][1] > submitted and first - 1 < own:
         parts["in flight"] = 1e3 * (ticks[first - 1][1] - submitted)
         parts["in flight action"] = ticks[first - 1][2]
@@ -97,20 +100,32 @@ def split_turn(recorder: Recorder, request_id: str, ttft_s: float) -> dict | Non
 
 
 def table(rows: dict[str, list[dict]]) -> str:
-    keys = ["ttft", "in flight"] + sorted({k for parts in rows.values() for p in parts for k in p
-                                          if k.startswith("other")}) + ["own tick", "with", "read"]
-    actions = {name: (Counter(p["in flight action"] for p in parts), Counter(p["own action"] for p in parts))
-               for name, parts in rows.items()}
-    lines = ["| turns | n | " + " | ".join(f"{k}, mean ms" if k != "with" else "other turns in own tick"
-                                          for k in keys) + " |",
-             "|---|---|" + "---|" * len(keys)]
+    keys = (
+        ["ttft", "in flight"]
+        + sorted({k for parts in rows.values() for p in parts for k in p if k.startswith("other")})
+        + ["own tick", "with", "read"]
+    )
+    actions = {
+        name: (Counter(p["in flight action"] for p in parts), Counter(p["own action"] for p in parts))
+        for name, parts in rows.items()
+    }
+    lines = [
+        "| turns | n | "
+        + " | ".join(f"{k}, mean ms" if k != "with" else "other turns in own tick" for k in keys)
+        + " |",
+        "|---|---|" + "---|" * len(keys),
+    ]
     for name, parts in rows.items():
         if parts:
-            lines.append(f"| {name} | {len(parts)} | " + " | ".join(
-                f"{statistics.mean(p.get(k, 0.0) for p in parts):.1f}" for k in keys) + " |")
+            lines.append(
+                f"| {name} | {len(parts)} | "
+                + " | ".join(f"{statistics.mean(p.get(k, 0.0) for p in parts):.1f}" for k in keys)
+                + " |"
+            )
     for name, (in_flight, own) in actions.items():
-        lines.append(f"turns {name}: the tick in flight at arrival {dict(in_flight)} (None: none), "
-                     f"the own tick {dict(own)}")
+        lines.append(
+            f"turns {name}: the tick in flight at arrival {dict(in_flight)} (None: none), the own tick {dict(own)}"
+        )
     return "\n".join(lines)
 
 
@@ -136,10 +151,17 @@ def main() -> int:
         recorder = Recorder(engine)
         rows: dict[str, list[dict]] = {"1": [], "2 on": []}
         for rep in range(size["repeats"]):
-            conversations = bench_multiturn.user_texts(tokenizer, size["num_conversations"], size["num_turns"],
-                                                       size["first_tokens"], size["turn_tokens"], args.seed + rep)
-            records = bench_multiturn.engine_conversations(engine, tokenizer, conversations, size["concurrency"],
-                                                           size["max_tokens"], run_id=f"rep{rep}")
+            conversations = bench_multiturn.user_texts(
+                tokenizer,
+                size["num_conversations"],
+                size["num_turns"],
+                size["first_tokens"],
+                size["turn_tokens"],
+                args.seed + rep,
+            )
+            records = bench_multiturn.engine_conversations(
+                engine, tokenizer, conversations, size["concurrency"], size["max_tokens"], run_id=f"rep{rep}"
+            )
             for r in records:
                 request_id = f"rep{rep}-c{r['conversation']}t{r['turn'] - 1}"
                 parts = split_turn(recorder, request_id, r["ttft_s"]) if r["ttft_s"] else None
@@ -147,9 +169,11 @@ def main() -> int:
                     rows["1" if r["turn"] == 1 else "2 on"].append(parts)
     finally:
         engine.stop()
-    print(f"{path} {ours}: {size['num_conversations']} conversations x {size['num_turns']} turns at concurrency "
-          f"{size['concurrency']}, {size['repeats']} repeats; first message {size['first_tokens']} tokens, then "
-          f"{size['max_tokens']}-token replies and {size['turn_tokens']}-token messages")
+    print(
+        f"{path} {ours}: {size['num_conversations']} conversations x {size['num_turns']} turns at concurrency "
+        f"{size['concurrency']}, {size['repeats']} repeats; first message {size['first_tokens']} tokens, then "
+        f"{size['max_tokens']}-token replies and {size['turn_tokens']}-token messages"
+    )
     print(table(rows))
     return 0
 

@@ -15,9 +15,18 @@ BUNDLED = os.path.isfile("models/bundled/target/model.safetensors")
 
 
 def test_turn_rows_are_per_turn_and_per_server():
-    records = [{"server": s, "turn": t, "ttft_s": 0.1 * t * (2 if s == "cache_off" else 1),
-                "prompt_tokens": 100 * t, "cached_tokens": 0 if s == "cache_off" else 50 * t}
-               for s in ("cache_on", "cache_off") for t in (1, 2) for _ in range(3)]
+    records = [
+        {
+            "server": s,
+            "turn": t,
+            "ttft_s": 0.1 * t * (2 if s == "cache_off" else 1),
+            "prompt_tokens": 100 * t,
+            "cached_tokens": 0 if s == "cache_off" else 50 * t,
+        }
+        for s in ("cache_on", "cache_off")
+        for t in (1, 2)
+        for _ in range(3)
+    ]
     rows = bench_multiturn.turn_rows(records, ["cache_on", "cache_off"])
     assert [r["turn"] for r in rows] == [1, 2]
     assert rows[1]["prompt_tokens"] == 200 and rows[1]["cache_on_cached"] == 100
@@ -27,13 +36,16 @@ def test_turn_rows_are_per_turn_and_per_server():
 
 def test_phases_are_what_each_run_added():
     def text(replica, queue, prefill, n):
-        return "\n".join(f'{bench_multiturn.PHASES[p]}_{kind}{{model_name="m"}} {v}'
-                         for p, s in (("replica", replica), ("queue", queue), ("prefill", prefill))
-                         for kind, v in (("sum", s), ("count", n)))
+        return "\n".join(
+            f'{bench_multiturn.PHASES[p]}_{kind}{{model_name="m"}} {v}'
+            for p, s in (("replica", replica), ("queue", queue), ("prefill", prefill))
+            for kind, v in (("sum", s), ("count", n))
+        )
 
     total = {}
-    start, mid, end = (bench_multiturn.phase_totals(text(*v)) for v in
-                       ((1.0, 0.1, 0.5, 4), (2.0, 0.2, 1.3, 8), (2.9, 0.3, 2.0, 12)))
+    start, mid, end = (
+        bench_multiturn.phase_totals(text(*v)) for v in ((1.0, 0.1, 0.5, 4), (2.0, 0.2, 1.3, 8), (2.9, 0.3, 2.0, 12))
+    )
     bench_multiturn.add_phases(total, start, mid, [{"ttft_s": 0.3}] * 4)
     bench_multiturn.add_phases(total, mid, end, [{"ttft_s": 0.3}] * 3 + [{"ttft_s": None}])
     (row,) = bench_multiturn.phase_rows({"cache_on": total})
@@ -46,8 +58,9 @@ def test_phases_are_what_each_run_added():
 
 @pytest.mark.skipif(not BUNDLED, reason="bundled model not present")
 def test_multiturn_quick(tmp_path):
-    assert bench_multiturn.main(["--quick", "--config", "configs/bundled.yaml", "--out", str(tmp_path),
-                                 "--no-plot"]) == 0
+    assert (
+        bench_multiturn.main(["--quick", "--config", "configs/bundled.yaml", "--out", str(tmp_path), "--no-plot"]) == 0
+    )
     result = json.loads((tmp_path / "multiturn.json").read_text())
     assert result["scenario"] == "multiturn" and result["quick"] is True
     assert result["server_names"] == ["cache_on", "cache_off"]
@@ -77,11 +90,16 @@ def test_multiturn_quick(tmp_path):
 
 def test_affinity_stats_counts_turns_that_stay_home():
     def rec(conversation, turn, replica):
-        return {"server": "cache_on_x2", "repeat": 0, "conversation": conversation, "turn": turn,
-                "replica": replica}
+        return {"server": "cache_on_x2", "repeat": 0, "conversation": conversation, "turn": turn, "replica": replica}
 
-    records = [rec(0, 1, "a"), rec(0, 2, "a"), rec(0, 3, "b"), rec(1, 1, "b"), rec(1, 2, "b"),
-               {**rec(0, 2, "b"), "server": "other"}]
+    records = [
+        rec(0, 1, "a"),
+        rec(0, 2, "a"),
+        rec(0, 3, "b"),
+        rec(1, 1, "b"),
+        rec(1, 2, "b"),
+        {**rec(0, 2, "b"), "server": "other"},
+    ]
     stats = bench_multiturn.affinity_stats(records, "cache_on_x2")
     assert stats["same_replica_share"] == pytest.approx(2 / 3)
     assert stats["requests_per_replica"] == {"a": 2, "b": 3}
@@ -92,8 +110,12 @@ def test_multiturn_quick_in_process(tmp_path):
     """`--engine`: the same conversations on bundled.yaml's scheduler in-process; every
     turn of every conversation is answered, and from the second turn on the cached
     runner starts from the conversation so far while the other prefills it all."""
-    assert bench_multiturn.main(["--quick", "--engine", "--config", "configs/bundled.yaml", "--out",
-                                 str(tmp_path), "--no-plot"]) == 0
+    assert (
+        bench_multiturn.main(
+            ["--quick", "--engine", "--config", "configs/bundled.yaml", "--out", str(tmp_path), "--no-plot"]
+        )
+        == 0
+    )
     result = json.loads((tmp_path / "multiturn.json").read_text())
     assert result["level"] == "engine" and result["server_names"] == ["cache_on", "cache_off"]
     records = result["records"]

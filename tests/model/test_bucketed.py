@@ -112,8 +112,12 @@ def _run_fast(loaded, request, k, drafter, prefill_chunk=4, fast=True):
     """`fast` = False: the same rounds (probes included) on the plain path."""
     target = loaded[0]
     session = SpeculativeSession(
-        request.request_id, target.model, request.prompt_ids, request.sampling,
-        num_draft_tokens=k, eos_token_ids=sorted(target.tokenizer.eos_token_ids),
+        request.request_id,
+        target.model,
+        request.prompt_ids,
+        request.sampling,
+        num_draft_tokens=k,
+        eos_token_ids=sorted(target.tokenizer.eos_token_ids),
         verifier=BucketedForward(target.model, bucket=16, prefill_chunk=prefill_chunk) if fast else None,
     )
     session.bind(drafter)
@@ -159,8 +163,14 @@ def test_fast_session_equals_classic(loaded, prompt_ids, classic_outputs, kind, 
 
 
 def test_runner_fast_verify_on_cpu(tiny_pair, loaded, prompt_ids, classic_outputs):
-    runner = MlxRunner.from_paths(tiny_pair[0], drafter_kind="draft_model", drafter_path=tiny_pair[1],
-                                  num_draft_tokens=3, fast_verify=True, warm_positions=0)
+    runner = MlxRunner.from_paths(
+        tiny_pair[0],
+        drafter_kind="draft_model",
+        drafter_path=tiny_pair[1],
+        num_draft_tokens=3,
+        fast_verify=True,
+        warm_positions=0,
+    )
     assert runner.fast_verify
     # one 256-position bucket: verify 1 and 4 (logits and greedy heads) + prefill chunk 128;
     # draft 1, 2, the two catch-up lengths after a probe (PROBE_TOKENS + 1, + 2) and 128,
@@ -187,6 +197,7 @@ def test_runner_fast_verify_on_cpu(tiny_pair, loaded, prompt_ids, classic_output
 
 
 # -- the fused decoder (q/k/v and gate/up as one product each) ------------------------
+
 
 def _fresh_llama(seed: int = 3, tie: bool = False):
     from models.tiny import random_model, tiny_args
@@ -224,9 +235,18 @@ def test_qwen2_biases_fuse_with_their_rows():
     from mlx_lm.models import qwen2
 
     mx.random.seed(1)
-    args = qwen2.ModelArgs(model_type="qwen2", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
-                           num_attention_heads=4, rms_norm_eps=1e-5, vocab_size=97, num_key_value_heads=2,
-                           rope_theta=10000.0, tie_word_embeddings=False)
+    args = qwen2.ModelArgs(
+        model_type="qwen2",
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=4,
+        rms_norm_eps=1e-5,
+        vocab_size=97,
+        num_key_value_heads=2,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
     model = qwen2.Model(args)
     for layer in model.model.layers:  # non-zero biases, so a misplaced bias row shows
         for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
@@ -248,10 +268,20 @@ def test_model_outside_the_llama_family_runs_unfused_and_exact():
     from mlx_lm.models import qwen3
 
     mx.random.seed(0)
-    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
-                           num_attention_heads=4, rms_norm_eps=1e-5, vocab_size=97, num_key_value_heads=2,
-                           max_position_embeddings=512, head_dim=8, tie_word_embeddings=True,
-                           rope_theta=10000.0)
+    args = qwen3.ModelArgs(
+        model_type="qwen3",
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=4,
+        rms_norm_eps=1e-5,
+        vocab_size=97,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        head_dim=8,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+    )
     model = qwen3.Model(args)
     mx.eval(model.parameters())
     fast = BucketedForward(model, bucket=16)
@@ -268,8 +298,9 @@ def test_fused_decoder_that_disagrees_with_the_model_is_dropped(monkeypatch):
 
     model = _fresh_llama(seed=4)
     real_call = bucketed._FusedDecoder.__call__
-    monkeypatch.setattr(bucketed._FusedDecoder, "__call__",
-                        lambda self, tokens, cache: real_call(self, tokens, cache) * 1.5)
+    monkeypatch.setattr(
+        bucketed._FusedDecoder, "__call__", lambda self, tokens, cache: real_call(self, tokens, cache) * 1.5
+    )
     assert BucketedForward(model, bucket=16).fused is None
     cache, plain = make_prompt_cache(model), make_prompt_cache(model)
     step = mx.array([[7, 8, 9]])

@@ -63,8 +63,11 @@ def test_attention_traced_stays_in_mlx_and_matches(monkeypatch, mask):
 
 def _qkv(n, t, heads, kv_heads, seed=0):
     keys = mx.random.split(mx.random.key(seed), 3)
-    return (mx.random.normal((2, heads, n, 32), key=keys[0]), mx.random.normal((2, kv_heads, t, 32), key=keys[1]),
-            mx.random.normal((2, kv_heads, t, 32), key=keys[2]))
+    return (
+        mx.random.normal((2, heads, n, 32), key=keys[0]),
+        mx.random.normal((2, kv_heads, t, 32), key=keys[1]),
+        mx.random.normal((2, kv_heads, t, 32), key=keys[2]),
+    )
 
 
 @pytest.mark.parametrize("n,t,heads,kv_heads", [(5, 5, 4, 4), (7, 40, 4, 4), (33, 33, 8, 2), (6, 90, 6, 3)])
@@ -93,19 +96,24 @@ def test_attention_leaves_other_calls_to_mlx(monkeypatch):
     q, k, v = _qkv(1, 20, 4, 4)
     assert mx.array_equal(cpu_math.attention(q, k, v, scale=0.3), MLX_SDPA(q, k, v, scale=0.3))
     q, k, v = _qkv(5, 200, 4, 4)  # 4,000 scores
-    assert mx.array_equal(cpu_math.attention(q, k, v, scale=0.3, mask="causal"),
-                          MLX_SDPA(q, k, v, scale=0.3, mask="causal"))
+    assert mx.array_equal(
+        cpu_math.attention(q, k, v, scale=0.3, mask="causal"), MLX_SDPA(q, k, v, scale=0.3, mask="causal")
+    )
     monkeypatch.setattr(cpu_math, "MIN_SCORES", 0)
     q2, k2, v2 = (a.astype(mx.float16) for a in _qkv(6, 20, 4, 4))
-    assert mx.array_equal(cpu_math.attention(q2, k2, v2, scale=0.3, mask="causal"),
-                          MLX_SDPA(q2, k2, v2, scale=0.3, mask="causal"))
+    assert mx.array_equal(
+        cpu_math.attention(q2, k2, v2, scale=0.3, mask="causal"), MLX_SDPA(q2, k2, v2, scale=0.3, mask="causal")
+    )
     q3, k3, v3 = _qkv(6, 20, 4, 4)
     mask4 = mx.ones((2, 1, 6, 20), dtype=mx.bool_)
-    assert mx.array_equal(cpu_math.attention(q3, k3, v3, scale=0.3, mask=mask4),
-                          MLX_SDPA(q3, k3, v3, scale=0.3, mask=mask4))
+    assert mx.array_equal(
+        cpu_math.attention(q3, k3, v3, scale=0.3, mask=mask4), MLX_SDPA(q3, k3, v3, scale=0.3, mask=mask4)
+    )
     sinks = mx.zeros((4,))
-    assert mx.array_equal(cpu_math.attention(q3, k3, v3, scale=0.3, mask="causal", sinks=sinks),
-                          MLX_SDPA(q3, k3, v3, scale=0.3, mask="causal", sinks=sinks))
+    assert mx.array_equal(
+        cpu_math.attention(q3, k3, v3, scale=0.3, mask="causal", sinks=sinks),
+        MLX_SDPA(q3, k3, v3, scale=0.3, mask="causal", sinks=sinks),
+    )
 
 
 def test_install_replaces_both_process_wide_on_a_cpu():

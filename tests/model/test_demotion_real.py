@@ -30,9 +30,15 @@ PENALIZED = dict(presence_penalty=1.0, repetition_penalty=1.3, logit_bias=((40, 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["ragged", "batch_generator"])
 def runner(tiny_pair, request):
-    r = MlxRunner.from_paths(tiny_pair[0], drafter_kind="draft_model", drafter_path=tiny_pair[1],
-                             num_draft_tokens=3, classic_burst_ms=0, ragged=request.param,
-                             row_drafts=False)  # rows verifying drafts: tests/model/test_row_drafts.py
+    r = MlxRunner.from_paths(
+        tiny_pair[0],
+        drafter_kind="draft_model",
+        drafter_path=tiny_pair[1],
+        num_draft_tokens=3,
+        classic_burst_ms=0,
+        ragged=request.param,
+        row_drafts=False,
+    )  # rows verifying drafts: tests/model/test_row_drafts.py
     yield r
     r.close()
 
@@ -191,9 +197,15 @@ def test_scheduler_demotes_the_lone_speculator_when_a_second_request_comes(runne
 def test_demotion_from_the_bucketed_path(tiny_pair, prompt_ids, others):
     """The GPU path's session caches (bucket-sized KV buffers, offset below capacity)
     move into the classic batch just as well (float32 on CPU: streams stay exact)."""
-    fast = MlxRunner.from_paths(tiny_pair[0], drafter_kind="draft_model", drafter_path=tiny_pair[1],
-                                num_draft_tokens=3, classic_burst_ms=0, fast_verify=True,
-                                warm_positions=0)
+    fast = MlxRunner.from_paths(
+        tiny_pair[0],
+        drafter_kind="draft_model",
+        drafter_path=tiny_pair[1],
+        num_draft_tokens=3,
+        classic_burst_ms=0,
+        fast_verify=True,
+        warm_positions=0,
+    )
     try:
         a = make_request("a", prompt_ids[4], 40)
         rows = [make_request(f"r{i}", prompt_ids[12 + i], 24) for i in range(others)]

@@ -70,6 +70,7 @@ def test_from_paths_applies_the_knob(tiny_pair, tmp_path):
     args = tiny_args(vocab_size=256, hidden=128)
     save_model(model, args, tiny_pair[0], str(tmp_path / "q"))
     import json
+
     config_path = tmp_path / "q" / "config.json"
     config = json.loads(config_path.read_text())
     config["quantization"] = {"group_size": 64, "bits": 4}

@@ -34,8 +34,9 @@ def test_the_budget_goes_by_lane_and_the_skip_cap_bounds_who_waits(loaded, monke
     eos = sorted(target.tokenizer.eos_token_ids)
     repeating = list(target.tokenizer.encode(REPEATING))
     lanes = dict(low=Lane.LOW, normal=Lane.NORMAL, high=Lane.HIGH)
-    requests = [Request(rid, repeating[i:], SamplingParams(max_tokens=40), lane=lanes[rid])
-                for i, rid in enumerate(lanes)]
+    requests = [
+        Request(rid, repeating[i:], SamplingParams(max_tokens=40), lane=lanes[rid]) for i, rid in enumerate(lanes)
+    ]
     batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True)
     batch.costs, batch.skip_cap, batch.draft_step_share = COSTS, 2, 0.5
     out, reasons, steps = {r.request_id: [] for r in requests}, {}, []

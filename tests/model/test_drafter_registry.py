@@ -14,8 +14,7 @@ from serve_app.config import DrafterArgs
 
 pytestmark = pytest.mark.model
 
-PROTOCOL_MEMBERS = sorted(name for name in {*Drafter.__annotations__, *vars(Drafter)}
-                          if not name.startswith("_"))
+PROTOCOL_MEMBERS = sorted(name for name in {*Drafter.__annotations__, *vars(Drafter)} if not name.startswith("_"))
 
 
 @pytest.mark.parametrize("kind", list(DRAFTERS))
@@ -25,8 +24,10 @@ def test_each_kind_implements_the_protocol(kind):
     missing = [name for name in PROTOCOL_MEMBERS if not hasattr(cls, name) and name not in ("name",)]
     assert missing == []
     for name in ("load", "new_state", "propose", "rollback", "compile_forwards", "warm"):
-        assert list(inspect.signature(getattr(cls, name)).parameters)[1:] == \
-            list(inspect.signature(getattr(Drafter, name)).parameters)[1:], name
+        assert (
+            list(inspect.signature(getattr(cls, name)).parameters)[1:]
+            == list(inspect.signature(getattr(Drafter, name)).parameters)[1:]
+        ), name
 
 
 @pytest.mark.parametrize("kind", list(DRAFTERS))

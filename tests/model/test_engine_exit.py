@@ -37,7 +37,6 @@ print("stopped", flush=True)
 @pytest.mark.model
 def test_process_exits_cleanly_after_engine_stop():
     for attempt in range(3):  # the abort was frequent, not certain: try a few times
-        proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True,
-                              text=True, timeout=120)
+        proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, f"attempt {attempt}: rc {proc.returncode}\n{proc.stderr[-2000:]}"
         assert "stopped" in proc.stdout

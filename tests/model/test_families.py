@@ -35,15 +35,32 @@ MAX_TOKENS = 16
 MIN_MARGIN = 1e-4  # as in test_parity: every greedy choice wins far above float noise
 HIDDEN, LAYERS, DRAFT_LAYERS = 64, 2, 1
 
-_BASE = dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, intermediate_size=2 * HIDDEN,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
-             max_position_embeddings=512, rope_theta=10000.0)
-_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+_BASE = dict(
+    hidden_size=HIDDEN,
+    num_hidden_layers=LAYERS,
+    intermediate_size=2 * HIDDEN,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+)
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 # ministral3 (Ministral 3, mistral3's text model): llama-4 attention scaling, and sliding
 # layers where `layer_types` says so (`alternate_sliding` below: every other layer).
-_MINISTRAL3_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.1,
-                    "original_max_position_embeddings": 64}
+_MINISTRAL3_ROPE = {
+    "rope_type": "default",
+    "rope_theta": 10000.0,
+    "llama_4_scaling_beta": 0.1,
+    "original_max_position_embeddings": 64,
+}
 
 # name: (mlx-lm module, config overrides, precision, fused tick expected to pass); precision is
 # None (float32), 4 or 8 (bits, `mlx.nn.quantize`) or "bf16" (weights in bfloat16)
@@ -55,12 +72,25 @@ FAMILIES = {
     "qwen3": ("qwen3", {"tie_word_embeddings": False}, None, True),
     # With GQA (2 KV heads), as every real checkpoint: models.upstream_fixes.
     "gemma2": ("gemma2", {"query_pre_attn_scalar": 16.0, "embed_scale": 0.5}, None, False),
-    "gemma3_text-sliding": ("gemma3_text", {"sliding_window": 8, "sliding_window_pattern": 2,
-                                            "query_pre_attn_scalar": 16, "layers": (4, 2)}, None, False),
+    "gemma3_text-sliding": (
+        "gemma3_text",
+        {"sliding_window": 8, "sliding_window_pattern": 2, "query_pre_attn_scalar": 16, "layers": (4, 2)},
+        None,
+        False,
+    ),
     "phi3": ("phi3", {"tie_word_embeddings": False}, None, True),
-    "ministral3-sliding": ("ministral3", {"tie_word_embeddings": False, "sliding_window": 8,
-                                          "alternate_sliding": True, "rope_parameters": _MINISTRAL3_ROPE,
-                                          "layers": (4, 2)}, None, False),
+    "ministral3-sliding": (
+        "ministral3",
+        {
+            "tie_word_embeddings": False,
+            "sliding_window": 8,
+            "alternate_sliding": True,
+            "rope_parameters": _MINISTRAL3_ROPE,
+            "layers": (4, 2),
+        },
+        None,
+        False,
+    ),
     "llama-4bit": ("llama", {"tie_word_embeddings": False}, 4, True),
     "qwen3-4bit": ("qwen3", {"tie_word_embeddings": False}, 4, True),
     "llama-8bit": ("llama", {"tie_word_embeddings": False}, 8, True),
@@ -74,8 +104,7 @@ FAMILIES = {
 # slides only on layers `layer_types` marks), so "llama" covers it; see docs/models.md.
 
 
-def build(module_name, overrides, num_layers, vocab_size, seed, precision, source=None,
-          embed_scale=4.0):
+def build(module_name, overrides, num_layers, vocab_size, seed, precision, source=None, embed_scale=4.0):
     """A float32 (4- or 8-bit, or bfloat16) tiny model; with `source`, the first layers
     and every non-layer weight are the source's (a truncated draft)."""
     import importlib
@@ -84,8 +113,13 @@ def build(module_name, overrides, num_layers, vocab_size, seed, precision, sourc
     overrides = dict(overrides)
     if overrides.pop("alternate_sliding", False):  # a full-attention layer after each sliding one
         overrides["layer_types"] = ["sliding_attention", "full_attention"] * (num_layers // 2)
-    config = {"model_type": module_name, **_BASE, **overrides, "num_hidden_layers": num_layers,
-              "vocab_size": vocab_size}
+    config = {
+        "model_type": module_name,
+        **_BASE,
+        **overrides,
+        "num_hidden_layers": num_layers,
+        "vocab_size": vocab_size,
+    }
     args = module.ModelArgs.from_dict(config)
     mx.random.seed(seed)
     model = module.Model(args)
@@ -103,9 +137,11 @@ def build(module_name, overrides, num_layers, vocab_size, seed, precision, sourc
     elif precision == "bf16":
         model.set_dtype(mx.bfloat16)
     if source is not None:
+
         def kept(key):
             parts = key.split(".")
             return parts[:2] != ["model", "layers"] or int(parts[2]) < num_layers
+
         model.load_weights([(k, v) for k, v in tree_flatten(source.parameters()) if kept(k)])
     mx.eval(model.parameters())
     return model
@@ -126,8 +162,10 @@ def family(request, loaded):
     target = build(module_name, overrides, num_layers, vocab, seed, precision, embed_scale=embed_scale)
     draft = build(module_name, overrides, num_draft_layers, vocab, seed, precision, source=target)
     tok = loaded[0].tokenizer
-    pair = (LoadedModel("", f"tiny-{request.param}", target, tok, 512),
-            LoadedModel("", f"tiny-{request.param}-draft", draft, tok, 512))
+    pair = (
+        LoadedModel("", f"tiny-{request.param}", target, tok, 512),
+        LoadedModel("", f"tiny-{request.param}-draft", draft, tok, 512),
+    )
     return request.param, pair, fuses
 
 
@@ -208,8 +246,9 @@ def test_three_concurrent_streams_in_the_scheduler_equal_mlx_lm(family, prompts,
     """Fused tick (where supported), B=1 on, one-round grants: the slot rotates, parks
     and resumes, and rows move in and out of the classic batch."""
     name, pair, fuses = family
-    runner = MlxRunner(pair[0], make_drafter("draft_model", pair), num_draft_tokens=K,
-                       fast_verify=False, warm_positions=0)
+    runner = MlxRunner(
+        pair[0], make_drafter("draft_model", pair), num_draft_tokens=K, fast_verify=False, warm_positions=0
+    )
     assert runner.spec_off_reason is None and runner.can_fuse() is fuses, runner.fuse_blocker
     scheduler = Scheduler(runner, SchedulerConfig(b1_policy="on", grant_rounds=1, num_draft_tokens=K))
     requests = [make_request(rid, ids, MAX_TOKENS) for rid, ids in prompts.items()]
@@ -236,19 +275,24 @@ def test_streams_leaving_the_slot_mid_stream_equal_mlx_lm(family, prompts, expec
     one). Either way no round runs after the arrival, and every stream is mlx-lm's."""
     name, pair, fuses = family
     speculating_ids, rule, grant_rounds, *num_demotions = DEMOTIONS[case]
-    runner = MlxRunner(pair[0], make_drafter("draft_model", pair), num_draft_tokens=K,
-                       fast_verify=False, warm_positions=0)
-    scheduler = Scheduler(runner, SchedulerConfig(
-        b1_policy="on", grant_rounds=grant_rounds, num_draft_tokens=K,
-        speculative_disable_by_batch_size=rule))
+    runner = MlxRunner(
+        pair[0], make_drafter("draft_model", pair), num_draft_tokens=K, fast_verify=False, warm_positions=0
+    )
+    scheduler = Scheduler(
+        runner,
+        SchedulerConfig(
+            b1_policy="on", grant_rounds=grant_rounds, num_draft_tokens=K, speculative_disable_by_batch_size=rule
+        ),
+    )
     speculating = [make_request(rid, prompts[rid], MAX_TOKENS) for rid in speculating_ids]
     at_arrival = {}
 
     def all_speculated(streams):
         if not all(r.spec.num_rounds > 0 for r in speculating):
             return False
-        at_arrival.update(num_rounds=scheduler.counters.spec_rounds,
-                          num_emitted=[len(streams[r.request_id]) for r in speculating])
+        at_arrival.update(
+            num_rounds=scheduler.counters.spec_rounds, num_emitted=[len(streams[r.request_id]) for r in speculating]
+        )
         return True
 
     arrival = (make_request("short", prompts["short"], MAX_TOKENS), all_speculated)
@@ -266,17 +310,36 @@ def build_no_rollback(kind, vocab_size):
     """A tiny target whose cache cannot roll back: state-space mamba, or qwen3_5's hybrid
     of gated-delta (linear attention, an `ArraysCache`) and full-attention layers."""
     if kind == "qwen3_5":
-        return build("qwen3_5", {"full_attention_interval": 2, "linear_num_value_heads": 4,
-                                 "linear_num_key_heads": 2, "linear_key_head_dim": 16,
-                                 "linear_value_head_dim": 16, "tie_word_embeddings": False,
-                                 "rope_parameters": {"type": "default", "rope_theta": 10000.0,
-                                                     "partial_rotary_factor": 0.5}},
-                     LAYERS, vocab_size, 0, False)
+        return build(
+            "qwen3_5",
+            {
+                "full_attention_interval": 2,
+                "linear_num_value_heads": 4,
+                "linear_num_key_heads": 2,
+                "linear_key_head_dim": 16,
+                "linear_value_head_dim": 16,
+                "tie_word_embeddings": False,
+                "rope_parameters": {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            },
+            LAYERS,
+            vocab_size,
+            0,
+            False,
+        )
     from mlx_lm.models import mamba
 
-    args = mamba.ModelArgs(model_type="mamba", vocab_size=vocab_size, hidden_size=32,
-                           intermediate_size=64, state_size=8, num_hidden_layers=2,
-                           conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=4)
+    args = mamba.ModelArgs(
+        model_type="mamba",
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        state_size=8,
+        num_hidden_layers=2,
+        conv_kernel=4,
+        use_bias=False,
+        use_conv_bias=True,
+        time_step_rank=4,
+    )
     mx.random.seed(0)
     return mamba.Model(args)
 
@@ -314,8 +377,9 @@ def test_gemma2_batches_with_grouped_queries(loaded):
 
     from models import upstream_fixes
 
-    target = build("gemma2", {"query_pre_attn_scalar": 16.0}, LAYERS,
-                   loaded[0].model.args.vocab_size, 0, None, embed_scale=0.5)
+    target = build(
+        "gemma2", {"query_pre_attn_scalar": 16.0}, LAYERS, loaded[0].model.args.vocab_size, 0, None, embed_scale=0.5
+    )
     assert target.model.layers[0].self_attn.repeats > 1
     rng = random.Random(5)
     prompts = [[rng.randrange(1, 500) for _ in range(n)] for n in (5, 11, 23)]

@@ -25,9 +25,17 @@ def _llama(bias: bool = False, seed: int = 3):
 def _qwen2():
     from mlx_lm.models import qwen2
 
-    args = qwen2.ModelArgs(model_type="qwen2", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256,
-                           tie_word_embeddings=True)
+    args = qwen2.ModelArgs(
+        model_type="qwen2",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=256,
+        tie_word_embeddings=True,
+    )
     mx.random.seed(5)
     model = qwen2.Model(args)
     mx.eval(model.parameters())
@@ -100,9 +108,17 @@ def test_other_models_are_left_as_they_are():
     assert fused_projections.fuse(quantized) == 0 and not _shared(quantized)
     from mlx_lm.models import gemma
 
-    args = gemma.ModelArgs(model_type="gemma", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                           num_attention_heads=4, head_dim=16, rms_norm_eps=1e-6, vocab_size=256,
-                           num_key_value_heads=2)
+    args = gemma.ModelArgs(
+        model_type="gemma",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        vocab_size=256,
+        num_key_value_heads=2,
+    )
     other = gemma.Model(args)
     assert fused_projections.fuse(other) == 0 and not _shared(other)
 
@@ -123,8 +139,14 @@ def test_runner_serves_the_same_greedy_tokens_with_the_knob(tiny_pair):
     def generate(fused: bool) -> dict:
         runner = MlxRunner.from_paths(tiny_pair[0], drafter_kind="ngram", fused_projections=fused)
         assert bool(_shared(runner.target.model)) == fused
-        requests = [Request(f"r{i}", [(i * 13 + j) % 200 + 3 for j in range(12 + 5 * i)],
-                            SamplingParams(max_tokens=12, temperature=0.0)) for i in range(3)]
+        requests = [
+            Request(
+                f"r{i}",
+                [(i * 13 + j) % 200 + 3 for j in range(12 + 5 * i)],
+                SamplingParams(max_tokens=12, temperature=0.0),
+            )
+            for i in range(3)
+        ]
         out = {r.request_id: [] for r in requests}
         done = set()
         for batch in runner.classic_prefill(requests):

@@ -22,16 +22,19 @@ def bundled_runner(kind):
     from models.runner import MlxRunner
 
     target, draft = os.path.join(BUNDLED, "target"), os.path.join(BUNDLED, "draft")
-    return MlxRunner.from_paths(target, drafter_kind=kind, drafter_path=draft if kind == "draft_model" else None,
-                                num_draft_tokens=4)
+    return MlxRunner.from_paths(
+        target, drafter_kind=kind, drafter_path=draft if kind == "draft_model" else None, num_draft_tokens=4
+    )
 
 
 # Forward costs (seconds) of the order a 2-core CPU measures for the bundled pair, under
 # which drafts pay; fixed so that which rows draft does not depend on how loaded the
 # machine was when the runner measured its own (the tests here check streams, not costs).
-QUIET_COSTS = dict(decode={1: 0.0100, 2: 0.0110, 4: 0.0130, 8: 0.0170},
-                   fused={0: 0.0140, 2: 0.0150, 4: 0.0170, 8: 0.0210},
-                   all_verify={2: 0.0160, 4: 0.0220, 8: 0.0330})
+QUIET_COSTS = dict(
+    decode={1: 0.0100, 2: 0.0110, 4: 0.0130, 8: 0.0170},
+    fused={0: 0.0140, 2: 0.0150, 4: 0.0170, 8: 0.0210},
+    all_verify={2: 0.0160, 4: 0.0220, 8: 0.0330},
+)
 
 
 def quiet_costs(runner, kind: str):
@@ -156,8 +159,9 @@ def test_alternate_mode_gives_the_same_streams(runner, prompts, isolated):
 
 
 def test_demotion_and_cancellation_inside_fused_ticks(runner, prompts, isolated):
-    streams, requests, scheduler, _ = drive(runner, prompts, grant_rounds=2, speculative_disable_by_batch_size=3,
-                                            cancel_at=("r1", 12))
+    streams, requests, scheduler, _ = drive(
+        runner, prompts, grant_rounds=2, speculative_disable_by_batch_size=3, cancel_at=("r1", 12)
+    )
     for r in requests:
         if r.request_id == "r1":
             assert streams["r1"] == isolated["r1"][: len(streams["r1"])]
@@ -198,6 +202,7 @@ def test_a_sampled_round_is_the_same_fused_or_alone(runner, prompts):
     batch's forward) decides acceptance by the same rule as a round alone (rejection
     sampling for the draft model, equality for n-gram), from the same seeded draws: the
     holder's stream and per-round acceptance are the same, and drafts are accepted."""
+
     def holder_rounds(fused):
         if fused:
             runner.classic_prefill([make_request("row", prompts[1], max_tokens=200)])

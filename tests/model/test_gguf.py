@@ -19,15 +19,21 @@ import pytest
 
 from models import gguf
 from models.checks import ModelLoadError
+
 from .conftest import PROMPTS
 
 pytestmark = pytest.mark.model
 
 # mlx-lm's names -> llama.cpp's (written out here, not taken from models.gguf).
 LAYER_NAMES = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
 TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
@@ -93,8 +99,7 @@ def gguf_metadata(args, tokenizer_dir: str, arch: str = "llama") -> dict:
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "gpt2",
         "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": mx.array([3 if i in special else 1 for i in range(len(tokens))],
-                                              dtype=mx.int32),
+        "tokenizer.ggml.token_type": mx.array([3 if i in special else 1 for i in range(len(tokens))], dtype=mx.int32),
         "tokenizer.ggml.merges": merges,
         "tokenizer.ggml.eos_token_id": u32(vocab[tokenizer_config["eos_token"]]),
         "tokenizer.ggml.padding_token_id": u32(vocab[tokenizer_config["pad_token"]]),
@@ -112,8 +117,9 @@ class TinyGGUF:
         with open(os.path.join(tokenizer_dir, "tokenizer.json"), encoding="utf-8") as f:
             vocab_size = len(json.load(f)["model"]["vocab"])
         self.tokenizer_dir = tokenizer_dir
-        self.args = replace(tiny_args(vocab_size), rope_theta=ROPE_THETA, tie_word_embeddings=tied,
-                            max_position_embeddings=CONTEXT)
+        self.args = replace(
+            tiny_args(vocab_size), rope_theta=ROPE_THETA, tie_word_embeddings=tied, max_position_embeddings=CONTEXT
+        )
         self.model = random_model(self.args, seed=3, embed_scale=4.0, out_scale=0.5)
 
     def write(self, path: str, meta_changes: dict | None = None, extra_tensors: dict | None = None) -> str:
@@ -164,6 +170,7 @@ def load_dir(path: str):
 
 # -- tiny GGUF files ------------------------------------------------------------------
 
+
 def test_a_converted_tiny_llama_gives_the_original_logits(tiny, tmp_path, cache):
     import mlx.core as mx
 
@@ -202,8 +209,9 @@ def test_without_the_q_k_unpermutation_the_logits_differ(untied, tmp_path, monke
 def test_the_converted_tokenizer_is_the_original(untied, tiny_pair, tmp_path, cache):
     """Vocabulary, merges, special tokens, chat template and EOS from the metadata give
     back the tokenizer the tiny model was trained with, token for token."""
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
     from pathlib import Path
+
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     out = gguf.materialize(untied.write(str(tmp_path / "tiny.gguf")))
     original, converted = load_tokenizer(Path(tiny_pair[0])), load_tokenizer(Path(out))
@@ -214,18 +222,23 @@ def test_the_converted_tokenizer_is_the_original(untied, tiny_pair, tmp_path, ca
         assert converted.decode(converted.encode(text)) == text
     assert converted.eos_token_ids == original.eos_token_ids
     messages = [{"role": "user", "content": "hello"}]
-    assert converted.apply_chat_template(messages, add_generation_prompt=True) == \
-        original.apply_chat_template(messages, add_generation_prompt=True)
+    assert converted.apply_chat_template(messages, add_generation_prompt=True) == original.apply_chat_template(
+        messages, add_generation_prompt=True
+    )
 
 
-@pytest.mark.parametrize("changes, extra, words", [
-    ({"general.architecture": "phi3"}, None, ["architecture 'phi3'", "llama, qwen2"]),
-    ({"tokenizer.ggml.model": "llama"}, None, ["vocabulary type 'llama'", "gpt2"]),
-    ({"tokenizer.ggml.pre": "mystery-bpe"}, None, ["pre-tokenizer 'mystery-bpe'", "smollm"]),
-    ({"llama.block_count": None}, None, ["lacks llama.block_count"]),
-    ({"llama.rope.scaling.type": "yarn"}, None, ["rope scaling 'yarn'"]),
-    (None, {"blk.0.attn_sinks.weight": "ones"}, ["tensor 'blk.0.attn_sinks.weight'"]),
-], ids=["architecture", "sentencepiece", "pre-tokenizer", "metadata", "rope-scaling", "tensor"])
+@pytest.mark.parametrize(
+    "changes, extra, words",
+    [
+        ({"general.architecture": "phi3"}, None, ["architecture 'phi3'", "llama, qwen2"]),
+        ({"tokenizer.ggml.model": "llama"}, None, ["vocabulary type 'llama'", "gpt2"]),
+        ({"tokenizer.ggml.pre": "mystery-bpe"}, None, ["pre-tokenizer 'mystery-bpe'", "smollm"]),
+        ({"llama.block_count": None}, None, ["lacks llama.block_count"]),
+        ({"llama.rope.scaling.type": "yarn"}, None, ["rope scaling 'yarn'"]),
+        (None, {"blk.0.attn_sinks.weight": "ones"}, ["tensor 'blk.0.attn_sinks.weight'"]),
+    ],
+    ids=["architecture", "sentencepiece", "pre-tokenizer", "metadata", "rope-scaling", "tensor"],
+)
 def test_unsupported_files_are_one_error_naming_the_fault(untied, tmp_path, cache, changes, extra, words):
     import mlx.core as mx
 
@@ -296,6 +309,7 @@ def test_the_cache_follows_specslot_cache_dir(untied, tmp_path, monkeypatch):
 
 # -- the real SmolLM2-135M-Instruct file ------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def smollm2_meta(smollm2_gguf):
     import mlx.core as mx
@@ -335,8 +349,7 @@ def test_smollm2_config_matches_its_metadata(smollm2_dir, smollm2_meta):
     assert config["tie_word_embeddings"] is True
     assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
     # Q4_1 layers, the embedding Q8_0: MLX affine groups of 32
-    assert config["quantization"] == {"group_size": 32, "bits": 4,
-                                      "model.embed_tokens": {"group_size": 32, "bits": 8}}
+    assert config["quantization"] == {"group_size": 32, "bits": 4, "model.embed_tokens": {"group_size": 32, "bits": 8}}
     assert config["gguf_sha256"] == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
@@ -349,8 +362,10 @@ def test_smollm2_vocabulary_is_the_gguf_tokens_id_for_id(smollm2_tokenizer, smol
 
 def test_smollm2_tokenizer_round_trips_and_splits_as_llama_cpp_does(smollm2_tokenizer):
     tok = smollm2_tokenizer
-    text = ("def f(x):\n    return x ** 2  # 12345\n\n\n\tnaïve café, Grüße, 東京, Привет 😀🚀\r\n"
-            "    spaces   and\ttabs   \n{\"a\": [1, 2.5e-3]} <b>&amp;</b> it's DON'T\n")
+    text = (
+        "def f(x):\n    return x ** 2  # 12345\n\n\n\tnaïve café, Grüße, 東京, Привет 😀🚀\r\n"
+        "    spaces   and\ttabs   \n{\"a\": [1, 2.5e-3]} <b>&amp;</b> it's DON'T\n"
+    )
     ids = tok.encode(text)
     assert tok.decode(ids) == text
     assert tok.encode("<|im_start|>") == [1] and tok.encode("<|im_end|>") == [2]

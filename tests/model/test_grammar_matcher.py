@@ -13,8 +13,12 @@ from models.grammar import Grammars, grammar_error, json_schema_grammar
 pytestmark = pytest.mark.model
 
 TARGET = os.path.join(os.path.dirname(__file__), "..", "..", "models", "bundled", "target")
-SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yy"]}},
-          "required": ["a", "b"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yy"]}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
 GRAMMAR = json_schema_grammar(SCHEMA)
 EOS = 0
 
@@ -46,10 +50,10 @@ def test_each_position_sees_the_drafts_before_it(grammars, tokenizer, doc, done)
     vocab = len(tokenizer)
     m = grammars.matcher(GRAMMAR)
     m.accept(doc[:done])
-    drafts = doc[done:done + 4]
+    drafts = doc[done : done + 4]
     masks = np.array(m.masks(len(drafts) + 1, drafts, vocab))
     for i in range(len(drafts) + 1):
-        assert (masks[i] == mask_after(grammars, doc[:done + i], vocab)).all(), i
+        assert (masks[i] == mask_after(grammars, doc[: done + i], vocab)).all(), i
     assert (np.array(m.masks(1, [], vocab)[0]) == mask_after(grammars, doc[:done], vocab)).all()  # unmoved
 
 
@@ -86,10 +90,13 @@ def test_a_failed_matcher_allows_only_eos(grammars, tokenizer):
     assert m.allowed_prefix([5, 6]) == []
 
 
-@pytest.mark.parametrize("schema, ok", [
-    ({"type": "object"}, True),
-    ({"type": "array", "items": {"type": "integer"}}, True),
-    ({"type": "nope"}, False),
-])
+@pytest.mark.parametrize(
+    "schema, ok",
+    [
+        ({"type": "object"}, True),
+        ({"type": "array", "items": {"type": "integer"}}, True),
+        ({"type": "nope"}, False),
+    ],
+)
 def test_schemas_are_checked_up_front(schema, ok):
     assert (grammar_error(json_schema_grammar(schema)) is None) is ok

@@ -54,6 +54,7 @@ def grammars(loaded):
 
 def plain_decode(model, grammars, prompt, max_tokens, stop_ids):
     """Greedy, one token at a time; each step's mask from a new matcher fed the output."""
+
     def pick(logits, out):
         matcher = grammars.matcher(GRAMMAR)
         matcher.accept(out)
@@ -82,8 +83,7 @@ def test_the_reference_streams_are_valid_json_that_ends(loaded, expected):
 
 
 def test_unconstrained_streams_are_not_json(loaded, requests):
-    plain = run_classic(loaded[0].model, [make_request(r.request_id, r.prompt_ids, 30) for r in requests],
-                        eos(loaded))
+    plain = run_classic(loaded[0].model, [make_request(r.request_id, r.prompt_ids, 30) for r in requests], eos(loaded))
     for tokens, _ in plain.values():
         with pytest.raises(ValueError):
             json.loads(loaded[0].tokenizer.decode(tokens))
@@ -106,7 +106,7 @@ def test_a_budget_that_ends_mid_json_finishes_with_length(loaded, grammars, requ
 
 
 def _oracle_drafts(stream, done, k, spoil, forbidden):
-    out = list(stream[done:done + k])
+    out = list(stream[done : done + k])
     if spoil and out:
         out[-1] = forbidden
     return out
@@ -136,8 +136,15 @@ class OracleDrafter(DrafterBase):
 
 def run_session(loaded, grammars, request, drafter):
     target = loaded[0]
-    session = SpeculativeSession(request.request_id, target.model, request.prompt_ids, request.sampling,
-                                 num_draft_tokens=4, eos_token_ids=eos(loaded), grammars=grammars)
+    session = SpeculativeSession(
+        request.request_id,
+        target.model,
+        request.prompt_ids,
+        request.sampling,
+        num_draft_tokens=4,
+        eos_token_ids=eos(loaded),
+        grammars=grammars,
+    )
     session.bind(drafter)
     first = session.begin()
     tokens, reason, drafted, accepted = list(first.token_ids), first.finish_reason, 0, 0
@@ -189,15 +196,21 @@ class OracleRows(RaggedBatch):
 
 def test_rows_that_verify_drafts_match_the_reference(loaded, grammars, requests, expected):
     model = loaded[0].model
-    rows = OracleRows(model, eos_token_ids=eos(loaded), row_drafts=True, num_draft_tokens=4, grammars=grammars,
-                      streams={rid: tokens for rid, (tokens, _) in expected.items()}, forbidden=_forbidden(loaded))
+    rows = OracleRows(
+        model,
+        eos_token_ids=eos(loaded),
+        row_drafts=True,
+        num_draft_tokens=4,
+        grammars=grammars,
+        streams={rid: tokens for rid, (tokens, _) in expected.items()},
+        forbidden=_forbidden(loaded),
+    )
     got, stats = _run(rows, requests, drafts=True)
     assert got == expected and stats["accepted"] >= 20 and stats["drafted"] < rows.proposed
     # the rows' own n-gram drafts, on a prompt where they would land unconstrained
     repeating = make_request("rep", list(loaded[0].tokenizer.encode(REPEATING)), MAX_TOKENS, grammar=GRAMMAR)
     reqs = [repeating, *requests]
-    got, _ = _run(RaggedBatch(model, eos_token_ids=eos(loaded), row_drafts=True, grammars=grammars), reqs,
-                  drafts=True)
+    got, _ = _run(RaggedBatch(model, eos_token_ids=eos(loaded), row_drafts=True, grammars=grammars), reqs, drafts=True)
     assert got == run_classic(model, reqs, eos(loaded), grammars=grammars)
 
 
@@ -214,8 +227,16 @@ def test_a_session_with_the_compiled_verifier_takes_the_plain_verify(loaded, gra
     verifier = BucketedForward(loaded[0].model, bucket=16, prefill_chunk=8)
     for r in requests:
         want = expected[r.request_id]
-        session = SpeculativeSession(r.request_id, loaded[0].model, r.prompt_ids, r.sampling, num_draft_tokens=4,
-                                     eos_token_ids=eos(loaded), verifier=verifier, grammars=grammars)
+        session = SpeculativeSession(
+            r.request_id,
+            loaded[0].model,
+            r.prompt_ids,
+            r.sampling,
+            num_draft_tokens=4,
+            eos_token_ids=eos(loaded),
+            verifier=verifier,
+            grammars=grammars,
+        )
         session.bind(OracleDrafter(r.prompt_ids, want[0], _forbidden(loaded)))
         tokens = list(session.begin().token_ids)
         while not session.finished:
@@ -227,11 +248,11 @@ def test_a_session_with_the_compiled_verifier_takes_the_plain_verify(loaded, gra
 def test_sampled_constrained_streams_are_valid_on_every_path(loaded, grammars, prompt_ids):
     """Temperature 1 draws from the masked distribution: whatever it picks parses."""
     model, tokenizer = loaded[0].model, loaded[0].tokenizer
-    reqs = [make_request(f"s{i}", prompt_ids[i], MAX_TOKENS, grammar=GRAMMAR, temperature=1.0, seed=i)
-            for i in INDEXES]
+    reqs = [make_request(f"s{i}", prompt_ids[i], MAX_TOKENS, grammar=GRAMMAR, temperature=1.0, seed=i) for i in INDEXES]
     outputs = list(run_classic(model, reqs, eos(loaded), grammars=grammars).values())
-    outputs += list(_run(RaggedBatch(model, eos_token_ids=eos(loaded), grammars=grammars), reqs, drafts=False)[0]
-                    .values())
+    outputs += list(
+        _run(RaggedBatch(model, eos_token_ids=eos(loaded), grammars=grammars), reqs, drafts=False)[0].values()
+    )
     outputs += [run_session(loaded, grammars, r, make_drafter("draft_model", loaded))[0] for r in reqs]
     assert len({tuple(tokens) for tokens, _ in outputs}) > 1  # the draws differ
     for tokens, reason in outputs:

@@ -42,7 +42,7 @@ def eos(loaded):
 
 def reference_logprobs(model, prompt: list[int], out: list[int], params: SamplingParams) -> np.ndarray:
     """(len(out), V): the processed log-softmax at each emitted position."""
-    logits = np.array(model(mx.array([list(prompt) + list(out[:-1])]))[0, len(prompt) - 1:].astype(mx.float32))
+    logits = np.array(model(mx.array([list(prompt) + list(out[:-1])]))[0, len(prompt) - 1 :].astype(mx.float32))
     rows = []
     for j in range(len(out)):
         x = reference(logits[j], params, list(prompt), list(out[:j])).astype(np.float64)
@@ -105,16 +105,22 @@ def run_batch(batch, requests, drafts=False, stats=None):
 def requests(loaded, prompt_ids):
     repeating = list(loaded[0].tokenizer.encode(REPEATING))
     prompts = [prompt_ids[0], prompt_ids[7], repeating, prompt_ids[12]]
-    return {name: [make_request(f"r{i}", p, MAX_TOKENS, logprobs=3, **knobs) for i, p in enumerate(prompts)]
-            for name, knobs in KNOBS.items()}
+    return {
+        name: [make_request(f"r{i}", p, MAX_TOKENS, logprobs=3, **knobs) for i, p in enumerate(prompts)]
+        for name, knobs in KNOBS.items()
+    }
 
 
 @pytest.fixture(scope="module")
 def classic(loaded, requests):
     """Each knob's streams from mlx-lm's batch rows: what the oracle drafters draft."""
-    return {name: {rid: tokens for rid, (tokens, _) in
-                   run_batch(ClassicBatch(loaded[0].model, eos_token_ids=eos(loaded)), reqs).items()}
-            for name, reqs in requests.items()}
+    return {
+        name: {
+            rid: tokens
+            for rid, (tokens, _) in run_batch(ClassicBatch(loaded[0].model, eos_token_ids=eos(loaded)), reqs).items()
+        }
+        for name, reqs in requests.items()
+    }
 
 
 def test_logprob_arrays_read_the_chosen_token_and_the_top_k_in_order():
@@ -152,8 +158,9 @@ def test_slab_rows(loaded, requests, classic, knobs, mode):
     accepted drafts report the verify position that accepted them."""
     model, reqs = loaded[0].model, requests[knobs]
     if mode == "row_drafts":
-        batch = OracleRows(model, eos_token_ids=eos(loaded), row_drafts=True, num_draft_tokens=4,
-                           streams=classic[knobs])
+        batch = OracleRows(
+            model, eos_token_ids=eos(loaded), row_drafts=True, num_draft_tokens=4, streams=classic[knobs]
+        )
     else:
         batch = RaggedBatch(model, eos_token_ids=eos(loaded), grid=mode == "pipelined")
     stats = {}
@@ -172,8 +179,11 @@ def test_speculative_sessions_report_each_verify_position(loaded, requests, clas
     """`oracle_compiled`: the GPU's compiled verify (`models.bucketed`, fast_verify), on the CPU."""
     model, num_accepted = loaded[0].model, 0
     for r in requests[knobs]:
-        drafter = (OracleDrafter(r.prompt_ids, classic[knobs][r.request_id], wrong_every=3)
-                   if kind.startswith("oracle") else make_drafter(kind, loaded))
+        drafter = (
+            OracleDrafter(r.prompt_ids, classic[knobs][r.request_id], wrong_every=3)
+            if kind.startswith("oracle")
+            else make_drafter(kind, loaded)
+        )
         session = new_session(loaded, r, 4, drafter)
         if kind == "oracle_compiled":
             session.verifier = BucketedForward(model, bucket=16, prefill_chunk=4)
@@ -203,8 +213,7 @@ def test_greedy_logprobs_are_the_same_with_speculation_on_and_off(loaded, prompt
     from scheduler.config import SchedulerConfig
     from scheduler.core import Scheduler
 
-    runner = MlxRunner(loaded[0], DraftModelDrafter(loaded[1].model, loaded[1].name), num_draft_tokens=4,
-                       ragged=ragged)
+    runner = MlxRunner(loaded[0], DraftModelDrafter(loaded[1].model, loaded[1].name), num_draft_tokens=4, ragged=ragged)
     repeating = list(loaded[0].tokenizer.encode(REPEATING))
     prompts = [prompt_ids[0], prompt_ids[7], repeating, prompt_ids[12]]
 
@@ -253,8 +262,9 @@ def test_a_grammar_masks_the_reported_distribution(loaded, prompt_ids, batch_kin
     num_forbidden_in_top = 0
     for r in reqs:
         tokens, logprobs = out[r.request_id]
-        raw = np.array(model(mx.array([list(r.prompt_ids) + tokens[:-1]]))[0, len(r.prompt_ids) - 1:]
-                       .astype(mx.float32)).astype(np.float64)
+        raw = np.array(
+            model(mx.array([list(r.prompt_ids) + tokens[:-1]]))[0, len(r.prompt_ids) - 1 :].astype(mx.float32)
+        ).astype(np.float64)
         for j, (token, entry) in enumerate(zip(tokens, logprobs)):
             matcher = grammars.matcher(GRAMMAR)
             matcher.accept(tokens[:j])

@@ -48,8 +48,11 @@ def test_policy_key_is_the_same_for_two_copies_of_one_pair(tmp_path, tiny_pair):
     keys = []
     for name in ("one", "two"):
         runner = MlxRunner.from_paths(
-            copy_model(target, tmp_path / name / "target"), drafter_kind="draft_model",
-            drafter_path=copy_model(draft, tmp_path / name / f"draft-{name}"), fast_verify=False)
+            copy_model(target, tmp_path / name / "target"),
+            drafter_kind="draft_model",
+            drafter_path=copy_model(draft, tmp_path / name / f"draft-{name}"),
+            fast_verify=False,
+        )
         keys.append(runner.policy_key())
         runner.close()
     assert keys[0] == keys[1]

@@ -8,9 +8,15 @@ import models.prefill as prefill
 from models.prefill import prefill_chunks
 
 
-@pytest.mark.parametrize("num_tokens, step, sizes", [
-    (0, 4, []), (3, 4, [3]), (4, 4, [4]), (10, 4, [4, 4, 2]),
-])
+@pytest.mark.parametrize(
+    "num_tokens, step, sizes",
+    [
+        (0, 4, []),
+        (3, 4, [3]),
+        (4, 4, [4]),
+        (10, 4, [4, 4, 2]),
+    ],
+)
 def test_the_head_runs_in_chunks_of_prefill_step(monkeypatch, num_tokens, step, sizes):
     monkeypatch.setattr(prefill, "PREFILL_STEP", step)
     seen = []

@@ -169,6 +169,7 @@ def run_overtaking(runner, first, arrivals, before=(), **overrides):
                 if pending:
                     scheduler.submit(pending.pop(0))
                 inner()
+
         return real(requests, between, piece)
 
     runner.classic_prefill = prefill
@@ -230,8 +231,9 @@ def cached_runner():
     """The bundled target with a prefix cache (the module's `runner` has none)."""
     from models.runner import MlxRunner
 
-    r = MlxRunner.from_paths(os.path.join(BUNDLED, "target"), drafter_kind="ngram", num_draft_tokens=4,
-                             prefix_cache_bytes=64 << 20)
+    r = MlxRunner.from_paths(
+        os.path.join(BUNDLED, "target"), drafter_kind="ngram", num_draft_tokens=4, prefix_cache_bytes=64 << 20
+    )
     quiet_costs(r, "ngram")
     yield r
     r.close()

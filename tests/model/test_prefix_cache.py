@@ -76,7 +76,7 @@ def test_lookup_finds_the_longest_prefix_and_leaves_the_last_token(index, prompt
     assert (hit and hit.num_tokens) == expected
     if hit is not None:
         assert len(hit.keys) == LAYERS
-        positions = np.array(hit.keys[1][0, :hit.num_tokens, 0])
+        positions = np.array(hit.keys[1][0, : hit.num_tokens, 0])
         assert positions.tolist() == [1000 + i for i in range(hit.num_tokens)]
     assert (cache.num_hits, cache.num_misses) == ((1, 0) if expected else (0, 1))
     assert cache.num_query_tokens == len(prompt) and cache.num_hit_tokens == (expected or 0)
@@ -151,6 +151,7 @@ def test_default_budget(available, budget):
 
 # -- the slab ---------------------------------------------------------------------------
 
+
 def test_a_copied_prefix_is_a_copy_that_outlives_the_slab(loaded):
     """What `copy_prefix` returns holds its own memory: once the slab is gone, only the
     copies stay allocated (a view of a row would keep the whole buffer alive), and
@@ -180,6 +181,7 @@ def test_a_copied_prefix_is_a_copy_that_outlives_the_slab(loaded):
 
 
 # -- the batch: every stream equals its isolated classic decode ------------------------
+
 
 def drive(batch, requests, on_step=lambda: None, drafts=False, stats=None):
     """{request_id: tokens}: `requests` prefilled together, then decoded to the end
@@ -266,9 +268,12 @@ def test_a_row_started_from_the_cache_holds_the_keys_of_its_own_prefill(loaded, 
     batch = RaggedBatch(model, eos_token_ids=(), prefix_cache=PrefixCache(64 << 20), prefill_batch_size=4)
     batch.slab.grid = grid
     out1 = drive(batch, [make_request("turn1", base, 24)])["turn1"]
-    requests = [make_request("again", base, 8), make_request("turn2", base + out1 + fresh_tokens(30, 2), 8),
-                make_request("mid_block", base[:100] + fresh_tokens(20, 3), 8),
-                make_request("miss", fresh_tokens(70, 4), 8)]
+    requests = [
+        make_request("again", base, 8),
+        make_request("turn2", base + out1 + fresh_tokens(30, 2), 8),
+        make_request("mid_block", base[:100] + fresh_tokens(20, 3), 8),
+        make_request("miss", fresh_tokens(70, 4), 8),
+    ]
     batch.prefill(requests)  # one group: three hits of different lengths and a miss
     assert [r.num_cached_tokens for r in requests] == [len(base) - 1, len(base) + len(out1) - 1, 100, 0]
     for r in requests:
@@ -285,10 +290,12 @@ def test_rows_of_one_prefill_group_share_an_entry(loaded, base, grid):
     out1 = drive(batch, [make_request("turn1", base, 16)])["turn1"]
     hit = batch.prefix_cache.lookup(base + [1])
     entry = [np.array(k) for k in hit.keys + hit.values]
-    requests = [make_request("full", base + fresh_tokens(5, 5), 20),
-                make_request("part", base[:150] + fresh_tokens(40, 6), 20),
-                make_request("turn2", base + out1 + fresh_tokens(9, 7), 20),
-                make_request("miss", fresh_tokens(90, 8), 20)]
+    requests = [
+        make_request("full", base + fresh_tokens(5, 5), 20),
+        make_request("part", base[:150] + fresh_tokens(40, 6), 20),
+        make_request("turn2", base + out1 + fresh_tokens(9, 7), 20),
+        make_request("miss", fresh_tokens(90, 8), 20),
+    ]
     got = drive(batch, requests)
     assert [r.num_cached_tokens for r in requests] == [200, 150, 200 + len(out1) - 1, 0]
     for r in requests:
@@ -332,20 +339,27 @@ def test_choices_of_one_prompt_prefill_it_once(loaded, base, grid, with_cache):
     model = loaded[0].model
 
     def new_batch():
-        batch = RaggedBatch(model, eos_token_ids=(), prefill_batch_size=8,
-                            prefix_cache=PrefixCache(64 << 20) if with_cache else None)
+        batch = RaggedBatch(
+            model, eos_token_ids=(), prefill_batch_size=8, prefix_cache=PrefixCache(64 << 20) if with_cache else None
+        )
         batch.slab.grid = grid
         return batch
 
     other = fresh_tokens(70, 3)
-    requests = [make_request("g0", base, 16), make_request("s0", base, 16, temperature=0.8, seed=5),
-                make_request("o", other, 16), make_request("g1", base, 16),
-                make_request("s1", base, 16, temperature=0.8, seed=6)]
+    requests = [
+        make_request("g0", base, 16),
+        make_request("s0", base, 16, temperature=0.8, seed=5),
+        make_request("o", other, 16),
+        make_request("g1", base, 16),
+        make_request("s1", base, 16, temperature=0.8, seed=6),
+    ]
     batch = new_batch()
     fed, stepping = [], []  # prompt tokens the prefill's chunked forwards ran
     forward, step = batch.slab.forward, batch._step
     batch.slab.forward = lambda m, entries, *a, **k: (
-        stepping or fed.append(sum(len(t) for _, t in entries)), forward(m, entries, *a, **k))[1]
+        stepping or fed.append(sum(len(t) for _, t in entries)),
+        forward(m, entries, *a, **k),
+    )[1]
     batch._step = lambda *a, **k: (stepping.append(1), step(*a, **k))[1]
     got = drive(batch, requests)
     assert sum(fed) == len(base) + len(other)  # the shared prompt ran once, in the one forward
@@ -368,8 +382,14 @@ def test_after_eviction_a_tiny_budget_still_gives_the_same_streams(loaded, base)
         assert cache.num_bytes <= budget
 
     other = fresh_tokens(200, 9)
-    cases = [("a", base, 0), ("b", other, 0), ("a_again", base, 0), ("a_third", base, len(base) - 1),
-             ("long", fresh_tokens(310, 10), 0), ("a_fourth", base, len(base) - 1)]
+    cases = [
+        ("a", base, 0),
+        ("b", other, 0),
+        ("a_again", base, 0),
+        ("a_third", base, len(base) - 1),
+        ("long", fresh_tokens(310, 10), 0),
+        ("a_fourth", base, len(base) - 1),
+    ]
     for rid, prompt, cached in cases:
         request = make_request(rid, prompt, 16)
         assert drive(batch, [request], within_budget)[rid] == isolated(model, request), rid
@@ -416,8 +436,9 @@ def test_rows_that_draft_store_only_the_tokens_they_emitted(loaded, monkeypatch)
     batch = RaggedBatch(target.model, eos_token_ids=(), row_drafts=True, prefix_cache=PrefixCache(64 << 20))
     stored = []  # (positions in the row, positions stored) of every store
     keep = batch._store_prefix
-    monkeypatch.setattr(batch, "_store_prefix",
-                        lambda row, ids: (stored.append((row.length, len(ids) - 1)), keep(row, ids)))
+    monkeypatch.setattr(
+        batch, "_store_prefix", lambda row, ids: (stored.append((row.length, len(ids) - 1)), keep(row, ids))
+    )
     first = make_request("t1", history, 16, stop_token_ids=(stop,))
     out1 = drive(batch, [first], drafts=True)["t1"]
     assert out1 == isolated(target.model, first) and out1[-1] == stop
@@ -450,8 +471,9 @@ def assert_draft_holds(state, model, tokens):
     """The draft state's cache holds exactly the KV of a fresh prefill of `tokens`."""
     assert state.num_cached == state.cache[0].offset == len(tokens)
     want = reference_kv(model, tokens)
-    got = [np.array(c.keys[0, :, :len(tokens)]) for c in state.cache] + \
-        [np.array(c.values[0, :, :len(tokens)]) for c in state.cache]
+    got = [np.array(c.keys[0, :, : len(tokens)]) for c in state.cache] + [
+        np.array(c.values[0, :, : len(tokens)]) for c in state.cache
+    ]
     for g, w in zip(got, want):
         assert np.abs(g - w).max() < KV_ATOL
 
@@ -534,7 +556,7 @@ def test_a_parked_session_keeps_its_state_while_the_cache_evicts_its_prefix(load
     def row_matches_history(session):
         row = session.cache[0].row
         keys, values = runner._classic.slab.copy_prefix(row, row.length)
-        want = reference_kv(target.model, session.history[:row.length])
+        want = reference_kv(target.model, session.history[: row.length])
         return all(np.abs(np.array(g) - w).max() < KV_ATOL for g, w in zip(keys + values, want))
 
     first = make_request("t1", base, 20)
@@ -589,8 +611,9 @@ def test_conversations_through_the_scheduler_match_isolated_decode(loaded, base,
         if turn == 1:
             assert all(r.num_cached_tokens == len(h) - 1 - 3 for r, h in zip(requests, histories))
             assert any(r.spec.num_rounds and r.num_cached_tokens for r in requests)
-        histories = [h + streams[r.request_id] + fresh_tokens(3, 40 + i)
-                     for i, (r, h) in enumerate(zip(requests, histories))]
+        histories = [
+            h + streams[r.request_id] + fresh_tokens(3, 40 + i) for i, (r, h) in enumerate(zip(requests, histories))
+        ]
     stats = scheduler.snapshot()["prefix_cache"]
     draft = stats.get("draft", {"budget_bytes": 0, "bytes": 0})
     assert stats["hits"] >= 3 and stats["bytes"] <= stats["budget_bytes"] and draft["bytes"] <= draft["budget_bytes"]
@@ -663,8 +686,9 @@ def test_warm_requests_leave_nothing_behind(loaded, prompt_ids, kind):
 
     target = loaded[0]
     eos = sorted(target.tokenizer.eos_token_ids)
-    runner = MlxRunner(target, make_drafter(kind, loaded), num_draft_tokens=3, prefix_cache_bytes=64 << 20,
-                       replica_drafts=True)
+    runner = MlxRunner(
+        target, make_drafter(kind, loaded), num_draft_tokens=3, prefix_cache_bytes=64 << 20, replica_drafts=True
+    )
     before = runner.prefix_cache_stats()
     assert runner_build.run_warm_batch(runner) == 5
     assert runner.num_classic_rows() == 0 and runner.num_live_sessions() == 0

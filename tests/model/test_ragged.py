@@ -4,7 +4,7 @@ would; families it cannot serve are detected at load."""
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models import gemma2, gemma3_text, llama, qwen2
+from mlx_lm.models import gemma2, gemma3_text, qwen2
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from models import ragged
@@ -23,9 +23,19 @@ def _llama(tied: bool, seed: int = 0):
 
 def _qwen2():
     mx.random.seed(3)
-    model = qwen2.Model(qwen2.ModelArgs(model_type="qwen2", hidden_size=64, num_hidden_layers=2,
-                                        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                                        rms_norm_eps=1e-6, vocab_size=256, tie_word_embeddings=True))
+    model = qwen2.Model(
+        qwen2.ModelArgs(
+            model_type="qwen2",
+            hidden_size=64,
+            num_hidden_layers=2,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-6,
+            vocab_size=256,
+            tie_word_embeddings=True,
+        )
+    )
     mx.eval(model.parameters())
     return model
 
@@ -44,8 +54,11 @@ def _batch(caches):
 PROMPTS = [list(range(3, 40)), list(range(50, 61)), list(range(70, 143)), list(range(5, 9))]
 
 
-@pytest.mark.parametrize("make_model", [lambda: _llama(False), lambda: _llama(True), _qwen2],
-                         ids=["llama-untied", "llama-tied", "qwen2-bias"])
+@pytest.mark.parametrize(
+    "make_model",
+    [lambda: _llama(False), lambda: _llama(True), _qwen2],
+    ids=["llama-untied", "llama-tied", "qwen2-bias"],
+)
 @pytest.mark.parametrize("num_verify", [1, 2, 4, 5, 7])  # K = 0, 1, 3, 4, 6
 @pytest.mark.parametrize("num_rows", [1, 3])
 def test_packed_forward_matches_separate_forwards(make_model, num_verify, num_rows):
@@ -65,7 +78,8 @@ def test_packed_forward_matches_separate_forwards(make_model, num_verify, num_ro
 
     packed_cache, packed_verify_cache = fresh_batch(), _prefilled(model, verify_prompt)
     packed, packed_verify = ragged.packed_forward(
-        model, [ragged.Group(packed_cache, step), ragged.Group(packed_verify_cache, verify)])
+        model, [ragged.Group(packed_cache, step), ragged.Group(packed_verify_cache, verify)]
+    )
     assert mx.abs(packed - alone).max().item() < ATOL
     assert mx.abs(packed_verify - alone_verify).max().item() < ATOL
     assert (mx.argmax(packed_verify, -1) == mx.argmax(alone_verify, -1)).all().item()
@@ -93,11 +107,20 @@ def refused_models():
     """(sliding-window gemma3_text, gemma2): tiny models the packed forwards refuse. gemma2
     keeps plain caches but computes attention itself (logit soft-capping)."""
     mx.random.seed(0)
-    common = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
-                  head_dim=16, rms_norm_eps=1e-6, vocab_size=256, num_key_value_heads=2,
-                  query_pre_attn_scalar=16.0)
-    sliding = gemma3_text.Model(gemma3_text.ModelArgs(model_type="gemma3_text", sliding_window=8,
-                                                      sliding_window_pattern=2, **common))
+    common = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        vocab_size=256,
+        num_key_value_heads=2,
+        query_pre_attn_scalar=16.0,
+    )
+    sliding = gemma3_text.Model(
+        gemma3_text.ModelArgs(model_type="gemma3_text", sliding_window=8, sliding_window_pattern=2, **common)
+    )
     softcapped = gemma2.Model(gemma2.ModelArgs(model_type="gemma2", **common))
     mx.eval(softcapped.parameters())
     return sliding, softcapped

@@ -11,7 +11,6 @@ the residual, or when a cut draft's row is dropped: the check has power.
 """
 
 import collections
-import math
 
 import mlx.core as mx
 import numpy as np
@@ -25,20 +24,26 @@ from .helpers import chi2_critical
 N = 4000
 K = 2
 
-P = np.array([
-    [0.10, 0.50, 0.30, 0.10, 0.0],
-    [0.40, 0.10, 0.10, 0.40, 0.0],
-    [0.25, 0.25, 0.25, 0.25, 0.0],
-    [0.70, 0.10, 0.10, 0.10, 0.0],
-    [0.20, 0.20, 0.30, 0.30, 0.0],
-], dtype=np.float32)
-Q = np.array([
-    [0.40, 0.10, 0.10, 0.10, 0.30],
-    [0.10, 0.60, 0.10, 0.10, 0.10],
-    [0.50, 0.10, 0.10, 0.10, 0.20],
-    [0.10, 0.10, 0.10, 0.40, 0.30],
-    [0.25, 0.25, 0.25, 0.25, 0.00],
-], dtype=np.float32)
+P = np.array(
+    [
+        [0.10, 0.50, 0.30, 0.10, 0.0],
+        [0.40, 0.10, 0.10, 0.40, 0.0],
+        [0.25, 0.25, 0.25, 0.25, 0.0],
+        [0.70, 0.10, 0.10, 0.10, 0.0],
+        [0.20, 0.20, 0.30, 0.30, 0.0],
+    ],
+    dtype=np.float32,
+)
+Q = np.array(
+    [
+        [0.40, 0.10, 0.10, 0.10, 0.30],
+        [0.10, 0.60, 0.10, 0.10, 0.10],
+        [0.50, 0.10, 0.10, 0.10, 0.20],
+        [0.10, 0.10, 0.10, 0.40, 0.30],
+        [0.25, 0.25, 0.25, 0.25, 0.00],
+    ],
+    dtype=np.float32,
+)
 FORBIDDEN = 4
 
 
@@ -87,18 +92,22 @@ def test_the_check_catches_a_wrong_correction(monkeypatch, mutant):
     if mutant == "correction_from_p":
         monkeypatch.setattr(models.rejection, "residual", lambda p, q: p)
     else:
-        monkeypatch.setitem(globals(), "with_bonus_row",
-                            lambda q, n: mx.concatenate([q[:n], mx.zeros((1, q.shape[-1]), q.dtype)]))
+        monkeypatch.setitem(
+            globals(), "with_bonus_row", lambda q, n: mx.concatenate([q[:n], mx.zeros((1, q.shape[-1]), q.dtype)])
+        )
     stat, df, _ = goodness_of_fit()
     assert stat > chi2_critical(df), f"chi2={stat:.1f} df={df}"
 
 
-@pytest.mark.parametrize("p_row, q_row, draft, accept", [
-    ([0.5, 0.5], [0.5, 0.5], 0, 1.0),      # q = p: always accepted
-    ([0.9, 0.1], [0.5, 0.5], 0, 1.0),      # p > q at the draft: always accepted
-    ([0.0, 1.0], [0.5, 0.5], 0, 0.0),      # p forbids it: never accepted
-    ([0.25, 0.75], [0.5, 0.5], 0, 0.5),    # p / q
-])
+@pytest.mark.parametrize(
+    "p_row, q_row, draft, accept",
+    [
+        ([0.5, 0.5], [0.5, 0.5], 0, 1.0),  # q = p: always accepted
+        ([0.9, 0.1], [0.5, 0.5], 0, 1.0),  # p > q at the draft: always accepted
+        ([0.0, 1.0], [0.5, 0.5], 0, 0.0),  # p forbids it: never accepted
+        ([0.25, 0.75], [0.5, 0.5], 0, 0.5),  # p / q
+    ],
+)
 def test_acceptance_rate_is_min_1_p_over_q(p_row, q_row, draft, accept):
     p = mx.array([p_row, p_row])
     q = mx.array([q_row, [0.0, 0.0]])

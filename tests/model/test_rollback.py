@@ -26,9 +26,7 @@ ROUNDS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "case,draft,target,accepted,emitted,t_trim,d_trim", ROUNDS, ids=[r[0] for r in ROUNDS]
-)
+@pytest.mark.parametrize("case,draft,target,accepted,emitted,t_trim,d_trim", ROUNDS, ids=[r[0] for r in ROUNDS])
 def test_round_arithmetic(case, draft, target, accepted, emitted, t_trim, d_trim):
     n = accept_count(draft, target)
     assert n == accepted

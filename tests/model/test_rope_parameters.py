@@ -16,8 +16,7 @@ from models.upstream_fixes import rope_from_parameters
 
 pytestmark = pytest.mark.model
 
-_LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-           "original_max_position_embeddings": 64}
+_LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 _PROMPT = [(7 * i + 3) % 500 + 1 for i in range(96)]
 
 
@@ -44,12 +43,14 @@ def base_dir(tmp_path_factory):
 @pytest.fixture
 def variant(base_dir, tmp_path):
     """variant(name, **config keys): a copy of the base model with those keys added."""
+
     def make(name, **keys):
         path = tmp_path / name
         shutil.copytree(base_dir, path)
         config = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**config, **keys}))
         return str(path)
+
     return make
 
 
@@ -85,10 +86,10 @@ def test_every_mlx_lm_load_path_gets_it(variant):
 def test_llama3_rope_parameters_match_top_level_rope_scaling(variant):
     from mlx_lm.models.rope_utils import Llama3RoPE
 
-    nested = load_model(variant("nested", rope_parameters={
-        "rope_type": "llama3", "rope_theta": 500000.0, **_LLAMA3})).model
-    flat = load_model(variant("flat", rope_theta=500000.0,
-                              rope_scaling={"rope_type": "llama3", **_LLAMA3})).model
+    nested = load_model(
+        variant("nested", rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, **_LLAMA3})
+    ).model
+    flat = load_model(variant("flat", rope_theta=500000.0, rope_scaling={"rope_type": "llama3", **_LLAMA3})).model
     unscaled = load_model(variant("unscaled", rope_theta=500000.0)).model
     assert isinstance(nested.layers[0].self_attn.rope, Llama3RoPE)
     assert mx.array_equal(nested.layers[0].self_attn.rope._freqs, flat.layers[0].self_attn.rope._freqs)
@@ -98,16 +99,23 @@ def test_llama3_rope_parameters_match_top_level_rope_scaling(variant):
 
 def test_top_level_values_win(variant):
     params = {"rope_type": "llama3", "rope_theta": 100000.0, **_LLAMA3}
-    model = load_model(variant("both", rope_theta=10000.0, rope_scaling={"type": "linear", "factor": 2.0},
-                               rope_parameters=params)).model
+    model = load_model(
+        variant("both", rope_theta=10000.0, rope_scaling={"type": "linear", "factor": 2.0}, rope_parameters=params)
+    ).model
     rope = model.layers[0].self_attn.rope
     assert (rope.base, rope.scale) == (10000.0, 0.5)
 
 
 def test_per_layer_type_rope_parameters_load(variant):
-    model = load_model(variant("per_layer", rope_parameters={
-        "full_attention": {"rope_type": "default", "rope_theta": 100000.0},
-        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})).model
+    model = load_model(
+        variant(
+            "per_layer",
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        )
+    ).model
     assert _bases(model) == [100000.0, 100000.0]
 
 
@@ -116,25 +124,39 @@ _YARN = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_po
 _YARN_SCALING = {"rope_type": "yarn", "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
 
 
-@pytest.mark.parametrize("config, lifted", [
-    ({}, {}),
-    ({"rope_theta": 5e5}, {}),
-    ({"rope_parameters": None}, {}),
-    ({"rope_parameters": _DEFAULT}, {"rope_theta": 1e5}),
-    ({"rope_parameters": _DEFAULT, "rope_theta": None, "rope_scaling": None}, {"rope_theta": 1e5}),
-    ({"rope_parameters": {"type": "default", "rope_theta": 1e5}}, {"rope_theta": 1e5}),
-    ({"rope_parameters": _YARN}, {"rope_theta": 1e6, "rope_scaling": _YARN_SCALING}),
-    ({"rope_parameters": {**_YARN, "rope_type": None, "type": "yarn"}},
-     {"rope_theta": 1e6, "rope_scaling": {**_YARN_SCALING, "rope_type": "yarn"}}),
-    ({"rope_parameters": _YARN, "rope_theta": 2.0}, {"rope_scaling": _YARN_SCALING}),
-    ({"rope_parameters": _YARN, "rope_scaling": {"type": "linear", "factor": 2.0}}, {"rope_theta": 1e6}),
-    ({"rope_parameters": {"full_attention": _YARN, "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
-     {"rope_theta": 1e6, "rope_scaling": _YARN_SCALING, "rope_local_base_freq": 1e4}),
-    ({"rope_parameters": {"full_attention": _DEFAULT, "sliding_attention": None}}, {"rope_theta": 1e5}),
-    ({"rope_parameters": {"linear_attention": None, "sliding_attention": _DEFAULT}},
-     {"rope_local_base_freq": 1e5}),
-    ({"text_config": {"rope_parameters": _DEFAULT}}, {"text_config": {"rope_parameters": _DEFAULT, "rope_theta": 1e5}}),
-])
+@pytest.mark.parametrize(
+    "config, lifted",
+    [
+        ({}, {}),
+        ({"rope_theta": 5e5}, {}),
+        ({"rope_parameters": None}, {}),
+        ({"rope_parameters": _DEFAULT}, {"rope_theta": 1e5}),
+        ({"rope_parameters": _DEFAULT, "rope_theta": None, "rope_scaling": None}, {"rope_theta": 1e5}),
+        ({"rope_parameters": {"type": "default", "rope_theta": 1e5}}, {"rope_theta": 1e5}),
+        ({"rope_parameters": _YARN}, {"rope_theta": 1e6, "rope_scaling": _YARN_SCALING}),
+        (
+            {"rope_parameters": {**_YARN, "rope_type": None, "type": "yarn"}},
+            {"rope_theta": 1e6, "rope_scaling": {**_YARN_SCALING, "rope_type": "yarn"}},
+        ),
+        ({"rope_parameters": _YARN, "rope_theta": 2.0}, {"rope_scaling": _YARN_SCALING}),
+        ({"rope_parameters": _YARN, "rope_scaling": {"type": "linear", "factor": 2.0}}, {"rope_theta": 1e6}),
+        (
+            {
+                "rope_parameters": {
+                    "full_attention": _YARN,
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                }
+            },
+            {"rope_theta": 1e6, "rope_scaling": _YARN_SCALING, "rope_local_base_freq": 1e4},
+        ),
+        ({"rope_parameters": {"full_attention": _DEFAULT, "sliding_attention": None}}, {"rope_theta": 1e5}),
+        ({"rope_parameters": {"linear_attention": None, "sliding_attention": _DEFAULT}}, {"rope_local_base_freq": 1e5}),
+        (
+            {"text_config": {"rope_parameters": _DEFAULT}},
+            {"text_config": {"rope_parameters": _DEFAULT, "rope_theta": 1e5}},
+        ),
+    ],
+)
 def test_config_transform(config, lifted):
     before = json.dumps(config)
     assert rope_from_parameters(config) == {**config, **lifted}

@@ -17,9 +17,7 @@ pytestmark = pytest.mark.model
 
 @pytest.fixture(scope="module")
 def runner(tiny_pair):
-    r = MlxRunner.from_paths(
-        tiny_pair[0], drafter_kind="draft_model", drafter_path=tiny_pair[1], num_draft_tokens=3
-    )
+    r = MlxRunner.from_paths(tiny_pair[0], drafter_kind="draft_model", drafter_path=tiny_pair[1], num_draft_tokens=3)
     yield r
     r.close()
 

@@ -21,7 +21,6 @@ import collections
 import mlx.core as mx
 import pytest
 
-import models.rejection
 from models.drafters import DraftModelDrafter
 from models.sampling import RequestSampler
 from scheduler.request import SamplingParams
@@ -114,7 +113,7 @@ def test_a_positions_draw_depends_on_the_seed_and_the_position_alone():
     one_by_one = RequestSampler(SamplingParams(8, temperature=1.0, seed=7))
     tokens = []
     for i in range(6):
-        tokens += one_by_one(logprobs[i:i + 1]).tolist()
+        tokens += one_by_one(logprobs[i : i + 1]).tolist()
         one_by_one.accept(tokens[-1:])
     assert tokens == together
     assert len(set(together)) > 1  # positions are independent draws

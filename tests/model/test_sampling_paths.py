@@ -43,21 +43,30 @@ def eos(loaded):
 
 def plain_decode(model, prompt, params, stop_ids):
     """Greedy decode one token at a time; each step's processors from the token lists."""
-    return stepwise_greedy(model, prompt, params.max_tokens, stop_ids,
-                           lambda logits, out: np.argmax(reference(logits, params, list(prompt), out)))
+    return stepwise_greedy(
+        model,
+        prompt,
+        params.max_tokens,
+        stop_ids,
+        lambda logits, out: np.argmax(reference(logits, params, list(prompt), out)),
+    )
 
 
 @pytest.fixture(scope="module")
 def requests(prompt_ids):
-    return {name: [make_request(f"r{i}", prompt_ids[i], MAX_TOKENS, **knobs) for i in INDEXES]
-            for name, knobs in KNOBS.items()}
+    return {
+        name: [make_request(f"r{i}", prompt_ids[i], MAX_TOKENS, **knobs) for i in INDEXES]
+        for name, knobs in KNOBS.items()
+    }
 
 
 @pytest.fixture(scope="module")
 def expected(loaded, requests):
     stop = set(eos(loaded))
-    return {name: {r.request_id: plain_decode(loaded[0].model, r.prompt_ids, r.sampling, stop) for r in reqs}
-            for name, reqs in requests.items()}
+    return {
+        name: {r.request_id: plain_decode(loaded[0].model, r.prompt_ids, r.sampling, stop) for r in reqs}
+        for name, reqs in requests.items()
+    }
 
 
 @pytest.mark.parametrize("knobs", KNOBS)
@@ -78,8 +87,12 @@ def test_mlx_lm_agrees_on_logit_bias_and_repetition_penalty(loaded, prompt_ids):
     for i in INDEXES:
         r = make_request("a", prompt_ids[i], MAX_TOKENS, logit_bias=((40, 3.0),), repetition_penalty=1.4)
         processors = make_logits_processors(logit_bias={40: 3.0}, repetition_penalty=1.4)
-        theirs = [int(t) for t, _ in generate_step(mx.array(r.prompt_ids), model, max_tokens=MAX_TOKENS,
-                                                   logits_processors=processors)]
+        theirs = [
+            int(t)
+            for t, _ in generate_step(
+                mx.array(r.prompt_ids), model, max_tokens=MAX_TOKENS, logits_processors=processors
+            )
+        ]
         ours, _ = run_classic(model, [r], [])["a"]  # no stop ids: generate_step has none
         assert ours == theirs
 
@@ -106,7 +119,7 @@ class OracleDrafter(DrafterBase):
 
 
 def _drafts(stream, done, k, spoil):
-    out = list(stream[done:done + k])
+    out = list(stream[done : done + k])
     if spoil and out:
         out[-1] = (out[-1] + 1) % 512
     return out
@@ -118,7 +131,11 @@ def test_speculative_rounds_match_classic_decode(loaded, requests, expected, kno
     num_accepted = 0
     for r in requests[knobs]:
         want = expected[knobs][r.request_id]
-        d = OracleDrafter(r.prompt_ids, want[0], wrong_every=3) if drafter == "oracle" else make_drafter(drafter, loaded)
+        d = (
+            OracleDrafter(r.prompt_ids, want[0], wrong_every=3)
+            if drafter == "oracle"
+            else make_drafter(drafter, loaded)
+        )
         tokens, reason, rounds = run_session(loaded, r, 4, d)
         assert (tokens, reason) == want, r.request_id
         num_accepted += sum(a for _, _, a in rounds)
@@ -136,16 +153,27 @@ class OracleRows(RaggedBatch):
 
     def _drafts(self, streams):
         self.num_steps += 1
-        return [_drafts(self.streams[s.request_id], s.num_emitted,
-                        draft_budget(self.num_draft_tokens, s.max_tokens - s.num_emitted), self.num_steps % 3 == 0)
-                for s in streams]
+        return [
+            _drafts(
+                self.streams[s.request_id],
+                s.num_emitted,
+                draft_budget(self.num_draft_tokens, s.max_tokens - s.num_emitted),
+                self.num_steps % 3 == 0,
+            )
+            for s in streams
+        ]
 
 
 @pytest.mark.parametrize("knobs", KNOBS)
 def test_rows_that_verify_drafts_match_classic_decode(loaded, requests, expected, knobs):
     model, reqs, want = loaded[0].model, requests[knobs], expected[knobs]
-    rows = OracleRows(model, eos_token_ids=eos(loaded), row_drafts=True, num_draft_tokens=4,
-                      streams={rid: tokens for rid, (tokens, _) in want.items()})
+    rows = OracleRows(
+        model,
+        eos_token_ids=eos(loaded),
+        row_drafts=True,
+        num_draft_tokens=4,
+        streams={rid: tokens for rid, (tokens, _) in want.items()},
+    )
     got, stats = _run(rows, reqs, drafts=True)
     assert got == want and stats["accepted"] >= 20
     # the rows' own n-gram drafts, on a prompt where they land
@@ -155,8 +183,11 @@ def test_rows_that_verify_drafts_match_classic_decode(loaded, requests, expected
     assert got == run_classic(model, ngram, eos(loaded))
 
 
-@pytest.mark.parametrize("sampling", [{}, dict(temperature=1.0, seed=4), dict(temperature=1.0, top_k=5, seed=4)],
-                         ids=["greedy", "sampled", "top_k"])
+@pytest.mark.parametrize(
+    "sampling",
+    [{}, dict(temperature=1.0, seed=4), dict(temperature=1.0, top_k=5, seed=4)],
+    ids=["greedy", "sampled", "top_k"],
+)
 def test_a_plus_100_logit_bias_forces_its_token_everywhere(loaded, prompt_ids, sampling):
     forced = 77
     reqs = [make_request(f"r{i}", prompt_ids[i], 12, logit_bias=((forced, 100.0),), **sampling) for i in (1, 5)]
@@ -172,16 +203,27 @@ def test_a_plus_100_logit_bias_forces_its_token_everywhere(loaded, prompt_ids, s
 def test_seeded_sampled_streams_with_processors_agree_on_classic_paths(loaded, prompt_ids):
     """One draw per token on every classic path: the lone row, BatchGenerator rows and
     the slab's rows give the same seeded stream."""
-    knobs = dict(temperature=0.8, top_p=0.95, min_p=0.02, top_k=30, presence_penalty=0.8, frequency_penalty=0.2,
-                 repetition_penalty=1.2, logit_bias=((40, 1.5),))
+    knobs = dict(
+        temperature=0.8,
+        top_p=0.95,
+        min_p=0.02,
+        top_k=30,
+        presence_penalty=0.8,
+        frequency_penalty=0.2,
+        repetition_penalty=1.2,
+        logit_bias=((40, 1.5),),
+    )
     reqs = [make_request(f"r{i}", prompt_ids[i], 20, seed=i, **knobs) for i in INDEXES]
     model = loaded[0].model
     batched = run_classic(model, reqs, eos(loaded))
     alone = {r.request_id: run_classic(model, [r], eos(loaded))[r.request_id] for r in reqs}
     ragged, _ = _run(RaggedBatch(model, eos_token_ids=eos(loaded)), reqs, drafts=False)
     assert batched == alone == ragged
-    unprocessed = run_classic(model, [make_request(r.request_id, r.prompt_ids, 20, seed=r.sampling.seed,
-                                                     temperature=0.8) for r in reqs], eos(loaded))
+    unprocessed = run_classic(
+        model,
+        [make_request(r.request_id, r.prompt_ids, 20, seed=r.sampling.seed, temperature=0.8) for r in reqs],
+        eos(loaded),
+    )
     assert unprocessed != batched  # the processors and filters change the draws
 
 
@@ -195,8 +237,15 @@ def test_the_compiled_verify_reads_the_drafts_too(loaded, requests, expected, kn
     verifier = BucketedForward(loaded[0].model, bucket=16, prefill_chunk=8)
     for r in requests[knobs]:
         want = expected[knobs][r.request_id]
-        session = SpeculativeSession(r.request_id, loaded[0].model, r.prompt_ids, r.sampling, num_draft_tokens=4,
-                                     eos_token_ids=eos(loaded), verifier=verifier)
+        session = SpeculativeSession(
+            r.request_id,
+            loaded[0].model,
+            r.prompt_ids,
+            r.sampling,
+            num_draft_tokens=4,
+            eos_token_ids=eos(loaded),
+            verifier=verifier,
+        )
         session.bind(OracleDrafter(r.prompt_ids, want[0][:-2], wrong_every=3))  # short drafts near the end
         result = session.begin()
         tokens = list(result.token_ids)

@@ -13,9 +13,21 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from models.sampling import (DRAWS, DRAFTS, RequestSampler, draw_plain, draw_rows, log_probs, min_p_filter,
-                             penalized_logits, position_keys, stacked_keys, supports_sampling, top_k_filter,
-                             top_p_filter)
+from models.sampling import (
+    DRAFTS,
+    DRAWS,
+    RequestSampler,
+    draw_plain,
+    draw_rows,
+    log_probs,
+    min_p_filter,
+    penalized_logits,
+    position_keys,
+    stacked_keys,
+    supports_sampling,
+    top_k_filter,
+    top_p_filter,
+)
 from scheduler.request import SamplingParams
 
 pytestmark = pytest.mark.model
@@ -29,9 +41,12 @@ def reference(row: np.ndarray, p: SamplingParams, prompt: list[int], output: lis
     for token, bias in p.logit_bias:
         x[token] += np.float32(bias)
     if p.repetition_penalty != 1.0:
-        for token in set((prompt + output)[-p.repetition_context_size:]):
-            x[token] = x[token] * np.float32(p.repetition_penalty) if x[token] < 0 else x[token] / np.float32(
-                p.repetition_penalty)
+        for token in set((prompt + output)[-p.repetition_context_size :]):
+            x[token] = (
+                x[token] * np.float32(p.repetition_penalty)
+                if x[token] < 0
+                else x[token] / np.float32(p.repetition_penalty)
+            )
     for token in set(output):
         count = output.count(token)
         x[token] = x[token] - np.float32(p.frequency_penalty) * np.float32(count) - np.float32(p.presence_penalty)
@@ -44,8 +59,13 @@ KNOBS = {
     "repetition_short_window": dict(repetition_penalty=0.6, repetition_context_size=3),
     "presence": dict(presence_penalty=1.25),
     "frequency": dict(frequency_penalty=-0.5),
-    "all": dict(logit_bias=((3, 2.5),), repetition_penalty=1.3, repetition_context_size=6,
-                presence_penalty=0.5, frequency_penalty=0.75),
+    "all": dict(
+        logit_bias=((3, 2.5),),
+        repetition_penalty=1.3,
+        repetition_context_size=6,
+        presence_penalty=0.5,
+        frequency_penalty=0.75,
+    ),
 }
 
 
@@ -65,7 +85,7 @@ def test_every_verify_position_matches_the_reference(knobs):
         else:
             sampler.penalized(logits[:1])
             for start in range(0, len(output), 4):
-                chunk = output[start:start + 4]
+                chunk = output[start : start + 4]
                 sampler.accept(mx.array(chunk, dtype=mx.int32) if trial % 2 else chunk)
         got = np.array(sampler.penalized(logits, mx.array(drafts, dtype=mx.int32) if trial % 2 else drafts))
         for i in range(n):
@@ -85,7 +105,7 @@ def test_a_verify_call_equals_sequential_single_positions():
     for i in range(5):
         alone = copy.copy(sampler)
         alone.accept(drafts[:i])
-        assert mx.array_equal(alone.log_probs(logits[i:i + 1])[0], together[i])
+        assert mx.array_equal(alone.log_probs(logits[i : i + 1])[0], together[i])
 
 
 def test_output_penalties_count_output_tokens_only():
@@ -149,6 +169,7 @@ def test_without_processors_nothing_changes():
     # row i is output position i, drawn with that position's key of the seed's DRAWS stream
     keys = position_keys(mx.random.split(mx.random.key(5), 3)[DRAWS], 0, 3)
     from mlx_lm.sample_utils import apply_top_p
+
     expected = draw_rows(apply_top_p(log_probs(logits), 0.9) * (1 / 0.7), keys)
     assert sampler.sample(logits, [4, 5]).tolist() == expected.tolist()
 
@@ -159,6 +180,7 @@ def test_the_filters_equal_mlx_lms_for_every_value(dtype):
     kernel per value): the same tokens kept, the same values, for values on both
     sides of the usual ones, one row and several, peaked rows and flat ones, ties."""
     from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
     rng = np.random.default_rng(11)
     rows = [rng.normal(0, scale, (n, 2048)) for n, scale in ((1, 1.0), (4, 3.0), (3, 8.0))]
     ties = np.zeros((2, 2048))
@@ -166,11 +188,9 @@ def test_the_filters_equal_mlx_lms_for_every_value(dtype):
     for x in [*rows, ties]:
         logprobs = log_probs(mx.array(x.astype(np.float32)).astype(dtype))
         for top_p in (0.05, 0.5, 0.8, 0.9, 0.93, 0.95, 0.999):
-            assert mx.array_equal(top_p_filter(logprobs, top_p), apply_top_p(logprobs, top_p),
-                                  equal_nan=True), top_p
+            assert mx.array_equal(top_p_filter(logprobs, top_p), apply_top_p(logprobs, top_p), equal_nan=True), top_p
         for min_p in (0.001, 0.05, 0.1, 0.37, 1.0):
-            assert mx.array_equal(min_p_filter(logprobs, min_p), apply_min_p(logprobs, min_p),
-                                  equal_nan=True), min_p
+            assert mx.array_equal(min_p_filter(logprobs, min_p), apply_min_p(logprobs, min_p), equal_nan=True), min_p
         for top_k in (1, 5, 40, 2047):
             assert mx.array_equal(top_k_filter(logprobs, top_k), apply_top_k(logprobs, top_k)), top_k
     # a filter keeps at least the row's most likely token
@@ -183,8 +203,9 @@ def test_one_draw_over_many_samplers_is_each_samplers_own_draw(filters):
     """The batched draw of sampled rows gives every row the tokens its own sampler would
     draw: its keys depend on its seed and positions only, whatever else is stacked."""
     rng = random.Random(3)
-    samplers = [RequestSampler(SamplingParams(8, temperature=0.7, seed=rng.randrange(1000), **filters))
-                for _ in range(6)]
+    samplers = [
+        RequestSampler(SamplingParams(8, temperature=0.7, seed=rng.randrange(1000), **filters)) for _ in range(6)
+    ]
     for s in samplers:
         s.accept([rng.randrange(V) for _ in range(rng.randrange(5))])
     logits = [mx.random.normal((rng.randint(1, 4), V), key=mx.random.key(i)) for i in range(6)]
@@ -215,19 +236,22 @@ def test_the_drafts_must_cover_the_positions():
         RequestSampler(SamplingParams(8, repetition_penalty=1.1))
 
 
-@pytest.mark.parametrize("knobs, processors, supported", [
-    ({}, False, True),
-    ({"top_k": 5, "min_p": 0.1, "temperature": 0.5}, False, True),  # filters read no tokens
-    ({"logit_bias": ((1, 0.5),)}, True, True),
-    ({"repetition_penalty": 1.0}, False, True),
-    ({"repetition_penalty": 0.9}, True, True),
-    ({"presence_penalty": -0.1}, True, True),
-    ({"frequency_penalty": 2.0}, True, True),
-    ({"top_k": -1}, False, False),
-    ({"min_p": 1.5}, False, False),
-    ({"repetition_penalty": 0.0}, True, False),
-    ({"repetition_penalty": 1.1, "repetition_context_size": 0}, True, False),
-])
+@pytest.mark.parametrize(
+    "knobs, processors, supported",
+    [
+        ({}, False, True),
+        ({"top_k": 5, "min_p": 0.1, "temperature": 0.5}, False, True),  # filters read no tokens
+        ({"logit_bias": ((1, 0.5),)}, True, True),
+        ({"repetition_penalty": 1.0}, False, True),
+        ({"repetition_penalty": 0.9}, True, True),
+        ({"presence_penalty": -0.1}, True, True),
+        ({"frequency_penalty": 2.0}, True, True),
+        ({"top_k": -1}, False, False),
+        ({"min_p": 1.5}, False, False),
+        ({"repetition_penalty": 0.0}, True, False),
+        ({"repetition_penalty": 1.1, "repetition_context_size": 0}, True, False),
+    ],
+)
 def test_params_table(knobs, processors, supported):
     params = SamplingParams(8, **knobs)
     assert params.has_processors is processors

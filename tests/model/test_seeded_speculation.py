@@ -31,8 +31,15 @@ from .test_slab import REPEATING, _run
 pytestmark = pytest.mark.model
 
 SAMPLED = {
-    "t0.7_top_p_penalties_logprobs": dict(temperature=0.7, top_p=0.9, presence_penalty=0.4, frequency_penalty=0.2,
-                                          repetition_penalty=1.1, seed=11, logprobs=3),
+    "t0.7_top_p_penalties_logprobs": dict(
+        temperature=0.7,
+        top_p=0.9,
+        presence_penalty=0.4,
+        frequency_penalty=0.2,
+        repetition_penalty=1.1,
+        seed=11,
+        logprobs=3,
+    ),
     "t1.0_top_k_min_p_bias": dict(temperature=1.0, top_k=20, min_p=0.02, logit_bias=((13, 1.5),), seed=5),
 }
 
@@ -129,8 +136,10 @@ def eos(loaded):
 
 @pytest.fixture(scope="module")
 def requests(prompt_ids):
-    return {name: [make_request(f"r{i}", prompt_ids[i], 24, seed=100 + i, **knobs) for i in (0, 3, 7, 12)]
-            for name, knobs in ROW_KNOBS.items()}
+    return {
+        name: [make_request(f"r{i}", prompt_ids[i], 24, seed=100 + i, **knobs) for i in (0, 3, 7, 12)]
+        for name, knobs in ROW_KNOBS.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +150,13 @@ def classic(loaded, requests):
 @pytest.mark.parametrize("knobs", ROW_KNOBS)
 def test_sampled_rows_that_draft_emit_their_classic_streams(loaded, requests, classic, knobs):
     model, reqs, want = loaded[0].model, requests[knobs], classic[knobs]
-    rows = OracleRows(model, eos_token_ids=eos(loaded), row_drafts=True, num_draft_tokens=4,
-                      streams={rid: tokens for rid, (tokens, _) in want.items()})
+    rows = OracleRows(
+        model,
+        eos_token_ids=eos(loaded),
+        row_drafts=True,
+        num_draft_tokens=4,
+        streams={rid: tokens for rid, (tokens, _) in want.items()},
+    )
     rows.sampled_drafts = True
     got, stats = _run(rows, reqs, drafts=True)
     assert got == want and stats["accepted"] >= 20
@@ -193,8 +207,15 @@ def test_the_compiled_verify_draws_the_same_sampled_stream(loaded, requests, cla
     verifier = BucketedForward(loaded[0].model, bucket=16, prefill_chunk=8)
     for r in requests["penalized"]:
         want = classic["penalized"][r.request_id]
-        session = SpeculativeSession(r.request_id, loaded[0].model, r.prompt_ids, r.sampling, num_draft_tokens=4,
-                                     eos_token_ids=eos(loaded), verifier=verifier)
+        session = SpeculativeSession(
+            r.request_id,
+            loaded[0].model,
+            r.prompt_ids,
+            r.sampling,
+            num_draft_tokens=4,
+            eos_token_ids=eos(loaded),
+            verifier=verifier,
+        )
         session.bind(OracleDrafter(r.prompt_ids, want[0][:-2], wrong_every=3))
         tokens = list(session.begin().token_ids)
         while not session.finished:

@@ -10,10 +10,10 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from models import slab, slab_forward
-from models.slab_forward import Forward
 from models.drafters import NgramIndex, ngram_lookup
 from models.prefix_cache import PrefixCache
 from models.ragged_batch import RaggedBatch
+from models.slab_forward import Forward
 from scheduler.costs import TickCosts
 from scheduler.request import Request
 
@@ -33,8 +33,11 @@ def _alone(model, prompt, new):
     return model(mx.array([new]), cache=cache)[0]
 
 
-@pytest.mark.parametrize("make_model", [lambda: _llama(False), lambda: _llama(True), _qwen2],
-                         ids=["llama-untied", "llama-tied", "qwen2-bias"])
+@pytest.mark.parametrize(
+    "make_model",
+    [lambda: _llama(False), lambda: _llama(True), _qwen2],
+    ids=["llama-untied", "llama-tied", "qwen2-bias"],
+)
 @pytest.mark.parametrize("widths", [(1, 1, 1, 1), (1, 1, 1, 5), (2, 1, 7, 1), (4, 3, 2, 6)])
 @pytest.mark.parametrize("grid", [False, True], ids=["packed", "grid"])
 def test_slab_forward_matches_separate_forwards(make_model, widths, grid):
@@ -56,13 +59,16 @@ def test_slab_forward_matches_separate_forwards(make_model, widths, grid):
         assert mx.abs(got - _alone(model, prompt + new, [7])).max().item() < ATOL
 
 
-@pytest.mark.parametrize("widths, block", [
-    ((5, 5, 5, 5), [0, 1, 2, 3]),  # every row drafts: one call over the four
-    ((5, 1, 3, 1), [0, 2]),  # a one-token row between them is padding
-    ((5, 1, 1, 3), None),  # two rows apart: each its own call
-    ((1, 1, 1, 5), None),  # one such row: its own call
-    ((5, 12, 3, 1), [0, 2]),  # a prompt chunk's row attends alone
-])
+@pytest.mark.parametrize(
+    "widths, block",
+    [
+        ((5, 5, 5, 5), [0, 1, 2, 3]),  # every row drafts: one call over the four
+        ((5, 1, 3, 1), [0, 2]),  # a one-token row between them is padding
+        ((5, 1, 1, 3), None),  # two rows apart: each its own call
+        ((1, 1, 1, 5), None),  # one such row: its own call
+        ((5, 12, 3, 1), [0, 2]),  # a prompt chunk's row attends alone
+    ],
+)
 def test_packed_rows_of_a_few_tokens_attend_in_one_call_and_match_separate_forwards(widths, block):
     """Packed, rows that bring 2..`EXACT_WIDTHS` tokens (drafts, a verify) in slots with
     few others between them are attended as one masked grid (`_Block`): the same logits
@@ -74,8 +80,9 @@ def test_packed_rows_of_a_few_tokens_attend_in_one_call_and_match_separate_forwa
     news = [[(13 * i + j) % 200 + 1 for j in range(w)] for i, w in enumerate(widths)]
     entries = [(r, n) for r, n in zip(rows, news)]
     plan = Forward(store, entries)
-    assert (None if plan.block is None else list(range(plan.block.lo, plan.block.lo + plan.block.num_rows))) == \
-        (None if block is None else list(range(block[0], block[-1] + 1)))
+    assert (None if plan.block is None else list(range(plan.block.lo, plan.block.lo + plan.block.num_rows))) == (
+        None if block is None else list(range(block[0], block[-1] + 1))
+    )
     out = store.forward(model, entries)
     for got, prompt, new in zip(out, PROMPTS, news):
         assert mx.abs(got - _alone(model, prompt, new)).max().item() < ATOL
@@ -95,7 +102,8 @@ def test_last_only_gives_each_rows_last_logits_and_runs_the_head_on_those_alone(
     gather = slab_forward._Gather.__call__
     try:
         slab_forward._Gather.__call__ = lambda self, *a, **k: (lambda h: (head_inputs.append(h.shape), h)[1])(
-            gather(self, *a, **k))
+            gather(self, *a, **k)
+        )
         out = store.forward(model, [(r, p[-3:]) for r, p in zip(rows, PROMPTS)], last_only=True)
     finally:
         slab_forward._Gather.__call__ = gather
@@ -264,8 +272,12 @@ def test_shrink_returns_capacity_once_the_long_row_is_gone():
     back at a quarter (a slab that just doubled keeps it), and counts the last
     `RECENT_ROWS` rows freed as rows it still needs room for."""
     model = _llama(False)
-    for grid, length, grown, kept in ((True, 300, 512, slab.STEP), (False, 597, 768, 768),
-                                      (False, 300, 512, 512), (False, 1100, 1280, slab.STEP)):
+    for grid, length, grown, kept in (
+        (True, 300, 512, slab.STEP),
+        (False, 597, 768, 768),
+        (False, 300, 512, 512),
+        (False, 1100, 1280, slab.STEP),
+    ):
         store = slab.Slab(model, rows=2, grid=grid)
         short, long = store.add(), store.add()
         store.forward(model, [(short, PROMPTS[1]), (long, (list(range(1, 200)) * 6)[:length])])
@@ -381,13 +393,18 @@ def _run(batch, requests, drafts):
     return {rid: (out[rid], reasons[rid]) for rid in out}, stats
 
 
-@pytest.mark.parametrize("costs", [None, TickCosts({1: 4.0, 4: 4.4}, {0: 4.2, 3: 4.6}, 0.0)],
-                         ids=["no_costs", "cheap_verify"])
+@pytest.mark.parametrize(
+    "costs", [None, TickCosts({1: 4.0, 4: 4.4}, {0: 4.2, 3: 4.6}, 0.0)], ids=["no_costs", "cheap_verify"]
+)
 def test_rows_that_draft_emit_exactly_what_classic_decode_emits(loaded, prompt_ids, costs):
     target = loaded[0]
     repeating = list(target.tokenizer.encode(REPEATING))
-    requests = [make_request("rep", repeating, 40), make_request("a", prompt_ids[0], 33),
-                make_request("b", prompt_ids[7], 21), make_request("c", repeating[5:], 1)]
+    requests = [
+        make_request("rep", repeating, 40),
+        make_request("a", prompt_ids[0], 33),
+        make_request("b", prompt_ids[7], 21),
+        make_request("c", repeating[5:], 1),
+    ]
     eos = sorted(target.tokenizer.eos_token_ids)
     expected = run_classic(target.model, requests, eos)
     batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True, num_draft_tokens=4)
@@ -474,8 +491,9 @@ def test_rows_do_not_draft_where_a_steps_first_draft_costs_too_much(loaded):
     requests = [make_request("rep", repeating, 24), make_request("x", repeating[3:], 24)]
     for first, drafts in ((8.0, False), (0.01, True)):
         batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True)
-        batch.costs = TickCosts({1: 1.0, 2: 1.1}, {0: 1.2, 1: 1.3}, 0.0, {2: 1.1 + first + 7 * 0.01},
-                                {1: 1.0 + first, 2: 1.1 + first})
+        batch.costs = TickCosts(
+            {1: 1.0, 2: 1.1}, {0: 1.2, 1: 1.3}, 0.0, {2: 1.1 + first + 7 * 0.01}, {1: 1.0 + first, 2: 1.1 + first}
+        )
         _, stats = _run(batch, [Request(r.request_id, list(r.prompt_ids), r.sampling) for r in requests], drafts=True)
         assert (stats["drafted"] > 0) is drafts
 
@@ -580,10 +598,14 @@ def _pipelined_run(batch, requests, late, cancel_after, drafts):
     return {rid: (out[rid], reasons[rid]) for rid in out}
 
 
-@pytest.mark.parametrize("drafts, costs, pipelines", [
-    (False, None, True),  # b1_policy off: every step plain
-    (True, TickCosts({1: 1.0, 2: 1.1}, {0: 9.0, 1: 9.5}, 0.0), True),  # drafts never pay: plain
-    (True, None, False)])  # drafts cost nothing: every row, greedy or sampled, may draft in every step
+@pytest.mark.parametrize(
+    "drafts, costs, pipelines",
+    [
+        (False, None, True),  # b1_policy off: every step plain
+        (True, TickCosts({1: 1.0, 2: 1.1}, {0: 9.0, 1: 9.5}, 0.0), True),  # drafts never pay: plain
+        (True, None, False),
+    ],
+)  # drafts cost nothing: every row, greedy or sampled, may draft in every step
 def test_pipelined_steps_emit_what_unpipelined_steps_emit(loaded, prompt_ids, drafts, costs, pipelines):
     """On a grid slab the next plain step is queued before this one's tokens are read;
     joins, a removal, finishing rows and seeded sampling give the same streams as
@@ -591,11 +613,17 @@ def test_pipelined_steps_emit_what_unpipelined_steps_emit(loaded, prompt_ids, dr
     target = loaded[0]
     eos = sorted(target.tokenizer.eos_token_ids)
     repeating = list(target.tokenizer.encode(REPEATING))
-    requests = [make_request("g", repeating, 8), make_request("s", prompt_ids[3], 26, temperature=0.8, seed=5),
-                make_request("t", prompt_ids[5], 40, temperature=1.0, top_p=0.9, seed=9)]
-    late = [make_request("rep", repeating[4:], 6), make_request("u", prompt_ids[2], 12, temperature=0.7, seed=1),
-            # penalties read every emitted token: no step is queued while this row lives
-            make_request("p", prompt_ids[4], 5, temperature=0.9, seed=3, frequency_penalty=1.5)]
+    requests = [
+        make_request("g", repeating, 8),
+        make_request("s", prompt_ids[3], 26, temperature=0.8, seed=5),
+        make_request("t", prompt_ids[5], 40, temperature=1.0, top_p=0.9, seed=9),
+    ]
+    late = [
+        make_request("rep", repeating[4:], 6),
+        make_request("u", prompt_ids[2], 12, temperature=0.7, seed=1),
+        # penalties read every emitted token: no step is queued while this row lives
+        make_request("p", prompt_ids[4], 5, temperature=0.9, seed=3, frequency_penalty=1.5),
+    ]
     runs = []
     for pipeline in (False, True):
         batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True, grid=True)

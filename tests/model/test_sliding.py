@@ -31,8 +31,10 @@ def sliding(request, loaded):
     WINDOW tokens, on the tiny tokenizer."""
     target, draft = tiny_sliding_pair(request.param, loaded[0].model.args.vocab_size, WINDOW)
     name = f"tiny-{request.param}"
-    return (LoadedModel("", name, target, loaded[0].tokenizer, 4096),
-            LoadedModel("", f"{name}-draft", draft, loaded[0].tokenizer, 4096))
+    return (
+        LoadedModel("", name, target, loaded[0].tokenizer, 4096),
+        LoadedModel("", f"{name}-draft", draft, loaded[0].tokenizer, 4096),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +107,7 @@ def test_sessions_taking_turns_in_the_slot_equal_mlx_lm(sliding, prompts, expect
     """Two sessions alternate rounds (each parked while the other runs), with probe
     rounds (one-token steps over the ring) in between; fast_verify is asked for, but a
     sliding window never takes the bucketed path."""
-    runner = MlxRunner(sliding[0], make_drafter(kind, sliding), num_draft_tokens=3,
-                       fast_verify=True, warm_positions=0)
+    runner = MlxRunner(sliding[0], make_drafter(kind, sliding), num_draft_tokens=3, fast_verify=True, warm_positions=0)
     assert runner.spec_off_reason is None and not runner.fast_verify
     names = {"a": "repeating", "b": "long"}
     out = {"a": runner.spec_begin(make_request("a", prompts["repeating"], MAX_TOKENS)).token_ids}
@@ -155,16 +156,25 @@ def test_a_session_demoted_into_the_classic_batch_goes_on_exactly(sliding, promp
 def test_a_target_whose_cache_cannot_roll_back_decodes_classically(loaded, caplog):
     from mlx_lm.models import mamba
 
-    args = mamba.ModelArgs(model_type="mamba", vocab_size=loaded[0].model.args.vocab_size,
-                           hidden_size=32, intermediate_size=64, state_size=8,
-                           num_hidden_layers=2, conv_kernel=4, use_bias=False,
-                           use_conv_bias=True, time_step_rank=4)
+    args = mamba.ModelArgs(
+        model_type="mamba",
+        vocab_size=loaded[0].model.args.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        state_size=8,
+        num_hidden_layers=2,
+        conv_kernel=4,
+        use_bias=False,
+        use_conv_bias=True,
+        time_step_rank=4,
+    )
     model = mamba.Model(args)
     target = LoadedModel("", "tiny-mamba", model, loaded[0].tokenizer, 512)
     with caplog.at_level(logging.INFO, logger="models.runner"):
         runner = MlxRunner(target, NgramDrafter(), fast_verify=True, warm_positions=0)
     assert [r.getMessage() for r in caplog.records] == [
-        "speculation off: the target's cache cannot be rolled back (target tiny-mamba)"]
+        "speculation off: the target's cache cannot be rolled back (target tiny-mamba)"
+    ]
     assert runner.spec_off_reason == "the target's cache cannot be rolled back"
     from scheduler.config import SchedulerConfig
     from scheduler.core import Scheduler

@@ -43,26 +43,49 @@ QUESTIONS = [
 ]
 # Forward costs (seconds) of the order tests/model/test_fused_real.py fixes for the bundled
 # pair: the runners here take these instead of measuring SmolLM2's own.
-QUIET_COSTS = dict(decode={1: 0.0100, 2: 0.0110, 4: 0.0130, 8: 0.0170},
-                   fused={0: 0.0140, 2: 0.0150, 4: 0.0170, 8: 0.0210},
-                   all_verify={2: 0.0160, 4: 0.0220, 8: 0.0330})
+QUIET_COSTS = dict(
+    decode={1: 0.0100, 2: 0.0110, 4: 0.0130, 8: 0.0170},
+    fused={0: 0.0140, 2: 0.0150, 4: 0.0170, 8: 0.0210},
+    all_verify={2: 0.0160, 4: 0.0220, 8: 0.0330},
+)
 DRAFT_LAYERS = 8  # the draft model: SmolLM2's first 8 of 30 layers
 SERVED = "smollm2"
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
-                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-CAPITAL = {"type": "object",
-           "properties": {"country": {"type": "string", "maxLength": 24},
-                          "capital": {"type": "string", "maxLength": 24},
-                          "continent": {"enum": ["Africa", "Asia", "Europe", "Oceania", "America"]}},
-           "required": ["country", "capital", "continent"], "additionalProperties": False}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 24}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CAPITAL = {
+    "type": "object",
+    "properties": {
+        "country": {"type": "string", "maxLength": 24},
+        "capital": {"type": "string", "maxLength": 24},
+        "continent": {"enum": ["Africa", "Asia", "Europe", "Oceania", "America"]},
+    },
+    "required": ["country", "capital", "continent"],
+    "additionalProperties": False,
+}
 HISTORY = [
     {"role": "user", "content": "What is the weather in Paris?"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+            }
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 18, "sky": "clear"}'},
 ]
 
@@ -90,8 +113,9 @@ def draft_dir(smollm2_dir, tmp_path_factory):
 
     out = str(tmp_path_factory.mktemp("smollm2-draft"))
     weights = mx.load(os.path.join(smollm2_dir, "model.safetensors"))
-    kept = {k: v for k, v in weights.items()
-            if not k.startswith("model.layers.") or int(k.split(".")[2]) < DRAFT_LAYERS}
+    kept = {
+        k: v for k, v in weights.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < DRAFT_LAYERS
+    }
     mx.save_safetensors(os.path.join(out, "model.safetensors"), kept, metadata={"format": "mlx"})
     with open(os.path.join(smollm2_dir, "config.json")) as f:
         config = json.load(f)
@@ -105,12 +129,14 @@ def draft_dir(smollm2_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts(smollm2_dir):
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
     from pathlib import Path
 
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
     tokenizer = load_tokenizer(Path(smollm2_dir))
-    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-            for q in QUESTIONS]
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in QUESTIONS
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +154,7 @@ def reference(smollm2_dir, prompts):
     assert eos == [2]
     out, margin = {}, math.inf
     for i, ids in enumerate(prompts):
-        (tokens, _), = run_classic(target.model, [make_request(f"r{i}", ids, MAX_TOKENS)], eos).values()
+        ((tokens, _),) = run_classic(target.model, [make_request(f"r{i}", ids, MAX_TOKENS)], eos).values()
         out[f"r{i}"] = tokens
         margin = min(margin, *greedy_margins(target.model, ids, len(tokens)))
     return out, margin
@@ -155,8 +181,12 @@ def runners(smollm2_dir, draft_dir):
 
     def get(kind):
         if kind not in loaded:
-            loaded[kind] = MlxRunner.from_paths(smollm2_dir, drafter_kind=kind, num_draft_tokens=4,
-                                                drafter_path=draft_dir if kind == "draft_model" else None)
+            loaded[kind] = MlxRunner.from_paths(
+                smollm2_dir,
+                drafter_kind=kind,
+                num_draft_tokens=4,
+                drafter_path=draft_dir if kind == "draft_model" else None,
+            )
         return loaded[kind]
 
     yield get
@@ -182,8 +212,9 @@ def drive(runner, prompts, **overrides):
 
 
 def test_classic_decode_answers_and_stops(classic, smollm2_dir):
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
     from pathlib import Path
+
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     tokenizer = load_tokenizer(Path(smollm2_dir))
     answer = tokenizer.decode(classic["r0"])
@@ -208,6 +239,7 @@ def test_four_rotating_streams_equal_classic_decode(runners, prompts, classic, k
 
 # -- through the HTTP layer ---------------------------------------------------------------
 
+
 class Served:
     """An in-process engine over SmolLM2 behind the real HTTP layer, on its own event loop;
     `run(coro_fn)` calls `coro_fn(openai_client)` there."""
@@ -227,8 +259,9 @@ class Served:
         from serve_app.config import ServeArgs
         from serve_app.http import OpenAIService
 
-        args = ServeArgs.model_validate({"model": self.model_dir, "served_model_name": SERVED,
-                                         "drafter": {"kind": "ngram"}, "max_batch_size": 4})
+        args = ServeArgs.model_validate(
+            {"model": self.model_dir, "served_model_name": SERVED, "drafter": {"kind": "ngram"}, "max_batch_size": 4}
+        )
         client = EngineClient(LocalSource(lambda: build_engine(args)))
         service = OpenAIService(client, None, args)
         await client.start()
@@ -255,14 +288,14 @@ def served(smollm2_dir):
 
 
 def chat(served, messages, **kw):
-    return served.run(lambda openai: openai.chat.completions.create(
-        model=SERVED, messages=messages, temperature=0, **kw))
+    return served.run(
+        lambda openai: openai.chat.completions.create(model=SERVED, messages=messages, temperature=0, **kw)
+    )
 
 
 @pytest.fixture(scope="module")
 def paris_reply(served):
-    return chat(served, [{"role": "user", "content": QUESTIONS[0]}], max_tokens=24, logprobs=True,
-                top_logprobs=3)
+    return chat(served, [{"role": "user", "content": QUESTIONS[0]}], max_tokens=24, logprobs=True, top_logprobs=3)
 
 
 def test_greedy_chat_answers_a_factual_question(paris_reply, classic, prompts):
@@ -290,20 +323,26 @@ def test_a_json_schema_reply_validates(served):
     import jsonschema
 
     fmt = {"type": "json_schema", "json_schema": {"name": "capital", "schema": CAPITAL, "strict": True}}
-    reply = chat(served, [{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
-                 response_format=fmt, max_tokens=64)
+    reply = chat(
+        served,
+        [{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+        response_format=fmt,
+        max_tokens=64,
+    )
     text = reply.choices[0].message.content
     assert reply.choices[0].finish_reason == "stop", text
     jsonschema.validate(json.loads(text), CAPITAL)
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
-                         ids=["required", "named"])
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}], ids=["required", "named"]
+)
 def test_a_forced_tool_call_is_valid(served, tool_choice):
     import jsonschema
 
-    reply = chat(served, [HISTORY[0]], tools=[WEATHER], tool_choice=tool_choice, max_tokens=64,
-                 parallel_tool_calls=False)
+    reply = chat(
+        served, [HISTORY[0]], tools=[WEATHER], tool_choice=tool_choice, max_tokens=64, parallel_tool_calls=False
+    )
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
     (call,) = choice.message.tool_calls
@@ -324,8 +363,9 @@ def test_a_tool_call_history_renders_through_smollm2s_own_template(smollm2_dir):
     assert ids[0] == 1 and text.startswith("<|im_start|>system\n")
     turn = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
     content, calls = ToolFormat("hermes").read(turn, frozenset({"get_weather"}))
-    assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] \
-        == [("get_weather", {"city": "Paris", "unit": "celsius"})]
+    assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"})
+    ]
     assert '<|im_start|>tool\n{"temperature": 18, "sky": "clear"}<|im_end|>\n' in text
     assert text.endswith("<|im_start|>assistant\n")
 

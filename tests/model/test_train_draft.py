@@ -21,10 +21,40 @@ from .conftest import PROMPTS, isolated_streams, make_request
 pytestmark = pytest.mark.model
 
 TARGET = os.path.join(os.path.dirname(__file__), "..", "..", "models", "bundled", "target")
-TOY = ["--num-prompts", "12", "--max-new-tokens", "16", "--gen-batch", "8", "--layers", "1", "--hidden", "64",
-       "--intermediate", "128", "--heads", "2", "--kv-heads", "1", "--steps", "12", "--batch-tokens", "512",
-       "--warmup", "2", "--log-every", "4", "--eval-prompts", "2", "--eval-tokens", "16", "--bits", "8",
-       "--group-size", "32"]
+TOY = [
+    "--num-prompts",
+    "12",
+    "--max-new-tokens",
+    "16",
+    "--gen-batch",
+    "8",
+    "--layers",
+    "1",
+    "--hidden",
+    "64",
+    "--intermediate",
+    "128",
+    "--heads",
+    "2",
+    "--kv-heads",
+    "1",
+    "--steps",
+    "12",
+    "--batch-tokens",
+    "512",
+    "--warmup",
+    "2",
+    "--log-every",
+    "4",
+    "--eval-prompts",
+    "2",
+    "--eval-tokens",
+    "16",
+    "--bits",
+    "8",
+    "--group-size",
+    "32",
+]
 
 
 @pytest.fixture(scope="module")
@@ -119,11 +149,14 @@ def test_docstring_examples_hold(module):
     assert result.attempted > 0 and result.failed == 0
 
 
-@pytest.mark.parametrize("lengths, batch_tokens, rows", [
-    ([10, 11, 12], 64, [2, 1]),         # one padded length (32): two rows a batch
-    ([10, 40, 90, 11], 64, [2, 1, 1]),  # lengths 32, 64, 96: one row for the two long ones
-    ([200], 64, [1]),                   # longer than the budget: a batch of its own
-])
+@pytest.mark.parametrize(
+    "lengths, batch_tokens, rows",
+    [
+        ([10, 11, 12], 64, [2, 1]),  # one padded length (32): two rows a batch
+        ([10, 40, 90, 11], 64, [2, 1, 1]),  # lengths 32, 64, 96: one row for the two long ones
+        ([200], 64, [1]),  # longer than the budget: a batch of its own
+    ],
+)
 def test_a_batch_plan_takes_every_example_once(lengths, batch_tokens, rows):
     batches = draft_data.plan_batches(lengths, batch_tokens, np.random.default_rng(0))
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
@@ -131,28 +164,38 @@ def test_a_batch_plan_takes_every_example_once(lengths, batch_tokens, rows):
     assert all(len({draft_data.padded_length(lengths[i]) for i in b}) == 1 for b in batches)
 
 
-@pytest.mark.parametrize("matches, k, expected", [
-    ([[True, True, True, True]], 4, 4.0),
-    ([[False, False]], 4, 0.0),
-    ([[True, False, True]], 1, 1.0),
-    ([[True, True, True, False, True]], 2, 1.0),  # rounds take 2 (+1), 0 (+1), 1
-    ([[True], [False]], 4, 0.5),
-])
+@pytest.mark.parametrize(
+    "matches, k, expected",
+    [
+        ([[True, True, True, True]], 4, 4.0),
+        ([[False, False]], 4, 0.0),
+        ([[True, False, True]], 1, 1.0),
+        ([[True, True, True, False, True]], 2, 1.0),  # rounds take 2 (+1), 0 (+1), 1
+        ([[True], [False]], 4, 0.5),
+    ],
+)
 def test_accepted_drafts_per_round(matches, k, expected):
     assert draft_eval.accepted_per_round(matches, k) == pytest.approx(expected)
 
 
 def make_example(num_prompt, num_completion, k=2):
     ids = np.tile(np.arange(k, dtype=np.int32), (num_completion, 1))
-    return draft_data.Example(list(range(100, 100 + num_prompt)), list(range(num_completion)), ids,
-                              np.log(np.full((num_completion, k), 0.25, np.float32)))
+    return draft_data.Example(
+        list(range(100, 100 + num_prompt)),
+        list(range(num_completion)),
+        ids,
+        np.log(np.full((num_completion, k), 0.25, np.float32)),
+    )
 
 
-@pytest.mark.parametrize("num_prompt, num_completion, max_seq, kept", [
-    (10, 5, 64, (10, 5)),   # fits
-    (70, 5, 64, (59, 5)),   # the prompt loses its start
-    (10, 80, 64, (1, 63)),  # the completion its tail, one prompt token stays
-])
+@pytest.mark.parametrize(
+    "num_prompt, num_completion, max_seq, kept",
+    [
+        (10, 5, 64, (10, 5)),  # fits
+        (70, 5, 64, (59, 5)),  # the prompt loses its start
+        (10, 80, 64, (1, 63)),  # the completion its tail, one prompt token stays
+    ],
+)
 def test_clip_keeps_the_completions_context(num_prompt, num_completion, max_seq, kept):
     e = draft_data.clip(make_example(num_prompt, num_completion), max_seq)
     assert (len(e.prompt_ids), len(e.completion_ids)) == kept and len(e.topk_ids) == kept[1]
@@ -168,14 +211,22 @@ def test_the_loss_mask_covers_completion_targets_only():
 
 
 def test_the_draft_config_keeps_the_family_and_refuses_others():
-    target = {"model_type": "llama", "vocab_size": 100, "rms_norm_eps": 1e-5, "num_hidden_layers": 30,
-              "layer_types": ["full_attention"] * 30, "quantization": {"bits": 4}, "tie_word_embeddings": False}
+    target = {
+        "model_type": "llama",
+        "vocab_size": 100,
+        "rms_norm_eps": 1e-5,
+        "num_hidden_layers": 30,
+        "layer_types": ["full_attention"] * 30,
+        "quantization": {"bits": 4},
+        "tie_word_embeddings": False,
+    }
     config = draft_fit.draft_config(target, hidden=64, layers=2, intermediate=128, heads=4, kv_heads=2, head_dim=None)
     assert (config["num_hidden_layers"], config["head_dim"], config["tie_word_embeddings"]) == (2, 16, True)
     assert "quantization" not in config and config["layer_types"] == ["full_attention"] * 2
     with pytest.raises(ValueError, match="qwen3"):
-        draft_fit.draft_config({**target, "model_type": "qwen3"}, hidden=64, layers=2, intermediate=128, heads=4,
-                               kv_heads=2, head_dim=None)
+        draft_fit.draft_config(
+            {**target, "model_type": "qwen3"}, hidden=64, layers=2, intermediate=128, heads=4, kv_heads=2, head_dim=None
+        )
 
 
 def test_training_prompts_are_not_evaluation_prompts():
@@ -200,15 +251,20 @@ def test_fixed_shape_generation_is_mlx_lms_greedy_decode():
     from models.loader import load_model
 
     target = load_model(TARGET)
-    texts = ["def add(a, b):\n", "import os\nimport sys\n\nclass Foo:\n    def __init__(self", "x = [",
-             "for i in range(10):\n    print(i"]
+    texts = [
+        "def add(a, b):\n",
+        "import os\nimport sys\n\nclass Foo:\n    def __init__(self",
+        "x = [",
+        "for i in range(10):\n    print(i",
+    ]
     prompts = [target.tokenizer.encode(t) for t in texts]
     refs = []
     for p in prompts:
         refs.append([int(y) for y, _ in generate_step(mx.array(p), target.model, max_tokens=20)])
     stop = refs[1][5]  # an "EOS" that one stream meets part-way
-    examples, stats = draft_data.generate(target.model, prompts, max_new_tokens=20, temperature=0.0, eos_ids=[stop],
-                                          topk=3, batch_size=3)
+    examples, stats = draft_data.generate(
+        target.model, prompts, max_new_tokens=20, temperature=0.0, eos_ids=[stop], topk=3, batch_size=3
+    )
     for ref, example in zip(refs, examples):
         cut = ref.index(stop) + 1 if stop in ref else len(ref)
         assert example.completion_ids == ref[:cut]

@@ -11,8 +11,13 @@ AUTH = {"Authorization": f"Bearer {KEY_HIGH}"}
 # the security, overload and HTTP-soak tests.
 REL_ARGS = {
     "api_keys": [{"key": KEY_HIGH, "max_lane": "high"}, {"key": KEY_NORMAL, "max_lane": "normal"}],
-    "max_queue_depth": 8, "backlog_cap": 2, "grant_rounds": 2, "b1_policy": "on",
-    "max_batch_size": 4, "prefill_batch_size": 2, "max_tokens_limit": 300,
+    "max_queue_depth": 8,
+    "backlog_cap": 2,
+    "grant_rounds": 2,
+    "b1_policy": "on",
+    "max_batch_size": 4,
+    "prefill_batch_size": 2,
+    "max_tokens_limit": 300,
     "max_body_bytes": 64 * 1024,
 }
 PROMPT = "def parse(text):\n    "
@@ -34,6 +39,12 @@ def rss_mib(pid: int) -> float:
 def drained(base: str) -> bool:
     """Nothing left anywhere: scheduler queues, rows, slot, sessions, replica streams."""
     s = state(base)
-    return (s["unfinished"] == 0 and sum(s["queue_depth"].values()) == 0 and s["classic_rows"] == 0
-            and s["slot"]["owner"] is None and not s["slot"]["backlog"]
-            and s["counters"]["live_sessions"] == 0 and s["replica"]["open_streams"] == 0)
+    return (
+        s["unfinished"] == 0
+        and sum(s["queue_depth"].values()) == 0
+        and s["classic_rows"] == 0
+        and s["slot"]["owner"] is None
+        and not s["slot"]["backlog"]
+        and s["counters"]["live_sessions"] == 0
+        and s["replica"]["open_streams"] == 0
+    )

@@ -8,7 +8,6 @@ import json
 
 import httpx
 import pytest
-
 from rel_helpers import AUTH, PROMPT, drained, rss_mib, state
 from serve_helpers import wait_until
 
@@ -24,9 +23,13 @@ LATER_CYCLE_MIB = 12.0
 
 def stream(base: str, max_tokens: int):
     """(status, retry_after, error code, finish_reason, saw [DONE])"""
-    with httpx.stream("POST", f"{base}/v1/completions", headers=AUTH, timeout=120,
-                      json={"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
-                            "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        f"{base}/v1/completions",
+        headers=AUTH,
+        timeout=120,
+        json={"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True},
+    ) as r:
         if r.status_code != 200:
             return r.status_code, r.headers.get("retry-after"), json.loads(r.read())["error"]["code"], None, False
         finish, done = None, False
@@ -75,6 +78,10 @@ def test_overload_rejects_cleanly_completes_admitted_and_memory_returns(rel_app)
         assert min(growth) <= LATER_CYCLE_MIB, (name, baseline, after)
         assert after[-1][name] - after[0][name] <= FIRST_CYCLE_MIB, (name, baseline, after)
     assert state(rel_app)["replica"]["scheduler_restarts"] == replica["scheduler_restarts"]
-    r = httpx.post(f"{rel_app}/v1/completions", headers=AUTH, timeout=30,
-                   json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0})
+    r = httpx.post(
+        f"{rel_app}/v1/completions",
+        headers=AUTH,
+        timeout=30,
+        json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0},
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5

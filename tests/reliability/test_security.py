@@ -7,7 +7,6 @@ import re
 
 import httpx
 import pytest
-
 from rel_helpers import AUTH, KEY_HIGH, KEY_NORMAL, PROMPT
 
 pytestmark = pytest.mark.serve
@@ -17,20 +16,29 @@ INTERNAL_DETAIL = re.compile(r"Traceback|File \"|\.py\b|site-packages|/work/|/tm
 
 def lane_finishes(base: str, lane: str) -> float:
     text = httpx.get(f"{base}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("specslot_requests_total{") and f'lane="{lane}"' in line)
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("specslot_requests_total{") and f'lane="{lane}"' in line
+    )
 
 
-@pytest.mark.parametrize("method, path", [
-    ("GET", "/v1/models"), ("GET", "/v1/internal/scheduler"),
-    ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")])
-@pytest.mark.parametrize("auth", [None, "Bearer wrong-key-0000", f"Basic {KEY_HIGH}",
-                                  f"Bearer {KEY_HIGH}x", "Bearer", KEY_HIGH])
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("GET", "/v1/models"),
+        ("GET", "/v1/internal/scheduler"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+    ],
+)
+@pytest.mark.parametrize(
+    "auth", [None, "Bearer wrong-key-0000", f"Basic {KEY_HIGH}", f"Bearer {KEY_HIGH}x", "Bearer", KEY_HIGH]
+)
 def test_openai_routes_need_a_valid_key(rel_app, method, path, auth):
     headers = {"Authorization": auth} if auth is not None else {}
     body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
-    r = httpx.request(method, f"{rel_app}{path}", headers=headers, timeout=10,
-                      json=body if method == "POST" else None)
+    r = httpx.request(method, f"{rel_app}{path}", headers=headers, timeout=10, json=body if method == "POST" else None)
     assert r.status_code == 401, r.text
     assert r.json()["error"]["code"] == "invalid_api_key"
     assert not INTERNAL_DETAIL.search(r.text)
@@ -44,14 +52,23 @@ def test_health_and_metrics_stay_public_and_a_key_opens_v1(rel_app):
         assert r.status_code == 200
 
 
-@pytest.mark.parametrize("key, claimed, served", [
-    (KEY_HIGH, "high", "high"), (KEY_NORMAL, "high", "normal"),
-    (KEY_NORMAL, "low", "low"), (KEY_HIGH, "not-a-lane", "normal")])
+@pytest.mark.parametrize(
+    "key, claimed, served",
+    [
+        (KEY_HIGH, "high", "high"),
+        (KEY_NORMAL, "high", "normal"),
+        (KEY_NORMAL, "low", "low"),
+        (KEY_HIGH, "not-a-lane", "normal"),
+    ],
+)
 def test_each_key_caps_the_lane_it_may_claim(rel_app, key, claimed, served):
     before = lane_finishes(rel_app, served)
-    r = httpx.post(f"{rel_app}/v1/completions", timeout=30,
-                   headers={"Authorization": f"Bearer {key}", "X-Priority": claimed},
-                   json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+    r = httpx.post(
+        f"{rel_app}/v1/completions",
+        timeout=30,
+        headers={"Authorization": f"Bearer {key}", "X-Priority": claimed},
+        json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0},
+    )
     assert r.status_code == 200
     assert lane_finishes(rel_app, served) == before + 1
 
@@ -74,16 +91,18 @@ def test_limits_on_body_prompt_and_max_tokens(rel_app, body, status, code):
 
 def test_omitted_max_tokens_is_clipped_to_the_context_left(rel_app):
     prompt = [7] * 500  # 12 positions left of the tiny model's 512
-    r = httpx.post(f"{rel_app}/v1/completions", headers=AUTH, timeout=60,
-                   json={"prompt": prompt, "temperature": 0})
+    r = httpx.post(f"{rel_app}/v1/completions", headers=AUTH, timeout=60, json={"prompt": prompt, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 12
 
 
 def test_no_internal_detail_in_any_error_body(rel_app):
     """Every error this app can be pushed into, including 404 / 405, reads clean."""
     probes = [
-        ("GET", "/v1/completions", None), ("POST", "/v1/nope", b"{}"), ("DELETE", "/health", None),
-        ("POST", "/v1/completions", b'{"prompt": "a\\ud800"}'), ("POST", "/v1/completions", b"\xff"),
+        ("GET", "/v1/completions", None),
+        ("POST", "/v1/nope", b"{}"),
+        ("DELETE", "/health", None),
+        ("POST", "/v1/completions", b'{"prompt": "a\\ud800"}'),
+        ("POST", "/v1/completions", b"\xff"),
         ("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": {"a": 1}}]}'),
     ]
     for method, path, body in probes:

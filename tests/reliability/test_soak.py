@@ -4,10 +4,10 @@ real HTTP clients hanging up through Ray Serve. `python -m scripts.soak` is the 
 from __future__ import annotations
 
 import pytest
-
 from rel_helpers import AUTH, drained, state
-from scheduler.counters import CANCEL_PHASES
 from serve_helpers import wait_until
+
+from scheduler.counters import CANCEL_PHASES
 
 ENGINE_REQUESTS = 200
 HTTP_REQUESTS = 48
@@ -19,8 +19,9 @@ def test_engine_soak_cancels_in_every_phase_and_loses_nothing(tiny_pair, tick_mo
     from scripts.soak import run_engine
 
     num_requests = ENGINE_REQUESTS if tick_mode == "alternate" else ENGINE_REQUESTS // 2
-    report = run_engine(*tiny_pair, num_requests=num_requests, concurrency=10,
-                        cancel_fraction=0.6, seed=7, tick_mode=tick_mode)
+    report = run_engine(
+        *tiny_pair, num_requests=num_requests, concurrency=10, cancel_fraction=0.6, seed=7, tick_mode=tick_mode
+    )
     print(f"\nengine soak ({tick_mode}): {report}")
     assert report.problems() == []
     assert report.completed + report.cancelled == num_requests
@@ -57,9 +58,13 @@ def test_every_hang_up_reaches_the_scheduler_as_a_cancellation(rel_app):
 
     before = cancellations(rel_app)
     for _ in range(8):
-        with httpx.stream("POST", f"{rel_app}/v1/completions", headers=AUTH, timeout=30,
-                          json={"prompt": "import os\nimport ", "max_tokens": 300,
-                                "temperature": 0, "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            f"{rel_app}/v1/completions",
+            headers=AUTH,
+            timeout=30,
+            json={"prompt": "import os\nimport ", "max_tokens": 300, "temperature": 0, "stream": True},
+        ) as r:
             lines = r.iter_lines()
             for _ in range(4):
                 next(lines)

@@ -35,9 +35,13 @@ class ScriptedClient:
         for i, ids in enumerate(self.script):
             await asyncio.sleep(0.01)
             last = i == len(self.script) - 1
-            yield TokenEvent(request.request_id, ids, self.finish if last else None,
-                             stats=SpecStats(num_rounds=2, num_drafted=6, num_accepted=4) if last else None,
-                             num_cached_tokens=self.cached if last else 0)
+            yield TokenEvent(
+                request.request_id,
+                ids,
+                self.finish if last else None,
+                stats=SpecStats(num_rounds=2, num_drafted=6, num_accepted=4) if last else None,
+                num_cached_tokens=self.cached if last else 0,
+            )
 
     async def cancel(self, request_id):
         self.cancelled.append(request_id)

@@ -28,8 +28,12 @@ def deploy(ray_cluster, tiny_pair, name, route, args=None, **options):
     from ray import serve
 
     target, draft = tiny_pair
-    full_args = {"model": target, "served_model_name": MODEL,
-                 "drafter": {"kind": "draft_model", "path": draft}, **(args or {})}
+    full_args = {
+        "model": target,
+        "served_model_name": MODEL,
+        "drafter": {"kind": "draft_model", "path": draft},
+        **(args or {}),
+    }
     app = build_app(full_args)
     if options:
         # Over build_app's options (the request router), as a YAML `deployments` entry is.
@@ -68,8 +72,17 @@ def new_router(app_name: str):
 
 def replica_serving(handle, session_id: str) -> str:
     """The replica `handle`'s router sends `session_id` to (a GET /metrics through it)."""
-    scope = {"type": "http", "http_version": "1.1", "method": "GET", "scheme": "http", "path": "/metrics",
-             "raw_path": b"/metrics", "root_path": "", "query_string": b"", "headers": []}
+    scope = {
+        "type": "http",
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": "/metrics",
+        "raw_path": b"/metrics",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [],
+    }
     messages = handle.options(session_id=session_id).remote(scope, b"")
     starts = [m for m in messages if m["type"] == "http.response.start"]
     return dict(starts[0]["headers"])[b"x-specslot-replica"].decode()

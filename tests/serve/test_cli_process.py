@@ -12,9 +12,9 @@ import time
 import httpx
 import pytest
 import yaml
+from serve_helpers import REPO_ROOT, free_port, wait_until
 
 from scripts import proc_tree
-from serve_helpers import REPO_ROOT, free_port, wait_until
 
 pytestmark = pytest.mark.serve
 
@@ -50,14 +50,21 @@ def test_cli_prints_one_ready_line_and_a_group_sigterm_ends_everything(tmp_path)
     env["PYTHONPATH"] = REPO_ROOT
     log_path = tmp_path / "cli.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "serve_app.cli", str(path)], cwd=REPO_ROOT,
-                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "serve_app.cli", str(path)],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         wait_until(lambda: "specslot ready at" in log_path.read_text(errors="replace"), 120, 0.5)
-        ready = [line for line in log_path.read_text(errors="replace").splitlines()
-                 if "specslot ready at" in line]
-        assert ready == [f"specslot ready at http://127.0.0.1:{port}/v1 — model specslot-bundled, "
-                         "drafter ngram, speculation on (fused tick)"]
+        ready = [line for line in log_path.read_text(errors="replace").splitlines() if "specslot ready at" in line]
+        assert ready == [
+            f"specslot ready at http://127.0.0.1:{port}/v1 — model specslot-bundled, "
+            "drafter ngram, speculation on (fused tick)"
+        ]
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()["speculation"] == "on"
         # Ray starts its workers in their own sessions: follow the replica and its actor too.
         replica = httpx.get(f"http://127.0.0.1:{port}/v1/internal/scheduler", timeout=5).json()["replica"]
@@ -70,8 +77,11 @@ def test_cli_prints_one_ready_line_and_a_group_sigterm_ends_everything(tmp_path)
         signalled = time.monotonic()
         os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=10) == 0  # reaped here: a zombie leader keeps the group "alive"
-        wait_until(lambda: not group_alive(proc.pid) and not any(map(pid_alive, worker_pids)),
-                   10 - (time.monotonic() - signalled), 0.1)
+        wait_until(
+            lambda: not group_alive(proc.pid) and not any(map(pid_alive, worker_pids)),
+            10 - (time.monotonic() - signalled),
+            0.1,
+        )
         print(f"\nprocess group gone {time.monotonic() - signalled:.1f}s after SIGTERM")
     finally:
         if group_alive(proc.pid):

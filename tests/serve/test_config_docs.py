@@ -9,7 +9,8 @@ from pydantic import ConfigDict, ValidationError, create_model
 
 from scheduler.config import SchedulerConfig
 from scheduler.knobs import knob, knob_fields
-from serve_app import config_docs, knob_fields as derive
+from serve_app import config_docs
+from serve_app import knob_fields as derive
 from serve_app.config import LiveConfig, ServeArgs
 
 
@@ -31,17 +32,26 @@ def test_every_deployment_key_has_a_row():
     assert [key for key in keys if f"| `{key}` |" not in rows] == []
 
 
-@pytest.mark.parametrize("name, values", [
-    ("tick_mode", "`fused` | `alternate`"), ("num_draft_tokens", "1–16"), ("tick_slice", "bool"),
-    ("max_body_bytes", "1 KiB–1 GiB"), ("prefix_cache_bytes", "0–4 TiB"), ("classic_burst_ms", "0–1000"),
-    ("grant_rounds", "0–1,000,000"), ("policy_cache_dir", "string"),
-])
+@pytest.mark.parametrize(
+    "name, values",
+    [
+        ("tick_mode", "`fused` | `alternate`"),
+        ("num_draft_tokens", "1–16"),
+        ("tick_slice", "bool"),
+        ("max_body_bytes", "1 KiB–1 GiB"),
+        ("prefix_cache_bytes", "0–4 TiB"),
+        ("classic_burst_ms", "0–1000"),
+        ("grant_rounds", "0–1,000,000"),
+        ("policy_cache_dir", "string"),
+    ],
+)
 def test_values_column(name, values):
     assert config_docs.values(name, ServeArgs.model_fields[name]) == values
 
 
 def test_a_new_knob_is_one_field():
     """A knob declared once gets a validated deployment field and a live field."""
+
     @dataclass(frozen=True)
     class Toy:
         depth: int = knob(3, "How deep.", ge=1, le=5, live=True)

@@ -31,14 +31,12 @@ class SlowStartClient:
     async def start(self):
         self.started = True
         await self.may_start.wait()
-        self.info = {"max_context": 512, "eos_token_ids": [0], "spec_off_reason": None,
-                     "fuse_blocker": None}
+        self.info = {"max_context": 512, "eos_token_ids": [0], "spec_off_reason": None, "fuse_blocker": None}
         self.healthy = True
 
 
 def make_service(client, model=TARGET):
-    args = ServeArgs.model_validate({"model": model, "served_model_name": "tiny",
-                                     "drafter": {"kind": "ngram"}})
+    args = ServeArgs.model_validate({"model": model, "served_model_name": "tiny", "drafter": {"kind": "ngram"}})
     service = OpenAIService(client, None, args)
     return service, httpx.AsyncClient(transport=httpx.ASGITransport(app=service.app()), base_url="http://t")
 
@@ -69,8 +67,13 @@ def test_health_is_503_at_once_while_loading_and_200_when_ready():
     assert loading_health.headers["retry-after"] == "1"
     assert models_waited and models.status_code == 200
     assert ready_health.status_code == 200
-    assert ready_health.json() == {"status": "ok", "model": "tiny", "drafter": "ngram",
-                                   "speculation": "on", "speculation_reason": "fused tick"}
+    assert ready_health.json() == {
+        "status": "ok",
+        "model": "tiny",
+        "drafter": "ngram",
+        "speculation": "on",
+        "speculation_reason": "fused tick",
+    }
 
 
 def test_a_missing_model_fails_our_check_before_the_tokenizer_or_hub(monkeypatch):
@@ -92,15 +95,25 @@ def test_a_missing_model_fails_our_check_before_the_tokenizer_or_hub(monkeypatch
     assert not client.started
     assert service.load_error == "target model path '/nonexistent/target' does not exist"
     assert health.status_code == 503
-    assert health.json()["error"] == {"message": service.load_error, "type": "server_error",
-                                      "param": None, "code": "model_load_failed"}
+    assert health.json()["error"] == {
+        "message": service.load_error,
+        "type": "server_error",
+        "param": None,
+        "code": "model_load_failed",
+    }
 
 
-@pytest.mark.parametrize("error_text, expected", [
-    ("target model at '/m' failed to load: bad header", "target model at '/m' failed to load: bad header"),
-    ("The actor died because of an error raised in its creation task\nTraceback ...\n"
-     "  File \"x\"\nRuntimeError: out of memory", "out of memory"),
-])
+@pytest.mark.parametrize(
+    "error_text, expected",
+    [
+        ("target model at '/m' failed to load: bad header", "target model at '/m' failed to load: bad header"),
+        (
+            "The actor died because of an error raised in its creation task\nTraceback ...\n"
+            '  File "x"\nRuntimeError: out of memory',
+            "out of memory",
+        ),
+    ],
+)
 def test_a_failed_scheduler_start_is_one_line(error_text, expected):
     class FailingClient(SlowStartClient):
         async def start(self):

@@ -72,24 +72,34 @@ def test_decoder_deltas_add_up_to_the_full_decode_on_random_tokens(codec):
     bytes_tokens = [t for t in range(codec.vocab_size) if "\ufffd" in codec.token_text(t)]
     for _ in range(50):
         pool = bytes_tokens if rng.random() < 0.5 else range(codec.vocab_size)
-        ids = [rng.choice(pool) if rng.random() < 0.7 else rng.randrange(codec.vocab_size)
-               for _ in range(rng.randrange(1, 60))]
+        ids = [
+            rng.choice(pool) if rng.random() < 0.7 else rng.randrange(codec.vocab_size)
+            for _ in range(rng.randrange(1, 60))
+        ]
         decoder = codec.decoder()
-        text = "".join(decoder.add(ids[i:i + 2]) for i in range(0, len(ids), 2)) + decoder.flush()
+        text = "".join(decoder.add(ids[i : i + 2]) for i in range(0, len(ids), 2)) + decoder.flush()
         assert text == codec.decode(ids), ids
 
 
-@pytest.mark.parametrize("header, cap, expected", [
-    ("high", "high", Lane.HIGH), ("high", "normal", Lane.NORMAL), ("low", "normal", Lane.LOW),
-    (None, "low", Lane.LOW), ("weird", "high", Lane.NORMAL),
-])
+@pytest.mark.parametrize(
+    "header, cap, expected",
+    [
+        ("high", "high", Lane.HIGH),
+        ("high", "normal", Lane.NORMAL),
+        ("low", "normal", Lane.LOW),
+        (None, "low", Lane.LOW),
+        ("weird", "high", Lane.NORMAL),
+    ],
+)
 def test_x_priority_is_capped_by_the_deployment(codec, header, cap, expected):
     client = ScriptedClient([[5], [6]])
+
     async def go():
         async with make_app(codec, client, max_lane_unauthenticated=cap) as http:
             headers = {"X-Priority": header} if header else {}
             r = await http.post("/v1/completions", json={"prompt": "hi"}, headers=headers)
             assert r.status_code == 200
+
     run(go())
     assert client.submitted[0].lane is expected
 
@@ -97,14 +107,19 @@ def test_x_priority_is_capped_by_the_deployment(codec, header, cap, expected):
 def test_api_keys_gate_v1_routes_but_not_health(codec):
     client = ScriptedClient([[5]])
     keys = [{"key": "secret-key-1", "max_lane": "normal"}]
+
     async def go():
         async with make_app(codec, client, api_keys=keys) as http:
             assert (await http.get("/health")).status_code == 200
             r = await http.post("/v1/completions", json={"prompt": "hi"})
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-            r = await http.post("/v1/completions", json={"prompt": "hi"},
-                                headers={"Authorization": "Bearer secret-key-1", "X-Priority": "high"})
+            r = await http.post(
+                "/v1/completions",
+                json={"prompt": "hi"},
+                headers={"Authorization": "Bearer secret-key-1", "X-Priority": "high"},
+            )
             assert r.status_code == 200
+
     run(go())
     assert client.submitted[0].lane is Lane.NORMAL
 
@@ -112,10 +127,12 @@ def test_api_keys_gate_v1_routes_but_not_health(codec):
 def test_text_stop_across_tokens_cancels_and_reports_usage(codec):
     ids = codec.encode("alpha beta gamma delta")
     client = ScriptedClient([[t] for t in ids])
+
     async def go():
         async with make_app(codec, client) as http:
             r = await http.post("/v1/completions", json={"prompt": "hi", "stop": ["gam"]})
             return r.json()
+
     body = run(go())
     assert body["choices"][0]["text"] == "alpha beta "
     assert body["choices"][0]["finish_reason"] == "stop"
@@ -129,11 +146,20 @@ def test_usage_carries_speculative_stats_and_queue_full_is_503(codec):
         async with make_app(codec, ScriptedClient([], full=True)) as http:
             full = await http.post("/v1/completions", json={"prompt": "hi"})
         return body, full
+
     body, full = run(go())
     assert body["usage"]["completion_tokens"] == 3
-    assert body["usage"]["speculative"] == {"rounds": 2, "probe_rounds": 0, "row_rounds": 0, "drafted": 6,
-                                            "accepted": 4, "grants": 0, "parks": 0,
-                                            "acceptance_length": 3.0, "drafters": {}}
+    assert body["usage"]["speculative"] == {
+        "rounds": 2,
+        "probe_rounds": 0,
+        "row_rounds": 0,
+        "drafted": 6,
+        "accepted": 4,
+        "grants": 0,
+        "parks": 0,
+        "acceptance_length": 3.0,
+        "drafters": {},
+    }
     assert full.status_code == 503 and full.headers["retry-after"] == "1"
     assert full.json()["error"]["code"] == "queue_full"
 
@@ -142,16 +168,21 @@ def test_usage_reports_cached_prompt_tokens_as_openai_does(codec):
     async def go():
         async with make_app(codec, ScriptedClient([[5], [6]], cached=7)) as http:
             full = (await http.post("/v1/completions", json={"prompt": "hi"})).json()
-            stream = await http.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "hi"}], "stream": True,
-                "stream_options": {"include_usage": True}})
+            stream = await http.post(
+                "/v1/chat/completions",
+                json={
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+            )
         async with make_app(codec, ScriptedClient([[5]])) as http:
             miss = (await http.post("/v1/completions", json={"prompt": "hi"})).json()
         return full, stream, miss
+
     full, stream, miss = run(go())
     assert full["usage"]["prompt_tokens_details"] == {"cached_tokens": 7}
-    chunks = [json.loads(line[6:]) for line in stream.text.splitlines()
-              if line.startswith("data: {")]
+    chunks = [json.loads(line[6:]) for line in stream.text.splitlines() if line.startswith("data: {")]
     assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 7}
     assert miss["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
 
@@ -161,8 +192,9 @@ class FailingClient(ScriptedClient):
 
     async def _events(self, request):
         yield TokenEvent(request.request_id, [5])
-        yield TokenEvent(request.request_id, [], "error",
-                         error="Traceback (most recent call last): File /srv/secret.py")
+        yield TokenEvent(
+            request.request_id, [], "error", error="Traceback (most recent call last): File /srv/secret.py"
+        )
 
 
 class DeadClient(ScriptedClient):
@@ -180,8 +212,9 @@ def test_scheduler_failures_are_clean_errors_without_internal_detail(codec):
         async with make_app(codec, DeadClient([])) as http:
             dead = await http.post("/v1/completions", json={"prompt": "hi"})
         return stream, full, dead
+
     stream, full, dead = run(go())
-    lines = [l for l in stream.text.splitlines() if l.startswith("data: ")]
+    lines = [line for line in stream.text.splitlines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2]
     assert full.status_code == 500 and full.json()["error"]["code"] == "generation_failed"
     assert dead.status_code == 503 and dead.json()["error"]["code"] == "scheduler_unavailable"
@@ -200,21 +233,25 @@ def billed_before(codec, ids, stop):
 def test_usage_counts_only_tokens_emitted_before_a_stop(codec, chunking, stream):
     ids = codec.encode("alpha beta gamma delta epsilon")
     split = len(codec.encode("alpha beta g"))  # the stop "gam" starts inside the last of these
-    script = {"one event": [ids], "token per event": [[t] for t in ids],
-              "stop across events": [ids[:split], ids[split:]]}[chunking]
+    script = {
+        "one event": [ids],
+        "token per event": [[t] for t in ids],
+        "stop across events": [ids[:split], ids[split:]],
+    }[chunking]
     expected = billed_before(codec, ids, "gam")
     assert 0 < expected < len(ids) - 3  # tokens after the stop were generated and are not billed
     client = ScriptedClient(script)
     body = {"prompt": "hi", "stop": ["gam"], "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
+
     async def go():
         async with make_app(codec, client) as http:
             return await http.post("/v1/completions", json=body)
+
     r = run(go())
     if stream:
-        chunks = [json.loads(line[6:]) for line in r.text.splitlines()
-                  if line.startswith("data: {")]
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
         text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
         usage = chunks[-1]["usage"]
     else:
@@ -228,31 +265,41 @@ def test_model_retrieve_answers_for_the_served_id_only(codec):
         async with make_app(codec, ScriptedClient([]), served_model_name="org/tiny-1") as http:
             listed = (await http.get("/v1/models")).json()["data"][0]
             return listed, await http.get("/v1/models/org/tiny-1"), await http.get("/v1/models/gpt-4o")
+
     listed, found, missing = run(go())
     assert found.status_code == 200 and found.json() == listed
     assert listed["id"] == "org/tiny-1" and listed["object"] == "model"
     assert missing.status_code == 404
     assert missing.json()["error"] == {
         "message": "model 'gpt-4o' is not served here; use 'org/tiny-1'",
-        "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
 
 
 def _samples(text: str) -> dict[tuple, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 def test_streamed_request_observes_one_inter_token_gap_per_token_after_the_first(codec):
     client = ScriptedClient([[5], [6, 7], [8], [9, 10, 11]])  # 7 tokens in 4 chunks
+
     async def go():
         async with make_app(codec, client, served_model_name="tiny-served") as http:
             first = await http.get("/metrics")
-            r = await http.post("/v1/completions", json={"prompt": "hi", "stream": True,
-                                                         "stream_options": {"include_usage": True}})
+            r = await http.post(
+                "/v1/completions", json={"prompt": "hi", "stream": True, "stream_options": {"include_usage": True}}
+            )
             assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
             return first.text, (await http.get("/metrics")).text
+
     before, after = run(go())
     model = (("model_name", "tiny-served"),)
     values = _samples(after)
@@ -267,5 +314,8 @@ def test_streamed_request_observes_one_inter_token_gap_per_token_after_the_first
     # Every series of the first scrape (before any request) is there after, same name and
     # labels; `specslot:` ones carry the served model id.
     assert set(_samples(before)) == set(values)
-    assert {labels for (name, labels) in values if name.startswith("specslot:")
-            and dict(labels).get("model_name") != "tiny-served"} == set()
+    assert {
+        labels
+        for (name, labels) in values
+        if name.startswith("specslot:") and dict(labels).get("model_name") != "tiny-served"
+    } == set()

@@ -24,8 +24,10 @@ from serve_app.config import ServeArgs, resolve_path
 from serve_app.ready import drafter_label
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BUNDLED = {"specslot/tiny-target": os.path.join(REPO, "models", "bundled", "target"),
-           "specslot/tiny-draft": os.path.join(REPO, "models", "bundled", "draft")}
+BUNDLED = {
+    "specslot/tiny-target": os.path.join(REPO, "models", "bundled", "target"),
+    "specslot/tiny-draft": os.path.join(REPO, "models", "bundled", "draft"),
+}
 TARGET_ID, DRAFT_ID, MISSING_ID = "specslot/tiny-target", "specslot/tiny-draft", "mlx-community/not-cached-4bit"
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 
@@ -72,29 +74,35 @@ def hub_cache(tmp_path, monkeypatch):
     return cache, snapshots
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("mlx-community/Qwen2.5-0.5B-Instruct-4bit", True),
-    ("Qwen/Qwen3-0.6B", True),
-    ("models/bundled", True),  # shape only: an existing directory of that name wins
-    ("/models/qwen7b", False),
-    ("./target", False),
-    ("models/bundled/target", False),
-    ("target", False),
-    ("org/na--me", False),
-    ("org/..", False),
-    ("~/models", False),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("mlx-community/Qwen2.5-0.5B-Instruct-4bit", True),
+        ("Qwen/Qwen3-0.6B", True),
+        ("models/bundled", True),  # shape only: an existing directory of that name wins
+        ("/models/qwen7b", False),
+        ("./target", False),
+        ("models/bundled/target", False),
+        ("target", False),
+        ("org/na--me", False),
+        ("org/..", False),
+        ("~/models", False),
+    ],
+)
 def test_hub_id_shape(source, expected):
     assert is_repo_id(source) is expected
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({"HF_HUB_CACHE": "/c/hub", "HF_HOME": "/h"}, "/c/hub"),
-    ({"HUGGINGFACE_HUB_CACHE": "/legacy", "HF_HOME": "/h"}, "/legacy"),
-    ({"HF_HOME": "/h"}, "/h/hub"),
-    ({"XDG_CACHE_HOME": "/x"}, "/x/huggingface/hub"),
-    ({}, os.path.expanduser("~/.cache/huggingface/hub")),
-])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({"HF_HUB_CACHE": "/c/hub", "HF_HOME": "/h"}, "/c/hub"),
+        ({"HUGGINGFACE_HUB_CACHE": "/legacy", "HF_HOME": "/h"}, "/legacy"),
+        ({"HF_HOME": "/h"}, "/h/hub"),
+        ({"XDG_CACHE_HOME": "/x"}, "/x/huggingface/hub"),
+        ({}, os.path.expanduser("~/.cache/huggingface/hub")),
+    ],
+)
 def test_cache_dir_follows_huggingface_hub_rules(env, expected):
     assert hub_cache_dir(env) == expected
 
@@ -106,8 +114,9 @@ def test_download_patterns_are_mlx_lms_own():
 
 
 def test_cached_name_is_the_hub_id_for_a_snapshot_else_the_directory_name():
-    assert cached_name(f"/c/hub/models--mlx-community--Qwen2.5-0.5B/snapshots/{REVISION}") == \
-        "mlx-community/Qwen2.5-0.5B"
+    assert (
+        cached_name(f"/c/hub/models--mlx-community--Qwen2.5-0.5B/snapshots/{REVISION}") == "mlx-community/Qwen2.5-0.5B"
+    )
     assert cached_name("/models/qwen7b/") == "qwen7b"
 
 
@@ -163,23 +172,29 @@ def test_the_replica_loads_its_tokenizer_from_the_cache(hub_cache):
 
     from serve_app.http import OpenAIService
 
-    service = OpenAIService(Started(), None, ServeArgs.model_validate(
-        {"model": TARGET_ID, "drafter": {"kind": "ngram"}}))
+    service = OpenAIService(
+        Started(), None, ServeArgs.model_validate({"model": TARGET_ID, "drafter": {"kind": "ngram"}})
+    )
     asyncio.run(load_replica(service))
     assert service.load_error is None and service.ready
 
 
 def missing_message(role, repo_id, cache):
-    return (f"{role} model '{repo_id}' is not a local directory, and not in the Hugging Face cache "
-            f"{cache} (HF_HUB_CACHE, else $HF_HOME/hub); download it with `hf download {repo_id}`, "
-            f"or `hf download {repo_id} --local-dir DIR` and give DIR as the path, or set "
-            "allow_download: true")
+    return (
+        f"{role} model '{repo_id}' is not a local directory, and not in the Hugging Face cache "
+        f"{cache} (HF_HUB_CACHE, else $HF_HOME/hub); download it with `hf download {repo_id}`, "
+        f"or `hf download {repo_id} --local-dir DIR` and give DIR as the path, or set "
+        "allow_download: true"
+    )
 
 
-@pytest.mark.parametrize("args, role, repo_id", [
-    ({"model": MISSING_ID}, "target", MISSING_ID),
-    ({"model": TARGET_ID, "drafter": {"kind": "draft_model", "path": MISSING_ID}}, "draft", MISSING_ID),
-])
+@pytest.mark.parametrize(
+    "args, role, repo_id",
+    [
+        ({"model": MISSING_ID}, "target", MISSING_ID),
+        ({"model": TARGET_ID, "drafter": {"kind": "draft_model", "path": MISSING_ID}}, "draft", MISSING_ID),
+    ],
+)
 def test_an_id_not_in_the_cache_fails_with_one_line(hub_cache, monkeypatch, args, role, repo_id):
     def no_download(*a, local_files_only=False, **kw):
         if not local_files_only:
@@ -212,8 +227,11 @@ def test_the_cli_names_the_missing_id_and_exits_before_ray(hub_cache, tmp_path, 
 def test_a_cached_snapshot_without_weights_is_named_as_such(hub_cache):
     cache, _ = hub_cache
     add_to_cache(cache, "specslot/no-weights", BUNDLED[TARGET_ID], files=["config.json", "tokenizer.json"])
-    with pytest.raises(ModelLoadError, match=r"^target model 'specslot/no-weights' from the Hugging Face "
-                                             r"cache: .* no \*\.safetensors weights$"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"^target model 'specslot/no-weights' from the Hugging Face "
+        r"cache: .* no \*\.safetensors weights$",
+    ):
         resolve_model_dir("specslot/no-weights", "target")
 
 
@@ -235,7 +253,8 @@ def test_allow_download_fetches_a_missing_id_into_the_cache(hub_cache, monkeypat
     assert downloads == [(MISSING_ID, cache, DOWNLOAD_PATTERNS)]
     assert bound["model"] == MISSING_ID
     assert resolve_model_dir(MISSING_ID, "target") == os.path.join(
-        cache, "models--mlx-community--not-cached-4bit", "snapshots", REVISION)
+        cache, "models--mlx-community--not-cached-4bit", "snapshots", REVISION
+    )
     build_app(args)  # now cached: no second download
     assert len(downloads) == 1
 
@@ -243,24 +262,22 @@ def test_allow_download_fetches_a_missing_id_into_the_cache(hub_cache, monkeypat
 def test_allow_download_with_the_hub_unreachable_fails_with_one_line(hub_cache, monkeypatch):
     """The real download, sent to a closed port on loopback."""
     real = huggingface_hub.snapshot_download
-    monkeypatch.setattr(huggingface_hub, "snapshot_download",
-                        functools.partial(real, endpoint="http://127.0.0.1:9"))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", functools.partial(real, endpoint="http://127.0.0.1:9"))
     with pytest.raises(ModelLoadError) as info:
         resolve_model_dir(MISSING_ID, "target", allow_download=True)
     message = str(info.value)
-    assert message.startswith(f"target model '{MISSING_ID}' is not in the Hugging Face cache "
-                              f"{hub_cache[0]} and downloading it failed: ")
+    assert message.startswith(
+        f"target model '{MISSING_ID}' is not in the Hugging Face cache {hub_cache[0]} and downloading it failed: "
+    )
     assert "\n" not in message
 
 
 @pytest.mark.serve
-def test_a_deployment_by_hub_ids_serves_what_one_by_paths_does(ray_cluster, tiny_pair, main_app, tmp_path,
-                                                                 monkeypatch):
+def test_a_deployment_by_hub_ids_serves_what_one_by_paths_does(ray_cluster, tiny_pair, main_app, tmp_path, monkeypatch):
     """Real Ray Serve: the replica finds the ids in the cache its runtime_env names and
     its scheduler actor loads them from there; greedy text equals the app deployed by
     directory (`main_app`, the same models), and the draft model drafts (b1_policy on)."""
     from ray import serve
-
     from serve_helpers import MODEL, PROMPT, deploy, oai
 
     cache = str(tmp_path / "hub")
@@ -268,15 +285,21 @@ def test_a_deployment_by_hub_ids_serves_what_one_by_paths_does(ray_cluster, tiny
         add_to_cache(cache, repo_id, path)
     monkeypatch.setenv("HF_HUB_CACHE", cache)  # build_app, in this process
     env = {"HF_HUB_CACHE": cache, "PYTHONPATH": REPO}
-    base = deploy(ray_cluster, tiny_pair, "hub", "/hub",
-                  args={"model": TARGET_ID, "drafter": {"kind": "draft_model", "path": DRAFT_ID},
-                        "b1_policy": "on"},
-                  ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}})
+    base = deploy(
+        ray_cluster,
+        tiny_pair,
+        "hub",
+        "/hub",
+        args={"model": TARGET_ID, "drafter": {"kind": "draft_model", "path": DRAFT_ID}, "b1_policy": "on"},
+        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}},
+    )
     try:
         health = httpx.get(f"{base}/health", timeout=5).json()
         assert (health["model"], health["drafter"]) == (MODEL, f"draft_model {DRAFT_ID}")
-        by_id, by_path = (oai(b).completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
-                          for b in (base, main_app))
+        by_id, by_path = (
+            oai(b).completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+            for b in (base, main_app)
+        )
         assert by_id.choices[0].text == by_path.choices[0].text
         assert by_id.usage.model_extra["speculative"]["rounds"] > 0
     finally:

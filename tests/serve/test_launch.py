@@ -26,12 +26,17 @@ def no_config_copy(tmp_path):
     return str(path)
 
 
-@pytest.mark.parametrize("args, fragment", [
-    ({"model": "/nonexistent/target"}, "target model path '/nonexistent/target' does not exist"),
-    ({"model": TARGET, "drafter": {"kind": "draft_model", "path": "/nonexistent/draft"}},
-     "draft model path '/nonexistent/draft' does not exist"),
-    ({"model": "no-config"}, "is not a model directory: no config.json"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        ({"model": "/nonexistent/target"}, "target model path '/nonexistent/target' does not exist"),
+        (
+            {"model": TARGET, "drafter": {"kind": "draft_model", "path": "/nonexistent/draft"}},
+            "draft model path '/nonexistent/draft' does not exist",
+        ),
+        ({"model": "no-config"}, "is not a model directory: no config.json"),
+    ],
+)
 def test_build_app_checks_model_paths_before_any_replica(tmp_path, args, fragment):
     if args["model"] == "no-config":
         args = {"model": no_config_copy(tmp_path)}
@@ -44,15 +49,22 @@ def test_build_app_accepts_the_bundled_pair():
     assert app._bound_deployment.init_args[0]["drafter"]["path"] == DRAFT
 
 
-@pytest.mark.parametrize("bad, line", [
-    ({"model": "m", "grant_round": 3}, "args.grant_round: unknown key (did you mean 'grant_rounds'?)"),
-    ({"model": "m", "drafter": {"kind": "ngram", "paht": "x"}},
-     "args.drafter.paht: unknown key (did you mean 'path'?)"),
-    ({"model": "m", "api_keys": [{"key": "abcdefghij", "max_lan": "low"}]},
-     "args.api_keys.0.max_lan: unknown key (did you mean 'max_lane'?)"),
-    ({"model": "m", "tick_mod": "fused"}, "args.tick_mod: unknown key (did you mean 'tick_mode'?)"),
-    ({"model": "m", "zzz": 1}, "args.zzz: unknown key"),
-])
+@pytest.mark.parametrize(
+    "bad, line",
+    [
+        ({"model": "m", "grant_round": 3}, "args.grant_round: unknown key (did you mean 'grant_rounds'?)"),
+        (
+            {"model": "m", "drafter": {"kind": "ngram", "paht": "x"}},
+            "args.drafter.paht: unknown key (did you mean 'path'?)",
+        ),
+        (
+            {"model": "m", "api_keys": [{"key": "abcdefghij", "max_lan": "low"}]},
+            "args.api_keys.0.max_lan: unknown key (did you mean 'max_lane'?)",
+        ),
+        ({"model": "m", "tick_mod": "fused"}, "args.tick_mod: unknown key (did you mean 'tick_mode'?)"),
+        ({"model": "m", "zzz": 1}, "args.zzz: unknown key"),
+    ],
+)
 def test_unknown_keys_name_the_closest_known_key(bad, line):
     with pytest.raises(ConfigError) as info:
         validate_args(bad)
@@ -75,11 +87,16 @@ def write_config(tmp_path, **args):
     return str(path)
 
 
-@pytest.mark.parametrize("args, message", [
-    ({"model": "/nonexistent/target"},
-     "specslot: application 'specslot': target model path '/nonexistent/target' does not exist"),
-    ({"grant_round": 2}, "specslot: application 'specslot': invalid specslot config:"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            {"model": "/nonexistent/target"},
+            "specslot: application 'specslot': target model path '/nonexistent/target' does not exist",
+        ),
+        ({"grant_round": 2}, "specslot: application 'specslot': invalid specslot config:"),
+    ],
+)
 def test_cli_exits_1_with_one_message_before_ray_starts(tmp_path, monkeypatch, capsys, args, message):
     import ray
 
@@ -105,20 +122,27 @@ def args_of(**overrides):
     return ServeArgs.model_validate({"model": "m", **overrides})
 
 
-@pytest.mark.parametrize("overrides, info, expected", [
-    ({}, {"fuse_blocker": None}, (True, "fused tick")),
-    ({}, {"fuse_blocker": "no ragged support"}, (True, "alternating tick: no ragged support")),
-    ({"tick_mode": "alternate"}, {"fuse_blocker": None}, (True, "alternating tick, as configured")),
-    ({"drafter": {"kind": "none"}}, {"spec_off_reason": "no drafter configured"},
-     (False, "no drafter configured")),
-    ({"b1_policy": "off"}, {"fuse_blocker": None}, (False, "b1_policy is off")),
-])
+@pytest.mark.parametrize(
+    "overrides, info, expected",
+    [
+        ({}, {"fuse_blocker": None}, (True, "fused tick")),
+        ({}, {"fuse_blocker": "no ragged support"}, (True, "alternating tick: no ragged support")),
+        ({"tick_mode": "alternate"}, {"fuse_blocker": None}, (True, "alternating tick, as configured")),
+        ({"drafter": {"kind": "none"}}, {"spec_off_reason": "no drafter configured"}, (False, "no drafter configured")),
+        ({"b1_policy": "off"}, {"fuse_blocker": None}, (False, "b1_policy is off")),
+    ],
+)
 def test_speculation_status_table(overrides, info, expected):
     assert speculation_status(args_of(**overrides), info) == expected
 
 
-HEALTHY = {"status": "ok", "model": "specslot-bundled", "drafter": "ngram", "speculation": "on",
-           "speculation_reason": "fused tick"}
+HEALTHY = {
+    "status": "ok",
+    "model": "specslot-bundled",
+    "drafter": "ngram",
+    "speculation": "on",
+    "speculation_reason": "fused tick",
+}
 TARGETS = [launch.AppTarget("specslot", "http://0.0.0.0:8000", "http://127.0.0.1:8000/health")]
 
 
@@ -132,8 +156,9 @@ def test_wait_until_ready_logs_one_ready_line_once_health_is_200(caplog):
 
     with caplog.at_level("INFO", logger="specslot"):
         lines = launch.wait_until_ready(TARGETS, probe, lambda: {}, interval_s=0)
-    expected = ("specslot ready at http://0.0.0.0:8000/v1 — model specslot-bundled, drafter ngram, "
-                "speculation on (fused tick)")
+    expected = (
+        "specslot ready at http://0.0.0.0:8000/v1 — model specslot-bundled, drafter ngram, speculation on (fused tick)"
+    )
     assert lines == [expected] == [r.getMessage() for r in caplog.records]
     assert set(probed) == {"http://127.0.0.1:8000/health"}  # loopback whatever the bind host
 
@@ -145,8 +170,10 @@ def test_wait_until_ready_raises_the_load_error():
 
 
 def test_wait_until_ready_raises_on_a_failed_serve_application():
-    message = ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
-               "models.checks.ModelLoadError: draft model path '/d' does not exist\n")
+    message = (
+        'Traceback (most recent call last):\n  File "x.py", line 1\n'
+        "models.checks.ModelLoadError: draft model path '/d' does not exist\n"
+    )
     statuses = lambda: {"specslot": ("ApplicationStatus.DEPLOY_FAILED", message)}  # noqa: E731
     with pytest.raises(launch.LaunchError) as info:
         launch.wait_until_ready(TARGETS, lambda url: None, statuses, interval_s=0)
@@ -154,11 +181,14 @@ def test_wait_until_ready_raises_on_a_failed_serve_application():
 
 
 def test_app_targets_follow_http_options_and_route_prefix():
-    config = {"http_options": {"host": "0.0.0.0", "port": 9001},
-              "applications": [{"name": "a", "route_prefix": "/"}, {"name": "b", "route_prefix": "/b/"}]}
+    config = {
+        "http_options": {"host": "0.0.0.0", "port": 9001},
+        "applications": [{"name": "a", "route_prefix": "/"}, {"name": "b", "route_prefix": "/b/"}],
+    }
     assert launch.app_targets(config) == [
         launch.AppTarget("a", "http://0.0.0.0:9001", "http://127.0.0.1:9001/health"),
-        launch.AppTarget("b", "http://0.0.0.0:9001/b", "http://127.0.0.1:9001/b/health")]
+        launch.AppTarget("b", "http://0.0.0.0:9001/b", "http://127.0.0.1:9001/b/health"),
+    ]
 
 
 def test_ready_line_and_last_error_line():

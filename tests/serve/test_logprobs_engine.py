@@ -9,7 +9,6 @@ import math
 import os
 
 import pytest
-
 from test_structured_engine import TARGET, _session
 
 pytestmark = pytest.mark.model
@@ -42,8 +41,9 @@ def test_logprobs_and_n_through_the_openai_client():
     messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
 
     async def test(openai):
-        completion = await openai.completions.create(model="target", prompt=prompt_ids, max_tokens=MAX_TOKENS,
-                                                     temperature=0, logprobs=3)
+        completion = await openai.completions.create(
+            model="target", prompt=prompt_ids, max_tokens=MAX_TOKENS, temperature=0, logprobs=3
+        )
         kw = dict(model="target", messages=messages, max_tokens=MAX_TOKENS, logprobs=True, top_logprobs=2)
         full = await openai.chat.completions.create(temperature=0, **kw)
         stream = await openai.chat.completions.create(temperature=0, stream=True, **kw)
@@ -51,6 +51,7 @@ def test_logprobs_and_n_through_the_openai_client():
         many = await openai.chat.completions.create(temperature=1.0, seed=11, n=3, **kw)
         greedy = await openai.chat.completions.create(temperature=0, n=2, **kw)
         return completion, full, chunks, many, greedy
+
     completion, full, chunks, many, greedy = asyncio.run(_session(test))
 
     # completions: the sum check against mlx-lm's own greedy decode

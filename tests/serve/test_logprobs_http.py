@@ -44,9 +44,13 @@ class LogprobClient(ScriptedClient):
                 yield TokenEvent(request.request_id, [], "error", error="boom")
                 return
             last = i == len(self.script) - 1
-            yield TokenEvent(request.request_id, ids, self.finish if last else None,
-                             stats=SpecStats(num_rounds=2, num_drafted=6, num_accepted=4) if last else None,
-                             logprobs=[logprob_of(t, request.sampling.logprobs or 0) for t in ids])
+            yield TokenEvent(
+                request.request_id,
+                ids,
+                self.finish if last else None,
+                stats=SpecStats(num_rounds=2, num_drafted=6, num_accepted=4) if last else None,
+                logprobs=[logprob_of(t, request.sampling.logprobs or 0) for t in ids],
+            )
 
 
 def call(codec, route, body, client):
@@ -55,6 +59,7 @@ def call(codec, route, body, client):
             r = await http.post(f"/v1/{route}", json=body)
             await asyncio.sleep(0.05)  # cancels run in the background
             return r.status_code, (r.text if body.get("stream") else r.json())
+
     return run(go())
 
 
@@ -71,8 +76,12 @@ def words(codec):
 
 def test_chat_logprobs_have_openais_shape(codec, words):
     client = LogprobClient([[t] for t in words] + [[EOS]], finish="stop")
-    status, body = call(codec, "chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                    "logprobs": True, "top_logprobs": 2}, client)
+    status, body = call(
+        codec,
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2},
+        client,
+    )
     assert status == 200
     assert client.submitted[0].sampling.logprobs == 2
     assert client.released == [client.submitted[0].request_id]
@@ -101,8 +110,12 @@ def test_a_token_holding_part_of_a_character_reports_its_own_bytes(text):
     assert b"".join(codec.token_bytes(t) for t in ids) == text.encode("utf-8")
     assert codec.token_bytes(codec.encode("alpha")[0]) == codec.token_text(codec.encode("alpha")[0]).encode()
     client = LogprobClient([ids, [EOS]], finish="stop")
-    status, body = call(codec, "chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                    "logprobs": True, "top_logprobs": 1}, client)
+    status, body = call(
+        codec,
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 1},
+        client,
+    )
     assert status == 200 and body["choices"][0]["message"]["content"] == text
     content = body["choices"][0]["logprobs"]["content"][:-1]  # the last entry is EOS
     assert [e["token"] for e in content] == ["\ufffd"] * len(ids)
@@ -148,13 +161,26 @@ def test_streaming_chunks_carry_their_tokens_logprobs(codec, words):
 def test_a_text_stop_cuts_the_logprobs_at_the_billed_tokens(codec, words):
     client = LogprobClient([[t] for t in words])
     for stream in (False, True):
-        _, body = call(codec, "completions", {"prompt": "hi", "stop": ["gam"], "logprobs": 1, "stream": stream,
-                                              **({"stream_options": {"include_usage": True}} if stream else {})},
-                       client)
+        _, body = call(
+            codec,
+            "completions",
+            {
+                "prompt": "hi",
+                "stop": ["gam"],
+                "logprobs": 1,
+                "stream": stream,
+                **({"stream_options": {"include_usage": True}} if stream else {}),
+            },
+            client,
+        )
         if stream:
             chunks = sse_chunks(body)
-            tokens = [t for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
-                      for t in c["choices"][0]["logprobs"]["tokens"]]
+            tokens = [
+                t
+                for c in chunks
+                if c["choices"] and c["choices"][0]["logprobs"]
+                for t in c["choices"][0]["logprobs"]["tokens"]
+            ]
             billed = chunks[-1]["usage"]["completion_tokens"]
         else:
             tokens, billed = body["choices"][0]["logprobs"]["tokens"], body["usage"]["completion_tokens"]
@@ -166,10 +192,19 @@ def test_a_text_stop_cuts_the_logprobs_at_the_billed_tokens(codec, words):
 def test_an_impossible_token_is_reported_as_minus_9999(codec, words):
     class Masked(LogprobClient):
         async def _events(self, request):
-            yield TokenEvent(request.request_id, [words[0]], "length",
-                             logprobs=[TokenLogprob(-0.5, ((words[0], -0.5), (7, -math.inf)))])
-    _, body = call(codec, "chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
-                                               "top_logprobs": 2}, Masked([]))
+            yield TokenEvent(
+                request.request_id,
+                [words[0]],
+                "length",
+                logprobs=[TokenLogprob(-0.5, ((words[0], -0.5), (7, -math.inf)))],
+            )
+
+    _, body = call(
+        codec,
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2},
+        Masked([]),
+    )
     assert [t["logprob"] for t in body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]] == [-0.5, -9999.0]
 
 
@@ -192,9 +227,18 @@ def test_n_choices_are_independent_requests_with_consecutive_seeds(codec, words,
 
 def test_n_choices_stream_by_index_with_one_usage_chunk(codec, words):
     client = LogprobClient([[t] for t in words], finish="stop")
-    _, text = call(codec, "chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2,
-                                               "logprobs": True, "stream": True,
-                                               "stream_options": {"include_usage": True}}, client)
+    _, text = call(
+        codec,
+        "chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "n": 2,
+            "logprobs": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        client,
+    )
     chunks = sse_chunks(text)
     assert sorted(client.released) == sorted(r.request_id for r in client.submitted) and not client.cancelled
     usage = [c for c in chunks if not c["choices"]]
@@ -215,6 +259,7 @@ def test_one_failed_choice_fails_the_request_and_cancels_the_others(codec, words
                 self.fail.add(request.request_id)
             async for event in super()._events(request):
                 yield event
+
     client = FailSecond([[t] for t in words] * 20)
     status, body = call(codec, "completions", {"prompt": "hi", "n": 3, "stream": stream}, client)
     if stream:

@@ -56,6 +56,7 @@ def post(codec, route, body, script=([5],)):
     async def go():
         async with make_app(codec, client) as http:
             return await http.post(f"/v1/{route}", json=body)
+
     r = run(go())
     prompt = codec.decode(client.submitted[0].prompt_ids) if client.submitted else None
     return r.status_code, r.json(), prompt
@@ -65,18 +66,31 @@ def test_agent_histories_reach_the_template_with_tool_calls_names_and_text_parts
     codec = TextCodec.from_path(tiny_pair[0], RENDER_ALL)
     messages = [
         {"role": "developer", "content": "be brief"},
-        {"role": "user", "name": "ann", "content": [{"type": "text", "text": "weather in "},
-                                                     {"type": "text", "text": "Oslo?"}]},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {
+            "role": "user",
+            "name": "ann",
+            "content": [{"type": "text", "text": "weather in "}, {"type": "text", "text": "Oslo?"}],
+        },
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "12 C"},
     ]
     status, _, prompt = post(codec, "chat/completions", {"messages": messages})
     assert status == 200
-    assert prompt == ("[system]be brief\n[user name=ann]weather in Oslo?\n"
-                      '[assistant]<call call_1 get_weather {"city": "Oslo"}>\n'
-                      "[tool id=call_1]12 C\n[assistant]")
+    assert prompt == (
+        "[system]be brief\n[user name=ann]weather in Oslo?\n"
+        '[assistant]<call call_1 get_weather {"city": "Oslo"}>\n'
+        "[tool id=call_1]12 C\n[assistant]"
+    )
 
 
 def test_chat_template_kwargs_become_template_variables(tiny_pair):
@@ -84,24 +98,42 @@ def test_chat_template_kwargs_become_template_variables(tiny_pair):
     assert post(codec, "chat/completions", {"messages": USER})[2] == "none False"
     body = {"messages": USER, "chat_template_kwargs": {"greeting": "hello", "enable_thinking": True}}
     assert post(codec, "chat/completions", body)[2] == "hello True"
-    status, err, _ = post(codec, "chat/completions",
-                          {"messages": USER, "chat_template_kwargs": {"add_generation_prompt": False}})
+    status, err, _ = post(
+        codec, "chat/completions", {"messages": USER, "chat_template_kwargs": {"add_generation_prompt": False}}
+    )
     assert status == 400 and err["error"]["param"] == "chat_template_kwargs.add_generation_prompt"
 
 
-@pytest.mark.parametrize("template, messages, status, code, fragment", [
-    (NO_SYSTEM, USER, 200, None, None),
-    (NO_SYSTEM, [{"role": "system", "content": "s"}, *USER], 400, "chat_template_error",
-     "System role not supported"),
-    # a template that expects content on every message, given a tool-calling assistant turn
-    ("{% for m in messages %}{{ m.content + '!' }}{{ m.tool_calls }}{% endfor %}",
-     [*USER, {"role": "assistant", "content": None, "tool_calls": [
-         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
-     400, "chat_template_error", "content"),
-    ("{% for m in messages %}", USER, 500, "chat_template_invalid", "does not parse"),
-])
-def test_template_failures_are_openai_errors_not_500s(tiny_pair, template, messages, status,
-                                                       code, fragment):
+@pytest.mark.parametrize(
+    "template, messages, status, code, fragment",
+    [
+        (NO_SYSTEM, USER, 200, None, None),
+        (
+            NO_SYSTEM,
+            [{"role": "system", "content": "s"}, *USER],
+            400,
+            "chat_template_error",
+            "System role not supported",
+        ),
+        # a template that expects content on every message, given a tool-calling assistant turn
+        (
+            "{% for m in messages %}{{ m.content + '!' }}{{ m.tool_calls }}{% endfor %}",
+            [
+                *USER,
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+                },
+            ],
+            400,
+            "chat_template_error",
+            "content",
+        ),
+        ("{% for m in messages %}", USER, 500, "chat_template_invalid", "does not parse"),
+    ],
+)
+def test_template_failures_are_openai_errors_not_500s(tiny_pair, template, messages, status, code, fragment):
     codec = TextCodec.from_path(tiny_pair[0], template)
     got, body, prompt = post(codec, "chat/completions", {"messages": messages})
     assert got == status
@@ -120,7 +152,8 @@ def test_without_a_template_chat_is_a_400_unless_the_config_supplies_one(bare_di
     assert post(bare, "completions", {"prompt": "hi"})[0] == 200  # completions need no template
 
     (tmp_path / "plain.jinja").write_text(
-        "{% for m in messages %}{{ m.role }}> {{ m.content }}{{ '\\n' }}{% endfor %}bot>")
+        "{% for m in messages %}{{ m.role }}> {{ m.content }}{{ '\\n' }}{% endfor %}bot>"
+    )
     args = ServeArgs.model_validate({"model": "m", "chat_template": "plain.jinja"})
     resolved = args.with_resolved_paths(tmp_path)
     assert resolved.chat_template.startswith("{% for m in messages %}")
@@ -133,10 +166,17 @@ def test_the_tokenizers_own_template_renders_chat(codec):
     assert post(codec, "chat/completions", {"messages": USER})[2] == "user\nhi\nassistant\n"
 
 
-@pytest.mark.parametrize("value, is_path", [
-    ("templates/chatml.jinja", True), ("/abs/t.jinja ", True), ("{{ messages }}", False),
-    ("{% raw %}x.jinja{% endraw %}", False), ("line\nx.jinja", False), ("chatml", False),
-])
+@pytest.mark.parametrize(
+    "value, is_path",
+    [
+        ("templates/chatml.jinja", True),
+        ("/abs/t.jinja ", True),
+        ("{{ messages }}", False),
+        ("{% raw %}x.jinja{% endraw %}", False),
+        ("line\nx.jinja", False),
+        ("chatml", False),
+    ],
+)
 def test_a_chat_template_value_is_a_path_only_when_it_names_a_jinja_file(value, is_path):
     assert is_template_path(value) is is_path
 
@@ -151,55 +191,127 @@ def test_a_chat_template_file_is_read_when_the_app_is_built(tmp_path):
         read_chat_template("empty.jinja", tmp_path)
 
 
-@pytest.mark.parametrize("route, body, status, param, code", [
-    # accepted, and change nothing
-    ("chat/completions", {"messages": USER, "store": True}, 200, None, None),
-    ("chat/completions", {"messages": USER, "response_format": {"type": "text"}}, 200, None, None),
-    ("chat/completions", {"messages": USER, "n": 1, "logprobs": False, "presence_penalty": 0,
-                          "frequency_penalty": 0.0, "logit_bias": {}, "top_k": -1,
-                          "repetition_penalty": 1.0}, 200, None, None),
-    # sampling fields (tests/serve/test_sampling_fields.py checks what they become)
-    ("completions", {"prompt": "hi", "logit_bias": {"5": 10}, "top_k": 40, "min_p": 0.1,
-                     "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": -1},
-     200, None, None),
-    # structured output and tools (tests/serve/test_structured_http.py checks the replies)
-    ("chat/completions", {"messages": USER, "response_format": {"type": "json_object"}}, 200, None, None),
-    ("chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
-     200, None, None),
-    ("chat/completions", {"messages": USER, "parallel_tool_calls": True}, 200, None, None),
-    ("chat/completions", {"messages": USER, "tool_choice": "auto"}, 400, "tool_choice", "invalid_value"),
-    # logprobs and n (tests/serve/test_logprobs_http.py checks the replies)
-    ("chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": 2, "n": 2}, 200, None, None),
-    ("completions", {"prompt": "hi", "logprobs": 5, "n": 8}, 200, None, None),
-    ("chat/completions", {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),
-    ("chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
-     "invalid_value"),
-    ("completions", {"prompt": "hi", "logprobs": 6}, 400, "logprobs", "invalid_value"),
-    ("completions", {"prompt": "hi", "n": 9}, 400, "n", "invalid_value"),
-    # not implemented yet: a 400 naming the field
-    ("completions", {"prompt": "hi", "echo": True}, 400, "echo", "unsupported_parameter"),
-    # malformed, named as the client wrote it
-    ("completions", {"prompt": "hi", "n": 0}, 400, "n", "invalid_value"),
-    ("completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty", "invalid_value"),
-    ("chat/completions", {"messages": [*USER, {"role": "user", "content": 5}]}, 400,
-     "messages[1].content", "invalid_value"),
-    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
-     "messages[0].content[0].text", "invalid_value"),
-    ("chat/completions", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "https://x"}}]}]}, 400,
-     "messages[0].content[0]", "unsupported_value"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, 400,
-     "messages[0].tool_calls", "invalid_value"),
-    ("chat/completions", {"messages": [{"role": "tool", "content": "r"}]}, 400,
-     "messages[0].tool_call_id", "invalid_value"),
-    ("chat/completions", {"messages": [*USER, {"role": "assistant", "content": None}]}, 400,
-     "messages[1].content", "invalid_value"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "hi", "audio": 1}]}, 400,
-     "messages[0].audio", "invalid_value"),
-    ("completions", {"prompt": ["one", "two"]}, 400, "prompt", "unsupported_value"),
-    ("completions", {"prompt": [[1], [2]]}, 400, "prompt", "unsupported_value"),
-    ("completions", {"prompt": 5}, 400, "prompt", "invalid_value"),
-])
+@pytest.mark.parametrize(
+    "route, body, status, param, code",
+    [
+        # accepted, and change nothing
+        ("chat/completions", {"messages": USER, "store": True}, 200, None, None),
+        ("chat/completions", {"messages": USER, "response_format": {"type": "text"}}, 200, None, None),
+        (
+            "chat/completions",
+            {
+                "messages": USER,
+                "n": 1,
+                "logprobs": False,
+                "presence_penalty": 0,
+                "frequency_penalty": 0.0,
+                "logit_bias": {},
+                "top_k": -1,
+                "repetition_penalty": 1.0,
+            },
+            200,
+            None,
+            None,
+        ),
+        # sampling fields (tests/serve/test_sampling_fields.py checks what they become)
+        (
+            "completions",
+            {
+                "prompt": "hi",
+                "logit_bias": {"5": 10},
+                "top_k": 40,
+                "min_p": 0.1,
+                "repetition_penalty": 1.1,
+                "presence_penalty": 0.5,
+                "frequency_penalty": -1,
+            },
+            200,
+            None,
+            None,
+        ),
+        # structured output and tools (tests/serve/test_structured_http.py checks the replies)
+        ("chat/completions", {"messages": USER, "response_format": {"type": "json_object"}}, 200, None, None),
+        (
+            "chat/completions",
+            {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
+            200,
+            None,
+            None,
+        ),
+        ("chat/completions", {"messages": USER, "parallel_tool_calls": True}, 200, None, None),
+        ("chat/completions", {"messages": USER, "tool_choice": "auto"}, 400, "tool_choice", "invalid_value"),
+        # logprobs and n (tests/serve/test_logprobs_http.py checks the replies)
+        ("chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": 2, "n": 2}, 200, None, None),
+        ("completions", {"prompt": "hi", "logprobs": 5, "n": 8}, 200, None, None),
+        ("chat/completions", {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),
+        (
+            "chat/completions",
+            {"messages": USER, "logprobs": True, "top_logprobs": 21},
+            400,
+            "top_logprobs",
+            "invalid_value",
+        ),
+        ("completions", {"prompt": "hi", "logprobs": 6}, 400, "logprobs", "invalid_value"),
+        ("completions", {"prompt": "hi", "n": 9}, 400, "n", "invalid_value"),
+        # not implemented yet: a 400 naming the field
+        ("completions", {"prompt": "hi", "echo": True}, 400, "echo", "unsupported_parameter"),
+        # malformed, named as the client wrote it
+        ("completions", {"prompt": "hi", "n": 0}, 400, "n", "invalid_value"),
+        ("completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty", "invalid_value"),
+        (
+            "chat/completions",
+            {"messages": [*USER, {"role": "user", "content": 5}]},
+            400,
+            "messages[1].content",
+            "invalid_value",
+        ),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            400,
+            "messages[0].content[0].text",
+            "invalid_value",
+        ),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x"}}]}]},
+            400,
+            "messages[0].content[0]",
+            "unsupported_value",
+        ),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "hi", "tool_calls": []}]},
+            400,
+            "messages[0].tool_calls",
+            "invalid_value",
+        ),
+        (
+            "chat/completions",
+            {"messages": [{"role": "tool", "content": "r"}]},
+            400,
+            "messages[0].tool_call_id",
+            "invalid_value",
+        ),
+        (
+            "chat/completions",
+            {"messages": [*USER, {"role": "assistant", "content": None}]},
+            400,
+            "messages[1].content",
+            "invalid_value",
+        ),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "hi", "audio": 1}]},
+            400,
+            "messages[0].audio",
+            "invalid_value",
+        ),
+        ("completions", {"prompt": ["one", "two"]}, 400, "prompt", "unsupported_value"),
+        ("completions", {"prompt": [[1], [2]]}, 400, "prompt", "unsupported_value"),
+        ("completions", {"prompt": 5}, 400, "prompt", "invalid_value"),
+    ],
+)
 def test_request_surface(codec, route, body, status, param, code):
     got, response, _ = post(codec, route, body)
     assert got == status, response

@@ -5,8 +5,8 @@ routers that never saw a conversation send it where another router placed it."""
 from __future__ import annotations
 
 import pytest
-
 from serve_helpers import MODEL, new_router, oai, replica_serving, wait_until
+
 from serve_app.affinity import preferred_replica
 from serve_app.app import build_app
 
@@ -20,15 +20,25 @@ def deploy_prompt_keyed(ray_cluster, tiny_pair, name, route, num_replicas):
     from ray import serve
 
     target, draft = tiny_pair
-    app = build_app({"model": target, "served_model_name": MODEL, "affinity_key": "prompt",
-                     "affinity_stats_period_s": STATS_PERIOD_S,
-                     "drafter": {"kind": "draft_model", "path": draft}})
+    app = build_app(
+        {
+            "model": target,
+            "served_model_name": MODEL,
+            "affinity_key": "prompt",
+            "affinity_stats_period_s": STATS_PERIOD_S,
+            "drafter": {"kind": "draft_model", "path": draft},
+        }
+    )
     ingress = app._bound_deployment
     assert ingress.name == "SpecslotIngress"
     server_app, *rest = ingress.init_args
     server = server_app._bound_deployment.options(num_replicas=num_replicas, max_replicas_per_node=1)
-    serve.run(ingress.bind(server.bind(*server_app._bound_deployment.init_args), *rest),
-              name=name, route_prefix=route, blocking=False)
+    serve.run(
+        ingress.bind(server.bind(*server_app._bound_deployment.init_args), *rest),
+        name=name,
+        route_prefix=route,
+        blocking=False,
+    )
     base = ray_cluster["base"] + route
 
     def both_running():
@@ -51,11 +61,15 @@ def test_conversations_without_a_session_id_keep_their_replica(ray_cluster, tiny
         for turn in range(3):
             stream = turn == 2  # streamed through the ingress too
             raw = client.chat.completions.with_raw_response.create(
-                model=MODEL, messages=messages, max_tokens=4, temperature=0, stream=stream)
+                model=MODEL, messages=messages, max_tokens=4, temperature=0, stream=stream
+            )
             replicas.setdefault(conversation, set()).add(raw.headers["x-specslot-replica"])
             parsed = raw.parse()
-            text = ("".join(c.choices[0].delta.content or "" for c in parsed if c.choices) if stream
-                    else parsed.choices[0].message.content)
+            text = (
+                "".join(c.choices[0].delta.content or "" for c in parsed if c.choices)
+                if stream
+                else parsed.choices[0].message.content
+            )
             assert isinstance(text, str)
             messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"turn {turn}"}]
     assert all(len(r) == 1 for r in replicas.values()), replicas
@@ -66,6 +80,7 @@ def test_conversations_without_a_session_id_keep_their_replica(ray_cluster, tiny
     assert completion.choices[0].text is not None
     assert client.models.list().data[0].id == MODEL
     import httpx
+
     bad = httpx.post(f"{base}/v1/chat/completions", json={"model": MODEL, "messages": "nope"}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
     # A client that leaves mid-stream cancels its request on the replica (the session id
@@ -74,13 +89,21 @@ def test_conversations_without_a_session_id_keep_their_replica(ray_cluster, tiny
 
     def disconnects():
         text = httpx.get(f"{base}/metrics", headers=pinned, timeout=30).text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("specslot_requests_total") and 'finish_reason="disconnected"' in line)
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("specslot_requests_total") and 'finish_reason="disconnected"' in line
+        )
 
     before = disconnects()
     for _ in range(3):
-        with httpx.stream("POST", f"{base}/v1/completions", headers=pinned, timeout=30,
-                          json={"prompt": "def f(x):", "max_tokens": 300, "temperature": 0, "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            f"{base}/v1/completions",
+            headers=pinned,
+            timeout=30,
+            json={"prompt": "def f(x):", "max_tokens": 300, "temperature": 0, "stream": True},
+        ) as r:
             lines = r.iter_lines()
             assert any(next(lines).startswith("data: {") for _ in range(6))
 

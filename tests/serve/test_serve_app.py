@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
 from serve_helpers import MODEL, PROMPT, oai, wait_until
 
 pytestmark = pytest.mark.serve
@@ -19,9 +18,9 @@ def test_chat_and_completions_streaming_and_not(main_app):
     assert set(spec) >= {"rounds", "drafted", "accepted", "grants", "parks"}
 
     pieces, usage = [], None
-    for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24,
-                                           temperature=0, stream=True,
-                                           stream_options={"include_usage": True}):
+    for chunk in client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True}
+    ):
         if chunk.choices:
             pieces.append(chunk.choices[0].text)
         if chunk.usage:
@@ -32,8 +31,13 @@ def test_chat_and_completions_streaming_and_not(main_app):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
     assert chat.choices[0].message.role == "assistant"
-    deltas = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True) if c.choices]
+    deltas = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True
+        )
+        if c.choices
+    ]
     assert "".join(deltas) == chat.choices[0].message.content
 
 
@@ -52,9 +56,13 @@ def test_greedy_output_equals_engine_direct(main_app, tiny_pair):
         codec = TextCodec.from_path(target)
         prompts = [PROMPT, "import os\nimport ", "class Stack:\n    def push(self, item):"]
         for i, prompt in enumerate(prompts):
-            engine.submit(Request(f"direct-{i}", codec.encode(prompt),
-                                  SamplingParams(max_tokens=40, temperature=0.0,
-                                                 stop_token_ids=tuple(info["eos_token_ids"]))))
+            engine.submit(
+                Request(
+                    f"direct-{i}",
+                    codec.encode(prompt),
+                    SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=tuple(info["eos_token_ids"])),
+                )
+            )
         outputs: dict[str, list[int]] = {f"direct-{i}": [] for i in range(len(prompts))}
         finished = set()
         while len(finished) < len(prompts):
@@ -78,6 +86,6 @@ def test_text_stop_sequence_truncates_and_frees_the_request(main_app):
     assert len(free) > 8
     stop = free[5:8]
     cut = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop])
-    assert cut.choices[0].text == free[:free.index(stop)]
+    assert cut.choices[0].text == free[: free.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
     wait_until(lambda: httpx.get(f"{main_app}/v1/internal/scheduler").json()["unfinished"] == 0, 10)

@@ -10,7 +10,6 @@ import time
 import httpx
 import openai
 import pytest
-
 from serve_helpers import MODEL, PROMPT, deploy, oai, wait_until
 
 pytestmark = pytest.mark.serve
@@ -23,9 +22,14 @@ def app(ray_cluster, tiny_pair):
     # reconfigure of the same replica, as with `serve deploy` of a YAML (which versions
     # code by the config's hash). The Python API otherwise draws a random version per
     # `serve.run`; `_internal=True` is how Serve's own declarative path passes one.
-    return deploy(ray_cluster, tiny_pair, "behaviour", "/b",
-                  args={"max_tokens_limit": 300, "max_body_bytes": 64 * 1024,
-                        "max_queue_depth": 4, "backlog_cap": 4}, **PINNED_VERSION)
+    return deploy(
+        ray_cluster,
+        tiny_pair,
+        "behaviour",
+        "/b",
+        args={"max_tokens_limit": 300, "max_body_bytes": 64 * 1024, "max_queue_depth": 4, "backlog_cap": 4},
+        **PINNED_VERSION,
+    )
 
 
 PINNED_VERSION = {"version": "behaviour-1", "_internal": True}
@@ -120,7 +124,11 @@ BAD_BODIES = [
     ("chat/completions", j({"messages": [{"role": "USER", "content": "hi"}]}), 400),
     ("chat/completions", j({"messages": [{"role": "tool", "content": "hi"}]}), 400),
     ("chat/completions", j({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}), 400),
-    ("chat/completions", j({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}), 400),
+    (
+        "chat/completions",
+        j({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}),
+        400,
+    ),
     ("chat/completions", j({"messages": [{"role": "user", "content": [{"type": "text"}]}]}), 400),
     ("chat/completions", j({"messages": [["user", "hi"]]}), 400),
     ("chat/completions", j({"messages": USER, "tools": []}), 400),
@@ -173,22 +181,34 @@ def test_service_healthy_after_the_matrix_and_openai_client_sees_errors(app):
         assert r.status_code == status
     assert httpx.get(f"{app}/v1/models").json()["data"][0]["id"] == MODEL
     metrics = httpx.get(f"{app}/metrics").text
-    for series in ("specslot_ttft_seconds_count", "specslot:inter_token_latency_seconds_count",
-                   "specslot_acceptance_length_count", "specslot_drafted_tokens_total",
-                   "specslot_accepted_tokens_total", "specslot:spec_decode_num_drafts_total",
-                   "specslot:spec_decode_num_accepted_tokens_total", "specslot_scheduler_grants",
-                   "specslot_scheduler_parks", "specslot_scheduler_skip_escalations",
-                   "specslot_scheduler_backlog_depth", "specslot_scheduler_live_sessions",
-                   'specslot_scheduler_queue_wait_seconds_count{lane="high"}',
-                   'specslot_requests_total{finish_reason="length",lane="normal"}'):
+    for series in (
+        "specslot_ttft_seconds_count",
+        "specslot:inter_token_latency_seconds_count",
+        "specslot_acceptance_length_count",
+        "specslot_drafted_tokens_total",
+        "specslot_accepted_tokens_total",
+        "specslot:spec_decode_num_drafts_total",
+        "specslot:spec_decode_num_accepted_tokens_total",
+        "specslot_scheduler_grants",
+        "specslot_scheduler_parks",
+        "specslot_scheduler_skip_escalations",
+        "specslot_scheduler_backlog_depth",
+        "specslot_scheduler_live_sessions",
+        'specslot_scheduler_queue_wait_seconds_count{lane="high"}',
+        'specslot_requests_total{finish_reason="length",lane="normal"}',
+    ):
         assert series in metrics, series
 
 
 def _stream_request(base, priority, max_tokens=300, prompt=PROMPT):
     headers = {"X-Priority": priority} if priority else {}
-    with httpx.stream("POST", f"{base}/v1/completions", headers=headers, timeout=60,
-                      json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                            "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        f"{base}/v1/completions",
+        headers=headers,
+        timeout=60,
+        json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True},
+    ) as r:
         return r.status_code, r.headers.get("retry-after"), "".join(r.iter_text())
 
 
@@ -224,31 +244,44 @@ def test_x_priority_lanes_show_in_the_scheduler_and_queue_full_is_503(app):
 
 
 def disconnects(base) -> float:
-    return sum(float(line.rsplit(" ", 1)[1])
-               for line in httpx.get(f"{base}/metrics").text.splitlines()
-               if line.startswith("specslot_requests_total")
-               and 'finish_reason="disconnected"' in line)
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in httpx.get(f"{base}/metrics").text.splitlines()
+        if line.startswith("specslot_requests_total") and 'finish_reason="disconnected"' in line
+    )
 
 
 def test_client_disconnect_mid_stream_leaves_no_live_session(app):
     before = disconnects(app)
     for _ in range(3):
-        with httpx.stream("POST", f"{app}/v1/completions", timeout=30,
-                          json={"prompt": PROMPT, "max_tokens": 300, "temperature": 0,
-                                "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            f"{app}/v1/completions",
+            timeout=30,
+            json={"prompt": PROMPT, "max_tokens": 300, "temperature": 0, "stream": True},
+        ) as r:
             chunks = r.iter_lines()
             got = [next(chunks) for _ in range(6)]
             assert any(line.startswith("data: {") for line in got)
         # leaving the block closes the connection mid-stream
     for _ in range(2):  # a non-streaming client that gives up waiting
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{app}/v1/completions", timeout=httpx.Timeout(5, read=0.3),
-                       json={"prompt": PROMPT, "max_tokens": 300, "temperature": 0})
+            httpx.post(
+                f"{app}/v1/completions",
+                timeout=httpx.Timeout(5, read=0.3),
+                json={"prompt": PROMPT, "max_tokens": 300, "temperature": 0},
+            )
+
     def drained():
         state = snapshot(app)
         c = state["counters"]
-        return (state["unfinished"] == 0 and c["live_sessions"] == 0
-                and state["replica"]["open_streams"] == 0 and state["slot"]["owner"] is None)
+        return (
+            state["unfinished"] == 0
+            and c["live_sessions"] == 0
+            and state["replica"]["open_streams"] == 0
+            and state["slot"]["owner"] is None
+        )
+
     wait_until(drained, 20)
     # The streams were abandoned (cancelled in the scheduler) long before their 300
     # tokens; a non-streaming one may finish before the proxy notices, so not counted.
@@ -261,12 +294,20 @@ def test_live_reconfigure_through_user_config(app, ray_cluster, tiny_pair):
     from serve_app.app import SpecslotServer, build_app
 
     target, draft = tiny_pair
-    args = {"model": target, "served_model_name": MODEL, "drafter": {"kind": "draft_model", "path": draft},
-            "max_tokens_limit": 300, "max_body_bytes": 64 * 1024, "max_queue_depth": 4, "backlog_cap": 4}
+    args = {
+        "model": target,
+        "served_model_name": MODEL,
+        "drafter": {"kind": "draft_model", "path": draft},
+        "max_tokens_limit": 300,
+        "max_body_bytes": 64 * 1024,
+        "max_queue_depth": 4,
+        "backlog_cap": 4,
+    }
     before = snapshot(app)["replica"]
     bound = build_app(args)._bound_deployment.init_args
-    app_v2 = SpecslotServer.options(**PINNED_VERSION,
-                                    user_config={"grant_rounds": 3, "skip_cap": 1, "tick_slice": True}).bind(*bound)
+    app_v2 = SpecslotServer.options(
+        **PINNED_VERSION, user_config={"grant_rounds": 3, "skip_cap": 1, "tick_slice": True}
+    ).bind(*bound)
     serve.run(app_v2, name="behaviour", route_prefix="/b", blocking=False)
     wait_until(lambda: snapshot(app)["config"]["grant_rounds"] == 3, 60)
     state = snapshot(app)

@@ -14,9 +14,9 @@ import time
 import httpx
 import pytest
 import yaml
+from serve_helpers import MODEL, PROMPT, REPO_ROOT, deploy, free_port, new_router, oai, replica_serving, wait_until
 
 from serve_app.affinity import preferred_replica
-from serve_helpers import MODEL, PROMPT, REPO_ROOT, deploy, free_port, new_router, oai, replica_serving, wait_until
 
 pytestmark = pytest.mark.serve
 
@@ -31,14 +31,20 @@ def running_replicas(app_name: str) -> int:
 def test_two_replicas_one_per_node_both_serve(ray_cluster, tiny_pair):
     from ray import serve
 
-    base = deploy(ray_cluster, tiny_pair, "pair", "/p", args={"affinity_stats_period_s": 0.5},
-                  num_replicas=2, max_replicas_per_node=1)
+    base = deploy(
+        ray_cluster,
+        tiny_pair,
+        "pair",
+        "/p",
+        args={"affinity_stats_period_s": 0.5},
+        num_replicas=2,
+        max_replicas_per_node=1,
+    )
     wait_until(lambda: running_replicas("pair") == 2, 60)
     client = oai(base)
     answered: dict[str, str] = {}
     for _ in range(60):
-        raw = client.completions.with_raw_response.create(model=MODEL, prompt=PROMPT, max_tokens=3,
-                                                          temperature=0)
+        raw = client.completions.with_raw_response.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
         answered[raw.headers["x-specslot-replica"]] = raw.parse().choices[0].text
         if len(answered) == 2:
             break
@@ -57,8 +63,12 @@ def test_two_replicas_one_per_node_both_serve(ray_cluster, tiny_pair):
     for i in range(12):
         for _ in range(4):
             raw = client.completions.with_raw_response.create(
-                model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
-                extra_headers={"X-Session-Id": f"conversation-{i}"})
+                model=MODEL,
+                prompt=PROMPT,
+                max_tokens=2,
+                temperature=0,
+                extra_headers={"X-Session-Id": f"conversation-{i}"},
+            )
             sessions.setdefault(i, set()).add(raw.headers["x-specslot-replica"])
     assert all(len(replicas) == 1 for replicas in sessions.values()), sessions
     assert len(set().union(*sessions.values())) == 2  # and sessions spread over both
@@ -70,7 +80,8 @@ def test_two_replicas_one_per_node_both_serve(ray_cluster, tiny_pair):
         if any(replica != preferred_replica(key, replica_ids) for key, replica in placed.items()):
             break
         raw = client.completions.with_raw_response.create(
-            model=MODEL, prompt=PROMPT, max_tokens=1, extra_headers={"X-Session-Id": f"extra-{i}"})
+            model=MODEL, prompt=PROMPT, max_tokens=1, extra_headers={"X-Session-Id": f"extra-{i}"}
+        )
         placed[f"extra-{i}"] = raw.headers["x-specslot-replica"]
     session, home = next((k, r) for k, r in placed.items() if r != preferred_replica(k, replica_ids))
     time.sleep(5)  # ten stats periods
@@ -83,16 +94,18 @@ def test_autoscaling_goes_1_to_2_under_load_and_back(ray_cluster, tiny_pair):
 
     with open(os.path.join(REPO_ROOT, "configs", "autoscale.yaml")) as f:
         scaling = yaml.safe_load(f)["applications"][0]["deployments"][0]["autoscaling_config"]
-    scaling.update(max_replicas=2, target_ongoing_requests=1, upscale_delay_s=0.5,
-                   downscale_delay_s=2, look_back_period_s=1)
+    scaling.update(
+        max_replicas=2, target_ongoing_requests=1, upscale_delay_s=0.5, downscale_delay_s=2, look_back_period_s=1
+    )
     base = deploy(ray_cluster, tiny_pair, "auto", "/a", autoscaling_config=scaling)
     assert running_replicas("auto") == 1
     stop = threading.Event()
 
     def load():
         while not stop.is_set():
-            httpx.post(f"{base}/v1/completions", timeout=60,
-                       json={"prompt": PROMPT, "max_tokens": 200, "temperature": 0})
+            httpx.post(
+                f"{base}/v1/completions", timeout=60, json={"prompt": PROMPT, "max_tokens": 200, "temperature": 0}
+            )
 
     with cf.ThreadPoolExecutor(4) as pool:
         for _ in range(4):
@@ -113,9 +126,12 @@ def test_killed_scheduler_actor_ends_streams_cleanly_and_is_recreated(ray_cluste
     lines: list[str] = []
 
     def stream():
-        with httpx.stream("POST", f"{main_app}/v1/completions", timeout=60,
-                          json={"prompt": PROMPT, "max_tokens": 400, "temperature": 0,
-                                "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            f"{main_app}/v1/completions",
+            timeout=60,
+            json={"prompt": PROMPT, "max_tokens": 400, "temperature": 0, "stream": True},
+        ) as r:
             for line in r.iter_lines():
                 lines.append(line)
 
@@ -130,8 +146,11 @@ def test_killed_scheduler_actor_ends_streams_cleanly_and_is_recreated(ray_cluste
     assert payloads[-1] == "data: [DONE]"
     assert '"error"' in payloads[-2] and "Traceback" not in payloads[-2]
     client = oai(main_app)
-    wait_until(lambda: client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3)
-               .usage.completion_tokens == 3, 60, 0.2)
+    wait_until(
+        lambda: client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3,
+        60,
+        0.2,
+    )
     recovery_s = time.monotonic() - killed_at
     after = httpx.get(f"{main_app}/v1/internal/scheduler").json()["replica"]
     assert after["scheduler_restarts"] == state["scheduler_restarts"] + 1
@@ -155,9 +174,14 @@ def test_serve_run_local_config_answers_and_shuts_down_on_sigterm(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # as a user runs it
     env["RAY_ADDRESS"] = "local"
     serve_bin = os.path.join(os.path.dirname(sys.executable), "serve")
-    proc = subprocess.Popen([serve_bin, "run", str(path)], cwd=REPO_ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [serve_bin, "run", str(path)],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: httpx.get(f"{base}/health", timeout=5).status_code == 200, 180, 0.5)
@@ -166,9 +190,16 @@ def test_serve_run_local_config_answers_and_shuts_down_on_sigterm(tmp_path):
         assert app_args["served_model_name"] == name
         assert name in [m.id for m in client.models.list().data]
         messages = [{"role": "user", "content": "What is the capital of France?"}]
-        chunks = list(client.chat.completions.create(model=name, messages=messages, max_tokens=24,
-                                                     temperature=0, stream=True,
-                                                     stream_options={"include_usage": True}))
+        chunks = list(
+            client.chat.completions.create(
+                model=name,
+                messages=messages,
+                max_tokens=24,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         full = client.chat.completions.create(model=name, messages=messages, max_tokens=24, temperature=0)
         assert text == full.choices[0].message.content

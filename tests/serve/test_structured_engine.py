@@ -16,24 +16,36 @@ pytestmark = pytest.mark.model
 TARGET = os.path.join(os.path.dirname(__file__), "..", "..", "models", "bundled", "target")
 SCHEMA = {
     "type": "object",
-    "properties": {"title": {"type": "string", "maxLength": 12}, "lines": {"type": "integer", "minimum": 1,
-                                                                           "maximum": 500},
-                   "tags": {"type": "array", "items": {"enum": ["io", "math", "text"]}, "maxItems": 2}},
+    "properties": {
+        "title": {"type": "string", "maxLength": 12},
+        "lines": {"type": "integer", "minimum": 1, "maximum": 500},
+        "tags": {"type": "array", "items": {"enum": ["io", "math", "text"]}, "maxItems": 2},
+    },
     "required": ["title", "lines", "tags"],
     "additionalProperties": False,
 }
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
-                                                    "unit": {"enum": ["c", "f"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
 USER = [{"role": "user", "content": "Describe the module textwrap."}]
 # A template that renders tool calls as Mistral's does, so the deployment reads and forces
 # calls in that format (the bundled tokenizer's own ChatML template: Hermes; the other
 # formats are checked on the HTTP layer, tests/serve/test_tool_call_formats.py).
-CALLS_TEMPLATE = ("{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}{% for m in messages %}"
-                  "{% if m.tool_calls %}assistant: MARK{{ m.tool_calls | tojson }}"
-                  "{% else %}{{ m.role }}: {{ m.content }}{% endif %}\n{% endfor %}assistant:")
+CALLS_TEMPLATE = (
+    "{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}{% for m in messages %}"
+    "{% if m.tool_calls %}assistant: MARK{{ m.tool_calls | tojson }}"
+    "{% else %}{{ m.role }}: {{ m.content }}{% endif %}\n{% endfor %}assistant:"
+)
 TEMPLATES = {"hermes": None, "mistral": CALLS_TEMPLATE.replace("MARK", "[TOOL_CALLS]")}
 
 
@@ -62,12 +74,15 @@ async def _session(test, chat_template=None):
 def test_json_schema_reply_parses_and_validates_streamed_or_not():
     async def test(openai):
         fmt = {"type": "json_schema", "json_schema": {"name": "module", "schema": SCHEMA, "strict": True}}
-        reply = await openai.chat.completions.create(model="target", messages=USER, response_format=fmt,
-                                                     max_tokens=120, temperature=0)
-        stream = await openai.chat.completions.create(model="target", messages=USER, response_format=fmt,
-                                                      max_tokens=120, temperature=0, stream=True)
+        reply = await openai.chat.completions.create(
+            model="target", messages=USER, response_format=fmt, max_tokens=120, temperature=0
+        )
+        stream = await openai.chat.completions.create(
+            model="target", messages=USER, response_format=fmt, max_tokens=120, temperature=0, stream=True
+        )
         chunks = [c async for c in stream]
         return reply, chunks
+
     reply, chunks = asyncio.run(_session(test))
     text = reply.choices[0].message.content
     assert reply.choices[0].finish_reason == "stop"
@@ -84,16 +99,27 @@ def test_a_tool_call_round_trip(fmt):
 
     async def test(openai):
         messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
-        first = await openai.chat.completions.create(model="target", messages=messages, tools=[WEATHER],
-                                                     tool_choice="required", max_tokens=80, temperature=0,
-                                                     logprobs=True, parallel_tool_calls=False)
+        first = await openai.chat.completions.create(
+            model="target",
+            messages=messages,
+            tools=[WEATHER],
+            tool_choice="required",
+            max_tokens=80,
+            temperature=0,
+            logprobs=True,
+            parallel_tool_calls=False,
+        )
         # (one call: the tiny model, allowed more, may write calls until max_tokens)
         call = first.choices[0].message.tool_calls[0]
-        messages += [first.choices[0].message.model_dump(exclude_none=True),
-                     {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 3}'}]
-        second = await openai.chat.completions.create(model="target", messages=messages, tools=[WEATHER],
-                                                      tool_choice="none", max_tokens=16, temperature=0)
+        messages += [
+            first.choices[0].message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 3}'},
+        ]
+        second = await openai.chat.completions.create(
+            model="target", messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=16, temperature=0
+        )
         return first, second
+
     first, second = asyncio.run(_session(test, TEMPLATES[fmt]))
     assert first.choices[0].finish_reason == "tool_calls" and first.choices[0].message.content is None
     written = b"".join(bytes(e.bytes) for e in first.choices[0].logprobs.content).decode()

@@ -12,14 +12,21 @@ from local_service import ScriptedClient, make_app, run
 pytestmark = pytest.mark.model
 
 USER = [{"role": "user", "content": "weather in Paris?"}]
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 CLOCK = {"type": "function", "function": {"name": "get_time"}}
 CALL = '{"name":"get_weather","arguments":{"city":"Paris"}}'
 # Renders the tools the request passes, so a test can see them in the prompt.
-TOOLS_TEMPLATE = ("{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
-                  "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:")
+TOOLS_TEMPLATE = (
+    "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+)
 
 
 def chat(codec, body, script_text=None, finish="stop"):
@@ -30,12 +37,14 @@ def chat(codec, body, script_text=None, finish="stop"):
     async def go():
         async with make_app(codec, client) as http:
             return await http.post("/v1/chat/completions", json={"messages": USER, **body})
+
     r = run(go())
     if r.status_code != 200:
         return r.status_code, r.json(), None
     if body.get("stream"):
-        events = [json.loads(line[6:]) for line in r.text.splitlines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
+        events = [
+            json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"
+        ]
         return 200, events, client.submitted[0]
     return 200, r.json(), client.submitted[0]
 
@@ -85,8 +94,11 @@ def test_auto_reads_a_hermes_tool_call_or_returns_content(codec):
     assert reply["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
     _, reply, _ = chat(codec, {"tools": [WEATHER], "tool_choice": "auto"}, "It is sunny.")
     assert reply["choices"][0] | {"logprobs": None} == {
-        "index": 0, "message": {"role": "assistant", "content": "It is sunny."}, "logprobs": None,
-        "finish_reason": "stop"}
+        "index": 0,
+        "message": {"role": "assistant", "content": "It is sunny."},
+        "logprobs": None,
+        "finish_reason": "stop",
+    }
     unknown = CALL.replace("get_weather", "launch")
     _, reply, _ = chat(codec, {"tools": [WEATHER]}, f"<tool_call>{unknown}</tool_call>")
     assert reply["choices"][0]["finish_reason"] == "stop" and "tool_calls" not in reply["choices"][0]["message"]
@@ -122,21 +134,34 @@ def test_a_streamed_tool_call_arrives_as_a_tool_calls_delta(codec):
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "nope"}}}},
-     "response_format"),
-    ({"tools": []}, "tools"),
-    ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
-    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
-    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}},
-     "tool_choice.function.name"),
-    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+            "response_format.json_schema.name",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "nope"}}}},
+            "response_format",
+        ),
+        ({"tools": []}, "tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
+        ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+            "tool_choice.function.name",
+        ),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+    ],
+)
 def test_malformed_structured_fields_are_a_400_naming_the_field(codec, body, param):
     status, reply, _ = chat(codec, body)
     assert status == 400 and reply["error"]["param"] == param, reply

@@ -18,6 +18,7 @@ def _recording(codec, monkeypatch, name: str) -> list[str]:
     def recorded(*args, **kwargs):
         threads.append(threading.current_thread().name)
         return original(*args, **kwargs)
+
     monkeypatch.setattr(codec, name, recorded)
     return threads
 
@@ -25,8 +26,11 @@ def _recording(codec, monkeypatch, name: str) -> list[str]:
 def test_a_large_chat_body_is_tokenized_on_the_tokenizer_thread(codec, monkeypatch):
     threads = _recording(codec, monkeypatch, "encode_chat")
     small = [{"role": "user", "content": "hello there"}]
-    large = [{"role": "user", "content": "the quick brown fox " * (http_module.TOKENIZE_OFF_LOOP_BYTES // 20)},
-             {"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}]
+    large = [
+        {"role": "user", "content": "the quick brown fox " * (http_module.TOKENIZE_OFF_LOOP_BYTES // 20)},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "again"},
+    ]
     client = ScriptedClient([[5]])
     client.info["max_context"] = 1 << 20
 
@@ -35,6 +39,7 @@ def test_a_large_chat_body_is_tokenized_on_the_tokenizer_thread(codec, monkeypat
             for messages in (small, large, small):
                 r = await http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
                 assert r.status_code == 200, r.text
+
     run(go())
     loop_thread = threading.current_thread().name  # asyncio.run's loop runs on this thread
     assert threads[0] == threads[2] == loop_thread
@@ -49,11 +54,14 @@ def test_errors_raised_on_the_tokenizer_thread_are_the_same_4xx(codec, monkeypat
 
     async def go():
         async with make_app(codec, client) as http:
-            out_of_vocab = await http.post("/v1/completions", json={
-                "prompt": [codec.vocab_size] * (http_module.TOKENIZE_OFF_LOOP_BYTES // 4), "max_tokens": 1})
+            out_of_vocab = await http.post(
+                "/v1/completions",
+                json={"prompt": [codec.vocab_size] * (http_module.TOKENIZE_OFF_LOOP_BYTES // 4), "max_tokens": 1},
+            )
             too_long = await http.post("/v1/completions", json={"prompt": big_text, "max_tokens": 1})
             fine = await http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 1})
         return out_of_vocab, too_long, fine
+
     out_of_vocab, too_long, fine = run(go())
     assert out_of_vocab.status_code == 400 and "outside the vocabulary" in out_of_vocab.json()["error"]["message"]
     assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"

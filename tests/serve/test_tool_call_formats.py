@@ -16,10 +16,18 @@ from local_service import ScriptedClient, make_app, run
 pytestmark = pytest.mark.model
 
 USER = [{"role": "user", "content": "weather in Oslo?"}]
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
-                   "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
 CLOCK = {"type": "function", "function": {"name": "get_time"}}
 # Minimal templates carrying each family's tool markup, so `auto` picks the family.
 BODY = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
@@ -32,7 +40,7 @@ TEMPLATES = {
 # Two calls as each family writes them (compact JSON, as a forced reply is generated).
 TWO_CALLS = {
     "hermes": '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>\n'
-              '<tool_call>\n{"name":"get_time","arguments":{}}\n</tool_call>',
+    '<tool_call>\n{"name":"get_time","arguments":{}}\n</tool_call>',
     "llama3_json": '{"name":"get_weather","parameters":{"city":"Oslo"}}; {"name":"get_time","parameters":{}}',
     "mistral": '[TOOL_CALLS][{"name":"get_weather","arguments":{"city":"Oslo"}},{"name":"get_time","arguments":{}}]',
     "mistral_v11": '[TOOL_CALLS]get_weather[ARGS]{"city":"Oslo"}[TOOL_CALLS]get_time[ARGS]{}',
@@ -72,11 +80,13 @@ def chat(codec, body, script_ids, finish="stop"):
     async def go():
         async with make_app(codec, client) as http:
             return await http.post("/v1/chat/completions", json={"messages": USER, **body})
+
     r = run(go())
     assert r.status_code == 200, r.text
     if body.get("stream"):
-        return [json.loads(line[6:]) for line in r.text.splitlines()
-                if line.startswith("data: ") and line != "data: [DONE]"], client.submitted[0]
+        return [
+            json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"
+        ], client.submitted[0]
     return r.json(), client.submitted[0]
 
 
@@ -119,10 +129,21 @@ def test_a_forced_calls_grammar_accepts_the_formats_text_on_the_tokenizer(tiny_p
 def test_a_tools_referenced_defs_are_enforced(tiny_pair):
     from models.grammar import Grammars
 
-    item = {"type": "object", "properties": {"sku": {"type": "integer"}}, "required": ["sku"],
-            "additionalProperties": False}
-    add = {"name": "add", "parameters": {"type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}},
-                                         "required": ["item"], "$defs": {"Item": item}}}
+    item = {
+        "type": "object",
+        "properties": {"sku": {"type": "integer"}},
+        "required": ["sku"],
+        "additionalProperties": False,
+    }
+    add = {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"item": {"$ref": "#/$defs/Item"}},
+            "required": ["item"],
+            "$defs": {"Item": item},
+        },
+    }
     codec = codec_for(tiny_pair[0], "mistral")
     grammar = codec.tool_format.grammar([add], parallel=False)
     matcher = Grammars.for_tokenizer(codec._tok, [0])
@@ -141,18 +162,22 @@ def test_each_formats_reply_comes_back_as_tool_calls(tiny_pair, marker_dir, fmt,
     choice = reply["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert calls(choice["message"]) == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
-    forced, request = chat(codec, {"tools": [WEATHER, CLOCK], "tool_choice": "required"},
-                           codec.encode(ONE_CALL[fmt]))
+    forced, request = chat(codec, {"tools": [WEATHER, CLOCK], "tool_choice": "required"}, codec.encode(ONE_CALL[fmt]))
     assert request.sampling.grammar == codec.tool_format.grammar([WEATHER["function"], CLOCK["function"]], True)
     assert calls(forced["choices"][0]["message"]) == [("get_weather", {"city": "Oslo"})]
-    events, request = chat(codec, {"tools": [WEATHER, CLOCK], "tool_choice": "required", "stream": True,
-                                   "parallel_tool_calls": False}, codec.encode(TWO_CALLS[fmt]))
+    events, request = chat(
+        codec,
+        {"tools": [WEATHER, CLOCK], "tool_choice": "required", "stream": True, "parallel_tool_calls": False},
+        codec.encode(TWO_CALLS[fmt]),
+    )
     assert request.sampling.grammar == codec.tool_format.grammar([WEATHER["function"], CLOCK["function"]], False)
     deltas = [e["choices"][0]["delta"] for e in events]
     streamed = [c for d in deltas for c in d.get("tool_calls", ())]
     assert [c["index"] for c in streamed] == [0, 1]
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in streamed] == \
-        [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in streamed] == [
+        ("get_weather", {"city": "Oslo"}),
+        ("get_time", {}),
+    ]
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 

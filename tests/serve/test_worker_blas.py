@@ -9,8 +9,10 @@ import pytest
 
 from tests.conftest import FAST_BLAS_MIN_RATIO
 
-pytestmark = [pytest.mark.serve,
-              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="macOS uses Accelerate")]
+pytestmark = [
+    pytest.mark.serve,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="macOS uses Accelerate"),
+]
 
 
 def test_ray_worker_runs_mlx_on_openblas_with_every_core_but_one(ray_cluster, reference_gflops):
@@ -23,8 +25,7 @@ def test_ray_worker_runs_mlx_on_openblas_with_every_core_but_one(ray_cluster, re
         import models  # noqa: F401  (what every specslot path to mlx imports first)
         import models._blas
 
-        return {**models._blas.probe(), "omp": os.environ.get("OMP_NUM_THREADS"),
-                "cores": models._blas._usable_cores()}
+        return {**models._blas.probe(), "omp": os.environ.get("OMP_NUM_THREADS"), "cores": models._blas._usable_cores()}
 
     result = ray.get(probe_worker.remote(), timeout=120)
     assert result["library"] == "scipy-openblas32" and result["openblas_mapped"], result
@@ -32,5 +33,6 @@ def test_ray_worker_runs_mlx_on_openblas_with_every_core_but_one(ray_cluster, re
         pytest.skip("the user chose the thread count")  # pragma: no cover (CI sets neither)
     assert result["omp"] == "1", "Ray no longer sets OMP_NUM_THREADS=1 in workers: revisit models._blas"
     assert result["threads"] == min(max(result["cores"] - 1, 1), 64), result
-    assert result["gflops"] > FAST_BLAS_MIN_RATIO * reference_gflops, \
+    assert result["gflops"] > FAST_BLAS_MIN_RATIO * reference_gflops, (
         f"{result['gflops']:.1f} GFLOP/s in a Ray worker against the reference's {reference_gflops:.1f}: slow BLAS"
+    )

@@ -25,13 +25,24 @@ class FakeClock:
         self.now += seconds
 
 
-def make_request(request_id: str, *, rounds: int = 3, lane: Lane = Lane.NORMAL, round_tokens: int = 2,
-                 max_tokens: int | None = None, prompt_ids: list[int] | None = None) -> Request:
+def make_request(
+    request_id: str,
+    *,
+    rounds: int = 3,
+    lane: Lane = Lane.NORMAL,
+    round_tokens: int = 2,
+    max_tokens: int | None = None,
+    prompt_ids: list[int] | None = None,
+) -> Request:
     """A request that needs its first token plus `rounds` full rounds of the fake runner."""
     if max_tokens is None:
         max_tokens = 1 + rounds * round_tokens
-    return Request(request_id, prompt_ids or [len(request_id), ord(request_id[0])],
-                   SamplingParams(max_tokens=max_tokens), lane=lane)
+    return Request(
+        request_id,
+        prompt_ids or [len(request_id), ord(request_id[0])],
+        SamplingParams(max_tokens=max_tokens),
+        lane=lane,
+    )
 
 
 def make_scheduler(runner: FakeRunner | None = None, clock=None, **overrides) -> Scheduler:
@@ -76,8 +87,7 @@ def tick(scheduler: Scheduler, trace: Trace | None = None) -> TickRecord:
     return record
 
 
-def run_until_idle(scheduler: Scheduler, trace: Trace | None = None, max_ticks: int = 500,
-                   before_tick=None) -> Trace:
+def run_until_idle(scheduler: Scheduler, trace: Trace | None = None, max_ticks: int = 500, before_tick=None) -> Trace:
     """Tick until the scheduler has no work; `before_tick(i)` may submit or cancel."""
     trace = trace or Trace()
     for i in range(max_ticks):

@@ -33,9 +33,18 @@ class FakeSession:
 
 
 class FakeRunner:
-    def __init__(self, *, round_tokens: int = 2, num_draft_tokens: int = 4, unsupported: tuple[str, ...] = (),
-                 round_seconds: float = 0.010, probe_seconds: float = 0.010, key: str = "fake|fake|cpu|4",
-                 fuse: bool = False, tick_costs=None) -> None:
+    def __init__(
+        self,
+        *,
+        round_tokens: int = 2,
+        num_draft_tokens: int = 4,
+        unsupported: tuple[str, ...] = (),
+        round_seconds: float = 0.010,
+        probe_seconds: float = 0.010,
+        key: str = "fake|fake|cpu|4",
+        fuse: bool = False,
+        tick_costs=None,
+    ) -> None:
         """`fuse`: the runner can carry the classic decode in a round's forward;
         `tick_costs`: what it reports as measured forward costs (None: not measured)."""
         self.round_tokens = round_tokens

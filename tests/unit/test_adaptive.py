@@ -12,17 +12,32 @@ from tests.unit.factories import FakeClock, make_request, make_scheduler, run_un
 from tests.unit.fakes import FakeRunner
 
 
-@pytest.mark.parametrize("accepted, classic_s, round_s, expected", [
-    (0.0, 0.010, 0.010, 1.0), (1.0, 0.010, 0.010, 2.0), (3.0, 0.010, 0.020, 2.0), (2.0, 0.005, 0.030, 0.5),
-])
+@pytest.mark.parametrize(
+    "accepted, classic_s, round_s, expected",
+    [
+        (0.0, 0.010, 0.010, 1.0),
+        (1.0, 0.010, 0.010, 2.0),
+        (3.0, 0.010, 0.020, 2.0),
+        (2.0, 0.005, 0.030, 0.5),
+    ],
+)
 def test_estimate_speedup(accepted, classic_s, round_s, expected):
     assert estimate_speedup(accepted, classic_s, round_s) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("speedup, default, expected", [
-    (0.5, True, False), (1.0, True, False), (1.01, True, True), (1.01, False, False), (1.49, False, False),
-    (1.49, True, True), (1.5, False, True), (3.0, False, True),
-])
+@pytest.mark.parametrize(
+    "speedup, default, expected",
+    [
+        (0.5, True, False),
+        (1.0, True, False),
+        (1.01, True, True),
+        (1.01, False, False),
+        (1.49, False, False),
+        (1.49, True, True),
+        (1.5, False, True),
+        (3.0, False, True),
+    ],
+)
 def test_verdict_thresholds(speedup, default, expected):
     assert verdict_enabled(speedup, default) is expected
 
@@ -38,12 +53,15 @@ def profile(policy, *, probe_s, round_s, accepted, sessions):
         policy.session_done(num_real_rounds=1)
 
 
-@pytest.mark.parametrize("round_s, accepted, default, settled_enabled", [
-    (0.010, 2, False, True),   # 3.0x
-    (0.040, 2, True, False),   # 0.75x
-    (0.025, 2, True, True),    # 1.2x -> default
-    (0.025, 2, False, False),  # 1.2x -> default
-])
+@pytest.mark.parametrize(
+    "round_s, accepted, default, settled_enabled",
+    [
+        (0.010, 2, False, True),  # 3.0x
+        (0.040, 2, True, False),  # 0.75x
+        (0.025, 2, True, True),  # 1.2x -> default
+        (0.025, 2, False, False),  # 1.2x -> default
+    ],
+)
 def test_profiling_settles_after_profile_requests(round_s, accepted, default, settled_enabled):
     policy = B1Policy("auto", "k", default_enabled=default, profile_requests=3, clock=FakeClock())
     profile(policy, probe_s=0.010, round_s=round_s, accepted=accepted, sessions=2)
@@ -54,13 +72,16 @@ def test_profiling_settles_after_profile_requests(round_s, accepted, default, se
     assert policy.should_run() is settled_enabled
 
 
-@pytest.mark.parametrize("probe, expected_classic_s", [
-    # a multi-token probe reports its steady-state time per token ...
-    (RoundOutcome("r", [1] * 8, None, 0, 0, True, 0.080, seconds_per_token=0.006), 0.006),
-    # ... without it, the round's time is spread over its tokens
-    (RoundOutcome("r", [1] * 8, None, 0, 0, True, 0.080), 0.010),
-    (RoundOutcome("r", [1], None, 0, 0, True, 0.012), 0.012),
-])
+@pytest.mark.parametrize(
+    "probe, expected_classic_s",
+    [
+        # a multi-token probe reports its steady-state time per token ...
+        (RoundOutcome("r", [1] * 8, None, 0, 0, True, 0.080, seconds_per_token=0.006), 0.006),
+        # ... without it, the round's time is spread over its tokens
+        (RoundOutcome("r", [1] * 8, None, 0, 0, True, 0.080), 0.010),
+        (RoundOutcome("r", [1], None, 0, 0, True, 0.012), 0.012),
+    ],
+)
 def test_probe_gives_classic_time_per_token(probe, expected_classic_s):
     policy = B1Policy("auto", "k", profile_requests=1)
     policy.record_round(probe)
@@ -101,8 +122,15 @@ def test_verdict_persists_atomically_keyed_and_versioned(tmp_path):
     assert set(json.loads((tmp_path / CACHE_FILE).read_text())["verdicts"]) == {"t|d|cpu|4", "t|d|cpu|8"}
 
 
-@pytest.mark.parametrize("content", ["not json", json.dumps({"version": 99, "verdicts": {"k": {}}}),
-                                     json.dumps({"version": 1, "verdicts": {"k": {"bogus": 1}}}), "[]"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "not json",
+        json.dumps({"version": 99, "verdicts": {"k": {}}}),
+        json.dumps({"version": 1, "verdicts": {"k": {"bogus": 1}}}),
+        "[]",
+    ],
+)
 def test_unreadable_cache_means_reprofile(tmp_path, content):
     (tmp_path / CACHE_FILE).write_text(content)
     policy = B1Policy("auto", "k", cache_dir=str(tmp_path))
@@ -119,8 +147,9 @@ def test_store_roundtrip(tmp_path):
 def test_scheduler_probes_then_settles_and_declines_new_requests(tmp_path):
     # probe 10 ms, round 40 ms with 1 accepted: speedup 0.5 -> decline
     runner = FakeRunner(round_seconds=0.040, probe_seconds=0.010)
-    scheduler = make_scheduler(runner, b1_policy="auto", b1_profile_requests=2, b1_probe_rounds=2,
-                               policy_cache_dir=str(tmp_path))
+    scheduler = make_scheduler(
+        runner, b1_policy="auto", b1_profile_requests=2, b1_probe_rounds=2, policy_cache_dir=str(tmp_path)
+    )
     first = [make_request(f"p{i}", rounds=4) for i in range(2)]
     for r in first:
         scheduler.submit(r)

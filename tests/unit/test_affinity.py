@@ -2,8 +2,18 @@
 
 import pytest
 
-from serve_app.affinity import (ARRIVAL_GRACE_S, Pin, SessionPins, UnreportedPins, choose_replica, home_replica,
-                                least_loaded, place_key, preferred_replica, rank_replicas)
+from serve_app.affinity import (
+    ARRIVAL_GRACE_S,
+    Pin,
+    SessionPins,
+    UnreportedPins,
+    choose_replica,
+    home_replica,
+    least_loaded,
+    place_key,
+    preferred_replica,
+    rank_replicas,
+)
 
 REPLICAS = ["r0", "r1", "r2", "r3"]
 
@@ -14,8 +24,7 @@ def idle(replica_ids=REPLICAS):
 
 def key_preferring(replica_id, replica_ids=REPLICAS):
     """A session key whose preferred replica is `replica_id`."""
-    return next(k for k in (f"session-{i}" for i in range(10_000))
-                if preferred_replica(k, replica_ids) == replica_id)
+    return next(k for k in (f"session-{i}" for i in range(10_000)) if preferred_replica(k, replica_ids) == replica_id)
 
 
 def test_a_new_key_on_idle_replicas_goes_where_it_hashes():
@@ -44,16 +53,19 @@ def test_a_key_moves_only_when_its_replica_leaves():
     assert all(after[k] != "r3" for k in keys)
 
 
-@pytest.mark.parametrize("preferred_len, least_len, margin, stays", [
-    (0, 0, 4, True),
-    (4, 0, 4, True),     # exactly the margin: still the conversation's replica
-    (5, 0, 4, False),    # one past: the least loaded replica
-    (7, 3, 4, True),
-    (9, 3, 4, False),
-    (1, 0, 0, False),    # margin 0: any imbalance moves the request
-    (0, 0, 0, True),
-    (100, 98, 4, True),
-])
+@pytest.mark.parametrize(
+    "preferred_len, least_len, margin, stays",
+    [
+        (0, 0, 4, True),
+        (4, 0, 4, True),  # exactly the margin: still the conversation's replica
+        (5, 0, 4, False),  # one past: the least loaded replica
+        (7, 3, 4, True),
+        (9, 3, 4, False),
+        (1, 0, 0, False),  # margin 0: any imbalance moves the request
+        (0, 0, 0, True),
+        (100, 98, 4, True),
+    ],
+)
 def test_load_bound(preferred_len, least_len, margin, stays):
     queue_lens = {"r0": least_len + 1, "r1": least_len, "r2": preferred_len, "r3": least_len + 2}
     expected = "r2" if stays else "r1"
@@ -69,22 +81,28 @@ def test_a_pin_to_a_replica_that_left_is_placed_anew():
     assert choose_replica("k", {"r0": 0, "r1": 0}, 4, pinned="gone", pin_counts={"r0": 2, "r1": 1}) == "r1"
 
 
-@pytest.mark.parametrize("pin_counts, queue_lens, expected", [
-    ({"r0": 3, "r1": 2}, {"r0": 0, "r1": 3}, "r1"),   # fewest pins first, even on a longer queue
-    ({"r0": 2, "r1": 2}, {"r0": 1, "r1": 0}, "r1"),   # equal pins: the shorter queue
-    ({}, {"r0": 0, "r1": 0}, None),                    # all equal: the key's hash decides
-])
+@pytest.mark.parametrize(
+    "pin_counts, queue_lens, expected",
+    [
+        ({"r0": 3, "r1": 2}, {"r0": 0, "r1": 3}, "r1"),  # fewest pins first, even on a longer queue
+        ({"r0": 2, "r1": 2}, {"r0": 1, "r1": 0}, "r1"),  # equal pins: the shorter queue
+        ({}, {"r0": 0, "r1": 0}, None),  # all equal: the key's hash decides
+    ],
+)
 def test_a_new_key_goes_to_the_fewest_pins(pin_counts, queue_lens, expected):
     key = key_preferring("r0", ["r0", "r1"])
     assert place_key(key, pin_counts, queue_lens) == (expected or "r0")
     assert choose_replica(key, queue_lens, 4, pin_counts=pin_counts) == (expected or "r0")
 
 
-@pytest.mark.parametrize("queue_lens, expected", [
-    ({"r0": 3, "r1": 1, "r2": 2}, "r1"),
-    ({"r0": 0, "r1": 0}, "r0"),  # ties: the smaller id
-    ({"r5": 2}, "r5"),
-])
+@pytest.mark.parametrize(
+    "queue_lens, expected",
+    [
+        ({"r0": 3, "r1": 1, "r2": 2}, "r1"),
+        ({"r0": 0, "r1": 0}, "r0"),  # ties: the smaller id
+        ({"r5": 2}, "r5"),
+    ],
+)
 def test_no_key_goes_to_the_least_loaded(queue_lens, expected):
     assert least_loaded(queue_lens) == expected
     assert choose_replica(None, queue_lens, 4) == expected
@@ -99,10 +117,13 @@ def test_no_replica_is_an_error():
         choose_replica("k", {}, 4)
 
 
-@pytest.mark.parametrize("preferred_len, expected", [
-    (0, ["r2", "r1", "r0", "r3"]),   # affinity first, then by queue length
-    (9, ["r1", "r0", "r3", "r2"]),   # over the bound: least loaded first
-])
+@pytest.mark.parametrize(
+    "preferred_len, expected",
+    [
+        (0, ["r2", "r1", "r0", "r3"]),  # affinity first, then by queue length
+        (9, ["r1", "r0", "r3", "r2"]),  # over the bound: least loaded first
+    ],
+)
 def test_rank_replicas(preferred_len, expected):
     assert rank_replicas("k", {"r0": 2, "r1": 1, "r2": preferred_len, "r3": 3}, 4, pinned="r2") == expected
 
@@ -111,11 +132,11 @@ def test_pins_are_an_lru_with_counts():
     pins = SessionPins(capacity=3)
     for key, replica in [("a", "r0"), ("b", "r1"), ("c", "r0")]:
         pins.pin(key, replica)
-    assert pins.get("a") == "r0"          # "a" is now the most recently used
-    pins.pin("d", "r1")                   # forgets "b", the least recently used
+    assert pins.get("a") == "r0"  # "a" is now the most recently used
+    pins.pin("d", "r1")  # forgets "b", the least recently used
     assert (pins.get("b"), len(pins)) == (None, 3)
     assert pins.counts(["r0", "r1", "r2"]) == {"r0": 2, "r1": 1, "r2": 0}
-    pins.pin("a", "r1")                   # a move counts once, on its new replica
+    pins.pin("a", "r1")  # a move counts once, on its new replica
     assert pins.counts(["r0", "r1"]) == {"r0": 1, "r1": 2}
 
 
@@ -126,20 +147,24 @@ def test_pins_need_room_for_one():
 
 # -- several routers: what the replicas report -----------------------------------------
 
-@pytest.mark.parametrize("pin, served_at, expected", [
-    (None, {}, None),                                  # nobody knows the key: place it
-    (None, {"r1": 4.0}, "r1"),                         # placed by another router, reported by r1
-    (None, {"r0": 4.0, "r1": 6.0}, "r1"),              # reported twice: the later turn
-    (None, {"r0": 4.0, "r1": 4.0}, "r1"),              # same time: the larger id, in every router
-    (Pin("r0", 5.0), {}, "r0"),                        # only this router knows it
-    (Pin("r0", 5.0), {"r0": 5.1}, "r0"),
-    (Pin("r0", 5.0), {"r1": 4.0}, "r0"),               # r1 served it before this router's pin
-    (Pin("r0", 5.0), {"r1": 6.0}, "r1"),               # another router sent it to r1 since
-    (Pin("r0", 5.0), {"r0": 7.0, "r1": 6.0}, "r0"),
-    (Pin("gone", 5.0), {"r1": 1.0}, "r1"),             # the pinned replica left
-    (Pin("gone", 5.0), {}, None),
-    (None, {"gone": 9.0, "r2": 1.0}, "r2"),            # a report of a replica that left
-])
+
+@pytest.mark.parametrize(
+    "pin, served_at, expected",
+    [
+        (None, {}, None),  # nobody knows the key: place it
+        (None, {"r1": 4.0}, "r1"),  # placed by another router, reported by r1
+        (None, {"r0": 4.0, "r1": 6.0}, "r1"),  # reported twice: the later turn
+        (None, {"r0": 4.0, "r1": 4.0}, "r1"),  # same time: the larger id, in every router
+        (Pin("r0", 5.0), {}, "r0"),  # only this router knows it
+        (Pin("r0", 5.0), {"r0": 5.1}, "r0"),
+        (Pin("r0", 5.0), {"r1": 4.0}, "r0"),  # r1 served it before this router's pin
+        (Pin("r0", 5.0), {"r1": 6.0}, "r1"),  # another router sent it to r1 since
+        (Pin("r0", 5.0), {"r0": 7.0, "r1": 6.0}, "r0"),
+        (Pin("gone", 5.0), {"r1": 1.0}, "r1"),  # the pinned replica left
+        (Pin("gone", 5.0), {}, None),
+        (None, {"gone": 9.0, "r2": 1.0}, "r2"),  # a report of a replica that left
+    ],
+)
 def test_home_is_the_latest_placement_known(pin, served_at, expected):
     assert home_replica(pin, served_at, REPLICAS) == expected
 
@@ -150,11 +175,14 @@ def test_a_reported_home_is_still_load_bound():
     assert choose_replica("k", {"r0": 3, "r1": 4, "r2": 9, "r3": 3}, 4, pinned=home) == "r0"
 
 
-@pytest.mark.parametrize("reported, unreported, queue_lens, expected", [
-    ({"r0": 5, "r1": 3}, {}, {"r0": 0, "r1": 4}, "r1"),        # reported sessions count
-    ({"r0": 5, "r1": 3}, {"r1": 2}, {"r0": 1, "r1": 0}, "r1"),  # 5 vs 3 + 2: the shorter queue
-    ({"r0": 5, "r1": 3}, {"r1": 3}, {"r0": 4, "r1": 0}, "r0"),  # this router's new placements too
-])
+@pytest.mark.parametrize(
+    "reported, unreported, queue_lens, expected",
+    [
+        ({"r0": 5, "r1": 3}, {}, {"r0": 0, "r1": 4}, "r1"),  # reported sessions count
+        ({"r0": 5, "r1": 3}, {"r1": 2}, {"r0": 1, "r1": 0}, "r1"),  # 5 vs 3 + 2: the shorter queue
+        ({"r0": 5, "r1": 3}, {"r1": 3}, {"r0": 4, "r1": 0}, "r0"),  # this router's new placements too
+    ],
+)
 def test_a_new_key_counts_reported_and_unreported_sessions(reported, unreported, queue_lens, expected):
     counts = {rid: reported[rid] + unreported.get(rid, 0) for rid in reported}
     assert place_key("k", counts, queue_lens) == expected
@@ -164,7 +192,7 @@ def test_unreported_pins_until_a_report_holds_them():
     unreported = UnreportedPins()
     for digest, now in [("k1", 1.0), ("k2", 2.0), ("k3", 3.0)]:
         unreported.note("r0", digest, now, served=())
-    unreported.note("r0", "k0", 3.5, served={"k0"})    # r0's report holds it: counted there
+    unreported.note("r0", "k0", 3.5, served={"k0"})  # r0's report holds it: counted there
     assert unreported.count("r0", served=(), reported_at=0.0) == 3
     assert unreported.count("r0", served={"k1", "k2"}, reported_at=2.5) == 1
     # Taken after k3 was placed, but k3's request was still on its way: still counted here.

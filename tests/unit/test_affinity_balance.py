@@ -13,8 +13,7 @@ import pytest
 from serve_app.affinity import SessionPins, preferred_replica, rank_replicas
 
 
-def simulate(replica_ids, num_conversations, num_turns, concurrency, run_id, load_margin=4,
-             use_pins=True, seed=0):
+def simulate(replica_ids, num_conversations, num_turns, concurrency, run_id, load_margin=4, use_pins=True, seed=0):
     """One record (conversation, turn, replica) per request, in send order."""
     rng = random.Random(seed)
     pins = SessionPins()
@@ -77,16 +76,20 @@ TWO = ["SpecslotServer#kqzv1", "SpecslotServer#m2pta"]
 THREE = [*TWO, "SpecslotServer#x9hcd"]
 
 
-@pytest.mark.parametrize("replica_ids, num_conversations, concurrency", [
-    (TWO, 8, 4),      # scenario 7 with --replicas 2
-    (TWO, 8, 2),
-    (TWO, 16, 4),
-    (THREE, 6, 3),
-    (THREE, 12, 4),
-])
+@pytest.mark.parametrize(
+    "replica_ids, num_conversations, concurrency",
+    [
+        (TWO, 8, 4),  # scenario 7 with --replicas 2
+        (TWO, 8, 2),
+        (TWO, 16, 4),
+        (THREE, 6, 3),
+        (THREE, 12, 4),
+    ],
+)
 @pytest.mark.parametrize("run_id", [f"rep{i}" for i in range(20)])
-def test_conversations_keep_their_replica_and_replicas_share_the_load(replica_ids, num_conversations,
-                                                                       concurrency, run_id):
+def test_conversations_keep_their_replica_and_replicas_share_the_load(
+    replica_ids, num_conversations, concurrency, run_id
+):
     records = simulate(replica_ids, num_conversations, 6, concurrency, run_id)
     assert affinity_share(records) >= 0.95
     counts = requests_per_replica(records, replica_ids)

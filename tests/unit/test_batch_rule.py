@@ -16,13 +16,16 @@ def statuses(requests):
     return [r.status.name for r in requests]
 
 
-@pytest.mark.parametrize("threshold, expected", [
-    # B, C and D arrive in one drain, so each sees three others (A and the other two).
-    (0, ["ACTIVE", "WAITING", "WAITING", "CLASSIC"]),  # off: the ring fills, D finds it full
-    (1, ["ACTIVE", "CLASSIC", "CLASSIC", "CLASSIC"]),  # only a lone request speculates
-    (3, ["ACTIVE", "CLASSIC", "CLASSIC", "CLASSIC"]),
-    (4, ["ACTIVE", "WAITING", "WAITING", "CLASSIC"]),  # three others < 4: as if off
-])
+@pytest.mark.parametrize(
+    "threshold, expected",
+    [
+        # B, C and D arrive in one drain, so each sees three others (A and the other two).
+        (0, ["ACTIVE", "WAITING", "WAITING", "CLASSIC"]),  # off: the ring fills, D finds it full
+        (1, ["ACTIVE", "CLASSIC", "CLASSIC", "CLASSIC"]),  # only a lone request speculates
+        (3, ["ACTIVE", "CLASSIC", "CLASSIC", "CLASSIC"]),
+        (4, ["ACTIVE", "WAITING", "WAITING", "CLASSIC"]),  # three others < 4: as if off
+    ],
+)
 def test_late_arrivals_go_classic_once_the_batch_is_big(threshold, expected):
     scheduler, trace = make_scheduler(grant_rounds=8, speculative_disable_by_batch_size=threshold), Trace()
     reqs = [make_request(rid, rounds=3) for rid in "ABCD"]

@@ -39,14 +39,27 @@ HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"
 
 def history(content=None, tool_result="12 C"):
     """[user, assistant calling get_weather, the tool's result, user] as a client sends it."""
-    return template_messages([ChatMessage.model_validate(m) for m in [
-        {"role": "user", "content": "Weather in Oslo?"},
-        {"role": "assistant", "content": content, "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": tool_result},
-        {"role": "user", "content": "Thanks. And tomorrow?"},
-    ]])
+    return template_messages(
+        [
+            ChatMessage.model_validate(m)
+            for m in [
+                {"role": "user", "content": "Weather in Oslo?"},
+                {
+                    "role": "assistant",
+                    "content": content,
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": tool_result},
+                {"role": "user", "content": "Thanks. And tomorrow?"},
+            ]
+        ]
+    )
 
 
 def rendered(template: str | None, messages: list[dict], tool_call_format: str = "auto") -> str:
@@ -59,19 +72,21 @@ def test_a_tool_round_trip_renders_through_a_template_that_reads_only_content():
     text = rendered(SMOLLM2, history())
     assert f"<|im_start|>assistant\n{HERMES_CALL}<|im_end|>\n" in text
     assert "<|im_start|>tool\n12 C<|im_end|>\n" in text
-    assert text.endswith("<|im_start|>user\nThanks. And tomorrow?<|im_end|>\n"
-                         "<|im_start|>assistant\n")
+    assert text.endswith("<|im_start|>user\nThanks. And tomorrow?<|im_end|>\n<|im_start|>assistant\n")
     turn = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
     content, calls = ToolFormat("hermes").read(turn, NAMES)  # the model sees what it writes
     assert content is None
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
-        [("get_weather", {"city": "Oslo"})]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
 
 
 def test_the_calls_follow_the_assistants_text_in_the_deployments_format():
     text = rendered(SMOLLM2, history(content="Let me check."), tool_call_format="mistral")
-    assert ('<|im_start|>assistant\nLet me check.\n'
-            '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]<|im_end|>') in text
+    assert (
+        "<|im_start|>assistant\nLet me check.\n"
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]<|im_end|>'
+    ) in text
 
 
 def test_the_tokenizers_own_content_only_template_gets_the_calls_as_text_too():
@@ -88,8 +103,7 @@ def test_a_tool_result_in_text_parts_reaches_the_template_as_one_string():
 
 def test_a_template_that_renders_tool_calls_still_gets_them_structured():
     messages = history()
-    assert rendered(STRUCTURED, messages) == \
-        "Weather in Oslo?;get_weather|Oslo|False;12 C;Thanks. And tomorrow?;"
+    assert rendered(STRUCTURED, messages) == "Weather in Oslo?;get_weather|Oslo|False;12 C;Thanks. And tomorrow?;"
     assert "tool_calls" in messages[1] and "content" not in messages[1]  # the list given untouched
 
 
@@ -114,14 +128,25 @@ def test_each_formats_text_reads_back_with_its_own_reader(name, calls):
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in read] == calls
 
 
-@pytest.mark.parametrize("name, text", [
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
-               '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'),
-    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
-                    '{"name": "get_time", "parameters": {}}'),
-    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
-                '{"name": "get_time", "arguments": {}}]'),
-    ("mistral_v11", '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]{}'),
-])
+@pytest.mark.parametrize(
+    "name, text",
+    [
+        (
+            "hermes",
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+        ),
+        (
+            "llama3_json",
+            '{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {}}',
+        ),
+        (
+            "mistral",
+            '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+            '{"name": "get_time", "arguments": {}}]',
+        ),
+        ("mistral_v11", '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]{}'),
+    ],
+)
 def test_each_formats_text_is_its_own_form(name, text):
     assert ToolFormat(name).text([("get_weather", {"city": "Oslo"}), ("get_time", {})]) == text

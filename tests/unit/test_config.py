@@ -13,12 +13,24 @@ def test_defaults_match_the_contract():
     assert c.speculative_disable_by_batch_size == 0  # off: rotation among concurrent streams
 
 
-@pytest.mark.parametrize("overrides", [
-    dict(grant_rounds=-1), dict(skip_cap=0), dict(backlog_cap=-1), dict(num_draft_tokens=0),
-    dict(b1_policy="maybe"), dict(max_batch_size=0), dict(tick_slice=1), dict(grant_rounds=True),
-    dict(grant_rounds=2.5), dict(max_queue_depth=0), dict(policy_cache_dir=3),
-    dict(speculative_disable_by_batch_size=-1), dict(speculative_disable_by_batch_size=True),
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(grant_rounds=-1),
+        dict(skip_cap=0),
+        dict(backlog_cap=-1),
+        dict(num_draft_tokens=0),
+        dict(b1_policy="maybe"),
+        dict(max_batch_size=0),
+        dict(tick_slice=1),
+        dict(grant_rounds=True),
+        dict(grant_rounds=2.5),
+        dict(max_queue_depth=0),
+        dict(policy_cache_dir=3),
+        dict(speculative_disable_by_batch_size=-1),
+        dict(speculative_disable_by_batch_size=True),
+    ],
+)
 def test_invalid_values_rejected(overrides):
     with pytest.raises(ValueError):
         SchedulerConfig(**overrides)
@@ -33,11 +45,14 @@ def test_replace_only_live_knobs():
         SchedulerConfig().replace(grant_rounds=-2)
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({}, dict(grant_rounds=8, tick_slice=True)),
-    ({ENV_GRANT_ROUNDS: " 3 ", ENV_TICK_SLICE: "0"}, dict(grant_rounds=3, tick_slice=False)),
-    ({ENV_GRANT_ROUNDS: "abc", ENV_TICK_SLICE: "junk"}, dict(grant_rounds=8, tick_slice=True)),
-    ({ENV_GRANT_ROUNDS: "0"}, dict(grant_rounds=0, tick_slice=True)),
-])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, dict(grant_rounds=8, tick_slice=True)),
+        ({ENV_GRANT_ROUNDS: " 3 ", ENV_TICK_SLICE: "0"}, dict(grant_rounds=3, tick_slice=False)),
+        ({ENV_GRANT_ROUNDS: "abc", ENV_TICK_SLICE: "junk"}, dict(grant_rounds=8, tick_slice=True)),
+        ({ENV_GRANT_ROUNDS: "0"}, dict(grant_rounds=0, tick_slice=True)),
+    ],
+)
 def test_env_defaults(env, expected):
     assert env_defaults(env) == expected

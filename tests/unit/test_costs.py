@@ -2,32 +2,50 @@
 
 import pytest
 
-from scheduler.costs import (BATCH_MARGIN, HOLD_TURNS, AcceptanceTracker, DraftFit, LiveCosts, TickCosts, draft_net,
-                             drafts_pay, row_draft_budget, share_drafts, speculation_pays, step_draft_budget,
-                             verify_costs)
+from scheduler.costs import (
+    BATCH_MARGIN,
+    HOLD_TURNS,
+    AcceptanceTracker,
+    DraftFit,
+    LiveCosts,
+    TickCosts,
+    draft_net,
+    drafts_pay,
+    row_draft_budget,
+    share_drafts,
+    speculation_pays,
+    step_draft_budget,
+    verify_costs,
+)
 
 COSTS = TickCosts(decode={1: 4.0, 2: 5.0, 4: 6.0, 8: 8.0}, fused={0: 6.0, 1: 7.0, 4: 9.0, 8: 12.0}, draft=1.0)
 
 
-@pytest.mark.parametrize("table, x, expected", [
-    ({1: 4.0, 2: 5.0, 4: 6.0}, 2, 5.0),    # measured
-    ({1: 4.0, 2: 5.0, 4: 6.0}, 3, 5.5),    # between two sizes
-    ({1: 4.0, 2: 5.0, 4: 6.0}, 8, 8.0),    # past the largest: the last two extrapolate
-    ({1: 4.0, 2: 5.0}, 0, 3.0),            # below the smallest
-    ({2: 7.0}, 5, 7.0),                    # one size only
-    ({1: 4.0, 2: 1.0}, 9, 0.0),            # never negative
-])
+@pytest.mark.parametrize(
+    "table, x, expected",
+    [
+        ({1: 4.0, 2: 5.0, 4: 6.0}, 2, 5.0),  # measured
+        ({1: 4.0, 2: 5.0, 4: 6.0}, 3, 5.5),  # between two sizes
+        ({1: 4.0, 2: 5.0, 4: 6.0}, 8, 8.0),  # past the largest: the last two extrapolate
+        ({1: 4.0, 2: 5.0}, 0, 3.0),  # below the smallest
+        ({2: 7.0}, 5, 7.0),  # one size only
+        ({1: 4.0, 2: 1.0}, 9, 0.0),  # never negative
+    ],
+)
 def test_interpolation(table, x, expected):
     assert TickCosts(table, {0: 1.0}, 0.0).decode_s(x) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("rows, accepted, pays", [
-    (0, 2.0, True),   # (1 + 2) / 7 = 0.43 vs 1 / 4 = 0.25
-    (0, 0.5, False),  # 1.5 / 7 = 0.21 vs 0.25
-    (1, 3.0, True),   # 5 / 8 = 0.63 vs 2 / 5 = 0.40
-    (4, 1.0, False),  # 6 / 10 = 0.6 vs 5 / 6.5 = 0.77
-    (4, 4.0, True),   # 9 / 10 = 0.9 vs 0.77
-])
+@pytest.mark.parametrize(
+    "rows, accepted, pays",
+    [
+        (0, 2.0, True),  # (1 + 2) / 7 = 0.43 vs 1 / 4 = 0.25
+        (0, 0.5, False),  # 1.5 / 7 = 0.21 vs 0.25
+        (1, 3.0, True),  # 5 / 8 = 0.63 vs 2 / 5 = 0.40
+        (4, 1.0, False),  # 6 / 10 = 0.6 vs 5 / 6.5 = 0.77
+        (4, 4.0, True),  # 9 / 10 = 0.9 vs 0.77
+    ],
+)
 def test_speculation_pays_compares_the_two_rates(rows, accepted, pays):
     assert speculation_pays(rows, accepted, COSTS) is pays
 
@@ -35,12 +53,12 @@ def test_speculation_pays_compares_the_two_rates(rows, accepted, pays):
 def test_live_costs_learn_each_kinds_extra_time_and_keep_the_margin_beside_rows():
     live = LiveCosts(COSTS, weight=0.5)
     assert live.tick_s("decode", 2) == 5.0 and live.tick_s("fused", 1) == 8.0  # forward (+ draft)
-    live.observe("decode", 2, 7.0)   # 2 s more than the forward: half of it, at weight 0.5
+    live.observe("decode", 2, 7.0)  # 2 s more than the forward: half of it, at weight 0.5
     assert live.tick_s("decode", 4) == pytest.approx(7.0)
     live.observe("decode", 2, 100.0)  # an outlier counts at most its predicted time
     assert live.extra["decode"] == pytest.approx(0.5 * 1.0 + 0.5 * 5.0)
-    live.observe("fused", 0, 0.0)     # a clock that does not move teaches nothing
-    live.observe("decode", 0, 3.0)    # nor does a decode of no rows
+    live.observe("fused", 0, 0.0)  # a clock that does not move teaches nothing
+    live.observe("decode", 0, 3.0)  # nor does a decode of no rows
     assert live.num_observed == {"decode": 2, "fused": 0}
     # Alone, the plain comparison; beside rows, speculation must win by BATCH_MARGIN.
     fresh = LiveCosts(COSTS)
@@ -109,27 +127,33 @@ def test_a_stream_parked_for_cost_waits_longer_each_time_before_its_estimate_rel
     assert tracker.estimate("a") > before
 
 
-@pytest.mark.parametrize("rows, fit, budget", [
-    (4, (3.5, 0.5, 0.625), 4),      # 0.5 * (3.5 + 2) / 0.625
-    (16, (20.0, 0.45, 0.35), 38),   # the CPU's fit: 16 rows of 4 drafts do not fit
-    (8, (20.0, 0.45, 0.35), 33),    # 8 rows of 4 drafts do
-    (8, (10.0, 0.5, 0.0), None),    # drafts cost nothing measurable: no limit
-])
+@pytest.mark.parametrize(
+    "rows, fit, budget",
+    [
+        (4, (3.5, 0.5, 0.625), 4),  # 0.5 * (3.5 + 2) / 0.625
+        (16, (20.0, 0.45, 0.35), 38),  # the CPU's fit: 16 rows of 4 drafts do not fit
+        (8, (20.0, 0.45, 0.35), 33),  # 8 rows of 4 drafts do
+        (8, (10.0, 0.5, 0.0), None),  # drafts cost nothing measurable: no limit
+    ],
+)
 def test_step_draft_budget_bounds_what_drafts_add_to_a_step(rows, fit, budget):
     assert step_draft_budget(rows, fit, 0.5) == budget
 
 
-@pytest.mark.parametrize("wants, lanes, denied, budget, given", [
-    ([4, 4, 4], [1, 1, 1], [0, 0, 0], None, [4, 4, 4]),  # no limit
-    ([4, 4, 4], [1, 1, 1], [0, 0, 0], 12, [4, 4, 4]),    # it all fits
-    ([4, 4, 4], [1, 1, 1], [0, 0, 0], 6, [4, 2, 0]),     # one lane: row order (FIFO)
-    ([4, 4, 4], [1, 0, 2], [0, 0, 0], 6, [2, 4, 0]),     # high, then normal, then low
-    ([4, 4, 4], [2, 2, 0], [0, 1, 0], 5, [1, 0, 4]),     # denied once: not yet overdue
-    ([4, 4, 4], [2, 2, 0], [0, 2, 0], 5, [0, 4, 1]),     # denied skip_cap times: goes first
-    ([4, 4, 4], [2, 2, 0], [2, 3, 0], 5, [1, 4, 0]),     # the most denied first
-    ([0, 3, 1], [0, 1, 2], [0, 0, 0], 2, [0, 2, 0]),     # a row that wants none takes none
-    ([4, 4], [1, 0], [0, 0], 0, [0, 0]),                 # no budget: nobody drafts
-])
+@pytest.mark.parametrize(
+    "wants, lanes, denied, budget, given",
+    [
+        ([4, 4, 4], [1, 1, 1], [0, 0, 0], None, [4, 4, 4]),  # no limit
+        ([4, 4, 4], [1, 1, 1], [0, 0, 0], 12, [4, 4, 4]),  # it all fits
+        ([4, 4, 4], [1, 1, 1], [0, 0, 0], 6, [4, 2, 0]),  # one lane: row order (FIFO)
+        ([4, 4, 4], [1, 0, 2], [0, 0, 0], 6, [2, 4, 0]),  # high, then normal, then low
+        ([4, 4, 4], [2, 2, 0], [0, 1, 0], 5, [1, 0, 4]),  # denied once: not yet overdue
+        ([4, 4, 4], [2, 2, 0], [0, 2, 0], 5, [0, 4, 1]),  # denied skip_cap times: goes first
+        ([4, 4, 4], [2, 2, 0], [2, 3, 0], 5, [1, 4, 0]),  # the most denied first
+        ([0, 3, 1], [0, 1, 2], [0, 0, 0], 2, [0, 2, 0]),  # a row that wants none takes none
+        ([4, 4], [1, 0], [0, 0], 0, [0, 0]),  # no budget: nobody drafts
+    ],
+)
 def test_share_drafts_serves_rows_as_grants_are_served(wants, lanes, denied, budget, given):
     assert share_drafts(wants, lanes, denied, budget, skip_cap=2) == given
 
@@ -156,14 +180,17 @@ def test_the_first_draft_and_each_drafting_row_are_fitted_apart_from_the_drafts(
     assert spread.first_draft == 0.0 and spread.per_draft > draft
 
 
-@pytest.mark.parametrize("alphas, rows, pays", [
-    ([0.45, 0.45], 4, False),      # two rows whose drafts land 45 %: 2 x 0.18 tokens < 0.89
-    ([0.6, 0.6], 4, True),         # two at 60 %: 2 x 0.52
-    ([0.6, 0.6], 8, False),        # beside 8 rows: 2 x 0.20 < 1.42
-    ([0.8], 4, True),              # one row that lands 80 % of 4 drafts pays for it alone
-    ([0.8, 0.8, 0.8], 16, False),  # beside 16 rows the first draft costs 2.0 tokens: 3 x 0.51
-    ([0.8] * 4, 16, True),
-])
+@pytest.mark.parametrize(
+    "alphas, rows, pays",
+    [
+        ([0.45, 0.45], 4, False),  # two rows whose drafts land 45 %: 2 x 0.18 tokens < 0.89
+        ([0.6, 0.6], 4, True),  # two at 60 %: 2 x 0.52
+        ([0.6, 0.6], 8, False),  # beside 8 rows: 2 x 0.20 < 1.42
+        ([0.8], 4, True),  # one row that lands 80 % of 4 drafts pays for it alone
+        ([0.8, 0.8, 0.8], 16, False),  # beside 16 rows the first draft costs 2.0 tokens: 3 x 0.51
+        ([0.8] * 4, 16, True),
+    ],
+)
 def test_a_step_drafts_only_when_its_rows_pay_for_its_first_draft(alphas, rows, pays):
     nets = [draft_net(a, row_draft_budget(a, rows, CPU_FIT, 4), rows, CPU_FIT) for a in alphas]
     assert all(n > 0 for n in nets)  # each row alone would draft by its own budget

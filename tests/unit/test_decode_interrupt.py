@@ -80,10 +80,13 @@ def test_the_step_after_a_stopped_one_runs_whole():
             assert nxt is False
 
 
-@pytest.mark.parametrize("overrides, why", [
-    ({"interrupt_decode": False}, "switched off"),
-    ({"max_batch_size": 2}, "the batch has no row for the arrival"),
-])
+@pytest.mark.parametrize(
+    "overrides, why",
+    [
+        ({"interrupt_decode": False}, "switched off"),
+        ({"max_batch_size": 2}, "the batch has no row for the arrival"),
+    ],
+)
 def test_no_interrupt(overrides, why):
     scheduler, runner = classic_scheduler(**overrides)
     a, b, c = (make_request(r, rounds=4) for r in "abc")

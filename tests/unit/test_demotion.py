@@ -14,17 +14,20 @@ def isolated_stream(request):
     return [token_at(request, i) for i in range(request.sampling.max_tokens)]
 
 
-@pytest.mark.parametrize("num_others, knob, num_rows, max_rows, expected", [
-    (0, 0, 0, 16, False),
-    (5, 0, 5, 16, False),  # off: never
-    (0, 1, 0, 16, False),  # alone
-    (1, 1, 0, 16, True),  # one other (queued, not yet a row)
-    (1, 1, 1, 16, True),
-    (1, 2, 1, 16, False),
-    (2, 2, 2, 16, True),
-    (3, 1, 15, 16, True),
-    (3, 1, 16, 16, False),  # no free row: keep speculating rather than stall
-])
+@pytest.mark.parametrize(
+    "num_others, knob, num_rows, max_rows, expected",
+    [
+        (0, 0, 0, 16, False),
+        (5, 0, 5, 16, False),  # off: never
+        (0, 1, 0, 16, False),  # alone
+        (1, 1, 0, 16, True),  # one other (queued, not yet a row)
+        (1, 1, 1, 16, True),
+        (1, 2, 1, 16, False),
+        (2, 2, 2, 16, True),
+        (3, 1, 15, 16, True),
+        (3, 1, 16, 16, False),  # no free row: keep speculating rather than stall
+    ],
+)
 def test_should_demote(num_others, knob, num_rows, max_rows, expected):
     assert should_demote(num_others, knob, num_rows, max_rows) is expected
 
@@ -33,8 +36,10 @@ def start_a_then_b(knob, *, runner=None, b_tokens=6, max_batch_size=16):
     """A speculates alone for two ticks, then B arrives (a classic request)."""
     runner = runner or FakeRunner()
     runner.unsupported.add("B")  # B is classic whatever the knob: only A's fate varies
-    scheduler, trace = make_scheduler(runner, grant_rounds=8, speculative_disable_by_batch_size=knob,
-                                      max_batch_size=max_batch_size), Trace()
+    scheduler, trace = (
+        make_scheduler(runner, grant_rounds=8, speculative_disable_by_batch_size=knob, max_batch_size=max_batch_size),
+        Trace(),
+    )
     a, b = make_request("A", rounds=6), make_request("B", max_tokens=b_tokens)
     scheduler.submit(a)
     tick(scheduler, trace)  # slice 0
@@ -43,12 +48,15 @@ def start_a_then_b(knob, *, runner=None, b_tokens=6, max_batch_size=16):
     return scheduler, trace, a, b
 
 
-@pytest.mark.parametrize("knob, max_batch_size, demoted", [
-    (0, 16, False),  # off: A keeps the slot to its end
-    (1, 16, True),
-    (2, 16, False),  # one other < 2
-    (1, 1, False),  # B fills the batch: no row for A
-])
+@pytest.mark.parametrize(
+    "knob, max_batch_size, demoted",
+    [
+        (0, 16, False),  # off: A keeps the slot to its end
+        (1, 16, True),
+        (2, 16, False),  # one other < 2
+        (1, 1, False),  # B fills the batch: no row for A
+    ],
+)
 def test_holder_demoted_when_the_rule_stops_allowing_it(knob, max_batch_size, demoted):
     scheduler, trace, a, b = start_a_then_b(knob, max_batch_size=max_batch_size)
     assert tick(scheduler, trace).model_actions == [("classic_prefill", ("B",))]  # alternation
@@ -158,7 +166,7 @@ def test_parked_jobs_are_demoted_at_promotion(extra_ticks):
     assert record.model_actions[0][0] == "classic_decode" and len(record.model_actions[0][1]) == 4
     assert scheduler.counters.demotions == 3 and len(scheduler.slot.backlog) == 0
     run_until_idle(scheduler, trace)
-    assert not any(Trace(trace.ticks[3 + extra_ticks:]).spec_kinds())
+    assert not any(Trace(trace.ticks[3 + extra_ticks :]).spec_kinds())
     for r in reqs + [d]:
         assert trace.streams()[r.request_id] == isolated_stream(r)
         assert r.spec.num_parks >= 1 or r is d

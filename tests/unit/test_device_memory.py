@@ -9,8 +9,10 @@ from models import device_memory, prefix_cache
 @pytest.fixture
 def gpu_of(monkeypatch):
     """A device of `n` GiB as MLX would report it; the share is restored afterwards."""
+
     def make(gib: int):
         monkeypatch.setattr(device_memory.mx, "device_info", lambda: {"memory_size": gib << 30})
+
     yield make
     device_memory.set_share(None)
 

@@ -168,7 +168,9 @@ def test_a_failed_tick_fails_every_unfinished_request_and_any_it_finished(engine
     engine.submit(make_request("B", rounds=20))
     _, finishes = collect(engine, "AB")
     assert {rid: (e.finish_reason, e.error) for rid, e in finishes.items()} == {
-        "A": ("error", "scheduler failure: boom"), "B": ("error", "scheduler failure: boom")}
+        "A": ("error", "scheduler failure: boom"),
+        "B": ("error", "scheduler failure: boom"),
+    }
     assert engine.snapshot()["unfinished"] == 0
     engine.submit(make_request("C", rounds=1))
     assert collect(engine, "C")[1]["C"].finish_reason == "length"

@@ -11,6 +11,7 @@ from serve_app.events import EventRouter, iterate
 def read_all(queue, on_merge=None):
     async def go():
         return [e async for e in iterate(queue, on_merge)]
+
     return asyncio.run(go())
 
 
@@ -21,8 +22,9 @@ def test_waiting_events_are_read_as_one_and_the_finish_keeps_its_fields():
     router.deliver([TokenEvent("r", [1], logprobs=lp[:1])])
     router.deliver([TokenEvent("r", [2, 3], logprobs=lp[1:])])
     merged = []
-    events = read_all_after(queue, [TokenEvent("r", [4], finish_reason="length", prompt_tokens=7,
-                                                num_cached_tokens=3)], merged)
+    events = read_all_after(
+        queue, [TokenEvent("r", [4], finish_reason="length", prompt_tokens=7, num_cached_tokens=3)], merged
+    )
     assert [e.token_ids for e in events] == [[1, 2, 3], [4]]
     assert events[0].logprobs == lp and events[0].finish_reason is None
     assert events[1].finish_reason == "length" and (events[1].prompt_tokens, events[1].num_cached_tokens) == (7, 3)
@@ -40,6 +42,7 @@ def read_all_after(queue, later, merged):
             while pending:
                 queue.put_nowait(pending.pop(0))
         return out
+
     return asyncio.run(go())
 
 

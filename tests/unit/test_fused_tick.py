@@ -69,15 +69,18 @@ def test_runner_that_cannot_fuse_keeps_the_alternating_tick():
     assert scheduler.counters.actions["fused"] == 0
 
 
-@pytest.mark.parametrize("mode, budget, expected", [
-    # The seed's schedules: B waits in the ring without progress.
-    ("alternate", 2, [("A", 2), ("B", 2), ("A", 2), ("B", 1)]),
-    ("alternate", 1, [("A", 2), ("B", 1), ("A", 1), ("B", 1), ("A", 1), ("B", 1)]),
-    # Fused: B decodes as a classic row while it waits, and A after it parks, so each
-    # needs fewer speculative slices (B's first round ends it; A's second grant too).
-    ("fused", 2, [("A", 2), ("B", 1), ("A", 1)]),
-    ("fused", 1, [("A", 2), ("B", 1), ("A", 1)]),
-])
+@pytest.mark.parametrize(
+    "mode, budget, expected",
+    [
+        # The seed's schedules: B waits in the ring without progress.
+        ("alternate", 2, [("A", 2), ("B", 2), ("A", 2), ("B", 1)]),
+        ("alternate", 1, [("A", 2), ("B", 1), ("A", 1), ("B", 1), ("A", 1), ("B", 1)]),
+        # Fused: B decodes as a classic row while it waits, and A after it parks, so each
+        # needs fewer speculative slices (B's first round ends it; A's second grant too).
+        ("fused", 2, [("A", 2), ("B", 1), ("A", 1)]),
+        ("fused", 1, [("A", 2), ("B", 1), ("A", 1)]),
+    ],
+)
 def test_seed_grant_schedules_with_classic_rows_live(mode, budget, expected):
     scheduler = fused_scheduler(mode, grant_rounds=budget)
     scheduler.runner.unsupported = {"c0"}

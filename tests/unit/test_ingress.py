@@ -21,9 +21,20 @@ START = {"type": "http.response.start", "status": 200, "headers": [(b"x-specslot
 
 
 def scope(path=CHAT, headers=(), method="POST"):
-    return {"type": "http", "http_version": "1.1", "method": method, "scheme": "http", "path": path,
-            "raw_path": path.encode(), "root_path": "", "query_string": b"", "headers": list(headers),
-            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000), "state": {"not": "forwarded"}}
+    return {
+        "type": "http",
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": list(headers),
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 8000),
+        "state": {"not": "forwarded"},
+    }
 
 
 class FakeResponses:
@@ -55,15 +66,18 @@ class FakeHandle:
 
 
 def make_ingress(responses, max_body_bytes=1 << 20):
-    return Forwarder(FakeHandle(responses, {"method_name": "forward_http", "stream": True}),
-                     max_body_bytes, "x_session_id")
+    return Forwarder(
+        FakeHandle(responses, {"method_name": "forward_http", "stream": True}), max_body_bytes, "x_session_id"
+    )
 
 
 def client(body=BODY, disconnect_after=None):
     """An ASGI receive that gives `body` in two chunks, then waits (or disconnects after
     `disconnect_after` seconds)."""
-    chunks = [{"type": "http.request", "body": body[:5], "more_body": True},
-              {"type": "http.request", "body": body[5:], "more_body": False}]
+    chunks = [
+        {"type": "http.request", "body": body[:5], "more_body": True},
+        {"type": "http.request", "body": body[5:], "more_body": False},
+    ]
 
     async def receive():
         if chunks:
@@ -88,8 +102,11 @@ def forward(ingress, request_scope, body=BODY, disconnect_after=None):
 
 
 def test_a_request_without_a_session_goes_with_its_prompts_key():
-    body_msgs = [START, {"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True},
-                 {"type": "http.response.body", "body": b"", "more_body": False}]
+    body_msgs = [
+        START,
+        {"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True},
+        {"type": "http.response.body", "body": b"", "more_body": False},
+    ]
     ingress = make_ingress(FakeResponses(body_msgs))
     sent = forward(ingress, scope())
     assert sent == body_msgs
@@ -103,7 +120,8 @@ def test_a_session_header_wins_over_the_prompt():
     assert request_key(scope(headers=[(b"X-Session-Id", b"conv-7")]), BODY, "x_session_id") == "conv-7"
     assert request_key(scope(headers=[(b"x_session_id", b"conv-7")]), BODY, "x_session_id") == "conv-7"
     assert request_key(scope(headers=[(b"x-session-id", b"")]), BODY, "x_session_id") == request_key(
-        scope(), BODY, "x_session_id")
+        scope(), BODY, "x_session_id"
+    )
 
 
 def test_a_request_without_a_key_goes_without_a_session():
@@ -167,6 +185,7 @@ def streaming_app(seen):
             for i in range(100):
                 yield f"{i}\n"
                 await asyncio.sleep(0.01)
+
         seen["body"] = await request.body()
         return StreamingResponse(chunks())
 

@@ -23,8 +23,11 @@ def families(text: str) -> dict:
 
 def series(text: str) -> dict[tuple, tuple[str, float]]:
     """(sample name, labels) -> (family type, value)."""
-    return {(s.name, tuple(sorted(s.labels.items()))): (fam.type, s.value)
-            for fam in families(text).values() for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): (fam.type, s.value)
+        for fam in families(text).values()
+        for s in fam.samples
+    }
 
 
 class HttpFeed:
@@ -45,8 +48,9 @@ class HttpFeed:
                 self.metrics.record_tokens(times, len(event.token_ids), 2, self.clock())
             if event.finish_reason is not None:
                 outcome = event.finish_reason if event.finish_reason in ("stop", "length") else "error"
-                self.metrics.record_finish(lanes[event.request_id], outcome, times, self.clock(),
-                                           event.stats, event.times)
+                self.metrics.record_finish(
+                    lanes[event.request_id], outcome, times, self.clock(), event.stats, event.times
+                )
 
 
 def run_rotation_with_fallbacks(metrics: ReplicaMetrics, on_tick):
@@ -70,8 +74,14 @@ def run_rotation_with_fallbacks(metrics: ReplicaMetrics, on_tick):
 
 
 def test_every_scheduler_tally_is_declared_as_a_series():
-    declared = {key for key, *_ in scheduler_metrics.COUNTERS + scheduler_metrics.LABELLED_COUNTERS
-                + scheduler_metrics.GAUGES + scheduler_metrics.SUMMARIES + (scheduler_metrics.TICK_TIMES,)}
+    declared = {
+        key
+        for key, *_ in scheduler_metrics.COUNTERS
+        + scheduler_metrics.LABELLED_COUNTERS
+        + scheduler_metrics.GAUGES
+        + scheduler_metrics.SUMMARIES
+        + (scheduler_metrics.TICK_TIMES,)
+    }
     assert set(Counters().to_dict()) == declared | set(scheduler_metrics.NOT_EXPORTED)
 
 
@@ -88,21 +98,32 @@ def test_labelled_tallies_have_every_key_before_any_event():
 def test_names_types_and_labels_are_the_same_from_the_first_scrape():
     metrics = ReplicaMetrics("tiny", num_draft_tokens=4)
     scrapes = []
-    scheduler = run_rotation_with_fallbacks(
-        metrics, lambda s: scrapes.append(metrics.render(s.snapshot()).decode()))
+    scheduler = run_rotation_with_fallbacks(metrics, lambda s: scrapes.append(metrics.render(s.snapshot()).decode()))
     first, last = scrapes[0], scrapes[-1]
     assert {k: v[0] for k, v in series(first).items()} == {k: v[0] for k, v in series(last).items()}
     fallbacks = series(last)[("specslot_scheduler_classic_fallbacks_total", (("reason", "backlog_full"),))]
     assert fallbacks == ("counter", scheduler.counters.classic_fallbacks["backlog_full"])
     kinds = {name: fam.type for name, fam in families(first).items()}
-    for name in ("specslot:time_to_first_token_seconds", "specslot:inter_token_latency_seconds",
-                 "specslot:e2e_request_latency_seconds", "specslot:request_queue_time_seconds",
-                 "specslot:request_prefill_time_seconds", "specslot:request_decode_time_seconds"):
+    for name in (
+        "specslot:time_to_first_token_seconds",
+        "specslot:inter_token_latency_seconds",
+        "specslot:e2e_request_latency_seconds",
+        "specslot:request_queue_time_seconds",
+        "specslot:request_prefill_time_seconds",
+        "specslot:request_decode_time_seconds",
+    ):
         assert kinds[name] == "histogram", name
-    for name in ("specslot:prompt_tokens", "specslot:generation_tokens", "specslot:request_success",
-                 "specslot:spec_decode_num_drafts", "specslot:spec_decode_num_accepted_tokens_per_pos",
-                 "specslot_scheduler_spec_rounds", "specslot_scheduler_classic_fallbacks",
-                 "specslot_scheduler_actions", "specslot_scheduler_cancelled_by_phase"):
+    for name in (
+        "specslot:prompt_tokens",
+        "specslot:generation_tokens",
+        "specslot:request_success",
+        "specslot:spec_decode_num_drafts",
+        "specslot:spec_decode_num_accepted_tokens_per_pos",
+        "specslot_scheduler_spec_rounds",
+        "specslot_scheduler_classic_fallbacks",
+        "specslot_scheduler_actions",
+        "specslot_scheduler_cancelled_by_phase",
+    ):
         assert kinds[name] == "counter", name
     for name in ("specslot:num_requests_running", "specslot:num_requests_waiting"):
         assert kinds[name] == "gauge", name
@@ -119,22 +140,27 @@ def test_counters_never_go_back_between_scrapes():
         for key, (kind, value) in before.items():
             if kind in MONOTONE_TYPES:
                 assert after[key][1] >= value, key
-    grown = {key for key, (kind, value) in scrapes[-1].items()
-             if kind in MONOTONE_TYPES and value > scrapes[0][key][1]}
-    for key in (("specslot_scheduler_grants_total", ()), ("specslot_scheduler_parks_total", ()),
-                ("specslot:generation_tokens_total", (("model_name", "tiny"),)),
-                ("specslot:request_success_total", (("finished_reason", "length"), ("model_name", "tiny")))):
+    grown = {key for key, (kind, value) in scrapes[-1].items() if kind in MONOTONE_TYPES and value > scrapes[0][key][1]}
+    for key in (
+        ("specslot_scheduler_grants_total", ()),
+        ("specslot_scheduler_parks_total", ()),
+        ("specslot:generation_tokens_total", (("model_name", "tiny"),)),
+        ("specslot:request_success_total", (("finished_reason", "length"), ("model_name", "tiny"))),
+    ):
         assert key in grown, key
 
 
-@pytest.mark.parametrize("chunks, gaps", [
-    # (tokens, arrival time) per chunk -> (count, seconds each) each chunk closes
-    ([(1, 0.5), (1, 0.75), (1, 1.0)], [(0, 0.0), (1, 0.25), (1, 0.25)]),
-    ([(1, 0.5), (4, 1.5)], [(0, 0.0), (4, 0.25)]),
-    ([(3, 0.5), (2, 1.0)], [(2, 0.0), (2, 0.25)]),  # the first chunk's extra tokens: gaps of 0
-    ([(5, 2.0)], [(4, 0.0)]),  # a whole generation at once (burst mode)
-    ([(1, 0.5), (0, 0.75), (1, 1.0)], [(0, 0.0), (0, 0.0), (1, 0.5)]),  # empty events close nothing
-])
+@pytest.mark.parametrize(
+    "chunks, gaps",
+    [
+        # (tokens, arrival time) per chunk -> (count, seconds each) each chunk closes
+        ([(1, 0.5), (1, 0.75), (1, 1.0)], [(0, 0.0), (1, 0.25), (1, 0.25)]),
+        ([(1, 0.5), (4, 1.5)], [(0, 0.0), (4, 0.25)]),
+        ([(3, 0.5), (2, 1.0)], [(2, 0.0), (2, 0.25)]),  # the first chunk's extra tokens: gaps of 0
+        ([(5, 2.0)], [(4, 0.0)]),  # a whole generation at once (burst mode)
+        ([(1, 0.5), (0, 0.75), (1, 1.0)], [(0, 0.0), (0, 0.0), (1, 0.5)]),  # empty events close nothing
+    ],
+)
 def test_stream_times_close_one_gap_per_token_after_the_first(chunks, gaps):
     times = StreamTimes(arrival=0.0)
     assert [times.add(n, now) for n, now in chunks] == gaps
@@ -199,8 +225,9 @@ def test_running_and_waiting_split_the_unfinished_requests():
     while scheduler.has_work():  # parks and promotions move requests between the two
         tick(scheduler)
         state = scheduler.snapshot()
-        running = [r for r in scheduler.ledger.unfinished()
-                   if r.status in (RequestStatus.CLASSIC, RequestStatus.ACTIVE)]
+        running = [
+            r for r in scheduler.ledger.unfinished() if r.status in (RequestStatus.CLASSIC, RequestStatus.ACTIVE)
+        ]
         assert state["num_running"] == len(running) <= 3
         assert state["num_running"] + state["num_waiting"] == state["unfinished"]
     assert (state["num_running"], state["num_waiting"]) == (0, 0)
@@ -232,28 +259,49 @@ def test_prefix_cache_series_read_the_snapshot_and_read_zero_without_a_cache():
     scheduler = make_scheduler(runner)
     metrics = ReplicaMetrics("tiny")
     off = series(metrics.render(scheduler.snapshot()).decode())
-    runner.prefix_stats = {"budget_bytes": 1 << 30, "bytes": 4096, "entries": 2, "block_size": 64, "hits": 3,
-                           "misses": 5, "query_tokens": 900, "hit_tokens": 600, "stores": 4, "evictions": 1,
-                           "draft": {"budget_bytes": 1 << 29, "bytes": 1024, "entries": 1, "block_size": 64,
-                                     "hits": 2, "misses": 1, "query_tokens": 300, "hit_tokens": 200, "stores": 3,
-                                     "evictions": 0}}
+    runner.prefix_stats = {
+        "budget_bytes": 1 << 30,
+        "bytes": 4096,
+        "entries": 2,
+        "block_size": 64,
+        "hits": 3,
+        "misses": 5,
+        "query_tokens": 900,
+        "hit_tokens": 600,
+        "stores": 4,
+        "evictions": 1,
+        "draft": {
+            "budget_bytes": 1 << 29,
+            "bytes": 1024,
+            "entries": 1,
+            "block_size": 64,
+            "hits": 2,
+            "misses": 1,
+            "query_tokens": 300,
+            "hit_tokens": 200,
+            "stores": 3,
+            "evictions": 0,
+        },
+    }
     state = scheduler.snapshot()
     assert state["prefix_cache"] == runner.prefix_stats
     on = series(metrics.render(state).decode())
     model = (("model_name", "tiny"),)
-    expected = {("specslot:prefix_cache_queries_total", model): ("counter", 900.0),
-                ("specslot:prefix_cache_hits_total", model): ("counter", 600.0),
-                ("specslot_prefix_cache_hits_total", ()): ("counter", 3.0),
-                ("specslot_prefix_cache_misses_total", ()): ("counter", 5.0),
-                ("specslot_prefix_cache_stores_total", ()): ("counter", 4.0),
-                ("specslot_prefix_cache_evictions_total", ()): ("counter", 1.0),
-                ("specslot_prefix_cache_bytes", ()): ("gauge", 4096.0),
-                ("specslot_prefix_cache_budget_bytes", ()): ("gauge", float(1 << 30)),
-                ("specslot_prefix_cache_entries", ()): ("gauge", 2.0),
-                ("specslot_prefix_cache_draft_hits_total", ()): ("counter", 2.0),
-                ("specslot_prefix_cache_draft_stores_total", ()): ("counter", 3.0),
-                ("specslot_prefix_cache_draft_bytes", ()): ("gauge", 1024.0),
-                ("specslot_prefix_cache_draft_budget_bytes", ()): ("gauge", float(1 << 29))}
+    expected = {
+        ("specslot:prefix_cache_queries_total", model): ("counter", 900.0),
+        ("specslot:prefix_cache_hits_total", model): ("counter", 600.0),
+        ("specslot_prefix_cache_hits_total", ()): ("counter", 3.0),
+        ("specslot_prefix_cache_misses_total", ()): ("counter", 5.0),
+        ("specslot_prefix_cache_stores_total", ()): ("counter", 4.0),
+        ("specslot_prefix_cache_evictions_total", ()): ("counter", 1.0),
+        ("specslot_prefix_cache_bytes", ()): ("gauge", 4096.0),
+        ("specslot_prefix_cache_budget_bytes", ()): ("gauge", float(1 << 30)),
+        ("specslot_prefix_cache_entries", ()): ("gauge", 2.0),
+        ("specslot_prefix_cache_draft_hits_total", ()): ("counter", 2.0),
+        ("specslot_prefix_cache_draft_stores_total", ()): ("counter", 3.0),
+        ("specslot_prefix_cache_draft_bytes", ()): ("gauge", 1024.0),
+        ("specslot_prefix_cache_draft_budget_bytes", ()): ("gauge", float(1 << 29)),
+    }
     assert {key: on[key] for key in expected} == expected
     assert {key: off[key] for key in expected} == {key: (kind, 0.0) for key, (kind, _) in expected.items()}
 
@@ -284,6 +332,7 @@ def test_tick_seconds_sum_each_ticks_wall_time_by_action():
         def timed(*args, _method=method, _seconds=seconds, **kwargs):
             clock.advance(_seconds)
             return _method(*args, **kwargs)
+
         setattr(runner, name, timed)
     scheduler = make_scheduler(runner, clock=clock)
     for rid in "AB":
@@ -296,7 +345,11 @@ def test_tick_seconds_sum_each_ticks_wall_time_by_action():
     for action, name in (("prefill", "classic_prefill"), ("decode", "classic_decode")):
         assert plain["tick_seconds"][action] == pytest.approx(plain["actions"][action] * spent[name])
     text = ReplicaMetrics("tiny", num_draft_tokens=4).render(scheduler.snapshot()).decode()
-    assert series(text)[("specslot_scheduler_tick_seconds_sum", (("action", "decode"),))] == \
-        ("summary", pytest.approx(plain["tick_seconds"]["decode"]))
-    assert series(text)[("specslot_scheduler_tick_seconds_count", (("action", "decode"),))][1] == \
-        plain["actions"]["decode"]
+    assert series(text)[("specslot_scheduler_tick_seconds_sum", (("action", "decode"),))] == (
+        "summary",
+        pytest.approx(plain["tick_seconds"]["decode"]),
+    )
+    assert (
+        series(text)[("specslot_scheduler_tick_seconds_count", (("action", "decode"),))][1]
+        == plain["actions"]["decode"]
+    )

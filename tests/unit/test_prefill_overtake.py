@@ -63,8 +63,12 @@ def test_a_short_arrival_is_prefilled_between_a_long_prompts_forwards():
     trace = Trace()
     record = tick(scheduler, trace)
     # admitted at the first boundary, then a row: it steps at both
-    assert record.model_actions == [("classic_prefill", ("long",)), ("classic_prefill", ("short",)),
-                                    ("classic_decode", ("short",)), ("classic_decode", ("short",))]
+    assert record.model_actions == [
+        ("classic_prefill", ("long",)),
+        ("classic_prefill", ("short",)),
+        ("classic_decode", ("short",)),
+        ("classic_decode", ("short",)),
+    ]
     assert first_token_order(published, record.events) == ["short", "long"]
     assert published and published[0][0].request_id == "short"  # out before the tick ends
     assert scheduler.counters.prefill_overtakes == 1
@@ -103,10 +107,13 @@ def test_no_request_overtakes_an_earlier_one_of_its_lane():
     a higher lane still goes."""
     scheduler, runner, published = classic_scheduler()
     scheduler.submit(make_request("first", prompt_ids=prompt(1000)))
-    arrive_during_prefill(scheduler, runner,
-                          make_request("long", prompt_ids=prompt(700, seed=2)),
-                          make_request("short", prompt_ids=prompt(10, seed=3)),
-                          make_request("urgent", lane=Lane.HIGH, prompt_ids=prompt(10, seed=4)))
+    arrive_during_prefill(
+        scheduler,
+        runner,
+        make_request("long", prompt_ids=prompt(700, seed=2)),
+        make_request("short", prompt_ids=prompt(10, seed=3)),
+        make_request("urgent", lane=Lane.HIGH, prompt_ids=prompt(10, seed=4)),
+    )
     record = tick(scheduler)
     assert record.model_actions[:2] == [("classic_prefill", ("first",)), ("classic_prefill", ("urgent",))]
     assert scheduler.snapshot()["queued_ids"] == ["long", "short"]
@@ -128,8 +135,9 @@ def test_a_long_prompt_whose_prefix_is_cached_overtakes():
 def test_at_most_the_free_rows_are_admitted():
     scheduler, runner, published = classic_scheduler(max_batch_size=3)
     scheduler.submit(make_request("long", prompt_ids=prompt(1000)))
-    arrive_during_prefill(scheduler, runner, *(make_request(f"s{i}", prompt_ids=prompt(10, seed=i + 2))
-                                               for i in range(4)))
+    arrive_during_prefill(
+        scheduler, runner, *(make_request(f"s{i}", prompt_ids=prompt(10, seed=i + 2)) for i in range(4))
+    )
     record = tick(scheduler)
     assert record.model_actions[:2] == [("classic_prefill", ("long",)), ("classic_prefill", ("s0", "s1"))]
     assert scheduler.snapshot()["queued_ids"] == ["s2", "s3"]

@@ -38,12 +38,17 @@ def test_conversations_that_start_differently_have_different_keys():
     assert len(keys) == 50
 
 
-@pytest.mark.parametrize("a, b", [
-    ([{"role": "system", "content": "A"}, {"role": "user", "content": "q"}],
-     [{"role": "system", "content": "B"}, {"role": "user", "content": "q"}]),        # system prompt
-    ([{"role": "user", "content": "q"}], [{"role": "user", "content": "q "}]),        # first user message
-    ([{"role": "user", "content": "q"}], [{"role": "user", "content": [{"type": "text", "text": "q"}]}]),
-])
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        (
+            [{"role": "system", "content": "A"}, {"role": "user", "content": "q"}],
+            [{"role": "system", "content": "B"}, {"role": "user", "content": "q"}],
+        ),  # system prompt
+        ([{"role": "user", "content": "q"}], [{"role": "user", "content": "q "}]),  # first user message
+        ([{"role": "user", "content": "q"}], [{"role": "user", "content": [{"type": "text", "text": "q"}]}]),
+    ],
+)
 def test_the_leading_messages_are_hashed(a, b):
     assert chat_key(a) != chat_key(b)
 
@@ -75,16 +80,19 @@ def test_token_prompts_key_on_their_first_ids():
     assert key_of_body(COMPLETIONS, {"prompt": ids + [1]}) == key_of_body(COMPLETIONS, {"prompt": [ids + [2, 3]]})
 
 
-@pytest.mark.parametrize("path, body", [
-    (CHAT, b"not json"),
-    (CHAT, b"[1, 2]"),
-    (CHAT, json.dumps({"messages": []}).encode()),
-    (CHAT, json.dumps({"messages": "hi"}).encode()),
-    (COMPLETIONS, json.dumps({"prompt": ""}).encode()),
-    (COMPLETIONS, json.dumps({"prompt": ["a", "b"]}).encode()),
-    (COMPLETIONS, json.dumps({"prompt": [1, "a"]}).encode()),
-    ("/v1/models", b""),
-    ("/health", json.dumps({"messages": [{"role": "user", "content": "q"}]}).encode()),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        (CHAT, b"not json"),
+        (CHAT, b"[1, 2]"),
+        (CHAT, json.dumps({"messages": []}).encode()),
+        (CHAT, json.dumps({"messages": "hi"}).encode()),
+        (COMPLETIONS, json.dumps({"prompt": ""}).encode()),
+        (COMPLETIONS, json.dumps({"prompt": ["a", "b"]}).encode()),
+        (COMPLETIONS, json.dumps({"prompt": [1, "a"]}).encode()),
+        ("/v1/models", b""),
+        ("/health", json.dumps({"messages": [{"role": "user", "content": "q"}]}).encode()),
+    ],
+)
 def test_no_key(path, body):
     assert prompt_affinity_key(path, body) is None

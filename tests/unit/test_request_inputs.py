@@ -9,21 +9,35 @@ from serve_app import request_inputs
 from serve_app.config import ServeArgs
 from serve_app.protocol import APIError, GenerationSpec
 
-SPEC = GenerationSpec(chat=False, model=None, prompt_text="x", prompt_ids=None, messages=None,
-                      chat_template_kwargs={}, max_tokens=None, sampling={}, stop=[], seed=None,
-                      stream=False, include_usage=False)
+SPEC = GenerationSpec(
+    chat=False,
+    model=None,
+    prompt_text="x",
+    prompt_ids=None,
+    messages=None,
+    chat_template_kwargs={},
+    max_tokens=None,
+    sampling={},
+    stop=[],
+    seed=None,
+    stream=False,
+    include_usage=False,
+)
 ARGS = ServeArgs(model="m", default_max_tokens=100, max_tokens_limit=500)
 
 
-@pytest.mark.parametrize("max_tokens, num_prompt, max_context, expected", [
-    (None, 10, None, 100),   # the default
-    (None, 10, 50, 40),      # the default, clipped to the context left
-    (200, 10, None, 200),    # as asked
-    (40, 10, 50, 40),        # exactly fills the context
-    (600, 10, None, "invalid_value"),              # over max_tokens_limit
-    (41, 10, 50, "context_length_exceeded"),       # prompt + max_tokens over the context
-    (None, 50, 50, "context_length_exceeded"),     # the prompt alone fills it
-])
+@pytest.mark.parametrize(
+    "max_tokens, num_prompt, max_context, expected",
+    [
+        (None, 10, None, 100),  # the default
+        (None, 10, 50, 40),  # the default, clipped to the context left
+        (200, 10, None, 200),  # as asked
+        (40, 10, 50, 40),  # exactly fills the context
+        (600, 10, None, "invalid_value"),  # over max_tokens_limit
+        (41, 10, 50, "context_length_exceeded"),  # prompt + max_tokens over the context
+        (None, 50, 50, "context_length_exceeded"),  # the prompt alone fills it
+    ],
+)
 def test_max_tokens(max_tokens, num_prompt, max_context, expected):
     spec = replace(SPEC, max_tokens=max_tokens)
     if isinstance(expected, str):
@@ -34,9 +48,16 @@ def test_max_tokens(max_tokens, num_prompt, max_context, expected):
         assert request_inputs.max_tokens(spec, num_prompt, max_context, ARGS) == expected
 
 
-@pytest.mark.parametrize("seed, choice, expected", [
-    (None, 3, None), (7, 0, 7), (7, 2, 9), (2**64 - 1, 1, 0), (-5, 2, -3),
-])
+@pytest.mark.parametrize(
+    "seed, choice, expected",
+    [
+        (None, 3, None),
+        (7, 0, 7),
+        (7, 2, 9),
+        (2**64 - 1, 1, 0),
+        (-5, 2, -3),
+    ],
+)
 def test_a_seeded_requests_choices_get_seed_plus_index(seed, choice, expected):
     params = request_inputs.sampling(replace(SPEC, seed=seed), 16, choice, {}, vocab_size=100, eos_token_ids=[2])
     assert (params.seed, params.max_tokens, params.stop_token_ids) == (expected, 16, (2,))

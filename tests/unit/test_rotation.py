@@ -25,10 +25,13 @@ def run_a_then_b(grant_rounds, *, b_rounds=2, **overrides):
     return scheduler, trace, a, b
 
 
-@pytest.mark.parametrize("budget, expected", [
-    (2, [("A", 2), ("B", 2), ("A", 2), ("B", 1)]),
-    (1, [("A", 2), ("B", 1), ("A", 1), ("B", 1), ("A", 1), ("B", 1)]),
-])
+@pytest.mark.parametrize(
+    "budget, expected",
+    [
+        (2, [("A", 2), ("B", 2), ("A", 2), ("B", 1)]),
+        (1, [("A", 2), ("B", 1), ("A", 1), ("B", 1), ("A", 1), ("B", 1)]),
+    ],
+)
 def test_grant_schedule(budget, expected):
     scheduler, trace, a, b = run_a_then_b(budget)
     assert scheduler.grant_log == expected
@@ -170,7 +173,9 @@ def test_cancelled_waiter_is_skipped():
     assert record.model_actions == [("spec_begin", ("C",))]  # next entry tried in the same tick
     # both decisions (B cancelled, then C) counted a skip for A; C parked with 0
     assert [(e["request_id"], e["skipped_grants"]) for e in scheduler.snapshot()["slot"]["backlog"]] == [
-        ("A", 2), ("C", 0)]
+        ("A", 2),
+        ("C", 0),
+    ]
     run_until_idle(scheduler, trace)
     assert trace.finishes()["B"].finish_reason == "cancelled" and trace.streams().get("B", []) == []
     assert "B" not in [rid for rid, _ in scheduler.grant_log]
@@ -248,9 +253,13 @@ def test_cancellation_at_every_phase(phase):
         ticks = {"queued": 0, "classic": 1, "waiting": 0, "parked": 3, "active": 1}[phase]
         for _ in range(ticks):
             tick(scheduler, trace)
-        expected = {"queued": RequestStatus.QUEUED, "classic": RequestStatus.CLASSIC,
-                    "waiting": RequestStatus.WAITING, "parked": RequestStatus.PARKED,
-                    "active": RequestStatus.ACTIVE}[phase]
+        expected = {
+            "queued": RequestStatus.QUEUED,
+            "classic": RequestStatus.CLASSIC,
+            "waiting": RequestStatus.WAITING,
+            "parked": RequestStatus.PARKED,
+            "active": RequestStatus.ACTIVE,
+        }[phase]
         if phase in ("queued", "waiting"):
             scheduler._drain()  # route it without running an action
         assert x.status is expected

@@ -44,8 +44,9 @@ def make_router(load_margin=4, max_pins=4096):
 
 
 def request(session_id=""):
-    return SimpleNamespace(metadata=SimpleNamespace(session_id=session_id),
-                           routing_context=SimpleNamespace(should_backoff=False))
+    return SimpleNamespace(
+        metadata=SimpleNamespace(session_id=session_id), routing_context=SimpleNamespace(should_backoff=False)
+    )
 
 
 def choose(router, replicas, pending):
@@ -146,6 +147,7 @@ def test_bad_load_margin_is_rejected():
 
 # -- several routers share what the replicas report ------------------------------------
 
+
 def report_of(keys, now=100.0):
     """A replica's routing stats after serving `keys` (one a second up to `now`)."""
     served = ServedKeys()
@@ -173,8 +175,7 @@ def test_a_later_report_elsewhere_moves_this_routers_pin():
     other's placement; once reported, both follow the replica that served it last."""
     router = make_router()
     router.pins.pin("conv", "a", now=50.0)
-    replicas = [FakeReplica("a", 0, report_of(["conv"], now=50.5)),
-                FakeReplica("b", 0, report_of(["conv"], now=60.0))]
+    replicas = [FakeReplica("a", 0, report_of(["conv"], now=50.5)), FakeReplica("b", 0, report_of(["conv"], now=60.0))]
     assert choose(router, replicas, request("conv"))[0] == ["b"]
     # Sent to b just now: b's report (taken before) no longer outranks the new pin.
     assert choose(router, replicas, request("conv"))[0] == ["b"]
@@ -197,8 +198,7 @@ def test_two_routers_that_see_the_same_reports_place_alike():
 
 def test_a_report_taken_after_a_placement_counts_it_once():
     router = make_router()
-    replicas = [FakeReplica("a", 0, report_of(["x", "y", "z"], now=1.0)),
-                FakeReplica("b", 0, report_of([], now=1.0))]
+    replicas = [FakeReplica("a", 0, report_of(["x", "y", "z"], now=1.0)), FakeReplica("b", 0, report_of([], now=1.0))]
     assert [choose(router, replicas, request(k))[0][0] for k in ["new1", "new2"]] == ["b", "b"]
     replicas[1].routing_stats = report_of(["new1", "new2"], now=time.time() + 1)
     # b holds 2 sessions, not 2 reported + 2 placed here: the next new key still goes to b.
@@ -211,5 +211,5 @@ def test_a_report_taken_while_a_placement_is_on_its_way_still_counts_it():
     assert choose(router, replicas, request("new"))[0][0] == "b"
     replicas[1].routing_stats = report_of([], now=time.time() + 0.5)  # taken before "new" arrived
     # b holds 1 session (on its way), a holds 1: a tie, which the key's hash breaks.
-    other, = sessions_preferring("a", ["a", "b"])
+    (other,) = sessions_preferring("a", ["a", "b"])
     assert choose(router, replicas, request(other))[0][0] == "a"

@@ -2,19 +2,46 @@
 
 import pytest
 
-from scheduler.rules import (
-    Action, Decision, GrantView, SpecStep, batch_allows_speculation, can_join_backlog, decide, grant_expired,
-    next_grant_index, num_to_admit, parse_grant_budget, parse_tick_slice, slice_takes_tick,
-)
 from scheduler.request import Lane
+from scheduler.rules import (
+    Action,
+    Decision,
+    GrantView,
+    SpecStep,
+    batch_allows_speculation,
+    can_join_backlog,
+    decide,
+    grant_expired,
+    next_grant_index,
+    num_to_admit,
+    parse_grant_budget,
+    parse_tick_slice,
+    slice_takes_tick,
+)
 
 H, N, L = int(Lane.HIGH), int(Lane.NORMAL), int(Lane.LOW)
 
 
-@pytest.mark.parametrize("raw, expected", [
-    (None, 8), ("", 8), ("   ", 8), ("abc", 8), ("-3", 8), ("8.5", 8), ("+5", 8), ("1e3", 8),
-    ("8", 8), ("12", 12), (" 12 ", 12), ("\t3\n", 3), ("0", 0), ("1", 1), ("007", 7),
-])
+@pytest.mark.parametrize(
+    "raw, expected",
+    [
+        (None, 8),
+        ("", 8),
+        ("   ", 8),
+        ("abc", 8),
+        ("-3", 8),
+        ("8.5", 8),
+        ("+5", 8),
+        ("1e3", 8),
+        ("8", 8),
+        ("12", 12),
+        (" 12 ", 12),
+        ("\t3\n", 3),
+        ("0", 0),
+        ("1", 1),
+        ("007", 7),
+    ],
+)
 def test_parse_grant_budget(raw, expected):
     assert parse_grant_budget(raw) == expected
 
@@ -24,53 +51,94 @@ def test_parse_grant_budget_custom_default():
     assert parse_grant_budget(None, default=3) == 3
 
 
-@pytest.mark.parametrize("raw, default, expected", [
-    (None, True, True), ("", True, True), ("0", True, False), (" 0 ", True, False), ("1", True, True),
-    ("abc", True, True), ("abc", False, False), ("off", True, False), ("ON", False, True),
-    ("false", True, False), ("2", False, False),
-])
+@pytest.mark.parametrize(
+    "raw, default, expected",
+    [
+        (None, True, True),
+        ("", True, True),
+        ("0", True, False),
+        (" 0 ", True, False),
+        ("1", True, True),
+        ("abc", True, True),
+        ("abc", False, False),
+        ("off", True, False),
+        ("ON", False, True),
+        ("false", True, False),
+        ("2", False, False),
+    ],
+)
 def test_parse_tick_slice(raw, default, expected):
     assert parse_tick_slice(raw, default=default) is expected
 
 
-@pytest.mark.parametrize("num_others, threshold, expected", [
-    (0, 0, True), (100, 0, True),  # 0 = the rule is off
-    (0, 1, True), (1, 1, False), (5, 1, False),  # 1: only a lone request speculates
-    (0, 3, True), (2, 3, True), (3, 3, False), (4, 3, False),
-])
+@pytest.mark.parametrize(
+    "num_others, threshold, expected",
+    [
+        (0, 0, True),
+        (100, 0, True),  # 0 = the rule is off
+        (0, 1, True),
+        (1, 1, False),
+        (5, 1, False),  # 1: only a lone request speculates
+        (0, 3, True),
+        (2, 3, True),
+        (3, 3, False),
+        (4, 3, False),
+    ],
+)
 def test_batch_allows_speculation(num_others, threshold, expected):
     assert batch_allows_speculation(num_others, threshold) is expected
 
 
-@pytest.mark.parametrize("slices_run, budget, backlog_nonempty, expected", [
-    (8, 8, True, True), (100, 8, True, True), (7, 8, True, False), (100, 8, False, False),
-    (100, 0, True, False), (1, 1, True, True), (0, 1, True, False), (2, 2, False, False),
-])
+@pytest.mark.parametrize(
+    "slices_run, budget, backlog_nonempty, expected",
+    [
+        (8, 8, True, True),
+        (100, 8, True, True),
+        (7, 8, True, False),
+        (100, 8, False, False),
+        (100, 0, True, False),
+        (1, 1, True, True),
+        (0, 1, True, False),
+        (2, 2, False, False),
+    ],
+)
 def test_grant_expired(slices_run, budget, backlog_nonempty, expected):
     assert grant_expired(slices_run, budget, backlog_nonempty) is expected
 
 
-@pytest.mark.parametrize("backlog_len, cap, budget, expected", [
-    (0, 2, 8, True), (1, 2, 8, True), (2, 2, 8, False), (5, 2, 8, False),
-    (0, 2, 0, False), (1, 2, 0, False), (0, 0, 8, False), (2, 3, 1, True),
-])
+@pytest.mark.parametrize(
+    "backlog_len, cap, budget, expected",
+    [
+        (0, 2, 8, True),
+        (1, 2, 8, True),
+        (2, 2, 8, False),
+        (5, 2, 8, False),
+        (0, 2, 0, False),
+        (1, 2, 0, False),
+        (0, 0, 8, False),
+        (2, 3, 1, True),
+    ],
+)
 def test_can_join_backlog(backlog_len, cap, budget, expected):
     assert can_join_backlog(backlog_len, cap, budget) is expected
 
 
-@pytest.mark.parametrize("entries, expected", [
-    ([GrantView(N, 0, 0)], 0),
-    ([GrantView(N, 0, 0), GrantView(N, 1, 0)], 0),  # FIFO within a lane
-    ([GrantView(N, 5, 0), GrantView(N, 2, 0)], 1),  # FIFO is by ring arrival, not position
-    ([GrantView(N, 0, 0), GrantView(H, 1, 0)], 1),  # lane first
-    ([GrantView(L, 0, 0), GrantView(N, 1, 0), GrantView(H, 2, 0)], 2),
-    ([GrantView(L, 0, 1), GrantView(H, 1, 0)], 1),  # skipped once: not overdue yet
-    ([GrantView(L, 0, 2), GrantView(H, 1, 0)], 0),  # overdue beats lane
-    ([GrantView(N, 0, 2), GrantView(L, 1, 3), GrantView(H, 2, 0)], 1),  # most-skipped overdue
-    ([GrantView(L, 0, 3), GrantView(N, 1, 3), GrantView(H, 2, 4)], 2),
-    ([GrantView(L, 0, 3), GrantView(N, 1, 3), GrantView(H, 2, 0)], 0),  # earliest on ties
-    ([GrantView(N, 4, 2), GrantView(L, 3, 2)], 1),  # earliest = ring arrival
-])
+@pytest.mark.parametrize(
+    "entries, expected",
+    [
+        ([GrantView(N, 0, 0)], 0),
+        ([GrantView(N, 0, 0), GrantView(N, 1, 0)], 0),  # FIFO within a lane
+        ([GrantView(N, 5, 0), GrantView(N, 2, 0)], 1),  # FIFO is by ring arrival, not position
+        ([GrantView(N, 0, 0), GrantView(H, 1, 0)], 1),  # lane first
+        ([GrantView(L, 0, 0), GrantView(N, 1, 0), GrantView(H, 2, 0)], 2),
+        ([GrantView(L, 0, 1), GrantView(H, 1, 0)], 1),  # skipped once: not overdue yet
+        ([GrantView(L, 0, 2), GrantView(H, 1, 0)], 0),  # overdue beats lane
+        ([GrantView(N, 0, 2), GrantView(L, 1, 3), GrantView(H, 2, 0)], 1),  # most-skipped overdue
+        ([GrantView(L, 0, 3), GrantView(N, 1, 3), GrantView(H, 2, 4)], 2),
+        ([GrantView(L, 0, 3), GrantView(N, 1, 3), GrantView(H, 2, 0)], 0),  # earliest on ties
+        ([GrantView(N, 4, 2), GrantView(L, 3, 2)], 1),  # earliest = ring arrival
+    ],
+)
 def test_next_grant_index(entries, expected):
     assert next_grant_index(entries, skip_cap=2) == expected
 
@@ -94,9 +162,15 @@ def test_endless_high_lane_stream_selects_normal_entry_at_decision_3():
     assert decision == 3
 
 
-@pytest.mark.parametrize("yielded_last, others_have_work, expected", [
-    (False, False, True), (True, False, True), (False, True, True), (True, True, False),
-])
+@pytest.mark.parametrize(
+    "yielded_last, others_have_work, expected",
+    [
+        (False, False, True),
+        (True, False, True),
+        (False, True, True),
+        (True, True, False),
+    ],
+)
 def test_slice_takes_tick(yielded_last, others_have_work, expected):
     assert slice_takes_tick(yielded_last, others_have_work) is expected
 
@@ -104,8 +178,14 @@ def test_slice_takes_tick(yielded_last, others_have_work, expected):
 def _alternation_run(num_ticks, classic_work):
     yielded_last, kinds = False, []
     for _ in range(num_ticks):
-        d = decide(spec_step=SpecStep.ROUND, yielded_last=yielded_last, num_queued=0,
-                   num_rows=1 if classic_work else 0, max_rows=16, prefill_batch=8)
+        d = decide(
+            spec_step=SpecStep.ROUND,
+            yielded_last=yielded_last,
+            num_queued=0,
+            num_rows=1 if classic_work else 0,
+            max_rows=16,
+            prefill_batch=8,
+        )
         kinds.append(d.action)
         if d.action is not Action.IDLE:
             yielded_last = d.action is Action.SPECULATIVE
@@ -128,26 +208,41 @@ def test_tick_after_classic_action_goes_to_slice():
         assert d == Decision(Action.SPECULATIVE, spec_step=step)
 
 
-@pytest.mark.parametrize("kwargs, expected", [
-    (dict(spec_step=None, yielded_last=False, num_queued=0, num_rows=0), Decision(Action.IDLE)),
-    (dict(spec_step=None, yielded_last=True, num_queued=3, num_rows=0), Decision(Action.PREFILL, num_prefill=3)),
-    (dict(spec_step=None, yielded_last=False, num_queued=0, num_rows=2), Decision(Action.DECODE)),
-    (dict(spec_step=None, yielded_last=False, num_queued=20, num_rows=0), Decision(Action.PREFILL, num_prefill=8)),
-    (dict(spec_step=None, yielded_last=False, num_queued=5, num_rows=16), Decision(Action.DECODE)),  # full
-    (dict(spec_step=None, yielded_last=False, num_queued=5, num_rows=14), Decision(Action.PREFILL, num_prefill=2)),
-    (dict(spec_step=SpecStep.PROMOTE, yielded_last=True, num_queued=1, num_rows=0),
-     Decision(Action.PREFILL, num_prefill=1)),
-    (dict(spec_step=SpecStep.PROMOTE, yielded_last=True, num_queued=0, num_rows=0),
-     Decision(Action.SPECULATIVE, spec_step=SpecStep.PROMOTE)),
-    (dict(spec_step=SpecStep.BEGIN, yielded_last=True, num_queued=0, num_rows=3), Decision(Action.DECODE)),
-])
+@pytest.mark.parametrize(
+    "kwargs, expected",
+    [
+        (dict(spec_step=None, yielded_last=False, num_queued=0, num_rows=0), Decision(Action.IDLE)),
+        (dict(spec_step=None, yielded_last=True, num_queued=3, num_rows=0), Decision(Action.PREFILL, num_prefill=3)),
+        (dict(spec_step=None, yielded_last=False, num_queued=0, num_rows=2), Decision(Action.DECODE)),
+        (dict(spec_step=None, yielded_last=False, num_queued=20, num_rows=0), Decision(Action.PREFILL, num_prefill=8)),
+        (dict(spec_step=None, yielded_last=False, num_queued=5, num_rows=16), Decision(Action.DECODE)),  # full
+        (dict(spec_step=None, yielded_last=False, num_queued=5, num_rows=14), Decision(Action.PREFILL, num_prefill=2)),
+        (
+            dict(spec_step=SpecStep.PROMOTE, yielded_last=True, num_queued=1, num_rows=0),
+            Decision(Action.PREFILL, num_prefill=1),
+        ),
+        (
+            dict(spec_step=SpecStep.PROMOTE, yielded_last=True, num_queued=0, num_rows=0),
+            Decision(Action.SPECULATIVE, spec_step=SpecStep.PROMOTE),
+        ),
+        (dict(spec_step=SpecStep.BEGIN, yielded_last=True, num_queued=0, num_rows=3), Decision(Action.DECODE)),
+    ],
+)
 def test_decide(kwargs, expected):
     assert decide(max_rows=16, prefill_batch=8, **kwargs) == expected
 
 
-@pytest.mark.parametrize("queued, rows, max_rows, batch, expected", [
-    (0, 0, 16, 8, 0), (3, 0, 16, 8, 3), (20, 0, 16, 8, 8), (20, 12, 16, 8, 4), (5, 16, 16, 8, 0), (5, 17, 16, 8, 0),
-])
+@pytest.mark.parametrize(
+    "queued, rows, max_rows, batch, expected",
+    [
+        (0, 0, 16, 8, 0),
+        (3, 0, 16, 8, 3),
+        (20, 0, 16, 8, 8),
+        (20, 12, 16, 8, 4),
+        (5, 16, 16, 8, 0),
+        (5, 17, 16, 8, 0),
+    ],
+)
 def test_num_to_admit(queued, rows, max_rows, batch, expected):
     assert num_to_admit(queued, rows, max_rows, batch) == expected
 

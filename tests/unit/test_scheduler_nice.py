@@ -38,8 +38,9 @@ CHILD = textwrap.dedent("""
 def _run(nice: int) -> dict:
     """In a child process (the test's own niceness stays): how many threads changed,
     the niceness levels of every thread, and that of a thread started afterwards."""
-    out = subprocess.run([sys.executable, "-c", CHILD, str(nice)], capture_output=True, text=True,
-                         check=True, cwd=os.getcwd()).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(nice)], capture_output=True, text=True, check=True, cwd=os.getcwd()
+    ).stdout
     return json.loads(out.splitlines()[-1])
 
 
@@ -64,8 +65,9 @@ def test_without_the_privilege_the_niceness_stays_and_a_warning_says_so(monkeypa
     monkeypatch.setattr(actor.os, "setpriority", refuse)
     with caplog.at_level("WARNING", logger="serve_app.actor"):
         assert actor.set_process_nice(current - 1 if current > -20 else current + 1) == 0
-    assert [r.message for r in caplog.records] == [f"scheduler_nice {current - 1 if current > -20 else current + 1}: "
-                                                   f"not permitted (niceness stays {current})"]
+    assert [r.message for r in caplog.records] == [
+        f"scheduler_nice {current - 1 if current > -20 else current + 1}: not permitted (niceness stays {current})"
+    ]
     assert os.getpriority(os.PRIO_PROCESS, 0) == current
 
 

@@ -16,8 +16,9 @@ from tests.unit.fakes import FakeRunner, token_at
 
 def watched(prompt, k=2):
     rounds: list[int] = []
-    shadow = ShadowRounds(lambda history: NgramIndex(history, max_ngram=2), lambda: k,
-                          lambda _request_id, matched: rounds.append(matched))
+    shadow = ShadowRounds(
+        lambda history: NgramIndex(history, max_ngram=2), lambda: k, lambda _request_id, matched: rounds.append(matched)
+    )
     return shadow, Request("r", list(prompt), SamplingParams(max_tokens=100)), rounds
 
 
@@ -64,6 +65,7 @@ def test_the_index_starts_from_the_recent_history_only():
     def make_index(history):
         seen.append(len(history))
         return NgramIndex(history)
+
     shadow = ShadowRounds(make_index, lambda: 4, lambda *_: None)
     request = Request("long", list(range(3 * MAX_HISTORY)), SamplingParams(max_tokens=10))
     request.output_ids.append(1)
@@ -112,7 +114,7 @@ def test_matches_have_the_accepted_count_distribution_of_a_sampled_verify():
         verify_accepted.append(accepted)
     shadow_matches: list[int] = []
     shadow = ShadowRounds(lambda h: _Windowed(h), lambda: k, lambda _r, m: shadow_matches.append(m))
-    request = Request("s", list(prompt), SamplingParams(max_tokens=10 ** 6))
+    request = Request("s", list(prompt), SamplingParams(max_tokens=10**6))
     while len(shadow_matches) < 4000:
         request.output_ids.append(sample((request.output_ids or prompt)[-1]))
         shadow.observe(request, 1)
@@ -192,8 +194,7 @@ class _NeverRight:
 def ring_scheduler(shadow_rounds: bool):
     runner = FakeRunner(fuse=True, tick_costs=COSTS)
     runner.shadow_index = lambda history: _NeverRight(list(history))
-    return make_scheduler(runner, tick_mode="fused", b1_policy="auto", grant_rounds=4,
-                          shadow_rounds=shadow_rounds)
+    return make_scheduler(runner, tick_mode="fused", b1_policy="auto", grant_rounds=4, shadow_rounds=shadow_rounds)
 
 
 @pytest.mark.parametrize("shadow_rounds", [True, False])

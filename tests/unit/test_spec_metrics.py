@@ -24,8 +24,10 @@ def test_slot_rounds_and_row_verifies_are_told_apart_by_drafter():
     assert (stats.num_rounds, stats.num_probe_rounds, stats.num_row_rounds) == (5, 1, 2)
     assert stats.num_slot_rounds == 2  # the adaptive policy's measure of a slot session
     usage = stats.as_usage()
-    assert usage["drafters"] == {"draft_model": {"rounds": 2, "drafted": 8, "accepted": 4},
-                                 "ngram": {"rounds": 1, "drafted": 2, "accepted": 2}}
+    assert usage["drafters"] == {
+        "draft_model": {"rounds": 2, "drafted": 8, "accepted": 4},
+        "ngram": {"rounds": 1, "drafted": 2, "accepted": 2},
+    }
     assert (usage["rounds"], usage["row_rounds"], usage["drafted"], usage["accepted"]) == (5, 2, 10, 6)
 
 
@@ -37,10 +39,12 @@ def test_vllm_named_series_sum_over_requests():
             stats.record_round(drafted, accepted)
         metrics.record_finish("normal", "length", StreamTimes(arrival=0.0), 1.0, stats, None)
     text = metrics.render(None).decode()
-    for line in ('specslot:spec_decode_num_drafts_total{model_name="tiny"} 3.0',
-                 'specslot:spec_decode_num_draft_tokens_total{model_name="tiny"} 11.0',
-                 'specslot:spec_decode_num_accepted_tokens_total{model_name="tiny"} 7.0',
-                 'specslot:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"} 3.0',
-                 'specslot:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="1"} 2.0',
-                 'specslot:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="3"} 1.0'):
+    for line in (
+        'specslot:spec_decode_num_drafts_total{model_name="tiny"} 3.0',
+        'specslot:spec_decode_num_draft_tokens_total{model_name="tiny"} 11.0',
+        'specslot:spec_decode_num_accepted_tokens_total{model_name="tiny"} 7.0',
+        'specslot:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"} 3.0',
+        'specslot:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="1"} 2.0',
+        'specslot:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="3"} 1.0',
+    ):
         assert line in text, line

@@ -28,13 +28,16 @@ class TableTokenizer:
         return []
 
 
-@pytest.mark.parametrize("piece, text, expected", [
-    ("<0xE2>", "\ufffd", b"\xe2"),  # SentencePiece byte fallback
-    ("Ã", "\ufffd", b"\xc3"),  # byte-level BPE: Ã stands for byte 0xC3
-    ("âĤ", "\ufffd", b"\xe2\x82"),  # two bytes of a three-byte character
-    ("▁hi", " hi", b" hi"),  # whole characters: the text's bytes
-    ("é", "é", "é".encode()),
-    ("▁", "\ufffd", "\ufffd".encode()),  # neither form: the text's bytes
-])
+@pytest.mark.parametrize(
+    "piece, text, expected",
+    [
+        ("<0xE2>", "\ufffd", b"\xe2"),  # SentencePiece byte fallback
+        ("Ã", "\ufffd", b"\xc3"),  # byte-level BPE: Ã stands for byte 0xC3
+        ("âĤ", "\ufffd", b"\xe2\x82"),  # two bytes of a three-byte character
+        ("▁hi", " hi", b" hi"),  # whole characters: the text's bytes
+        ("é", "é", "é".encode()),
+        ("▁", "\ufffd", "\ufffd".encode()),  # neither form: the text's bytes
+    ],
+)
 def test_a_tokens_bytes(piece, text, expected):
     assert TextCodec(TableTokenizer({7: (piece, text)})).token_bytes(7) == expected

@@ -13,9 +13,11 @@ import time
 from typing import Callable, Sequence
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from models import (
+    _blas,
     bucketed,
     cache_rollback,
     dense_weights,
@@ -213,6 +215,10 @@ class MlxRunner:
             if loaded is not None:
                 dense_weights.apply(loaded.model, loaded.name, config.dense_weights)
                 fused_projections.apply(loaded.model, loaded.name, config.fused_projections)
+        if mx.default_device() == mx.cpu:
+            changed = _blas.fit_threads(sum(v.nbytes for _, v in tree_flatten(target.model.parameters())))
+            if changed:
+                log.info("%s", changed)
         drafter: Drafter | None = None if kind is None else kind.load_class().load(draft)
         return cls(target, drafter, config, draft_fingerprint=draft.fingerprint if draft is not None else "")
 

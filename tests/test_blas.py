@@ -87,6 +87,37 @@ def test_a_ray_worker_on_one_core_keeps_its_thread():
     assert blas.thread_count({}, {}, True, 1) == (1, "all 1 usable cores")
 
 
+class _FakeLib:
+    def __init__(self, threads):
+        self.threads = threads
+
+    def scipy_openblas_set_num_threads(self, n):
+        self.threads = n
+
+    def scipy_openblas_get_num_threads(self):
+        return self.threads
+
+
+@pytest.mark.parametrize(
+    "threads_from, weight_bytes, changed",
+    [
+        ("1 of 2 usable cores: one left to the node's other processes", 540_000_000, True),  # SmolLM2 f32
+        ("1 of 2 usable cores: one left to the node's other processes", 28_000_000, False),  # the bundled toy
+        ("OPENBLAS_NUM_THREADS", 540_000_000, False),  # the user's choice stands
+        ("all 2 usable cores", 540_000_000, False),
+    ],
+)
+def test_a_large_model_takes_every_core_a_ray_worker_left(monkeypatch, threads_from, weight_bytes, changed):
+    state = blas.Loaded(blas.Choice(blas.OPENBLAS, "test"), threads=1, threads_from=threads_from, lib=_FakeLib(1))
+    monkeypatch.setattr(blas, "_state", state)
+    monkeypatch.setattr(blas, "_usable_cores", lambda: 2)
+    result = blas.fit_threads(weight_bytes)
+    assert (result is not None) is changed
+    assert state.threads == (2 if changed else 1) and state.lib.threads == state.threads
+    if changed:
+        assert "all 2 usable cores" in state.threads_from and "540 MB" in result
+
+
 @pytest.mark.parametrize(
     "environ, expected",
     [

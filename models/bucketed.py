@@ -66,9 +66,8 @@ class _BufferView:
         query_pos = self.offset + mx.arange(n, dtype=mx.int32)
         key_pos = mx.arange(self.keys.shape[2], dtype=mx.int32)
         visible = key_pos[None, :] <= query_pos[:, None]
-        # Additive, not boolean: on MLX CUDA a boolean mask took SDPA with several queries
-        # off its fast path (32-43 vs 18-23 us per call at 1B shapes, L = 5 and 7;
-        # scripts/experiments/gpu_verify_parts.py). Adding 0 or -inf gives the same softmax.
+        # Additive, not boolean: on MLX CUDA a boolean mask takes SDPA with several queries
+        # off its fast path. Adding 0 or -inf gives the same softmax.
         return mx.where(visible, 0.0, -mx.inf).astype(self.keys.dtype)
 
 
@@ -77,10 +76,8 @@ class _FusedDecoder:
     qwen2: pre-norm blocks of full attention and a SwiGLU MLP) run with fewer, wider
     matmuls: q, k and v come from one product, gate and up from another, and rope turns
     q and k in one call. On MLX CUDA every matmul of more than one row is a cuBLAS call
-    wrapped in a CUDA-graph capture, whose host cost dominates a short verify forward
-    (host 2-2.5 ms of a 3-4 ms synchronised 1B forward while its kernels take
-    1.5-2.4 ms; scripts/experiments/gpu_forward_parts.py), so seven products per layer becoming four
-    is what a verify saves.
+    wrapped in a CUDA-graph capture, whose host cost dominates a short verify forward, so
+    seven products per layer becoming four is what a verify saves.
 
     The model keeps its modules: their q/k/v and gate/up weights become row slices (views)
     of the fused matrices, so no weight is stored twice and the plain forward (classic

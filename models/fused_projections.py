@@ -11,15 +11,9 @@ part was taken once). mlx-lm's model code, the slab's forwards and every other c
 run unchanged. A module keeps its weight and bias (the row slices), so the model's
 parameters are the same arrays as before.
 
-On the H200 (Qwen2.5-1.5B shape, dense bf16, random weights; docs/gpu.md, "Fused
-projections"), a forward launches 84 fewer matmuls: a 4-row slab step of 5 tokens a row
-took 17.7-19.2 ms against 19.0-20.4 (a first version), and in the engine 4 greedy streams (128 tokens, 4
-requests each) ran their 2,048 tokens in 5-9 % less tick time in two alternating pairs,
-their prompts' prefill ticks in ~32 ms against ~60; at T = 0.7 the plain decode ticks
-were level within the machine's drift. On this project's 2-core CPU the engine ran level
-within its noise (4 greedy streams 0.97-1.08x the tok/s, 8 streams 0.94x, medians of
-alternating bursts: `scripts/experiments/engine_ab.py`), so the default is on only on a
-CUDA GPU, where it was measured to pay.
+A forward launches fewer matmuls, which pays on a CUDA GPU, where each launch costs host
+time; on a CPU it measured level, so the default is on only on a GPU (docs/gpu.md, "What
+runs by default").
 
 Llama-family models (llama, mistral, qwen2: `bucketed._fusable`) only; any other model,
 and a quantized one, is left as it is.

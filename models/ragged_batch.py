@@ -305,8 +305,8 @@ class RaggedBatch:
         on a packed slab (a CPU) the forwards take at most `piece` positions a row while
         existing rows are there (`PREFILL_CHUNK` while none are: as fast as one whole
         forward there); a grid slab (a GPU) keeps its chunks (up to
-        `MAX_PREFILL_CHUNK` positions a row), which shorter forwards would slow
-        (`scripts/experiments/prefill_pieces.py`). The caller steps the existing rows
+        `MAX_PREFILL_CHUNK` positions a row), which shorter forwards would slow.
+        The caller steps the existing rows
         there (`decode`, a verify riding or not) and may admit other requests
         (`prefill`, whose rows become streams before these: these are not streams
         until their prompts are in)."""

@@ -399,13 +399,8 @@ def _neg_inf(dtype: mx.Dtype) -> mx.array:
 
 
 # The filters: mlx-lm's `apply_top_p`, `apply_min_p` and `apply_top_k`, token for token,
-# with the request's value as data rather than as a constant of a compiled function.
-# mlx-lm compiles them per value: every top_p or min_p value not seen before traced the
-# function again and built a fused kernel for its constant, 0.7-0.8 s on the CPU (a
-# C++ compile) and seconds on a GPU (NVRTC), inside the engine's tick, so every stream
-# waited for it (`scripts/experiments/filter_values.py`). Uncompiled, they run MLX's
-# prebuilt kernels only: nothing is built per value, and a GPU replica's cold start
-# builds three fewer kernels.
+# with the request's value as data: mlx-lm compiles them per value, so each new top_p or
+# min_p value built a kernel inside the engine's tick (up to seconds) while every stream waited.
 
 
 def top_p_filter(logprobs: mx.array, top_p: float) -> mx.array:

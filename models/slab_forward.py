@@ -43,8 +43,8 @@ EXACT_WIDTHS = 8  # grid forwards up to this many tokens per row run at their ow
 # "mask": one SDPA over the run's bucket of keys with a mask array (MLX CUDA's one-query
 # kernel takes no mask array, so this goes to its general attention); "rows": one SDPA
 # per row over exactly its keys, no mask (the one-query kernel a lone row's step uses),
-# for runs of at most `PER_ROW_DECODE` rows; "matmuls": `_grid_attention`. Which is
-# fastest on an H200 is measured by `scripts/experiments/gpu_decode_attention.py`.
+# for runs of at most `PER_ROW_DECODE` rows; "matmuls": `_grid_attention` (docs/gpu.md,
+# "Known issues": which is fastest is not measured yet).
 DECODE_ATTENTION = "mask"
 PER_ROW_DECODE = 8
 INTERRUPT_EVERY = 2  # an interruptible forward asks before every this-many-th layer
@@ -392,9 +392,8 @@ def _grid_attention(
 ) -> mx.array:
     """A grid's attention with several queries per row, as two matmuls and a softmax:
     `mx.fast.scaled_dot_product_attention` with a mask builds a plan on MLX CUDA for every
-    new (rows, width, keys) shape, 50-70 ms each on the H200, which the first requests of a
-    new concurrency waited for; this way a new shape costs a few ms (and a forward the
-    same to ~13 % more, `scripts/experiments/gpu_prefill.py`). Queries (rows, heads, width,
+    new (rows, width, keys) shape (tens of ms on an H200, waited for by a new concurrency's
+    first requests); this way a new shape costs a few ms. Queries (rows, heads, width,
     dim), keys and values (rows, kv heads, keys, dim), mask (rows, 1, width, keys).
 
     `numpy_softmax` (a packed forward's `_Block`, float32 on a CPU): the softmax in numpy

@@ -68,9 +68,8 @@ def device_lost(events: list[TokenEvent]) -> str | None:
 def freeze_heap() -> None:
     """Collect once, then leave every object the process holds after loading out of later
     garbage collections (`gc.freeze`). A full collection walks every tracked object, and
-    a loaded replica holds many (the libraries, the tokenizer, the runner's tables): one
-    landed inside a burst's prefill tick on the H200 host and took ~300 ms of it
-    (`scripts/experiments/gpu_ticks.py --parts`)."""
+    a loaded replica holds many (the libraries, the tokenizer, the runner's tables), and
+    one landing inside a tick stalls every stream (~300 ms seen on an H200 host)."""
     gc.collect()
     gc.freeze()
 

@@ -44,11 +44,8 @@ logger = logging.getLogger(__name__)
 
 DRAIN_AFTER_STOP_S = 2.0  # wait for the cancelled request's final stats after a text stop
 # A request body at least this large is tokenized on the replica's tokenizer thread, not on
-# its event loop, which streams every other request's tokens: the tokenizer releases the
-# GIL while it encodes (on the loop, a 23,000-token chat held every stream of the replica
-# ~35-50 ms on the 2-core box). Below it (~5,000 tokens of code, fewer of prose) an encode
-# takes a few ms, and the hop to the thread added about as much to the request's own time
-# (`scripts/experiments/loop_stall.py`).
+# the event loop that streams every other request's tokens; below it an encode takes a few
+# ms, about what the hop to the thread adds.
 TOKENIZE_OFF_LOOP_BYTES = 16 * 1024
 
 

@@ -317,10 +317,10 @@ class Slab:
         chunk that ends with the token to draw from costs no head over the others.
 
         `interrupt` (a packed slab only): the forward evaluates the layers so far and
-        asks it before every `slab_forward.INTERRUPT_EVERY`-th layer, and raises `scheduler.model_api.Interrupted`
-        where it returns True. The rows' lengths are then as before the call; the layers
-        already run wrote keys and values past them, which the rows' next tokens
-        overwrite."""
+        asks it before every `slab_forward.interrupt_every(num_layers)`-th layer, and raises
+        `scheduler.model_api.Interrupted` where it returns True. The rows' lengths are then
+        as before the call; the layers already run wrote keys and values past them, which
+        the rows' next tokens overwrite."""
         if not entries:
             return []
         if interrupt is not None and self.grid:

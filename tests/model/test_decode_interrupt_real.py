@@ -90,7 +90,7 @@ def test_seeded_sampled_streams_do_not_depend_on_stopped_steps(runner, prompts):
 def test_an_interrupted_forward_leaves_every_row_as_it_was(runner, prompts):
     """The batch itself: a step stopped at its first checkpoint changes no row's length,
     pending token or draft budget, and the step run next gives what it would have."""
-    from models.slab_forward import INTERRUPT_EVERY
+    from models.slab_forward import interrupt_every
     from scheduler.model_api import Interrupted
 
     batch = runner._classic
@@ -108,7 +108,8 @@ def test_an_interrupted_forward_leaves_every_row_as_it_was(runner, prompts):
         assert [(s.row.length, s.pending, s.denied, s.num_emitted) for s in streams] == before
         asked_whole = []
         stepped = batch.decode(drafts=True, interrupt=lambda: asked_whole.append(1) and False)
-        assert len(asked_whole) == len(range(INTERRUPT_EVERY, runner._classic.slab.num_layers, INTERRUPT_EVERY))
+        every = interrupt_every(runner._classic.slab.num_layers)
+        assert len(asked_whole) == len(range(every, runner._classic.slab.num_layers, every))
         assert all(b.token_ids for b in stepped)
     finally:
         for r in requests:

@@ -254,6 +254,45 @@ def clip(example: Example, max_seq: int) -> Example:
     return Example(prompt, completion, example.topk_ids[:keep], example.topk_logprobs[:keep])
 
 
+def save_examples(path: str, examples: list[Example]) -> None:
+    """`examples` in one .npz: token lists flattened with their offsets, top-k rows stacked."""
+    prompt_lens = np.array([len(e.prompt_ids) for e in examples], np.int64)
+    completion_lens = np.array([len(e.completion_ids) for e in examples], np.int64)
+    k = examples[0].topk_ids.shape[1] if examples else 0
+    np.savez(
+        path,
+        prompt_lens=prompt_lens,
+        completion_lens=completion_lens,
+        prompt_ids=np.array([t for e in examples for t in e.prompt_ids], np.int32),
+        completion_ids=np.array([t for e in examples for t in e.completion_ids], np.int32),
+        topk_ids=np.concatenate([e.topk_ids for e in examples]) if examples else np.zeros((0, k), np.int32),
+        topk_logprobs=(
+            np.concatenate([e.topk_logprobs for e in examples]) if examples else np.zeros((0, k), np.float32)
+        ),
+    )
+
+
+def load_examples(path: str) -> list[Example]:
+    """What `save_examples` wrote, as it was."""
+    with np.load(path) as f:
+        arrays = {name: f[name] for name in f.files}
+    p_ends = np.cumsum(arrays["prompt_lens"])
+    c_ends = np.cumsum(arrays["completion_lens"])
+    examples = []
+    for i in range(len(p_ends)):
+        p0 = p_ends[i] - arrays["prompt_lens"][i]
+        c0 = c_ends[i] - arrays["completion_lens"][i]
+        examples.append(
+            Example(
+                arrays["prompt_ids"][p0 : p_ends[i]].tolist(),
+                arrays["completion_ids"][c0 : c_ends[i]].tolist(),
+                arrays["topk_ids"][c0 : c_ends[i]],
+                arrays["topk_logprobs"][c0 : c_ends[i]],
+            )
+        )
+    return examples
+
+
 def padded_length(num_tokens: int) -> int:
     """Input positions of a row, rounded up to `PAD_TO` (a sequence of n tokens has n-1 inputs).
 

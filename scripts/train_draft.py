@@ -7,7 +7,9 @@
    about code, raw code; `scripts.prompts`), chat ones through the target's template;
    the target continues each, greedily or sampled at --temperature, batched, keeping its
    top-k log-probabilities per generated token. It also writes its greedy continuations
-   of the held-out evaluation prompts.
+   of the held-out evaluation prompts. With --data DIR the continuations are kept there and
+   a later run with the same target and data arguments trains on them; --data-only spends
+   the whole budget generating, so data and training can take one command each.
 2. draft (`scripts.draft_fit`): the target's family, --layers x --hidden, tied embedding
    started from the target's; trained on completion tokens only (cross-entropy on the
    target's tokens mixed with its top-k distribution, --kd-weight).
@@ -97,6 +99,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of --max-minutes generation may take before it stops where it is",
     )
     g.add_argument("--topk", type=int, default=8, help="target log-probabilities kept per token (0: none)")
+    g.add_argument(
+        "--data",
+        default=None,
+        help="directory for the generated continuations: read from there when it holds data of the same "
+        "target and data arguments, else generated and written there",
+    )
+    g.add_argument(
+        "--data-only",
+        action="store_true",
+        help="generate for the whole budget, write --data and stop (a later run trains on it)",
+    )
     g = p.add_argument_group("draft shape")
     g.add_argument("--layers", type=int, default=4)
     g.add_argument("--hidden", type=int, default=256)
@@ -152,7 +165,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--topk must be in [0, 64]")
     if args.max_seq < 2 * draft_data.PAD_TO:
         raise ValueError(f"--max-seq must be at least {2 * draft_data.PAD_TO}")
-    if os.path.isfile(os.path.join(args.out, "config.json")) and not args.overwrite:
+    if args.data_only and not args.data:
+        raise ValueError("--data-only needs --data DIR to write the continuations into")
+    if not args.data_only and os.path.isfile(os.path.join(args.out, "config.json")) and not args.overwrite:
         raise ValueError(f"{args.out!r} already holds a model (config.json); pass --overwrite to replace it")
 
 
@@ -191,7 +206,6 @@ def make_data(target, args, deadline: float) -> tuple[list[draft_data.Example], 
         )
         examples += got
         print(f"generate ({name}): {passes[name]}", flush=True)
-    examples = [draft_data.clip(e, args.max_seq) for e in examples]
     stats = {
         "prompts_per_kind": counts,
         "greedy_prompts_distinct": len(greedy),
@@ -202,6 +216,87 @@ def make_data(target, args, deadline: float) -> tuple[list[draft_data.Example], 
         "completion_tokens": sum(len(e.completion_ids) for e in examples),
     }
     return examples, stats
+
+
+DATA_ARGS = (
+    "seed",
+    "num_prompts",
+    "max_new_tokens",
+    "mix",
+    "sampled_fraction",
+    "temperature",
+    "code_chars",
+    "topk",
+    "eval_prompts",
+    "eval_tokens",
+    "eval_seed",
+)
+
+
+def data_key(target, args: argparse.Namespace) -> dict:
+    """What the generated data depends on: a cache with another key is not reused."""
+    return {"target": target.fingerprint, **{name: getattr(args, name) for name in DATA_ARGS}}
+
+
+def generate_data(target, args, t0: float, gen_end: float) -> tuple[list, dict, dict]:
+    """(training examples, held-out continuations per kind, stats), generated now."""
+    examples, stats = make_data(target, args, gen_end)
+    if not examples:
+        raise ValueError("the target generated no tokens within the budget; raise --max-minutes")
+    eos = sorted(target.tokenizer.eos_token_ids)
+    held_out = draft_data.held_out_prompts(target.tokenizer, args.eval_prompts, args.eval_seed, args.code_chars)
+    eval_sets = {}
+    for kind, group in held_out.items():
+        eval_sets[kind], _ = draft_data.generate(
+            target.model,
+            group,
+            max_new_tokens=args.eval_tokens,
+            temperature=0.0,
+            eos_ids=eos,
+            topk=0,
+            batch_size=args.gen_batch,
+            label=f"held-out {kind}",
+        )
+    print(f"held-out continuations written after {time.monotonic() - t0:.0f}s", flush=True)
+    return examples, eval_sets, stats
+
+
+def load_or_generate_data(target, args, t0: float, gen_end: float) -> tuple[list, dict, dict]:
+    """`generate_data`, read from --data when it holds the same key, written there when not."""
+    if not args.data:
+        return generate_data(target, args, t0, gen_end)
+    meta_path = os.path.join(args.data, "data.json")
+    key = data_key(target, args)
+    if os.path.isfile(meta_path):
+        with open(meta_path) as f:
+            meta = json.load(f)
+        if meta["key"] != key:
+            differ = sorted(k for k in key if meta["key"].get(k) != key[k])
+            raise ValueError(
+                f"--data {args.data!r} holds continuations made with another {', '.join(differ)}; "
+                "pass another directory or delete it"
+            )
+        examples = draft_data.load_examples(os.path.join(args.data, "train.npz"))
+        eval_sets = {
+            kind: draft_data.load_examples(os.path.join(args.data, f"held_out_{kind}.npz")) for kind in meta["held_out"]
+        }
+        print(f"data: {len(examples):,} continuations read from {args.data}", flush=True)
+        return examples, eval_sets, {**meta["stats"], "read_from": args.data}
+    examples, eval_sets, stats = generate_data(target, args, t0, gen_end)
+    os.makedirs(args.data, exist_ok=True)
+    draft_data.save_examples(os.path.join(args.data, "train.npz"), examples)
+    for kind, group in eval_sets.items():
+        draft_data.save_examples(os.path.join(args.data, f"held_out_{kind}.npz"), group)
+    with open(meta_path, "w") as f:  # last: a directory without it is rewritten, never half-read
+        json.dump({"key": key, "stats": stats, "held_out": list(eval_sets), "command": _command(args)}, f, indent=2)
+    print(f"data: {len(examples):,} continuations written to {args.data}", flush=True)
+    return examples, eval_sets, stats
+
+
+def _command(args: argparse.Namespace) -> str:
+    if args.argv is None:
+        return shlex.join([sys.executable, "-m", "scripts.train_draft", *sys.argv[1:]])
+    return shlex.join(["python", "-m", "scripts.train_draft", *args.argv])
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -230,24 +325,11 @@ def run(args: argparse.Namespace) -> dict:
         head_dim=args.head_dim,
     )
 
-    examples, data_stats = make_data(target, args, t0 + args.gen_share * args.max_minutes * 60)
-    if not examples:
-        raise ValueError("the target generated no tokens within the budget; raise --max-minutes")
-    eos = sorted(target.tokenizer.eos_token_ids)
-    held_out = draft_data.held_out_prompts(target.tokenizer, args.eval_prompts, args.eval_seed, args.code_chars)
-    eval_sets = {}
-    for kind, group in held_out.items():
-        eval_sets[kind], _ = draft_data.generate(
-            target.model,
-            group,
-            max_new_tokens=args.eval_tokens,
-            temperature=0.0,
-            eos_ids=eos,
-            topk=0,
-            batch_size=args.gen_batch,
-            label=f"held-out {kind}",
-        )
-    print(f"held-out continuations written after {time.monotonic() - t0:.0f}s", flush=True)
+    gen_share = 0.97 if args.data_only else args.gen_share  # data only: all but saving the data
+    examples, eval_sets, data_stats = load_or_generate_data(target, args, t0, t0 + gen_share * args.max_minutes * 60)
+    if args.data_only:
+        return {"data": data_stats, "seconds": round(time.monotonic() - t0, 1)}
+    examples = [draft_data.clip(e, args.max_seq) for e in examples]
 
     mx.random.seed(args.seed)
     draft = draft_fit.build(config)
@@ -285,12 +367,10 @@ def run(args: argparse.Namespace) -> dict:
     matches = {kind: draft_eval.draft_matches(saved.model, ex) for kind, ex in eval_sets.items()}
     evaluation = {kind: draft_eval.acceptance(m) for kind, m in matches.items()}
     evaluation["all"] = draft_eval.acceptance([row for m in matches.values() for row in m])
-    probe = held_out["chat"][0]
+    probe = eval_sets["chat"][0].prompt_ids
     target_s, draft_s = draft_eval.step_seconds(target.model, probe), draft_eval.step_seconds(saved.model, probe)
     record = {
-        "command": shlex.join([sys.executable, "-m", "scripts.train_draft", *sys.argv[1:]])
-        if args.argv is None
-        else shlex.join(["python", "-m", "scripts.train_draft", *args.argv]),
+        "command": _command(args),
         "args": {k: v for k, v in vars(args).items() if k != "argv"},
         "seed": args.seed,
         "device": str(mx.default_device()),
@@ -364,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelLoadError, ValueError, OSError) as exc:
         print(f"train_draft: error: {exc}", file=sys.stderr)
         return 2
+    if args.data_only:
+        print(f"data written to {args.data} in {record['seconds']:.0f}s: {json.dumps(record['data'])}", flush=True)
+        return 0
     print(
         json.dumps(
             {

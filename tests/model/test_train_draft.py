@@ -59,12 +59,15 @@ TOY = [
 
 @pytest.fixture(scope="module")
 def drafts(tmp_path_factory):
-    """{name: output dir}: runs "a" and "b" with seed 0, "other" with seed 1."""
+    """{name: output dir}: runs "a" and "b" with seed 0, "other" with seed 1, "cached" with
+    seed 0 from data a --data-only run wrote (in "data")."""
     root = tmp_path_factory.mktemp("drafts")
-    out = {}
+    out = {name: str(root / name) for name in ("a", "b", "other", "cached", "data")}
     for name, seed in (("a", 0), ("b", 0), ("other", 1)):
-        out[name] = str(root / name)
         assert train_draft.main(["--target", TARGET, "--out", out[name], "--seed", str(seed), *TOY]) == 0
+    for extra in (["--data-only"], []):
+        args = ["--target", TARGET, "--out", out["cached"], "--data", out["data"], *TOY, *extra]
+        assert train_draft.main(args) == 0
     return out
 
 
@@ -88,6 +91,28 @@ def test_the_same_seed_gives_the_same_weights(drafts):
     assert a.keys() == b.keys() == other.keys()
     assert all(mx.array_equal(a[k], b[k]).item() for k in a)
     assert not all(mx.array_equal(a[k], other[k]).item() for k in a)
+
+
+def test_data_written_by_one_run_trains_the_same_draft_in_another(drafts):
+    assert sorted(os.listdir(drafts["data"])) == [
+        "data.json",
+        "held_out_chat.npz",
+        "held_out_code.npz",
+        "held_out_code_chat.npz",
+        "train.npz",
+    ]
+    a, cached = weights(drafts["a"]), weights(drafts["cached"])
+    assert all(mx.array_equal(a[k], cached[k]).item() for k in a)
+    with open(os.path.join(drafts["cached"], "provenance.json")) as f:
+        record = json.load(f)
+    assert record["data"]["read_from"] == drafts["data"] and record["data"]["examples"] == 12
+
+
+def test_data_of_other_arguments_is_refused(drafts, tmp_path, capsys):
+    args = ["--target", TARGET, "--out", str(tmp_path / "d"), "--data", drafts["data"], *TOY, "--num-prompts", "13"]
+    assert train_draft.main(args) == 2
+    assert "another num_prompts" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "d" / "config.json")
 
 
 def test_the_provenance_records_the_run(drafts):

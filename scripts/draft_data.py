@@ -144,6 +144,23 @@ def _length_bucket(n: int) -> int:
     return -(-n // PAD_TO) * PAD_TO
 
 
+PREFILL_WIDTH = 256  # prompts wider than this run in fewer rows: prefill attention grows as width squared
+
+
+def rows_for(batch_size: int, lengths: list[int]) -> int:
+    """Rows of the next chunk, whose prompts have the (ascending) `lengths`: all
+    `batch_size` of them while the chunk's width is at most PREFILL_WIDTH, fewer (halving)
+    so that rows x width stays within batch_size x PREFILL_WIDTH.
+
+    >>> rows_for(8, [10] * 8), rows_for(8, [10] * 3), rows_for(8, [10] * 6 + [600] * 2)
+    (8, 3, 4)
+    """
+    rows = min(batch_size, len(lengths))
+    while rows > 1 and _length_bucket(lengths[rows - 1]) * rows > batch_size * PREFILL_WIDTH:
+        rows //= 2
+    return rows
+
+
 def generate(
     model,
     prompts: list[list[int]],
@@ -169,11 +186,13 @@ def generate(
     results: dict[int, Example] = {}
     start = last_log = time.monotonic()
     num_done, num_tokens, stopped_by = 0, 0, "done"
-    for lo in range(0, len(order), batch_size):
+    lo = 0
+    while lo < len(order):
         if time.monotonic() > deadline:
             stopped_by = "time"
             break
-        chunk = order[lo : lo + batch_size]
+        chunk = order[lo : lo + rows_for(batch_size, [len(prompts[i]) for i in order[lo : lo + batch_size]])]
+        lo += len(chunk)
         batch = _FixedBatch(
             model, [prompts[i] for i in chunk], _length_bucket(max(len(prompts[i]) for i in chunk)), new
         )
@@ -209,6 +228,9 @@ def generate(
                 stopped_by = "time" if not bool(mx.all(done).item()) else stopped_by
                 break
         tokens = np.array(mx.stack(steps, axis=1))
+        # Every chunk is wider than the last (sorted prompts): cached buffers of the old
+        # widths are never reused and would fill the device.
+        mx.clear_cache()
         ids = np.array(mx.stack(step_ids, axis=1)) if topk else None
         lps = np.array(mx.stack(step_lps, axis=1).astype(mx.float32)) if topk else None
         stop = set(eos_ids or ())
@@ -224,7 +246,7 @@ def generate(
                 lps[row, :cut] if topk else np.zeros((cut, 0), np.float32),
             )
         now = time.monotonic()
-        if now - last_log >= log_every_s or lo + batch_size >= len(order):
+        if now - last_log >= log_every_s or lo >= len(order):
             last_log = now
             rate = num_tokens / max(now - start, 1e-9)
             print(

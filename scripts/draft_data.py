@@ -161,6 +161,21 @@ def rows_for(batch_size: int, lengths: list[int]) -> int:
     return rows
 
 
+def plan_chunks(lengths: list[int], batch_size: int, seed: int) -> list[list[int]]:
+    """Prompt indices in generation chunks: sorted by length, cut by `rows_for`, the chunks
+    in an order shuffled by `seed`.
+
+    >>> plan_chunks([5, 1, 4, 2, 3, 6], 2, seed=0)
+    [[0, 5], [1, 3], [4, 2]]
+    """
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    chunks, lo = [], 0
+    while lo < len(order):
+        chunks.append(order[lo : lo + rows_for(batch_size, [lengths[i] for i in order[lo : lo + batch_size]])])
+        lo += len(chunks[-1])
+    return [chunks[j] for j in np.random.default_rng(seed).permutation(len(chunks))]
+
+
 def generate(
     model,
     prompts: list[list[int]],
@@ -173,26 +188,25 @@ def generate(
     deadline: float = math.inf,
     label: str = "gen",
     log_every_s: float = 10.0,
+    seed: int = 0,
 ) -> tuple[list[Example], dict]:
     """The target's continuation of each prompt (stopping at an EOS id, which is kept, or
     after `max_new_tokens`), with its top-`topk` log-probabilities at every generated
-    position. Prompts of similar lengths run together, `batch_size` at a time, left-padded
-    in fixed-length buffers (`_FixedBatch`), every row stepping `max_new_tokens` times
-    unless all have stopped. Past `deadline` (time.monotonic()) it stops and keeps what
-    each row has so far. Returns (examples in `prompts`' order, without empty ones; stats)."""
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    position. Prompts of similar lengths run together, `batch_size` at a time (`rows_for`),
+    left-padded in fixed-length buffers (`_FixedBatch`), every row stepping `max_new_tokens`
+    times unless all have stopped; the chunks run in an order shuffled by `seed`, so a pass
+    that `deadline` (time.monotonic()) stops holds prompts of every length, not only the
+    shortest. Returns (examples in `prompts`' order, without empty ones; stats)."""
+    chunks = plan_chunks([len(p) for p in prompts], batch_size, seed)
     eos = mx.array(sorted(eos_ids)) if eos_ids else None
     new = _length_bucket(max_new_tokens)
     results: dict[int, Example] = {}
     start = last_log = time.monotonic()
     num_done, num_tokens, stopped_by = 0, 0, "done"
-    lo = 0
-    while lo < len(order):
+    for number, chunk in enumerate(chunks):
         if time.monotonic() > deadline:
             stopped_by = "time"
             break
-        chunk = order[lo : lo + rows_for(batch_size, [len(prompts[i]) for i in order[lo : lo + batch_size]])]
-        lo += len(chunk)
         batch = _FixedBatch(
             model, [prompts[i] for i in chunk], _length_bucket(max(len(prompts[i]) for i in chunk)), new
         )
@@ -212,7 +226,8 @@ def generate(
                 else mx.random.categorical(logprobs * (1.0 / temperature))
             )
             if topk:
-                ids = mx.argpartition(-logprobs, kth=topk - 1, axis=-1)[:, :topk]
+                # A copy, not a view: a slice keeps the whole (rows, vocab) partition alive.
+                ids = mx.contiguous(mx.argpartition(-logprobs, kth=topk - 1, axis=-1)[:, :topk])
                 step_ids.append(ids)
                 step_lps.append(mx.take_along_axis(logprobs, ids, axis=-1))
             steps.append(token)
@@ -246,11 +261,13 @@ def generate(
                 lps[row, :cut] if topk else np.zeros((cut, 0), np.float32),
             )
         now = time.monotonic()
-        if now - last_log >= log_every_s or lo >= len(order):
+        if now - last_log >= log_every_s or number + 1 == len(chunks):
             last_log = now
             rate = num_tokens / max(now - start, 1e-9)
             print(
-                f"{label}: {len(results)}/{len(prompts)} prompts, {num_tokens:,} tokens, {rate:,.0f} tok/s", flush=True
+                f"{label}: {len(results)}/{len(prompts)} prompts, {num_tokens:,} tokens, {rate:,.0f} tok/s, "
+                f"memory {mx.get_active_memory() / 2**30:.1f} GiB (peak {mx.get_peak_memory() / 2**30:.1f})",
+                flush=True,
             )
     seconds = time.monotonic() - start
     examples = [results[i] for i in range(len(prompts)) if i in results and results[i].completion_ids]

@@ -203,6 +203,7 @@ def make_data(target, args, deadline: float) -> tuple[list[draft_data.Example], 
             batch_size=args.gen_batch,
             deadline=end,
             label=f"generate ({name})",
+            seed=args.seed,
         )
         examples += got
         print(f"generate ({name}): {passes[name]}", flush=True)

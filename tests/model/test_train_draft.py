@@ -267,6 +267,18 @@ def test_training_prompts_are_not_evaluation_prompts():
         assert any(snippet in f for f in train) and not any(snippet in f for f in held_out)
 
 
+def test_a_pass_cut_short_holds_prompts_of_every_length():
+    """Chunks run shuffled: the first quarter of them (what a deadline might leave) spans
+    short and long prompts alike, and every prompt is in exactly one chunk."""
+    lengths = list(range(1, 513))
+    chunks = draft_data.plan_chunks(lengths, 16, seed=0)
+    assert sorted(i for c in chunks for i in c) == list(range(512))
+    first = [lengths[i] for c in chunks[: len(chunks) // 4] for i in c]
+    assert min(first) < 128 and max(first) > 384
+    wide = [c for c in chunks if max(lengths[i] for i in c) > draft_data.PREFILL_WIDTH]
+    assert all(len(c) * max(lengths[i] for i in c) <= 16 * draft_data.PREFILL_WIDTH + 16 * 32 for c in wide)
+
+
 def test_fixed_shape_generation_is_mlx_lms_greedy_decode():
     """Left-padded rows in fixed buffers (two batches of unequal prompts) continue each
     prompt with exactly the tokens mlx-lm's `generate_step` gives it alone, stop after an

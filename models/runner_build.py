@@ -13,14 +13,14 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
-from models import prefix_cache
-from models.bucketed import BucketedForward
-from models.classic_batch import ClassicBatch
-from models.drafters import Drafter
-from models.grammar import Grammars
-from models.ragged_batch import RaggedBatch
+from models.batch import prefix_cache
+from models.batch.classic_batch import ClassicBatch
+from models.batch.ragged_batch import RaggedBatch
+from models.forward.bucketed import BucketedForward
 from models.runner_config import RunnerConfig
-from models.session import PROBE_TOKENS
+from models.sampling.grammar import Grammars
+from models.speculative.drafters import Drafter
+from models.speculative.session import PROBE_TOKENS
 from scheduler.request import Request, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -42,9 +42,9 @@ def make_classic_batch(
     grammars: Grammars,
 ) -> ClassicBatch | RaggedBatch:
     """Where the verify can ride in the batch's forward (`fuse_blocker` None), classic
-    rows and sessions share one slab (`models.ragged_batch`): moving a stream between
+    rows and sessions share one slab (`models.batch.ragged_batch`): moving a stream between
     them moves no keys. Otherwise, or with `config.ragged` False, mlx-lm's
-    `BatchGenerator` (`models.classic_batch`); `config.ragged` True demands the slab.
+    `BatchGenerator` (`models.batch.classic_batch`); `config.ragged` True demands the slab.
     `drafter`: the slot's (None: no slot); on the slab, with the prefix cache on, a
     drafter that keeps KV gets its own share of the budget (`make_prefix_caches`)."""
     if config.ragged and fuse_blocker is not None:

@@ -35,7 +35,7 @@ class RunnerConfig:
     fast_verify: bool = knob(
         False,
         "The slot verifies through compiled, shape-bucketed per-session forwards "
-        "(`models/bucketed.py`): the fastest lone stream on a GPU (docs/gpu.md), but that verify "
+        "(`models/forward/bucketed.py`): the fastest lone stream on a GPU (docs/gpu.md), but that verify "
         "cannot ride in the batch's forward, so mlx-lm's `BatchGenerator` and the alternating tick "
         "run instead of the slab; for single-stream deployments. Off: the slab serves on CPU and GPU "
         'alike (on a GPU its forwards run as grids with bucketed shapes, docs/gpu.md "Concurrency '
@@ -103,7 +103,7 @@ class RunnerConfig:
     replica_drafts: bool = knob(
         False,
         "Classic rows that draft (`row_drafts`) also draft from the replica's past outputs: the "
-        "outputs of rows that left the batch, held up to 16,384 tokens (`models/replica_index.py`); "
+        "outputs of rows that left the batch, held up to 16,384 tokens (`models/speculative/replica_index.py`); "
         "a row whose last 4-8 tokens occurred in one drafts what followed, else its own prompt "
         "lookup. For agents that re-ask and edits that return most of an earlier answer (6-12 % "
         "faster from 2 streams where every prompt comes twice, a little slower on fresh prompts: "
@@ -141,7 +141,7 @@ class RunnerConfig:
     )
     ragged: bool | None = knob(
         None,
-        "Classic rows and sessions in one slab (`models.ragged_batch`); None = whenever the "
+        "Classic rows and sessions in one slab (`models.batch.ragged_batch`); None = whenever the "
         "verify can ride in the batch's forward, False = mlx-lm's `BatchGenerator` in every case.",
         deployed=False,
     )

@@ -30,7 +30,7 @@ class Interrupted(Exception):
 @dataclass
 class TokenBatch:
     """Tokens one action produced for one request; a classic row that verified its own
-    drafts in the step (`models.ragged_batch`) reports how many it drafted and accepted."""
+    drafts in the step (`models.batch.ragged_batch`) reports how many it drafted and accepted."""
 
     request_id: str
     token_ids: list[int]
@@ -54,7 +54,7 @@ class TokenBatch:
 @dataclass
 class RoundOutcome:
     """Result of one speculative round (or probe round) of one session: the one record
-    of a round, built by the session (`models.session`) and completed by the runner
+    of a round, built by the session (`models.speculative.session`) and completed by the runner
     with what only it knows (`drafter`, `fused`); `Counters.record_round` tallies it.
 
     A round drafts `num_drafted` tokens, verifies them with one target forward and

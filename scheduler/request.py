@@ -61,7 +61,7 @@ class TokenLogprob(NamedTuple):
     """One emitted token's log-probability and the `SamplingParams.logprobs` most likely
     tokens at its position, most likely first, as (token id, log-probability) pairs.
     Log-probabilities are of the sampler's processed distribution
-    (`models.sampling.RequestSampler.log_probs`: after logit bias, penalties and the
+    (`models.sampling.samplers.RequestSampler.log_probs`: after logit bias, penalties and the
     grammar mask, before temperature and the top-p / min-p / top-k filters); a token
     the grammar forbids has -inf."""
 
@@ -78,14 +78,14 @@ class SamplingParams:
 
     `stop_token_ids` end the stream and are emitted (like EOS in mlx-lm); text stop
     sequences are the serve layer's job. The logit processors (applied to the raw
-    logits, in this order; `models.sampling.penalized_logits`):
+    logits, in this order; `models.sampling.samplers.penalized_logits`):
     - `logit_bias`: (token id, bias) pairs added to the logits;
     - `repetition_penalty`: mlx-lm's (and Hugging Face's) sign-aware penalty on every
       token among the last `repetition_context_size` tokens of prompt + output
       (a positive logit is divided by it, a negative one multiplied; 1 = off);
     - `presence_penalty`, `frequency_penalty`: OpenAI's, over the output tokens only:
       logit -= presence * (count > 0) + frequency * count.
-    - `grammar`: an llguidance grammar (`models.grammar`); tokens it forbids after the
+    - `grammar`: an llguidance grammar (`models.sampling.grammar`); tokens it forbids after the
       stream so far get -inf, and a draft it forbids ends the draft.
     Then the filters on the log-probabilities (mlx-lm's order: top_p, min_p, top_k;
     0 = off for top_k and min_p) and the draw at `temperature` (0 = argmax).

@@ -1,6 +1,6 @@
 """Speculation at temperature > 0: the draft model's drafts accepted by token equality
 (greedy drafts against the target's seeded sample) vs by rejection sampling (drafts
-sampled from the draft's distribution, `models.rejection`).
+sampled from the draft's distribution, `models.speculative.rejection`).
 
     python -m scripts.bench_accept [--quick] [--repeats 3] [--out results/accept]
 

@@ -17,7 +17,7 @@ do not all end in the same tick), in-process (engine level: the scheduler over `
 - `classic`: B=1 policy off, every stream a classic row (the ratios' baseline);
 - `classic_batchgen`: the same on a second runner whose classic rows run in mlx-lm's
   `BatchGenerator` (`MlxRunner(ragged=False)`), the batch the runner used before the
-  slab (`models.ragged_batch`): what the slab costs or gains plain batching.
+  slab (`models.batch.ragged_batch`): what the slab costs or gains plain batching.
 `--configs`: a subset of the configurations, or `replica` (`default` with
 `replica_drafts`) and `budget` (`default` with `draft_step_share: 0.5`).
 `--workload repeat`: every code prompt asked twice, the second time at least N arrivals
@@ -42,7 +42,7 @@ import random
 import statistics
 
 import models  # noqa: F401  (fast BLAS before mlx)
-from models.drafter_kinds import DRAFTERS
+from models.speculative.drafter_kinds import DRAFTERS
 from scheduler.config import SchedulerConfig
 from scripts import bench_util, metrics
 from scripts.bench_engine import Arrival, drive, load_runner

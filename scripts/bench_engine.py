@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 
 import models  # noqa: F401  (fast BLAS before mlx)
-from models.drafter_kinds import DRAFTERS, NO_DRAFTER
 from models.runner import MlxRunner
+from models.speculative.drafter_kinds import DRAFTERS, NO_DRAFTER
 from scheduler.config import SchedulerConfig
 from scheduler.core import Scheduler
 from scheduler.request import Lane, Request, SamplingParams

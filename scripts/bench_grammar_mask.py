@@ -2,7 +2,7 @@
 
 For each engine: compile a JSON schema once, then walk a fixed valid JSON document
 token by token, computing the allowed-token mask before each token and consuming it.
-The "specslot" rows time what a verify pays here (`models.grammar.GrammarMatcher.masks`
+The "specslot" rows time what a verify pays here (`models.sampling.grammar.GrammarMatcher.masks`
 over 1 or 5 positions, as an mlx array). Prints a table (compile ms, mean and p95 mask
 µs per call) and writes JSON.
 
@@ -110,7 +110,7 @@ def bench_outlines_core(hf_tokenizer, token_ids: list[int]) -> dict:
 def bench_specslot_masks(hf_tokenizer, token_ids: list[int], num_positions: int) -> dict:
     """What a verify of `num_positions` pays here: `GrammarMatcher.masks` (llguidance's
     masks after each draft, unpacked into one (n, V) mlx bool array)."""
-    from models.grammar import Grammars, json_schema_grammar
+    from models.sampling.grammar import Grammars, json_schema_grammar
 
     start = time.perf_counter()
     matcher = Grammars(hf_tokenizer, [hf_tokenizer.eos_token_id]).matcher(json_schema_grammar(SCHEMA))

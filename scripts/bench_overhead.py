@@ -83,7 +83,7 @@ def engine_decode_rate(engine: Engine, prompt: list[int], max_tokens: int, reque
 
 
 def engine_vs_raw(target: str, quick: bool, seed: int) -> dict:
-    from models.loader import load_model
+    from models.loading.loader import load_model
 
     max_tokens = 128 if quick else 512
     num_pairs = 5 if quick else 8

@@ -6,7 +6,7 @@
 # the paths, and builds the random-weight model of $SHAPE (scripts/shapes.py; $BITS bits, 4 unless
 # set, 0 for bf16) at $MODEL.
 #
-#   SHAPE=q15 source scripts/device_env.sh && python3 scripts/experiments/gpu_ticks.py --target "$MODEL" ...
+#   SHAPE=q15 source scripts/device_env.sh && python3 -m scripts.experiments.gpu_ticks --target "$MODEL" ...
 T0=${T0:-$(date +%s)}
 if [ -d "$HOME/mlx-parts" ] && [ ! -d /tmp/site ]; then
   cat "$HOME/mlx-parts/part.aa" .whl_b/part.ab > "/tmp/$(cat .whl_b/NAME)"

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from models.slab_forward import last_positions
+from models.forward.slab_forward import last_positions
 from scripts import prompts as prompt_sets
 
 PROMPT_KINDS = ("chat", "code_chat", "code")

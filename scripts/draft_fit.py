@@ -165,8 +165,8 @@ def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
 @contextlib.contextmanager
 def differentiable_kernels():
     """MLX's and mlx-lm's own attention and SwiGLU while the block runs: the CPU kernels
-    `models.cpu_math` installs process-wide (the loader does, on x86) have no gradient."""
-    from models import cpu_math
+    `models.platform.cpu_math` installs process-wide (the loader does, on x86) have no gradient."""
+    from models.platform import cpu_math
 
     if mx.fast.scaled_dot_product_attention is not cpu_math.attention:
         yield

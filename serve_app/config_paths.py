@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from models.hub import is_repo_id
-from models.pypi_weights import is_pypi_source
+from models.loading.hub import is_repo_id
+from models.loading.pypi_weights import is_pypi_source
 from serve_app.config_errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

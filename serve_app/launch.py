@@ -53,7 +53,7 @@ def read_config(path: str) -> dict:
 
 def precheck(config: dict) -> None:
     """Build each specslot app and validate its user_config, as Serve would, but here."""
-    from models.checks import ModelLoadError
+    from models.loading.checks import ModelLoadError
     from serve_app.app import ConfigError, build_app, validate_user_config
 
     for app in config.get("applications", []):

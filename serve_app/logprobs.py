@@ -1,6 +1,6 @@
 """OpenAI's `logprobs` objects, from the scheduler's per-token `TokenLogprob`s.
 
-The values are the sampler's processed log-probabilities (`models.sampling`: after
+The values are the sampler's processed log-probabilities (`models.sampling.samplers`: after
 logit bias, penalties and the grammar mask; before temperature and the top-p / min-p
 / top-k filters). A request reports one entry per billed token (`CompletionText`:
 tokens after a text stop are not billed and not reported), the end-of-sequence

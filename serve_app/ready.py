@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 
-from models.hub import is_repo_id
+from models.loading.hub import is_repo_id
 from serve_app.config import ServeArgs
 
 _EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception): (.+)$")

@@ -3,7 +3,7 @@ output is read back.
 
 `resolve` turns `response_format`, `tools` and `tool_choice` into an `OutputSpec`: the
 grammar that constrains decoding (`SamplingParams.grammar`, llguidance's: a JSON
-schema's from `models.grammar`, a forced tool call's from the `ToolFormat`), the tools the chat template
+schema's from `models.sampling.grammar`, a forced tool call's from the `ToolFormat`), the tools the chat template
 renders, and how the
 finished text is returned. Tool calls are written and read in the deployment's
 `ToolFormat` (`serve_app.tool_formats`: Hermes / Qwen, Llama 3 JSON, Mistral), chosen
@@ -60,7 +60,7 @@ def resolve(
 ) -> OutputSpec:
     """The output spec of a chat body's fields, tool calls in `tool_format`; raises
     `APIError` (400) naming the field."""
-    from models.grammar import grammar_error, json_schema_grammar  # llguidance: loaded on first use
+    from models.sampling.grammar import grammar_error, json_schema_grammar  # llguidance: loaded on first use
 
     functions = _functions(tools)
     mode, forced_names = _tool_choice(tool_choice, functions)

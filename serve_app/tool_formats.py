@@ -39,7 +39,7 @@ _MARKERS = {
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _ARGS_HEADER = re.compile(r"\s*([A-Za-z0-9_.-]{1,64})\s*\[ARGS\]\s*")
 _JSON = json.JSONDecoder()
-# Compact separators, as `models.grammar.json_schema_grammar`: a small model could
+# Compact separators, as `models.sampling.grammar.json_schema_grammar`: a small model could
 # otherwise spend its budget on whitespace.
 _COMPACT = {"whitespace_flexible": False}
 
@@ -105,7 +105,7 @@ class ToolFormat:
     def grammar(self, functions: list[dict], parallel: bool) -> str:
         """The llguidance grammar (`SamplingParams.grammar`) of a reply that is one call
         of any of `functions` (OpenAI function objects), or with `parallel` one or more."""
-        from llguidance import LLMatcher  # loaded on first use, as models.grammar
+        from llguidance import LLMatcher  # loaded on first use, as models.sampling.grammar
 
         return LLMatcher.grammar_from_lark(self.lark(functions, parallel))
 

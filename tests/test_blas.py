@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-import models._blas as blas
-import models._elf as elf
+import models.platform._blas as blas
+import models.platform._elf as elf
 from tests.conftest import FAST_BLAS_MIN_RATIO
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -217,7 +217,7 @@ def test_this_process_runs_mlx_on_openblas_with_every_core(reference_gflops):
 
 def _run_matmul(prefix: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
     code = (
-        "import models, models._blas as b, mlx.core as mx\n"
+        "import models, models.platform._blas as b, mlx.core as mx\n"
         "a = mx.random.normal((128, 128)); mx.eval(a @ a)\n"
         "print(b.loaded().choice.library, b.loaded().core)"
     )
@@ -279,7 +279,11 @@ def test_runs_on_x86_cpus_without_avx512(cpu, kernels):
 
 def test_doctor_reports_the_choice():
     proc = subprocess.run(
-        [sys.executable, "-m", "models.doctor", "--size", "256"], cwd=REPO, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "models.platform.doctor", "--size", "256"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     out = _assert_ran(proc)
     for heading in ("platform", "cpu flags", "blas", "matmul", "mlx device", "versions"):
@@ -293,7 +297,7 @@ def test_doctor_reports_the_choice():
 def test_no_fast_library_warns_once_with_reason_and_rate_and_keeps_working():
     code = (
         "import platform; platform.machine = lambda: 'riscv64'\n"
-        "import models, models._blas as b, mlx.core as mx\n"
+        "import models, models.platform._blas as b, mlx.core as mx\n"
         "a = mx.random.normal((64, 64)); mx.eval(a @ a)\n"
         "print(b.loaded().choice.library)"
     )

@@ -6,7 +6,7 @@ compiled, when it landed in the cache (its file's time). A later start with the 
 `--config` overrides go on top, e.g. `prebuild_kernels=false` for MLX
 building every family itself inside the load (docs/gpu.md, "Install and serve").
 
-    python3 scripts/experiments/cold_start.py --target "$MODEL" --config "configs/gpu.yaml:drafter={kind: ngram}"
+    python3 -m scripts.experiments.cold_start --target "$MODEL" --config "configs/gpu.yaml:drafter={kind: ngram}"
 """
 
 from __future__ import annotations
@@ -19,11 +19,9 @@ import argparse  # noqa: E402
 import glob  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, HERE)
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""What `models.cpu_math` does to prompt processing on a CPU: one engine, MLX's own
+"""What `models.platform.cpu_math` does to prompt processing on a CPU: one engine, MLX's own
 softmax and SiLU against `cpu_math`'s, alternating in the same process (so both see the
 same machine minute by minute).
 
@@ -7,7 +7,7 @@ event carrying the first token: a fresh prompt of 76, 466 and 900 random tokens,
 cached turn (the 466-token prompt again plus 76 new tokens: the prefix cache serves the
 466). The first two rounds are not counted.
 
-    python scripts/experiments/cpu_prefill.py [--config configs/bundled.yaml] [--rounds 16]
+    python -m scripts.experiments.cpu_prefill [--config configs/bundled.yaml] [--rounds 16]
 
 `--bare`: no engine, `cpu_math` on: the forwards alone of scenario 7's turns 2-6
 (`scripts/bench_multiturn.py`, prompts of 466-871 tokens), each turn's prompt fresh in one
@@ -25,7 +25,6 @@ import statistics
 import sys
 
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, HERE)
 
 import models  # noqa: E402,F401  (fast BLAS before mlx)
 
@@ -33,7 +32,7 @@ import models  # noqa: E402,F401  (fast BLAS before mlx)
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models import activations  # noqa: E402
 
-from models import cpu_math  # noqa: E402
+from models.platform import cpu_math  # noqa: E402
 from scheduler.request import Request, SamplingParams  # noqa: E402
 from scripts.engine_load import engine_from_config, first_token  # noqa: E402
 
@@ -111,8 +110,8 @@ def bare(target: str, rounds: int) -> int:
     """Each turn's fresh prompt in one slab forward against its new tokens over the rest."""
     import time
 
-    from models.loader import load_model
-    from models.slab import Slab
+    from models.forward.slab import Slab
+    from models.loading.loader import load_model
 
     if not cpu_math.install():
         print("not on a CPU: cpu_math is not in use here", file=sys.stderr)

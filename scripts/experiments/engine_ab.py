@@ -4,8 +4,8 @@ each; per configuration, output tok/s of each burst and the median, the median o
 bursts' mean TTFT, and A / B per pair of bursts. The first burst of each is a warm-up.
 (docs/gpu.md, "Fused projections"; docs/benchmarks.md, "SmolLM2-135M-Instruct".)
 
-    python scripts/experiments/engine_ab.py --streams 4 --a '{"fused_projections": false}' --b '{}'
-    python scripts/experiments/engine_ab.py --config configs/local.yaml --prompts chat --streams 1 \
+    python -m scripts.experiments.engine_ab --streams 4 --a '{"fused_projections": false}' --b '{}'
+    python -m scripts.experiments.engine_ab --config configs/local.yaml --prompts chat --streams 1 \
         --tokens 64 --b '{"drafter": {"kind": "none"}}'
 """
 
@@ -15,13 +15,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, HERE)
 
 import models  # noqa: E402,F401  (fast BLAS before mlx)
+
+# isort: split
 from scheduler.request import Request, SamplingParams  # noqa: E402
 from scripts.engine_load import engine_from_config  # noqa: E402
 from scripts.prompts import chat_messages, chat_questions, stdlib_snippets  # noqa: E402

@@ -8,7 +8,7 @@ server's runs (`scripts/bench_vs_mlx_lm.py` prints the same tick times per run),
 whether a slower step over HTTP comes from the engine's thread or from the service
 around it.
 
-    python3 scripts/experiments/engine_ticks.py --target /tmp/specslot-q15 \\
+    python3 -m scripts.experiments.engine_ticks --target /tmp/specslot-q15 \\
         --config "configs/gpu.yaml:drafter={kind: ngram}" --streams 1 4 --repeats 3 --temperature 0.7
 """
 
@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, HERE)
 
 
 def tick_state(engine) -> dict:

@@ -1,7 +1,7 @@
 """What a request with a top_p or min_p value the replica has not seen before costs: its
 time to first token, and the longest wait of the streams already decoding while it
 arrives. Two ways to apply the filters take turns in one process, on one engine:
-`ours` (`models.sampling`'s filters, the value as data) and `mlx_lm` (mlx-lm's
+`ours` (`models.sampling.samplers`'s filters, the value as data) and `mlx_lm` (mlx-lm's
 `apply_top_p` / `apply_min_p`, compiled with the value as a constant: each new value is
 traced and its fused kernel built, on the engine thread).
 
@@ -11,7 +11,7 @@ cache holds its kernel: MLX's CPU kernels are also cached on disk by name, hence
 random digits); its TTFT and the other streams' longest gap between two events, from
 its arrival until it finishes, are recorded. Medians over `--probes` probes per way and filter.
 
-    python scripts/experiments/filter_values.py [--config configs/bundled.yaml] [--probes 5]
+    python -m scripts.experiments.filter_values [--config configs/bundled.yaml] [--probes 5]
 """
 
 from __future__ import annotations
@@ -20,21 +20,21 @@ import argparse
 import os
 import random
 import statistics
-import sys
 import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, HERE)
 
 import models  # noqa: E402,F401  (fast BLAS before mlx)
-from models.sampling import min_p_filter, top_p_filter  # noqa: E402
+
+# isort: split
+from models.sampling.samplers import min_p_filter, top_p_filter  # noqa: E402
 from scheduler.request import Request, SamplingParams  # noqa: E402
 from scripts.engine_load import engine_from_config  # noqa: E402
 
 
 def use_filters(way: str) -> None:
     """Point the sampler at one way of applying top_p and min_p."""
-    from models import sampling
+    from models.sampling import samplers as sampling
 
     if way == "mlx_lm":
         from mlx_lm.sample_utils import apply_min_p, apply_top_p

@@ -1,30 +1,27 @@
-"""A slab step with each layer's q/k/v and gate/up shared (`models/fused_projections.py`)
+"""A slab step with each layer's q/k/v and gate/up shared (`models/loading/fused_projections.py`)
 against the separate projections (docs/gpu.md, "Fused projections"): 4 rows over 300
 positions, 1 and 5 tokens a row, the two models alternating; per step the host's graph
 building and the whole synchronized step, medians of 30. On a CUDA GPU a quantized model
 is dequantized first, as `dense_weights` does by default.
 
-    python3 scripts/experiments/fused_step.py /tmp/specslot-q15     # or models/bundled/target on a CPU
+    python3 -m scripts.experiments.fused_step /tmp/specslot-q15     # or models/bundled/target on a CPU
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import models  # noqa: E402,F401  (fast BLAS before mlx)
 
 # isort: split
 import mlx.core as mx  # noqa: E402
 
-from models import dense_weights, fused_projections  # noqa: E402
-from models.device_memory import on_cuda  # noqa: E402
-from models.loader import load_model  # noqa: E402
-from models.slab import Slab  # noqa: E402
+from models.forward.slab import Slab  # noqa: E402
+from models.loading import dense_weights, fused_projections  # noqa: E402
+from models.loading.loader import load_model  # noqa: E402
+from models.platform.device_memory import on_cuda  # noqa: E402
 
 ROWS = 4
 

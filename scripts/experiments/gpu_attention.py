@@ -6,7 +6,7 @@ one length, a group of fresh prompts). Qwen2.5-1.5B's attention shape (12 query 
 key-value heads, 128 dims), bf16 on a GPU, random values. Per shape: the first call
 (what a fresh process pays, plans included) and the median of the next ones, in ms.
 
-    python scripts/experiments/gpu_attention.py --out DIR/attention.json
+    python -m scripts.experiments.gpu_attention --out DIR/attention.json
 """
 
 from __future__ import annotations
@@ -15,11 +15,9 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, HERE)
 
 SHAPES = (
     [(rows, 512, length) for rows in (1, 8) for length in (0, 512, 1024, 1536)]
@@ -37,7 +35,7 @@ def main() -> None:
     import numpy as np
 
     import models  # noqa: F401  (a fast BLAS before mlx.core on a CPU)
-    from models.slab_forward import STEP, _grid_attention
+    from models.forward.slab_forward import STEP, _grid_attention
 
     dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
     heads, kv_heads, dim, scale = 12, 2, 128, 128**-0.5

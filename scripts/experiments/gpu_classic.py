@@ -2,12 +2,12 @@
 
 Per model (the bundled target, then random Llamas named on the command line, e.g. 1B),
 three alternating repeats of: raw `generate_step`; `BatchGenerator` alone; our
-`ClassicBatch` (a lone row: the `models.solo` path); a bare pipelined loop over a plain
+`ClassicBatch` (a lone row: the `models.batch.solo` path); a bare pipelined loop over a plain
 KVCache; synchronised single-token forwards over a plain `KVCache` and over a
 `BatchKVCache`; and, for the bundled target, the threaded `Engine` (classic only).
 Prints ms per decoded token (median, then every repeat).
 
-    N=256 python3 scripts/experiments/gpu_classic.py [1B ...]
+    N=256 python3 -m scripts.experiments.gpu_classic [1B ...]
 """
 
 import os
@@ -15,20 +15,22 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import models  # noqa
+
+# isort: split
 import mlx.core as mx
-from mlx_lm.generate import generate_step, BatchGenerator
+from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import make_prompt_cache
-from models.classic_batch import ClassicBatch
-from models.loader import load_model
-from models.sampling import RequestSampler
-from scheduler.request import Request, SamplingParams
-from scheduler.engine import Engine
+
+from models.batch.classic_batch import ClassicBatch
+from models.loading.loader import load_model
+from models.sampling.samplers import RequestSampler
 from scheduler.config import SchedulerConfig
-from scripts.gpu_bench import random_llama
+from scheduler.engine import Engine
+from scheduler.request import Request, SamplingParams
 from scripts.bench_engine import load_runner
 from scripts.bench_overhead import engine_decode_rate
+from scripts.gpu_bench import random_llama
 
 N = int(os.environ.get("N", "256"))
 

@@ -13,7 +13,7 @@ heads: 12 query, 2 key/value, dimension 128, bf16) over a slab-like buffer, with
 with `--target`, the engine's ticks (`gpu_ticks.py`, T = 0.7, classic rows only) for
 each `slab_forward.DECODE_ATTENTION` in turn.
 
-    python3 scripts/experiments/gpu_decode_attention.py --target /tmp/specslot-q15 --rounds 2
+    python3 -m scripts.experiments.gpu_decode_attention --target /tmp/specslot-q15 --rounds 2
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, HERE)
 
 import models  # noqa: E402,F401  (a fast BLAS before MLX on a CPU)
 
@@ -32,7 +31,7 @@ import models  # noqa: E402,F401  (a fast BLAS before MLX on a CPU)
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from models.slab_forward import _grid_attention, _grid_mask  # noqa: E402
+from models.forward.slab_forward import _grid_attention, _grid_mask  # noqa: E402
 from scripts.bench_util import median_eval_s  # noqa: E402
 
 HEADS, KV_HEADS, DIM, LAYERS, CAPACITY = 12, 2, 128, 28, 1024
@@ -98,13 +97,13 @@ def main() -> None:
     attention_table(args.rows, args.keys, args.repeats, dtype)
     if not args.target:
         return
-    script = os.path.join(HERE, "scripts", "experiments", "gpu_ticks.py")
     for k in range(args.rounds):
         for mode in ("mask", "rows", "matmuls"):
             out = subprocess.run(
                 [
                     sys.executable,
-                    script,
+                    "-m",
+                    "scripts.experiments.gpu_ticks",
                     "--target",
                     args.target,
                     "--config",

@@ -8,13 +8,13 @@ tokens against 3.9-4.8 in bf16) and slow on a (rows, 1, hidden) input. Here each
 `QuantizedLinear` of a loaded 4-bit model is wrapped to reshape its input to two
 dimensions (a view, no kernel) and back, and whole forwards of a batch of rows (a
 `KVCache` per layer, `--context` positions deep, trimmed back after each step) are timed
-against the same model dequantized to bf16 (`models.dense_weights`, as the service runs
-it), with and without fused projections (`models.fused_projections`). The last column
+against the same model dequantized to bf16 (`models.loading.dense_weights`, as the service runs
+it), with and without fused projections (`models.loading.fused_projections`). The last column
 runs a step of fewer than `--pad` (8) tokens with as many rows as reach it, as a grid
 forward would pad them with spare slots. Device synchronized after each forward; median
 of `--repeats`.
 
-    python3 scripts/experiments/gpu_flatq.py --model /tmp/specslot-q15 --rows 1 2 4 8 16 64 --widths 1 5
+    python3 -m scripts.experiments.gpu_flatq --model /tmp/specslot-q15 --rows 1 2 4 8 16 64 --widths 1 5
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def fuse_quantized(model: nn.Module) -> int:
     """q/k/v and gate/up of every layer as one flattened 4-bit matmul each (their packed
     weights, scales, biases and bias concatenated along the output axis; quantization
     groups run along the input axis, so the rows stay valid)."""
-    from models.fused_projections import SharedProjection, _Group
+    from models.loading.fused_projections import SharedProjection, _Group
 
     count = 0
     for layer in model.model.layers:
@@ -88,7 +88,7 @@ def main() -> None:
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load
 
-    from models import dense_weights, fused_projections
+    from models.loading import dense_weights, fused_projections
 
     def loaded(kind: str) -> nn.Module:
         model, _ = load(args.model)

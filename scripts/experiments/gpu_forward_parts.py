@@ -2,7 +2,7 @@
 bound by its kernels or by dispatching them?
 
 For each path (the plain mlx-lm forward; the bucketed compiled forward without and with
-the fused decoder of `models.bucketed`) and query length L, with shapes warm and the
+the fused decoder of `models.forward.bucketed`) and query length L, with shapes warm and the
 cache trimmed back after every forward, prints milliseconds per forward:
 - sync: call, then wait for the result;
 - pipelined: ten forwards queued back to back, one wait at the end (steady state);
@@ -11,23 +11,19 @@ When dispatch is close to sync, the host is the bottleneck and the GPU waits for
 `--profile` adds the GPU kernel time per forward and the costliest kernels, read with
 torch's CUPTI profiler (the device image has PyTorch; it sees MLX's kernels too).
 
-    python3 scripts/experiments/gpu_forward_parts.py --size 1B --lengths 1,2,5,7 [--profile]
+    python3 -m scripts.experiments.gpu_forward_parts --size 1B --lengths 1,2,5,7 [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache  # noqa: E402
 
-from models.bucketed import BucketedForward  # noqa: E402
+from models.forward.bucketed import BucketedForward  # noqa: E402
 from scripts.gpu_bench import log, random_llama  # noqa: E402
 
 

@@ -7,13 +7,13 @@ the GPU default; a variant's name turns either back:
   ~50-70 ms each, `gpu_shapes.py`), instead of the default two matmuls and a softmax
   (`slab_forward._grid_attention`);
 - `q4`: the quantized linears as loaded, instead of dequantized to bf16
-  (`models.dense_weights`, cuBLAS GEMMs).
+  (`models.loading.dense_weights`, cuBLAS GEMMs).
 
 Variants combine with `+` (`q4+fused` is what ran before both changes). One process per
 variant (a shape's first call is what it costs a fresh process; run the variants with
 one `MLX_PTX_CACHE_DIR`, after a warm-up process, so kernels come from disk):
 
-    python scripts/experiments/gpu_prefill.py --model /tmp/q15 --variant q4+fused --out DIR/q4_fused.json
+    python -m scripts.experiments.gpu_prefill --model /tmp/q15 --variant q4+fused --out DIR/q4_fused.json
 """
 
 from __future__ import annotations
@@ -21,10 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, HERE)
 
 SHAPES = (
     [(r, w, n) for n in (100, 700) for w in (2, 5) for r in (1, 4, 8, 16, 32)]
@@ -37,7 +35,7 @@ def fused_attention() -> None:
     """Grid attention with several queries per row back on the fused kernel (with a mask)."""
     import mlx.core as mx
 
-    from models import slab_forward
+    from models.forward import slab_forward
 
     slab_forward._grid_attention = lambda q, k, v, scale, mask: mx.fast.scaled_dot_product_attention(
         q, k, v, scale=scale, mask=mask
@@ -52,9 +50,9 @@ def main() -> None:
     args = parser.parse_args()
     import mlx.core as mx
 
-    from models.dense_weights import dequantize
-    from models.loader import load_pair
-    from models.slab import Slab
+    from models.forward.slab import Slab
+    from models.loading.dense_weights import dequantize
+    from models.loading.loader import load_pair
     from scripts.experiments.gpu_shapes import timed
 
     target, _ = load_pair(args.model, None)

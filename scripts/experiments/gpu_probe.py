@@ -4,7 +4,7 @@ sessions (K = 4 and 6, alpha = 0.8) against classic decode, interleaved in one p
 on one prompt (each repeat runs ours, mlx-lm, K=4, K=6 in turn), `--repeats` times.
 Reports medians, min-max spreads and the per-repeat paired speedups (ours_i / spec_i).
 
-    python scripts/experiments/gpu_probe.py --size 1B --repeats 7 --out DIR   (writes DIR/gpu_probe.json)
+    python -m scripts.experiments.gpu_probe --size 1B --repeats 7 --out DIR   (writes DIR/gpu_probe.json)
 """
 
 from __future__ import annotations
@@ -13,15 +13,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache  # noqa: E402
 
-from models.bucketed import BucketedForward  # noqa: E402
+from models.forward.bucketed import BucketedForward  # noqa: E402
 from scripts.gpu_bench import OracleDrafter, classic_mlxlm, classic_ours, log, random_llama, spec_run  # noqa: E402
 
 

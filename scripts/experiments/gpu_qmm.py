@@ -6,7 +6,7 @@ synchronized after each forward; median of 15 after 3 warm-ups.
 A shape `R,W` is a grid forward's (rows, width, hidden) input as the slab passes it; a
 shape `N` is the same tokens flattened to (N, hidden).
 
-    python3 scripts/experiments/gpu_qmm.py --shapes 4,1 4 64,1 64 8,5 40 8,512 4096
+    python3 -m scripts.experiments.gpu_qmm --shapes 4,1 4 64,1 64 8,5 40 8,512 4096
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ costs once the kernels are on disk (a restarted replica with `kernel_cache_dir`)
 Part "prefill": prompt tokens per second of the slab's prefill forwards (R rows x W tokens
 from length 0 and from 1,536), weights 4-bit as loaded and dequantized to bf16 (cuBLAS).
 
-    python scripts/experiments/gpu_shapes.py --model /tmp/q15 --out DIR/shapes_1.json
+    python -m scripts.experiments.gpu_shapes --model /tmp/q15 --out DIR/shapes_1.json
 """
 
 from __future__ import annotations
@@ -18,11 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, HERE)
 
 
 def timed(fn, repeats: int = 1) -> float:
@@ -45,9 +43,9 @@ def main() -> None:
     args = parser.parse_args()
     import mlx.core as mx
 
-    from models.dense_weights import dequantize
-    from models.loader import load_pair
-    from models.slab import Slab
+    from models.forward.slab import Slab
+    from models.loading.dense_weights import dequantize
+    from models.loading.loader import load_pair
     from scripts.experiments.gpu_prefill import fused_attention
 
     if args.fused:

@@ -34,21 +34,18 @@ inputs' shapes, so `mx.fast.cuda_kernel` gives it no shape parameters and the pr
 launch has the same signature. (The tables of sections 1-3 in docs/gpu.md were taken with
 the shapes read as `x_shape` / `w_shape`, commits 43fa79e and 4530120.)
 
-    python3 scripts/experiments/gpu_skinny.py [--model /tmp/specslot-q15] [--rows 1 2 4 8 16] [--host]
+    python3 -m scripts.experiments.gpu_skinny [--model /tmp/specslot-q15] [--rows 1 2 4 8 16] [--host]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
 import ctypes  # noqa: E402
 import functools  # noqa: E402
 import glob  # noqa: E402
+import os
+import sys
+import time
 
 import models  # noqa: E402,F401  (before mlx, as the service imports it)
 
@@ -411,8 +408,8 @@ def matmuls(token_counts: list[int]) -> None:
 def steps(path: str, row_counts: list[int]) -> None:
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-    from models import dense_weights
-    from models.loader import load_model
+    from models.loading import dense_weights
+    from models.loading.loader import load_model
 
     model = load_model(path).model
     dense_weights.dequantize(model)

@@ -7,7 +7,7 @@ every request has its first token and `--tokens` tokens. Per tick: the action, t
 requests prefilled, the live rows, milliseconds. Prints the timeline folded into runs
 of the same action, each request's first-token time, and writes both to `--out`.
 
-    python scripts/experiments/gpu_ticks.py --target /tmp/specslot-q15 \\
+    python -m scripts.experiments.gpu_ticks --target /tmp/specslot-q15 \\
         --config "configs/gpu.yaml:drafter={kind: ngram}" --requests 32 --prompt-chars 5600 --out DIR/ticks.json
 """
 
@@ -16,11 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, HERE)
 
 
 def main() -> None:
@@ -108,17 +106,17 @@ def main() -> None:
 
     path, overrides = parse_config_spec(args.config)
     serve = serve_args(path, {**overrides, "model": args.target})
-    from models import kernel_cache
+    from models.platform import kernel_cache
 
     kernel_cache.use(serve.kernel_cache_dir)
     from models.runner import MlxRunner
 
     if args.chunk:
-        from models import ragged_batch
+        from models.batch import ragged_batch
 
         ragged_batch.PREFILL_CHUNK = args.chunk
     if args.decode_attention:
-        from models import slab_forward
+        from models.forward import slab_forward
 
         slab_forward.DECODE_ATTENTION = args.decode_attention
 
@@ -410,7 +408,8 @@ def instrument_host(parts: dict[str, float], forwards: list[dict]) -> None:
     "packed"."""
     import mlx.core as mx
 
-    from models import ragged_batch, slab, slab_forward
+    from models.batch import ragged_batch
+    from models.forward import slab, slab_forward
 
     plan = slab_forward.Forward.__init__
 
@@ -463,7 +462,8 @@ def instrument(parts: dict[str, float], forwards: list[dict], attention: bool) -
 
     import mlx.core as mx
 
-    from models import prefix_cache, ragged_batch, slab, slab_forward
+    from models.batch import prefix_cache, ragged_batch
+    from models.forward import slab, slab_forward
 
     def sync() -> None:
         mx.synchronize()

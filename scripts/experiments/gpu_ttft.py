@@ -13,7 +13,7 @@ prefill and the end-to-end warm requests at load. "cold"
 children get empty kernel caches (MLX_PTX_CACHE_DIR, CUDA_CACHE_PATH), as the first
 process on a fresh machine does.
 
-    python scripts/experiments/gpu_ttft.py --out DIR       # writes DIR/gpu_ttft.json
+    python -m scripts.experiments.gpu_ttft --out DIR       # writes DIR/gpu_ttft.json
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, HERE)
 
 PLAN = [  # (mode, drafter, cache dir tag, cold?)
     ("before", "ngram", "a", True),
@@ -66,9 +65,9 @@ def child(mode: str, drafter: str, max_tokens: int) -> dict:
     import mlx.core as mx
 
     import models  # noqa: F401  (fast BLAS before mlx)
-    from models.drafters import DraftModelDrafter, NgramDrafter
-    from models.loader import load_pair
+    from models.loading.loader import load_pair
     from models.runner import MlxRunner
+    from models.speculative.drafters import DraftModelDrafter, NgramDrafter
     from scheduler.config import SchedulerConfig
     from scripts import metrics
     from scripts.bench_engine import DRAFT, TARGET, Arrival, drive
@@ -152,8 +151,18 @@ def main() -> int:
         )
         tic = time.perf_counter()
         proc = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--child", mode, drafter, "--max-tokens", str(args.max_tokens)],
+            [
+                sys.executable,
+                "-m",
+                "scripts.experiments.gpu_ttft",
+                "--child",
+                mode,
+                drafter,
+                "--max-tokens",
+                str(args.max_tokens),
+            ],
             env=env,
+            cwd=HERE,
             capture_output=True,
             text=True,
         )

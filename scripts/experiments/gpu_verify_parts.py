@@ -9,15 +9,10 @@ Read it as a comparison between variants in the same harness, not as kernel time
 op is dispatched from Python, so host dispatch (~15-25 us per op on the H200's host) is
 part of every figure.
 
-    python3 scripts/experiments/gpu_verify_parts.py
+    python3 -m scripts.experiments.gpu_verify_parts
 """
 
 from __future__ import annotations
-
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import models  # noqa: E402,F401  (fast BLAS before mlx.core)
 

@@ -10,7 +10,7 @@ three ways taking turns for `--rounds` rounds: every prompt tokenized on the eve
 thread), and every prompt on the thread. Prints the loop's worst and p99 lateness and the
 requests' mean time from when each was due to its response, per side.
 
-    python scripts/experiments/loop_stall.py [--tokens 2000 8000 23000] [--rounds 3]
+    python -m scripts.experiments.loop_stall [--tokens 2000 8000 23000] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -19,11 +19,9 @@ import argparse
 import asyncio
 import os
 import statistics
-import sys
 import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, HERE)
 
 TARGET = os.path.join(HERE, "models", "bundled", "target")
 

@@ -6,7 +6,7 @@ Synchronized after every forward, as the runner is when a step runs between two 
 (`prefill_yield_tokens`, CONTINUOUS_BATCHING.md "The fused tick", its prefill). Median of
 `--rounds` after one warm-up round (a GPU builds a kernel per new width).
 
-    python scripts/experiments/prefill_pieces.py --target DIR [--tokens 16000] [--widths 256,512,1024]
+    python -m scripts.experiments.prefill_pieces --target DIR [--tokens 16000] [--widths 256,512,1024]
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, HERE)
 
 import models  # noqa: E402,F401  (fast BLAS before mlx)
+
+# isort: split
 
 
 def main() -> int:
@@ -34,10 +35,10 @@ def main() -> int:
 
     import mlx.core as mx
 
-    from models import cpu_math
-    from models.loader import load_model
-    from models.ragged_batch import MAX_PREFILL_CHUNK
-    from models.slab import Slab
+    from models.batch.ragged_batch import MAX_PREFILL_CHUNK
+    from models.forward.slab import Slab
+    from models.loading.loader import load_model
+    from models.platform import cpu_math
 
     cpu_math.install()
     model = load_model(args.target).model

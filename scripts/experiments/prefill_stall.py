@@ -10,7 +10,7 @@ the requests prefilled there (`prefill_yield_tokens`, CONTINUOUS_BATCHING.md "Th
 tick", its prefill; neither with `--config configs/bundled.yaml:prefill_yield_tokens=0`)
 and the slot's grants (a stream holding the slot is not stepped there).
 
-    OPENBLAS_NUM_THREADS=1 python scripts/experiments/prefill_stall.py [--prompt-tokens 1000] [--repeats 2]
+    OPENBLAS_NUM_THREADS=1 python -m scripts.experiments.prefill_stall [--prompt-tokens 1000] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import argparse
 import os
 import random
 import statistics
-import sys
 import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, HERE)
 
 import models  # noqa: E402,F401  (fast BLAS before mlx)
+
+# isort: split
 
 TARGET = os.path.join(HERE, "models", "bundled", "target")
 

@@ -15,9 +15,9 @@ so the second prompt's prefix is cached): a short chat message and one of
 Run the two modes one after the other on an otherwise idle machine (the service
 stopped for `--engine`): the difference is what the serving path adds.
 
-    python scripts/experiments/ttft_path.py --engine configs/bundled.yaml
+    python -m scripts.experiments.ttft_path --engine configs/bundled.yaml
     python -m serve_app.cli configs/bundled.yaml &   # then, once it answers:
-    python scripts/experiments/ttft_path.py --url http://127.0.0.1:8000
+    python -m scripts.experiments.ttft_path --url http://127.0.0.1:8000
 """
 
 from __future__ import annotations
@@ -27,12 +27,10 @@ import itertools
 import json
 import os
 import statistics
-import sys
 import time
 import urllib.request
 
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, HERE)
 
 TARGET = os.path.join(HERE, "models", "bundled", "target")
 

@@ -13,9 +13,9 @@ with its first token, is split into:
 
 Rows: turn 1 (nothing cached), and turns 2 on (the history cached, unless the cache is off).
 
-    python scripts/experiments/turn_trace.py [--config configs/bundled.yaml[:key=value,...]] [--repeats 2]
+    python -m scripts.experiments.turn_trace [--config configs/bundled.yaml[:key=value,...]] [--repeats 2]
     # on the H200 (after `source scripts/device_env.sh`), histories to ~4,400 tokens:
-    python3 scripts/experiments/turn_trace.py --target "$MODEL" \\
+    python3 -m scripts.experiments.turn_trace --target "$MODEL" \\
         --config "configs/gpu.yaml:model=$MODEL,drafter={kind: ngram},first_tokens=2000,turn_tokens=380,max_tokens=64"
 """
 
@@ -25,14 +25,14 @@ import argparse
 import bisect
 import os
 import statistics
-import sys
 import time
 from collections import Counter
 
 HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, HERE)
 
 import models  # noqa: E402,F401  (fast BLAS before mlx)
+
+# isort: split
 from scripts import bench_multiturn  # noqa: E402
 from scripts.bench_vs_mlx_lm import parse_config_spec  # noqa: E402
 

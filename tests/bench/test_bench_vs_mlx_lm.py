@@ -10,7 +10,7 @@ import threading
 import pytest
 import yaml
 
-from models.hub import resolve_model_dir
+from models.loading.hub import resolve_model_dir
 from scripts import bench_vs_mlx_lm
 from scripts.bench_vs_mlx_lm import our_servers
 

@@ -45,7 +45,7 @@ def tiny_pair(tmp_path_factory):
 @pytest.fixture(scope="session")
 def loaded(tiny_pair):
     """(target LoadedModel, draft LoadedModel)."""
-    from models.loader import load_pair
+    from models.loading.loader import load_pair
 
     return load_pair(*tiny_pair)
 

@@ -3,9 +3,9 @@ speculative sessions run to completion; chi-square helpers for distribution test
 
 import math
 
-from models.classic_batch import ClassicBatch
-from models.drafters import DraftModelDrafter, NgramDrafter
-from models.session import SpeculativeSession
+from models.batch.classic_batch import ClassicBatch
+from models.speculative.drafters import DraftModelDrafter, NgramDrafter
+from models.speculative.session import SpeculativeSession
 
 
 def run_classic(model, requests, eos_token_ids, **kw):

@@ -1,14 +1,14 @@
-"""The GPU path (`models.bucketed`): shape-stable compiled forwards and the one-sync
+"""The GPU path (`models.forward.bucketed`): shape-stable compiled forwards and the one-sync
 speculative round, checked on CPU in float32 against the plain forward and classic decode."""
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from models.bucketed import BucketedForward, round_up, supports
-from models.drafters import DraftModelDrafter, NgramDrafter
+from models.forward.bucketed import BucketedForward, round_up, supports
 from models.runner import MlxRunner
-from models.session import SpeculativeSession
+from models.speculative.drafters import DraftModelDrafter, NgramDrafter
+from models.speculative.session import SpeculativeSession
 
 from .conftest import make_request
 from .helpers import run_classic
@@ -294,7 +294,7 @@ def test_model_outside_the_llama_family_runs_unfused_and_exact():
 
 
 def test_fused_decoder_that_disagrees_with_the_model_is_dropped(monkeypatch):
-    from models import bucketed
+    from models.forward import bucketed
 
     model = _fresh_llama(seed=4)
     real_call = bucketed._FusedDecoder.__call__

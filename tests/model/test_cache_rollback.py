@@ -1,4 +1,4 @@
-"""`models.cache_rollback` on real mlx-lm caches, one key per token: each key (and
+"""`models.speculative.cache_rollback` on real mlx-lm caches, one key per token: each key (and
 value) is its token's position, so what an update hands attention reads as positions.
 
 A rolled-back cache must hand the next update exactly what a cache that never saw the
@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from models.cache_rollback import (
+from models.speculative.cache_rollback import (
     RollbackError,
     can_roll_back,
     checkpoint,

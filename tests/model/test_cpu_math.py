@@ -1,4 +1,4 @@
-"""models.cpu_math: the CPU's softmax and SiLU (numpy for prompt-sized inputs, MLX's fast
+"""models.platform.cpu_math: the CPU's softmax and SiLU (numpy for prompt-sized inputs, MLX's fast
 primitives otherwise and inside `mx.compile`), against MLX's own kernels and float64 numpy."""
 
 import mlx.core as mx
@@ -6,7 +6,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from models import cpu_math
+from models.platform import cpu_math
 
 MLX_SDPA = cpu_math._MLX_SDPA
 

@@ -90,7 +90,7 @@ def test_seeded_sampled_streams_do_not_depend_on_stopped_steps(runner, prompts):
 def test_an_interrupted_forward_leaves_every_row_as_it_was(runner, prompts):
     """The batch itself: a step stopped at its first checkpoint changes no row's length,
     pending token or draft budget, and the step run next gives what it would have."""
-    from models.slab_forward import interrupt_every
+    from models.forward.slab_forward import interrupt_every
     from scheduler.model_api import Interrupted
 
     batch = runner._classic

@@ -14,8 +14,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
+from models.batch.solo import SoloRow
 from models.runner import MlxRunner
-from models.solo import SoloRow
 from scheduler.config import SchedulerConfig
 from scheduler.core import Scheduler
 

@@ -1,4 +1,4 @@
-"""`models.dense_weights`: a quantized model's layers served dequantized (the default on a
+"""`models.loading.dense_weights`: a quantized model's layers served dequantized (the default on a
 CPU and on a CUDA GPU)."""
 
 import mlx.core as mx
@@ -6,7 +6,7 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from models import dense_weights
+from models.loading import dense_weights
 from models.tiny import random_model, tiny_args
 
 

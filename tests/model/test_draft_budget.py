@@ -4,8 +4,8 @@ goes first; every stream still emits exactly what classic decode emits."""
 
 import pytest
 
-from models import ragged_batch
-from models.ragged_batch import RaggedBatch
+from models.batch import ragged_batch
+from models.batch.ragged_batch import RaggedBatch
 from scheduler.costs import TickCosts, share_drafts, step_draft_budget, verify_costs
 from scheduler.request import Lane, Request, SamplingParams
 
@@ -84,7 +84,7 @@ def test_a_session_keeps_its_lane_as_a_row():
 def test_a_row_drafts_from_the_replicas_past_outputs(loaded, prompt_ids):
     """A second request whose answer repeats a first one's drafts that answer from the
     replica's index, and emits exactly what classic decode emits."""
-    from models.replica_index import ReplicaIndex
+    from models.speculative.replica_index import ReplicaIndex
 
     target = loaded[0]
     eos = sorted(target.tokenizer.eos_token_ids)

@@ -7,9 +7,9 @@ import inspect
 
 import pytest
 
-from models.drafter_kinds import DRAFTERS, NO_DRAFTER
-from models.drafters import Drafter
 from models.runner import MlxRunner
+from models.speculative.drafter_kinds import DRAFTERS, NO_DRAFTER
+from models.speculative.drafters import Drafter
 from serve_app.config import DrafterArgs
 
 pytestmark = pytest.mark.model

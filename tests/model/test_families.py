@@ -17,10 +17,10 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from models import slab
-from models.drafters import NgramDrafter
-from models.loader import LoadedModel
+from models.forward import slab
+from models.loading.loader import LoadedModel
 from models.runner import SPEC_OFF_NO_ROLLBACK, MlxRunner
+from models.speculative.drafters import NgramDrafter
 from models.tiny import greedy_margins
 from scheduler.config import SchedulerConfig
 from scheduler.core import Scheduler
@@ -70,7 +70,7 @@ FAMILIES = {
     "llama3-rope": ("llama", {"tie_word_embeddings": False, "rope_scaling": _LLAMA3_ROPE}, None, True),
     "qwen2-bias": ("qwen2", {"tie_word_embeddings": False}, None, True),
     "qwen3": ("qwen3", {"tie_word_embeddings": False}, None, True),
-    # With GQA (2 KV heads), as every real checkpoint: models.upstream_fixes.
+    # With GQA (2 KV heads), as every real checkpoint: models.platform.upstream_fixes.
     "gemma2": ("gemma2", {"query_pre_attn_scalar": 16.0, "embed_scale": 0.5}, None, False),
     "gemma3_text-sliding": (
         "gemma3_text",
@@ -371,11 +371,11 @@ def test_a_target_that_cannot_roll_back_decodes_classically_with_speculation_off
 def test_gemma2_batches_with_grouped_queries(loaded):
     """mlx-lm 0.32.2's gemma2 attention applies a batch's 4-D mask to 5-D grouped queries:
     two rows of different lengths got each other's padding (silently wrong), three or
-    more failed to broadcast. With `models.upstream_fixes` batches of 2 and 3 prompts of
+    more failed to broadcast. With `models.platform.upstream_fixes` batches of 2 and 3 prompts of
     different lengths, prefilled together or one by one, decode as `generate_step` does."""
     from mlx_lm.models import gemma2
 
-    from models import upstream_fixes
+    from models.platform import upstream_fixes
 
     target = build(
         "gemma2", {"query_pre_attn_scalar": 16.0}, LAYERS, loaded[0].model.args.vocab_size, 0, None, embed_scale=0.5

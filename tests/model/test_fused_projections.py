@@ -1,4 +1,4 @@
-"""`models.fused_projections`: q/k/v and gate/up as one matmul each, in every forward
+"""`models.loading.fused_projections`: q/k/v and gate/up as one matmul each, in every forward
 (on by default on a CUDA GPU; forced on here, on the CPU, float32)."""
 
 import mlx.core as mx
@@ -7,9 +7,9 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from models import fused_projections
-from models.fused_projections import SharedProjection
-from models.slab import Slab
+from models.forward.slab import Slab
+from models.loading import fused_projections
+from models.loading.fused_projections import SharedProjection
 from models.tiny import random_model, tiny_args
 from scheduler.request import Request, SamplingParams
 

@@ -1,4 +1,4 @@
-"""GGUF files as mlx-lm directories (`models.gguf`), two ways:
+"""GGUF files as mlx-lm directories (`models.loading.gguf`), two ways:
 
 - tiny random llamas written here as GGUF files the way llama.cpp's converter writes
   them (its tensor names, q / k rows permuted for its interleaved rope, a byte-level
@@ -17,14 +17,14 @@ from dataclasses import replace
 
 import pytest
 
-from models import gguf
-from models.checks import ModelLoadError
+from models.loading import gguf
+from models.loading.checks import ModelLoadError
 
 from .conftest import PROMPTS
 
 pytestmark = pytest.mark.model
 
-# mlx-lm's names -> llama.cpp's (written out here, not taken from models.gguf).
+# mlx-lm's names -> llama.cpp's (written out here, not taken from models.loading.gguf).
 LAYER_NAMES = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
@@ -242,7 +242,7 @@ def test_the_converted_tokenizer_is_the_original(untied, tiny_pair, tmp_path, ca
 def test_unsupported_files_are_one_error_naming_the_fault(untied, tmp_path, cache, changes, extra, words):
     import mlx.core as mx
 
-    from models.hub import resolve_model_dir
+    from models.loading.hub import resolve_model_dir
 
     extra = {name: mx.ones((4,)) for name in extra or {}}
     path = untied.write(str(tmp_path / "odd.gguf"), changes, extra)
@@ -257,7 +257,7 @@ def test_unsupported_files_are_one_error_naming_the_fault(untied, tmp_path, cach
 
 
 def test_files_that_are_not_gguf_or_are_cut_short(untied, tmp_path, cache):
-    from models.hub import resolve_model_dir
+    from models.loading.hub import resolve_model_dir
 
     not_gguf = tmp_path / "weights.gguf"
     not_gguf.write_bytes(b"GGML" + bytes(64))
@@ -273,7 +273,7 @@ def test_files_that_are_not_gguf_or_are_cut_short(untied, tmp_path, cache):
 
 
 def test_a_directory_holding_one_gguf_resolves_and_two_are_refused(untied, tmp_path, cache):
-    from models.hub import resolve_model_dir
+    from models.loading.hub import resolve_model_dir
 
     one = tmp_path / "one"
     path = untied.write(str(one / "tiny.gguf"))
@@ -411,7 +411,7 @@ def test_on_a_gpu_a_gguf_models_float32_norms_take_its_half_dtype(smollm2_dir, m
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from models import loader
+    from models.loading import loader
 
     def dtypes(model):
         return {v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)}

@@ -9,7 +9,7 @@ import json
 import jsonschema
 import pytest
 
-from models.grammar import json_schema_grammar
+from models.sampling.grammar import json_schema_grammar
 from tests.model.test_fused_real import bundled_runner, drive, prompts, runner  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.model

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from models.grammar import Grammars, grammar_error, json_schema_grammar
+from models.sampling.grammar import Grammars, grammar_error, json_schema_grammar
 
 pytestmark = pytest.mark.model
 

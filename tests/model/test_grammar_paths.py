@@ -15,11 +15,11 @@ import jsonschema
 import numpy as np
 import pytest
 
-from models.drafters import DrafterBase
-from models.grammar import Grammars, json_schema_grammar
-from models.ragged_batch import RaggedBatch
-from models.rollback import draft_budget
-from models.session import SpeculativeSession
+from models.batch.ragged_batch import RaggedBatch
+from models.sampling.grammar import Grammars, json_schema_grammar
+from models.speculative.drafters import DrafterBase
+from models.speculative.rollback import draft_budget
+from models.speculative.session import SpeculativeSession
 
 from .conftest import make_request
 from .helpers import make_drafter, run_classic, stepwise_greedy
@@ -220,9 +220,9 @@ def test_a_constrained_request_needs_the_grammars(loaded, requests):
 
 
 def test_a_session_with_the_compiled_verifier_takes_the_plain_verify(loaded, grammars, requests, expected):
-    """The GPU path's compiled verify (`models.bucketed`) pads drafts and takes no
+    """The GPU path's compiled verify (`models.forward.bucketed`) pads drafts and takes no
     grammar: a constrained session verifies through the plain forward instead."""
-    from models.bucketed import BucketedForward
+    from models.forward.bucketed import BucketedForward
 
     verifier = BucketedForward(loaded[0].model, bucket=16, prefill_chunk=8)
     for r in requests:

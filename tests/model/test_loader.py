@@ -7,7 +7,7 @@ import shutil
 import mlx.core as mx
 import pytest
 
-from models.loader import ModelLoadError, load_model, load_pair
+from models.loading.loader import ModelLoadError, load_model, load_pair
 
 pytestmark = pytest.mark.model
 

@@ -13,10 +13,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from models.bucketed import BucketedForward
-from models.classic_batch import ClassicBatch
-from models.ragged_batch import RaggedBatch
-from models.sampling import RequestSampler, logprob_arrays
+from models.batch.classic_batch import ClassicBatch
+from models.batch.ragged_batch import RaggedBatch
+from models.forward.bucketed import BucketedForward
+from models.sampling.samplers import RequestSampler, logprob_arrays
 from scheduler.request import SamplingParams, TokenLogprob
 
 from .conftest import make_request
@@ -176,7 +176,7 @@ def test_slab_rows(loaded, requests, classic, knobs, mode):
 @pytest.mark.parametrize("knobs", KNOBS)
 @pytest.mark.parametrize("kind", ["oracle", "oracle_compiled", "draft_model", "ngram"])
 def test_speculative_sessions_report_each_verify_position(loaded, requests, classic, knobs, kind):
-    """`oracle_compiled`: the GPU's compiled verify (`models.bucketed`, fast_verify), on the CPU."""
+    """`oracle_compiled`: the GPU's compiled verify (`models.forward.bucketed`, fast_verify), on the CPU."""
     model, num_accepted = loaded[0].model, 0
     for r in requests[knobs]:
         drafter = (
@@ -208,8 +208,8 @@ def test_greedy_logprobs_are_the_same_with_speculation_on_and_off(loaded, prompt
     """Through the scheduler and `MlxRunner` (the slab batch and the fused tick, or
     mlx-lm's batch and the alternating tick; rotation, promotion, demotion): the streams
     and their logprobs do not depend on which path produced each token."""
-    from models.drafters import DraftModelDrafter
     from models.runner import MlxRunner
+    from models.speculative.drafters import DraftModelDrafter
     from scheduler.config import SchedulerConfig
     from scheduler.core import Scheduler
 
@@ -252,7 +252,7 @@ def test_a_grammar_masks_the_reported_distribution(loaded, prompt_ids, batch_kin
     """Forbidden tokens have -inf (the serve layer reports -9999) and the allowed ones'
     probabilities sum to 1; where fewer than k tokens are allowed the rest of the top k
     are forbidden ones."""
-    from models.grammar import Grammars
+    from models.sampling.grammar import Grammars
 
     from .test_grammar_paths import GRAMMAR
 

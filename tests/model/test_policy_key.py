@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from models.checks import WEIGHT_INDEX, model_fingerprint
+from models.loading.checks import WEIGHT_INDEX, model_fingerprint
 
 pytestmark = pytest.mark.model
 

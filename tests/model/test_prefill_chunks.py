@@ -4,8 +4,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-import models.prefill as prefill
-from models.prefill import prefill_chunks
+import models.forward.prefill as prefill
+from models.forward.prefill import prefill_chunks
 
 
 @pytest.mark.parametrize(

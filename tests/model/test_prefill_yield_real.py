@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from models import ragged_batch
+from models.batch import ragged_batch
 from scheduler.config import SchedulerConfig
 from scheduler.core import Scheduler
 from tests.model.conftest import PROMPTS, isolated_streams, make_request

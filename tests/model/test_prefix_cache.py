@@ -1,4 +1,4 @@
-"""The KV prefix cache (models.prefix_cache) and its use by the slab batch: a lookup
+"""The KV prefix cache (models.batch.prefix_cache) and its use by the slab batch: a lookup
 finds the longest cached prefix and always leaves the last prompt token to run; the
 byte budget holds; entries are copies of rows, never views; and a greedy stream that
 starts from a cached prefix emits exactly the tokens of its isolated classic decode."""
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from models import prefix_cache as pc
-from models.prefix_cache import PrefixCache, default_budget
-from models.ragged_batch import RaggedBatch
-from models.slab import STEP, Slab
+from models.batch import prefix_cache as pc
+from models.batch.prefix_cache import PrefixCache, default_budget
+from models.batch.ragged_batch import RaggedBatch
+from models.forward.slab import STEP, Slab
 from scheduler.config import SchedulerConfig
 from scheduler.core import Scheduler
 from scheduler.request import Request

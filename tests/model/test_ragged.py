@@ -1,4 +1,4 @@
-"""The packed forward (models.ragged): one forward for a decode batch plus a verify row
+"""The packed forward (models.forward.ragged): one forward for a decode batch plus a verify row
 gives each group what its own forward gives, and leaves each cache as its own forward
 would; families it cannot serve are detected at load."""
 
@@ -7,7 +7,7 @@ import pytest
 from mlx_lm.models import gemma2, gemma3_text, qwen2
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from models import ragged
+from models.forward import ragged
 from models.tiny import random_model, tiny_args
 
 pytestmark = pytest.mark.model

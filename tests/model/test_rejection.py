@@ -1,4 +1,4 @@
-"""Rejection sampling (`models.rejection`) emits exactly the target's distribution.
+"""Rejection sampling (`models.speculative.rejection`) emits exactly the target's distribution.
 
 A hand-built pair of bigram "models" over five tokens: the target P forbids token 4
 everywhere (as a grammar mask would), the draft Q likes it, and otherwise Q is far from
@@ -16,8 +16,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import models.rejection
-from models.rejection import verify_drafts, with_bonus_row
+import models.speculative.rejection
+from models.speculative.rejection import verify_drafts, with_bonus_row
 
 from .helpers import chi2_critical
 
@@ -90,7 +90,7 @@ def test_speculative_tokens_follow_the_target_exactly():
 @pytest.mark.parametrize("mutant", ["correction_from_p", "cut_row_dropped"])
 def test_the_check_catches_a_wrong_correction(monkeypatch, mutant):
     if mutant == "correction_from_p":
-        monkeypatch.setattr(models.rejection, "residual", lambda p, q: p)
+        monkeypatch.setattr(models.speculative.rejection, "residual", lambda p, q: p)
     else:
         monkeypatch.setitem(
             globals(), "with_bonus_row", lambda q, n: mx.concatenate([q[:n], mx.zeros((1, q.shape[-1]), q.dtype)])

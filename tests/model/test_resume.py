@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from models.drafters import DraftModelDrafter
-from models.session import PROBE_TOKENS
+from models.speculative.drafters import DraftModelDrafter
+from models.speculative.session import PROBE_TOKENS
 
 from .conftest import make_request
 from .helpers import make_drafter, new_session, run_session

@@ -2,8 +2,8 @@
 
 import pytest
 
-from models.drafters import ngram_lookup
-from models.rollback import (
+from models.speculative.drafters import ngram_lookup
+from models.speculative.rollback import (
     accept_count,
     clip_tokens,
     draft_budget,

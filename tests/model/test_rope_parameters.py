@@ -1,5 +1,5 @@
 """transformers-5 configs put rope_theta / rope_scaling under `rope_parameters`; mlx-lm
-0.32.2's llama ignores that key, so without `models.upstream_fixes` a model silently runs
+0.32.2's llama ignores that key, so without `models.platform.upstream_fixes` a model silently runs
 at rope_theta 10,000. The same weights must give the same logits whichever form the
 config uses, and values at the top level of the file win."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from models.loader import load_model
-from models.upstream_fixes import rope_from_parameters
+from models.loading.loader import load_model
+from models.platform.upstream_fixes import rope_from_parameters
 
 pytestmark = pytest.mark.model
 

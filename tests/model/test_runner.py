@@ -6,7 +6,7 @@ import re
 import pytest
 
 from models.runner import MlxRunner
-from models.session import PROBE_TOKENS
+from models.speculative.session import PROBE_TOKENS
 from scheduler.model_api import ModelRunner, RoundOutcome, TokenBatch
 
 from .conftest import make_request
@@ -39,7 +39,7 @@ def test_attributes_and_policy_key(runner):
     assert runner.max_context == 512
     assert runner.eos_token_ids == [0]
     assert runner.tokenizer.encode("def")
-    # models are named by content (models.checks.model_fingerprint), not by directory
+    # models are named by content (models.loading.checks.model_fingerprint), not by directory
     assert re.fullmatch(r"[0-9a-f]{16}\|draft_model:[0-9a-f]{16}\|cpu-[\w]+\|K=3", runner.policy_key())
 
 

@@ -1,6 +1,6 @@
 """At temperature > 0, speculation keeps the target's distribution, under both accept
 rules: token equality (greedy drafts, as the n-gram drafter gives) and rejection
-sampling (drafts sampled from the draft model's distribution, `models.rejection`).
+sampling (drafts sampled from the draft model's distribution, `models.speculative.rejection`).
 
 Two-sample chi-square test on the joint distribution of the first three tokens:
 speculative sessions (K = 2, so each run has one verify round with a draft that is
@@ -21,8 +21,8 @@ import collections
 import mlx.core as mx
 import pytest
 
-from models.drafters import DraftModelDrafter
-from models.sampling import RequestSampler
+from models.sampling.samplers import RequestSampler
+from models.speculative.drafters import DraftModelDrafter
 from scheduler.request import SamplingParams
 
 from .conftest import make_request
@@ -94,12 +94,12 @@ def test_speculative_sampling_matches_classic(loaded, prompt, target_paths, rule
 def test_the_statistic_catches_a_biased_rule(loaded, prompt, target_paths, monkeypatch, rule):
     """Equality: accepting every draft (a classic bug); rejection: drawing the
     correction from p, not from the residual max(0, p - q)."""
-    import models.session
+    import models.speculative.session
 
     if rule == "equality":
-        monkeypatch.setattr(models.session, "accept_count", lambda draft, target: len(draft))
+        monkeypatch.setattr(models.speculative.session, "accept_count", lambda draft, target: len(draft))
     else:
-        monkeypatch.setattr(models.rejection, "residual", lambda p, q: p)
+        monkeypatch.setattr(models.speculative.rejection, "residual", lambda p, q: p)
     spec, _, _ = speculative_paths(loaded, prompt, rule, target_paths)
     stat, df = homogeneity_chi2(spec, target_paths)
     assert stat > chi2_critical(df), f"chi2={stat:.1f} df={df}"

@@ -16,9 +16,9 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 
-from models.drafters import DrafterBase
-from models.ragged_batch import RaggedBatch
-from models.rollback import draft_budget
+from models.batch.ragged_batch import RaggedBatch
+from models.speculative.drafters import DrafterBase
+from models.speculative.rollback import draft_budget
 
 from .conftest import make_request
 from .helpers import make_drafter, run_classic, run_session, stepwise_greedy
@@ -229,10 +229,10 @@ def test_seeded_sampled_streams_with_processors_agree_on_classic_paths(loaded, p
 
 @pytest.mark.parametrize("knobs", ["presence", "bias_and_all"])
 def test_the_compiled_verify_reads_the_drafts_too(loaded, requests, expected, knobs):
-    """The GPU path's session (`models.bucketed`): a greedy request with processors takes
+    """The GPU path's session (`models.forward.bucketed`): a greedy request with processors takes
     the verify's logits instead of the compiled argmax; drafts are padded to K there."""
-    from models.bucketed import BucketedForward
-    from models.session import SpeculativeSession
+    from models.forward.bucketed import BucketedForward
+    from models.speculative.session import SpeculativeSession
 
     verifier = BucketedForward(loaded[0].model, bucket=16, prefill_chunk=8)
     for r in requests[knobs]:

@@ -1,4 +1,4 @@
-"""The logit processors and filters of `models.sampling`, against a plain reference.
+"""The logit processors and filters of `models.sampling.samplers`, against a plain reference.
 
 The reference recomputes each position from explicit token lists (prompt, output and
 the drafts before the position), one token at a time in numpy: what classic decode
@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from models.sampling import (
+from models.sampling.samplers import (
     DRAFTS,
     DRAWS,
     RequestSampler,

@@ -1,7 +1,7 @@
 """Seeded sampled streams (temperature > 0) are the same token for token with
 speculation on and off, under the equality rule: n-gram drafts, and the draft model's
 greedy drafts (`sample_drafts` off). Output position p is drawn with p's own key
-(`models.sampling.position_keys`) wherever it is drawn: a classic step, a slot round's
+(`models.sampling.samplers.position_keys`) wherever it is drawn: a classic step, a slot round's
 verify, a row's own verify, a pipelined step queued ahead. Rejection sampling (the
 draft model's sampled drafts) keeps the distribution only (tests/model/test_sampling.py).
 
@@ -16,9 +16,9 @@ import json
 import jsonschema
 import pytest
 
-from models.bucketed import BucketedForward
-from models.ragged_batch import RaggedBatch
-from models.session import SpeculativeSession
+from models.batch.ragged_batch import RaggedBatch
+from models.forward.bucketed import BucketedForward
+from models.speculative.session import SpeculativeSession
 
 from .conftest import PROMPTS, make_request
 from .helpers import make_drafter, run_classic, run_session
@@ -203,7 +203,7 @@ def test_sampled_rounds_emit_the_classic_stream(loaded, requests, classic, knobs
 
 
 def test_the_compiled_verify_draws_the_same_sampled_stream(loaded, requests, classic):
-    """The GPU path's session (`models.bucketed`): drafts padded to K, one sync a round."""
+    """The GPU path's session (`models.forward.bucketed`): drafts padded to K, one sync a round."""
     verifier = BucketedForward(loaded[0].model, bucket=16, prefill_chunk=8)
     for r in requests["penalized"]:
         want = classic["penalized"][r.request_id]

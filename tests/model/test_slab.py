@@ -1,4 +1,4 @@
-"""The slab (models.slab) and the batch over it (models.ragged_batch): one forward over
+"""The slab (models.forward.slab) and the batch over it (models.batch.ragged_batch): one forward over
 rows that bring different numbers of tokens gives each row what its own forward gives;
 rows move, free and shrink without disturbing the others; rows that verify their own
 n-gram drafts emit exactly what classic decode emits."""
@@ -9,11 +9,11 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from models import slab, slab_forward
-from models.drafters import NgramIndex, ngram_lookup
-from models.prefix_cache import PrefixCache
-from models.ragged_batch import RaggedBatch
-from models.slab_forward import Forward
+from models.batch.prefix_cache import PrefixCache
+from models.batch.ragged_batch import RaggedBatch
+from models.forward import slab, slab_forward
+from models.forward.slab_forward import Forward
+from models.speculative.drafters import NgramIndex, ngram_lookup
 from scheduler.costs import TickCosts
 from scheduler.request import Request
 

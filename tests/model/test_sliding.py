@@ -10,9 +10,9 @@ import random
 
 import pytest
 
-from models.drafters import DraftModelDrafter, NgramDrafter
-from models.loader import LoadedModel
+from models.loading.loader import LoadedModel
 from models.runner import MlxRunner
+from models.speculative.drafters import DraftModelDrafter, NgramDrafter
 from models.tiny import greedy_margins, tiny_sliding_pair
 
 from .conftest import make_request

@@ -1,5 +1,5 @@
 """The default deployment's real model, SmolLM2-135M-Instruct (llama, 30 layers; its GGUF
-file from the pinned PyPI wheel, converted by `models.gguf`, dequantized to float32 on
+file from the pinned PyPI wheel, converted by `models.loading.gguf`, dequantized to float32 on
 the CPU), end to end:
 
 - greedy chat answers a factual question;
@@ -93,8 +93,8 @@ HISTORY = [
 @pytest.fixture(scope="module", autouse=True)
 def fixed_tick_costs():
     """Every runner built in this module takes `QUIET_COSTS` instead of measuring."""
-    from models import tick_costs
-    from models.drafters import DraftModelDrafter
+    from models.forward import tick_costs
+    from models.speculative.drafters import DraftModelDrafter
     from scheduler.costs import TickCosts
 
     def measure(model, drafter, *args, **kwargs):
@@ -144,8 +144,8 @@ def reference(smollm2_dir, prompts):
     """Classic decode (mlx-lm's BatchGenerator), each prompt alone, greedy, on the model as
     the runner loads it (float32): ({r0..r3: tokens}, the smallest top-1 minus top-2
     logit along those streams)."""
-    from models import dense_weights
-    from models.loader import load_pair
+    from models.loading import dense_weights
+    from models.loading.loader import load_pair
     from models.tiny import greedy_margins
 
     target, _ = load_pair(smollm2_dir, None)

@@ -1,4 +1,4 @@
-"""The lone classic row (`models.solo.SoloRow`) and its moves in and out of the batch.
+"""The lone classic row (`models.batch.solo.SoloRow`) and its moves in and out of the batch.
 
 Reference: the same requests through `ClassicBatch(single_row_fast_path=False)`, i.e.
 `BatchGenerator` alone. Streams must be token-identical (greedy and seeded sampling),
@@ -7,8 +7,8 @@ with the same finish reasons, whichever path a row takes and however often it mo
 
 import pytest
 
-from models.classic_batch import ClassicBatch
-from models.solo import SoloRow
+from models.batch.classic_batch import ClassicBatch
+from models.batch.solo import SoloRow
 
 from .conftest import make_request
 from .helpers import run_classic

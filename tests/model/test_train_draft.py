@@ -76,7 +76,7 @@ def weights(path):
 
 
 def test_the_draft_loads_with_the_targets_vocabulary(drafts):
-    from models.loader import check_same_vocabulary, load_model
+    from models.loading.loader import check_same_vocabulary, load_model
 
     target, draft = load_model(TARGET), load_model(drafts["a"], "draft")
     check_same_vocabulary(target, draft)
@@ -116,7 +116,7 @@ def test_data_of_other_arguments_is_refused(drafts, tmp_path, capsys):
 
 
 def test_the_provenance_records_the_run(drafts):
-    from models.checks import model_fingerprint
+    from models.loading.checks import model_fingerprint
 
     with open(os.path.join(drafts["a"], "provenance.json")) as f:
         record = json.load(f)
@@ -285,7 +285,7 @@ def test_fixed_shape_generation_is_mlx_lms_greedy_decode():
     EOS id (kept), and keep the top-k log-probabilities of every generated position."""
     from mlx_lm.generate import generate_step
 
-    from models.loader import load_model
+    from models.loading.loader import load_model
 
     target = load_model(TARGET)
     texts = [

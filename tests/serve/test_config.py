@@ -8,8 +8,8 @@ import os
 import pytest
 import yaml
 
-from models.checks import ModelLoadError
-from models.pypi_weights import is_pypi_source
+from models.loading.checks import ModelLoadError
+from models.loading.pypi_weights import is_pypi_source
 from scheduler.config import SchedulerConfig
 from serve_app.app import ConfigError, build_app, validate_args, validate_user_config
 from serve_app.config import LiveConfig, ServeArgs

@@ -17,8 +17,8 @@ import httpx
 import huggingface_hub
 import pytest
 
-from models.checks import ModelLoadError, model_fingerprint
-from models.hub import DOWNLOAD_PATTERNS, cached_name, hub_cache_dir, is_repo_id, resolve_model_dir
+from models.loading.checks import ModelLoadError, model_fingerprint
+from models.loading.hub import DOWNLOAD_PATTERNS, cached_name, hub_cache_dir, is_repo_id, resolve_model_dir
 from serve_app.app import build_app, load_replica
 from serve_app.config import ServeArgs, resolve_path
 from serve_app.ready import drafter_label
@@ -154,7 +154,7 @@ def test_a_local_directory_wins_over_a_hub_id_of_the_same_shape(hub_cache, tmp_p
 @pytest.mark.model
 def test_the_runner_loads_a_cached_hub_id(hub_cache):
     """What the scheduler actor does: `load_pair` on the ids finds the snapshots."""
-    from models.loader import load_pair
+    from models.loading.loader import load_pair
 
     target, draft = load_pair(TARGET_ID, DRAFT_ID)
     assert (target.name, draft.name) == (TARGET_ID, DRAFT_ID)

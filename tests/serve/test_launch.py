@@ -8,7 +8,7 @@ import shutil
 import pytest
 import yaml
 
-from models.checks import ModelLoadError
+from models.loading.checks import ModelLoadError
 from serve_app import cli, launch
 from serve_app.app import ConfigError, build_app, validate_args, validate_user_config
 from serve_app.config import ServeArgs
@@ -172,7 +172,7 @@ def test_wait_until_ready_raises_the_load_error():
 def test_wait_until_ready_raises_on_a_failed_serve_application():
     message = (
         'Traceback (most recent call last):\n  File "x.py", line 1\n'
-        "models.checks.ModelLoadError: draft model path '/d' does not exist\n"
+        "models.loading.checks.ModelLoadError: draft model path '/d' does not exist\n"
     )
     statuses = lambda: {"specslot": ("ApplicationStatus.DEPLOY_FAILED", message)}  # noqa: E731
     with pytest.raises(launch.LaunchError) as info:

@@ -22,7 +22,7 @@ def mlx_lm_reference(prompt_ids: list[int], num_tokens: int) -> tuple[list[int],
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from models.loader import load_pair
+    from models.loading.loader import load_pair
 
     target, _ = load_pair(os.path.abspath(TARGET), None)
     tokens, rows = [], []

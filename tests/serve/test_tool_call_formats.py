@@ -107,7 +107,7 @@ def test_the_format_follows_the_template_and_the_config_overrides_it(tiny_pair, 
 @pytest.mark.parametrize("fmt", list(TEMPLATES))
 @pytest.mark.parametrize("tokenizer", ["text markers", "special markers"])
 def test_a_forced_calls_grammar_accepts_the_formats_text_on_the_tokenizer(tiny_pair, marker_dir, fmt, tokenizer):
-    from models.grammar import Grammars
+    from models.sampling.grammar import Grammars
 
     codec = codec_for(tiny_pair[0] if tokenizer == "text markers" else marker_dir, fmt)
     grammars = Grammars.for_tokenizer(codec._tok, [0])
@@ -127,7 +127,7 @@ def test_a_forced_calls_grammar_accepts_the_formats_text_on_the_tokenizer(tiny_p
 
 
 def test_a_tools_referenced_defs_are_enforced(tiny_pair):
-    from models.grammar import Grammars
+    from models.sampling.grammar import Grammars
 
     item = {
         "type": "object",

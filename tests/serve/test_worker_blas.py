@@ -1,5 +1,5 @@
 """Ray workers (where replicas and scheduler actors run) get the fast BLAS too, on every
-core but one (left to Serve's proxy, the replicas and Ray: models/_blas.py): Ray's
+core but one (left to Serve's proxy, the replicas and Ray: models/platform/_blas.py): Ray's
 OMP_NUM_THREADS=1 for workers that reserve no CPU is not the user's choice."""
 
 import os
@@ -23,15 +23,19 @@ def test_ray_worker_runs_mlx_on_openblas_with_every_core_but_one(ray_cluster, re
         import os
 
         import models  # noqa: F401  (what every specslot path to mlx imports first)
-        import models._blas
+        import models.platform._blas
 
-        return {**models._blas.probe(), "omp": os.environ.get("OMP_NUM_THREADS"), "cores": models._blas._usable_cores()}
+        return {
+            **models.platform._blas.probe(),
+            "omp": os.environ.get("OMP_NUM_THREADS"),
+            "cores": models.platform._blas._usable_cores(),
+        }
 
     result = ray.get(probe_worker.remote(), timeout=120)
     assert result["library"] == "scipy-openblas32" and result["openblas_mapped"], result
     if {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"} & set(os.environ):
         pytest.skip("the user chose the thread count")  # pragma: no cover (CI sets neither)
-    assert result["omp"] == "1", "Ray no longer sets OMP_NUM_THREADS=1 in workers: revisit models._blas"
+    assert result["omp"] == "1", "Ray no longer sets OMP_NUM_THREADS=1 in workers: revisit models.platform._blas"
     assert result["threads"] == min(max(result["cores"] - 1, 1), 64), result
     assert result["gflops"] > FAST_BLAS_MIN_RATIO * reference_gflops, (
         f"{result['gflops']:.1f} GFLOP/s in a Ray worker against the reference's {reference_gflops:.1f}: slow BLAS"

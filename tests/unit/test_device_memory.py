@@ -1,9 +1,10 @@
-"""models.device_memory: a process given a fraction of a GPU sizes its caches from its
+"""models.platform.device_memory: a process given a fraction of a GPU sizes its caches from its
 share of the device's memory (two replicas at 0.5 together keep what one alone would)."""
 
 import pytest
 
-from models import device_memory, prefix_cache
+from models.batch import prefix_cache
+from models.platform import device_memory
 
 
 @pytest.fixture

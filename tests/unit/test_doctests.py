@@ -19,7 +19,7 @@ def _modules() -> list[str]:
     names = []
     for package in PACKAGES:
         path = importlib.import_module(package).__path__
-        names += [f"{package}.{m.name}" for m in pkgutil.iter_modules(path) if not m.ispkg]
+        names += [m.name for m in pkgutil.walk_packages(path, f"{package}.") if not m.ispkg]
     return sorted(names) + list(SCRIPTS)
 
 

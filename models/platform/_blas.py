@@ -1,0 +1,379 @@
+"""Choose and load the CPU BLAS that MLX's matmuls run on, before `mlx.core` is imported.
+
+The `mlx-cpu` wheel links a reference BLAS (~6 GFLOP/s for a 1024² float32 matmul on two
+cores). Loading an OpenBLAS globally first makes MLX resolve `cblas_sgemm` to it instead
+(100-400 GFLOP/s). The choice is made from the CPU's own feature flags, read before
+anything is loaded: a library with instructions the CPU lacks dies with SIGILL, which no
+process can catch. `CHOICES` is the whole table; `select` is a pure function over it.
+
+The library we load is `scipy-openblas32` (the OpenBLAS that NumPy and SciPy ship), built
+with DYNAMIC_ARCH: it picks its kernels from `cpuid` at load, for every x86-64 level and
+arm64 core, so it runs wherever its baseline does. Its symbols carry a `scipy_` prefix;
+`models.platform._elf` writes a cached copy that exports `cblas_*` under their plain names.
+
+Threads: `OPENBLAS_NUM_THREADS` wins, then `OMP_NUM_THREADS` as the user launched the
+process with it, else every core this process may run on, less one inside a Ray worker
+(the scheduler actor): Serve's proxy, the replicas and Ray's own processes share the
+node's cores with it, and a matmul split over every core waits for whichever of its
+threads they preempt (on 2 cores, one thread made the served multi-turn workload's
+decode ticks 31-36 ms against 39-46 with two). Ray sets `OMP_NUM_THREADS=1` inside its
+workers when a task or actor reserves under one CPU (ours reserve 0); that value is
+Ray's, not the user's, so it is ignored. Once a model is loaded, `fit_threads` gives that
+core back where the model's weights exceed `ALL_CORES_BYTES` (its matmuls then split well).
+This module must not import mlx.
+
+Idle threads: OpenBLAS keeps a thread that has finished its share of a matmul spinning
+for 2^28 cycles (~0.1 s) before it sleeps, so under a model's stream of small matmuls its
+threads never sleep: on two cores one of them burnt a core beside the engine thread (8-10
+CPU-seconds of a 10-second multi-turn run) and slowed the engine's own steps. We start it
+with `OPENBLAS_THREAD_TIMEOUT=4` (2^4 cycles: a finished thread sleeps at once) unless
+the environment sets `OPENBLAS_THREAD_TIMEOUT` or `GOTO_THREAD_TIMEOUT`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import importlib.util
+import os
+import platform
+import sys
+import tempfile
+from dataclasses import dataclass
+
+from models.platform import _elf
+
+OPENBLAS = "scipy-openblas32"
+REFERENCE = "reference"
+ACCELERATE = "accelerate"
+_PATCH_VERSION = 1  # bump when the rewritten copy's layout changes
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What `select` decided: the library and, in words, why."""
+
+    library: str
+    reason: str
+
+
+# (system, machine, CPU flags that must all be present, library): the first row that
+# matches wins. OpenBLAS's DYNAMIC_ARCH baseline is SSE2 on x86-64 and Advanced SIMD on
+# arm64; its kernels for AVX2 and AVX-512 are chosen at run time, only where present.
+CHOICES: tuple[tuple[str, str, frozenset[str], str], ...] = (
+    ("darwin", "*", frozenset(), ACCELERATE),
+    ("linux", "x86_64", frozenset({"sse2"}), OPENBLAS),
+    ("linux", "aarch64", frozenset({"asimd"}), OPENBLAS),
+)
+
+# OPENBLAS_CORETYPE forces a kernel set without checking the CPU: the flags each needs.
+_AVX512 = frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
+CORETYPE_FLAGS: dict[str, frozenset[str]] = {
+    "sapphirerapids": _AVX512 | {"avx512_bf16", "amx_bf16"},
+    "cooperlake": _AVX512 | {"avx512_bf16"},
+    "skylakex": _AVX512,
+    "haswell": frozenset({"avx2", "fma"}),
+    "zen": frozenset({"avx2", "fma"}),
+    "sandybridge": frozenset({"avx"}),
+    "bulldozer": frozenset({"avx"}),
+    "piledriver": frozenset({"avx", "fma"}),
+    "steamroller": frozenset({"avx", "fma"}),
+    "excavator": frozenset({"avx2", "fma"}),
+    "nehalem": frozenset({"sse4_2"}),
+    "neoversev1": frozenset({"sve"}),
+    "neoversev2": frozenset({"sve2"}),
+    "neoversen2": frozenset({"sve2"}),
+    "armv8sve": frozenset({"sve"}),
+    "a64fx": frozenset({"sve"}),
+}
+
+
+def select(system: str, machine: str, flags: frozenset[str]) -> Choice:
+    """The library for this CPU, from its flags alone.
+
+    >>> select("linux", "x86_64", frozenset({"sse2", "avx2"})).library
+    'scipy-openblas32'
+    >>> select("linux", "riscv64", frozenset()).library
+    'reference'
+    """
+    for row_system, row_machine, needed, library in CHOICES:
+        if row_system != system or row_machine not in ("*", machine):
+            continue
+        missing = needed - flags
+        if missing:
+            return Choice(REFERENCE, f"{machine} CPU lacks {', '.join(sorted(missing))}")
+        return Choice(library, f"{system}/{machine}, {_why(library)}")
+    return Choice(REFERENCE, f"no fast BLAS known for {system}/{machine}")
+
+
+def _why(library: str) -> str:
+    if library == ACCELERATE:
+        return "MLX links Apple's Accelerate itself"
+    return "DYNAMIC_ARCH: kernels picked from cpuid at load"
+
+
+def coretype_conflict(coretype: str | None, flags: frozenset[str]) -> str | None:
+    """Why a forced OPENBLAS_CORETYPE would crash this CPU, or None when it is safe."""
+    if not coretype:
+        return None
+    missing = CORETYPE_FLAGS.get(coretype.strip().lower(), frozenset()) - flags
+    if not missing:
+        return None
+    return f"OPENBLAS_CORETYPE={coretype} needs {', '.join(sorted(missing))}, which this CPU lacks"
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The first CPU's feature flags (x86 `flags`, arm64 `Features`); empty if unreadable."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+LEFT_ONE = "one left to the node's other processes"
+# Weights a decode step reads past which its matmuls split well over every core, even beside
+# Serve's processes: SmolLM2-135M in float32 (540 MB) decoded at 8.7 tok/s on two threads
+# against 6.5 on one (2-core x86-64); the bundled 7M target's steps (28 MB) ran faster on one.
+ALL_CORES_BYTES = 64 << 20
+
+
+def thread_count(environ: dict, launch_environ: dict, in_ray_worker: bool, num_cores: int) -> tuple[int, str]:
+    """(threads, where the number came from); see the module docstring for the order."""
+    for name, env in (("OPENBLAS_NUM_THREADS", environ), ("OMP_NUM_THREADS", environ)):
+        value = env.get(name, "").strip()
+        if name == "OMP_NUM_THREADS" and in_ray_worker and name not in launch_environ:
+            continue  # Ray's own default for workers, not the user's
+        if value.isdigit() and int(value) > 0:
+            return int(value), name
+    if in_ray_worker and num_cores > 1:
+        return num_cores - 1, f"{num_cores - 1} of {num_cores} usable cores: {LEFT_ONE}"
+    return num_cores, f"all {num_cores} usable cores"
+
+
+THREAD_TIMEOUT = "4"  # log2 of the cycles an idle OpenBLAS thread spins before it sleeps (4 is its least)
+
+
+def thread_timeout(environ: dict) -> tuple[str, str]:
+    """(OpenBLAS's idle-thread timeout, where it came from); see the module docstring.
+
+    >>> thread_timeout({})
+    ('4', 'specslot default')
+    >>> thread_timeout({"GOTO_THREAD_TIMEOUT": "28"})
+    ('28', 'GOTO_THREAD_TIMEOUT')
+    """
+    for name in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT"):
+        value = environ.get(name, "").strip()
+        if value:
+            return value, name
+    return THREAD_TIMEOUT, "specslot default"
+
+
+@dataclass
+class Loaded:
+    """What `load_fast_blas` did in this process."""
+
+    choice: Choice
+    path: str | None = None
+    threads: int | None = None
+    threads_from: str = ""
+    thread_timeout: str = ""  # OPENBLAS_THREAD_TIMEOUT as the library read it at load
+    thread_timeout_from: str = ""
+    config: str = ""
+    core: str = ""
+    warning: str = ""
+    lib: object = None  # the loaded library (ctypes), for `fit_threads`
+
+
+_state: Loaded | None = None
+
+
+def loaded() -> Loaded | None:
+    """What this process loaded (None before `load_fast_blas` ran)."""
+    return _state
+
+
+def load_fast_blas() -> Loaded:
+    """Load the library `select` picks, globally, once per process.
+
+    Never raises: where no fast library can be loaded, MLX keeps its reference BLAS and
+    one warning line with the reason and the measured rate goes to stderr.
+    `SPECSLOT_FAST_BLAS=0` opts out.
+    """
+    global _state
+    if _state is not None:
+        return _state
+    system = sys.platform if sys.platform == "darwin" else platform.system().lower()
+    flags = cpu_flags()
+    choice = select(system, platform.machine(), flags)
+    _state = Loaded(choice)
+    if choice.library == OPENBLAS:
+        if os.environ.get("SPECSLOT_FAST_BLAS", "1") == "0":
+            _state.choice = Choice(REFERENCE, "SPECSLOT_FAST_BLAS=0")
+        elif "mlx.core" in sys.modules:
+            _state.choice = Choice(REFERENCE, "mlx.core was imported before models")
+        else:
+            try:
+                _load_openblas(_state, flags)
+            except (OSError, AttributeError, _elf.ElfError) as exc:
+                _state.choice = Choice(REFERENCE, f"{OPENBLAS} could not be loaded: {exc}")
+    if _state.choice.library == REFERENCE and _state.choice.reason != "SPECSLOT_FAST_BLAS=0":
+        _state.warning = (
+            f"specslot: warning: MLX runs on its reference CPU BLAS "
+            f"({_state.choice.reason}); measured {measure_gflops(256):.1f} GFLOP/s"
+        )
+        print(_state.warning, file=sys.stderr)
+    return _state
+
+
+def _load_openblas(state: Loaded, flags: frozenset[str]) -> None:
+    conflict = coretype_conflict(os.environ.get("OPENBLAS_CORETYPE"), flags)
+    if conflict:
+        print(f"specslot: warning: {conflict}; ignoring it", file=sys.stderr)
+        os.environ.pop("OPENBLAS_CORETYPE")
+    source = openblas_library()
+    if source is None:
+        raise OSError(f"the {OPENBLAS} wheel is not installed")
+    path = _plain_named_copy(source)
+    # Read once, by the library's constructor at load, from the C environment os.environ writes.
+    state.thread_timeout, state.thread_timeout_from = thread_timeout(os.environ)
+    ours = state.thread_timeout_from == "specslot default"
+    if ours:
+        os.environ["OPENBLAS_THREAD_TIMEOUT"] = state.thread_timeout
+    try:
+        lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    finally:
+        if ours:  # children choose for themselves when they load it
+            del os.environ["OPENBLAS_THREAD_TIMEOUT"]
+    lib.cblas_sgemm  # noqa: B018  (AttributeError, reported by the caller, if the rename failed)
+    threads, state.threads_from = thread_count(os.environ, _launch_environ(), _in_ray_worker(), _usable_cores())
+    lib.scipy_openblas_set_num_threads(threads)
+    state.threads = lib.scipy_openblas_get_num_threads()
+    state.lib = lib
+    for attr, fn in (("config", lib.scipy_openblas_get_config), ("core", lib.scipy_openblas_get_corename)):
+        fn.restype = ctypes.c_char_p
+        setattr(state, attr, fn().decode())
+    state.path = lib._name
+
+
+def fit_threads(weight_bytes: int) -> str | None:
+    """Where the thread count left a core to Ray's other processes (no variable set it),
+    every core for a model whose weights exceed `ALL_CORES_BYTES`. Returns what changed
+    (None: nothing)."""
+    state = _state
+    if state is None or state.lib is None or not state.threads_from.endswith(LEFT_ONE):
+        return None
+    if weight_bytes <= ALL_CORES_BYTES:
+        return None
+    cores = _usable_cores()
+    state.lib.scipy_openblas_set_num_threads(cores)
+    state.threads = state.lib.scipy_openblas_get_num_threads()
+    state.threads_from = f"all {cores} usable cores: the model's weights ({weight_bytes / 1e6:.0f} MB) split well"
+    return f"BLAS threads {state.threads} ({state.threads_from})"
+
+
+def _plain_named_copy(source: str) -> str:
+    """A cached copy of `source` whose `scipy_cblas_*` symbols are exported as `cblas_*`."""
+    stat = os.stat(source)
+    name = f"libopenblas-plain-v{_PATCH_VERSION}-{stat.st_size}-{stat.st_mtime_ns}.so"
+    for folder in (_cache_dir(), os.path.join(tempfile.gettempdir(), f"specslot-blas-{os.getuid()}")):
+        target = os.path.join(folder, name)
+        if os.path.exists(target):
+            return target
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(source, "rb") as f:
+                image, renamed = _elf.strip_symbol_prefix(f.read(), b"scipy_", b"scipy_cblas_")
+            if b"cblas_sgemm" not in renamed:
+                raise _elf.ElfError("cblas_sgemm could not be exported under its plain name")
+            fd, tmp = tempfile.mkstemp(dir=folder)
+            with os.fdopen(fd, "wb") as f:
+                f.write(image)
+            os.replace(tmp, target)  # atomic: concurrent workers never see half a file
+            return target
+        except PermissionError:
+            continue
+    raise OSError("no writable cache directory for the BLAS library")
+
+
+def openblas_library() -> str | None:
+    """Path of the wheel's shared library, wherever the wheel is installed (a venv,
+    `pip install --target`, a zipapp-free PYTHONPATH entry); None if it is not."""
+    spec = importlib.util.find_spec("scipy_openblas32")  # locates the package, runs none of it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        hits = sorted(glob.glob(os.path.join(folder, "lib", "libscipy_openblas*.so")))
+        if hits:
+            return hits[0]
+    return None
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "specslot", "blas")
+
+
+def _launch_environ() -> dict:
+    """The environment this process was started with (not later os.environ changes)."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            items = f.read().split(b"\0")
+    except OSError:
+        return dict(os.environ)
+    return dict(item.decode(errors="replace").partition("=")[::2] for item in items if b"=" in item)
+
+
+def _in_ray_worker() -> bool:
+    ray = sys.modules.get("ray")
+    if ray is None:
+        return False
+    try:
+        return ray.get_runtime_context().worker.mode == ray.WORKER_MODE
+    except Exception:  # noqa: BLE001  (Ray not initialised in this process)
+        return False
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def measure_gflops(size: int = 1024, repeats: int = 5) -> float:
+    """Best float32 `size`² matmul rate on MLX's CPU stream, in GFLOP/s (imports mlx)."""
+    import time
+
+    import mlx.core as mx
+
+    a = mx.random.normal((size, size), stream=mx.cpu)
+    b = mx.random.normal((size, size), stream=mx.cpu)
+    mx.eval(mx.matmul(a, b, stream=mx.cpu))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(mx.matmul(a, b, stream=mx.cpu))
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
+def probe(size: int = 1024, repeats: int = 5) -> dict:
+    """What this process runs MLX's CPU matmuls on: the library, its threads, whether an
+    OpenBLAS is mapped, and the best float32 `size`² matmul rate in GFLOP/s."""
+    mapped = False
+    if os.path.exists("/proc/self/maps"):
+        with open("/proc/self/maps") as f:
+            mapped = "openblas" in f.read()
+    state = _state or Loaded(Choice(REFERENCE, "load_fast_blas was not called"))
+    return {
+        "library": state.choice.library,
+        "path": state.path,
+        "threads": state.threads,
+        "openblas_mapped": mapped,
+        "gflops": measure_gflops(size, repeats),
+    }

@@ -1,0 +1,1 @@
+"""Per-request sampling: logit processors, filters, seeded streams, grammar masks."""

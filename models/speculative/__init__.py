@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters, one round's accept and rollback arithmetic, resumable sessions."""

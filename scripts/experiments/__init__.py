@@ -1,0 +1,1 @@
+"""One-off investigations, run as modules from the repository root (`python -m scripts.experiments.NAME`)."""

@@ -1,6 +1,6 @@
 """`MlxRunner`: the `scheduler.model_api.ModelRunner` protocol over mlx-lm.
 
-Classic rows go through `models.batch.classic_batch.ClassicBatch`; speculative requests get a
+Classic rows go through `models.batch.generator_batch.GeneratorBatch`; speculative requests get a
 `SpeculativeSession` each, and the one drafter handle moves between them through a
 `DrafterSlot`. All calls must come from one thread (MLX streams are thread-local).
 """
@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from models import runner_build
-from models.batch.ragged_batch import RaggedBatch
+from models.batch.protocol import ClassicRows
 from models.forward import bucketed, ragged, slab, tick_costs
 from models.loading import dense_weights, fused_projections
 from models.loading.loader import LoadedModel, load_pair
@@ -28,7 +28,7 @@ from models.sampling.grammar import Grammars
 from models.sampling.samplers import supports_sampling
 from models.speculative import cache_rollback
 from models.speculative.drafter_kinds import DRAFTERS
-from models.speculative.drafters import Drafter, DrafterSlot, NgramDrafter, NgramIndex
+from models.speculative.drafters import Drafter, DrafterSlot, NgramIndex
 from models.speculative.replica_index import ReplicaIndex
 from models.speculative.session import SpeculativeSession
 from scheduler.costs import TickCosts
@@ -94,7 +94,7 @@ class MlxRunner:
             self.fuse_blocker = "the slot verifies through the compiled GPU path (fast_verify)"
         elif self.fuse_blocker is None:
             self.fuse_blocker = slab.check_support(target.model, token_ids=target.tokenizer.encode(slab.CHECK_TEXT))
-        self._classic = runner_build.make_classic_batch(
+        self._classic: ClassicRows = runner_build.make_classic_batch(
             target.model,
             config,
             self.fuse_blocker,
@@ -102,14 +102,14 @@ class MlxRunner:
             self.eos_token_ids,
             self.grammars,
         )
-        if self._ragged and self._classic.row_drafts:
+        if self._classic.row_drafts:
             self._classic.costs = self.tick_costs()  # what a verify position costs, at load
             self.draft_step_share = config.draft_step_share
             self.replica_drafts = config.replica_drafts
             self.sampled_row_drafts = config.sampled_row_drafts
         elif config.replica_drafts:
             log.info("replica drafts off: rows do not draft here (%s)", self.fuse_blocker or "no drafter")
-        if self._ragged and config.warm_session and mx.default_device() == mx.gpu:
+        if self._classic.shares_slab and config.warm_session and mx.default_device() == mx.gpu:
             # On a GPU the sampler's and the verify's kernels compile on first use (seconds
             # for the first sampled request without this; the kernel cache keeps them).
             tic = time.perf_counter()
@@ -123,38 +123,32 @@ class MlxRunner:
                 self.warm(warm_positions)
 
     @property
-    def _ragged(self) -> bool:
-        return isinstance(self._classic, RaggedBatch)
-
-    @property
     def fast_verify(self) -> bool:
         return self._verifier is not None
 
     @property
     def draft_step_share(self) -> float:
         """The share of a plain step's time the rows' drafts may add (0: no limit)."""
-        return getattr(self._classic, "draft_step_share", 0.0)
+        return self._classic.draft_step_share
 
     @draft_step_share.setter
     def draft_step_share(self, share: float) -> None:
         if share < 0:
             raise ValueError("draft_step_share must be >= 0")
-        if self._ragged:
-            self._classic.draft_step_share = share
+        self._classic.draft_step_share = share
 
     @property
     def sampled_row_drafts(self) -> bool:
         """Whether classic rows at temperature > 0 draft (greedy rows do where rows draft)."""
-        return getattr(self._classic, "sampled_drafts", False)
+        return self._classic.sampled_drafts
 
     @sampled_row_drafts.setter
     def sampled_row_drafts(self, on: bool) -> None:
-        if self._ragged:
-            self._classic.sampled_drafts = on
+        self._classic.sampled_drafts = on
 
     @property
     def _replica_index(self) -> ReplicaIndex | None:
-        return getattr(self._classic, "replica_index", None)
+        return self._classic.replica_index
 
     @property
     def replica_drafts(self) -> bool:
@@ -164,7 +158,7 @@ class MlxRunner:
 
     @replica_drafts.setter
     def replica_drafts(self, on: bool) -> None:
-        if not (self._ragged and self._classic.row_drafts):
+        if not self._classic.row_drafts:
             if on:
                 raise ValueError("replica drafts need the slab batch with row drafts")
             return
@@ -219,20 +213,14 @@ class MlxRunner:
     def classic_prefill(
         self, requests: Sequence[Request], between: Callable[[], None] | None = None, piece: int = 0
     ) -> list[TokenBatch]:
-        if not self._ragged:  # `BatchGenerator` prefills whole
-            return self._classic.prefill(requests)
         return self._classic.prefill(requests, between=between, piece=piece)
 
     def classic_prefill_fits(self, request: Request, piece: int) -> bool:
-        if not self._ragged:
-            return len(request.prompt_ids) <= piece
         return self._classic.prefill_fits(request.prompt_ids, piece)
 
     def classic_decode(
         self, drafts: bool = False, skip_cap: int = 2, interrupt: Callable[[], bool] | None = None
     ) -> list[TokenBatch]:
-        if not self._ragged:  # `BatchGenerator` rows never draft, nor stop part-way
-            return self._classic.decode(drafts=drafts)
         self._classic.skip_cap = skip_cap
         return self._classic.decode(drafts=drafts, interrupt=interrupt)
 
@@ -243,14 +231,12 @@ class MlxRunner:
         return self._classic.num_rows()
 
     def classic_step_stats(self) -> dict | None:
-        if not self._ragged:
-            return None
-        return {"steps": self._classic.num_steps, "pipelined": self._classic.num_pipelined}
+        return self._classic.step_stats()
 
     def prefix_cache_stats(self) -> dict | None:
         """The target's prefix cache counters; with a draft model's own prefixes, theirs
         under "draft"."""
-        cache = getattr(self._classic, "prefix_cache", None)
+        cache = self._classic.prefix_cache
         if cache is None:
             return None
         stats = cache.stats()
@@ -284,14 +270,14 @@ class MlxRunner:
             num_draft_tokens=self.num_draft_tokens,
             eos_token_ids=self.eos_token_ids,
             verifier=self._verifier,
-            new_cache=self._session_cache_for(request) if self._ragged else None,
+            new_cache=self._session_cache_for(request) if self._classic.shares_slab else None,
             grammars=self.grammars,
             lane=int(request.lane),
         )
         session.bind(self._slot.take(request.request_id))
         self._sessions[request.request_id] = session
         first = session.begin()
-        if self._ragged and session.cache is not None:
+        if session.cache is not None:
             self._classic.keep_prompt(session.cache, request.prompt_ids)  # for requests sharing it meanwhile
         return TokenBatch(request.request_id, first.token_ids, first.finish_reason, logprobs=first.logprobs)
 
@@ -316,16 +302,13 @@ class MlxRunner:
         return self.fuse_blocker is None
 
     def rows_draft_like_slot(self, greedy: bool) -> bool:
-        return self._ragged and self._classic.drafts_rows_of(greedy) and self._slot.drafter.drafts_like_rows
+        return self._classic.drafts_rows_of(greedy) and self._slot.drafter.drafts_like_rows
 
     def shadow_index(self, history: Sequence[int]) -> NgramIndex | None:
         """The slot drafter's prompt lookup over `history`, for the scheduler's shadow
         rounds (its own text only: the replica's outputs, `replica_drafts`, are not looked up);
         None for a draft model, whose drafts only running it would show."""
-        drafter = self._slot.drafter if self._slot is not None else None
-        if not isinstance(drafter, NgramDrafter):
-            return None
-        return NgramIndex(history, drafter.max_ngram, drafter.min_ngram)
+        return self._slot.drafter.shadow_index(history) if self._slot is not None else None
 
     def tick_costs(self) -> TickCosts | None:
         """Decode and fused forward costs on this machine (`models.forward.tick_costs`),
@@ -354,8 +337,7 @@ class MlxRunner:
         tic = time.perf_counter()
         tokens = session.prepare_round()
         rider = ragged.Rider(self.target.model, ragged.Group(session.cache, mx.array(tokens, dtype=mx.int32)))
-        if self._ragged:
-            self._classic.skip_cap = skip_cap
+        self._classic.skip_cap = skip_cap
         rows = self._classic.decode(rider, drafts=drafts)
         logits = rider.extra_logits
         if logits is None:
@@ -376,7 +358,7 @@ class MlxRunner:
 
     def classic_to_spec(self, request: Request) -> tuple[list[TokenBatch], bool]:
         """Promote a classic row into the slot: the row leaves the batch (its next token
-        is emitted on the way, `ClassicBatch.extract`) and a session continues it with
+        is emitted on the way, `GeneratorBatch.extract`) and a session continues it with
         the drafter, from its parked draft state if it has one. Returns the tokens
         emitted on the way and whether the session started (False: that token ended
         the request, which is then no longer a row). Not a model action."""
@@ -417,7 +399,7 @@ class MlxRunner:
         session = self._sessions.pop(request_id, None)
         if session is not None:
             self._keep_draft(session)
-            if self._ragged and session.cache is not None:
+            if session.cache is not None:
                 self._classic.release(session.cache, session.history)
             if self._replica_index is not None and session.num_emitted:
                 self._replica_index.add(session.history[-session.num_emitted :])
@@ -429,7 +411,7 @@ class MlxRunner:
         """Demote a live session (active or parked) to a classic row: the drafter goes
         back to the slot and the draft state is dropped (the drafter keeps its KV as a
         prefix); the target cache, the sampler and the pending token become the row
-        (`ClassicBatch.adopt`), so the stream goes on exactly where it was. Returns
+        (`GeneratorBatch.adopt`), so the stream goes on exactly where it was. Returns
         tokens other rows emitted on the way."""
         return self._to_classic(request_id, keep_draft=True)
 

@@ -14,8 +14,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from models.batch import prefix_cache
-from models.batch.classic_batch import ClassicBatch
-from models.batch.ragged_batch import RaggedBatch
+from models.batch.generator_batch import GeneratorBatch
+from models.batch.protocol import ClassicRows
+from models.batch.slab_batch import SlabBatch
 from models.forward.bucketed import BucketedForward
 from models.runner_config import RunnerConfig
 from models.sampling.grammar import Grammars
@@ -40,15 +41,15 @@ def make_classic_batch(
     drafter: Drafter | None,
     eos_token_ids: list[int],
     grammars: Grammars,
-) -> ClassicBatch | RaggedBatch:
+) -> ClassicRows:
     """Where the verify can ride in the batch's forward (`fuse_blocker` None), classic
-    rows and sessions share one slab (`models.batch.ragged_batch`): moving a stream between
+    rows and sessions share one slab (`models.batch.slab_batch`): moving a stream between
     them moves no keys. Otherwise, or with `config.ragged` False, mlx-lm's
-    `BatchGenerator` (`models.batch.classic_batch`); `config.ragged` True demands the slab.
+    `BatchGenerator` (`models.batch.generator_batch`); `config.ragged` True demands the slab.
     `drafter`: the slot's (None: no slot); on the slab, with the prefix cache on, a
     drafter that keeps KV gets its own share of the budget (`make_prefix_caches`)."""
     if config.ragged and fuse_blocker is not None:
-        raise ValueError(f"a ragged batch needs a verify that rides in it: {fuse_blocker}")
+        raise ValueError(f"the slab batch needs a verify that rides in it: {fuse_blocker}")
     common = dict(
         eos_token_ids=eos_token_ids,
         max_batch_size=config.max_batch_size,
@@ -57,7 +58,7 @@ def make_classic_batch(
         grammars=grammars,
     )
     if fuse_blocker is None and config.ragged is not False:
-        batch = RaggedBatch(
+        batch = SlabBatch(
             model,
             row_drafts=config.row_drafts and drafter is not None,
             num_draft_tokens=config.num_draft_tokens,
@@ -73,7 +74,7 @@ def make_classic_batch(
         return batch
     if config.prefix_cache_bytes != 0:
         log.info("prefix cache off: it needs the slab batch (%s)", fuse_blocker)
-    return ClassicBatch(model, **common)
+    return GeneratorBatch(model, **common)
 
 
 def make_prefix_caches(

@@ -141,7 +141,7 @@ class RunnerConfig:
     )
     ragged: bool | None = knob(
         None,
-        "Classic rows and sessions in one slab (`models.batch.ragged_batch`); None = whenever the "
+        "Classic rows and sessions in one slab (`models.batch.slab_batch`); None = whenever the "
         "verify can ride in the batch's forward, False = mlx-lm's `BatchGenerator` in every case.",
         deployed=False,
     )

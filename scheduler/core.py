@@ -63,10 +63,9 @@ class Scheduler:
         )
         # Classic rows' shadow rounds for the cost gate (None: the drafter proposes no
         # fixed tokens, e.g. a draft model, so a row's acceptance cannot be read off it).
-        make_index = getattr(runner, "shadow_index", None)
         self._shadow = (
-            ShadowRounds(make_index, lambda: self.config.num_draft_tokens, self.slot.gate.record_shadow)
-            if make_index is not None and make_index(()) is not None
+            ShadowRounds(runner.shadow_index, lambda: self.config.num_draft_tokens, self.slot.gate.record_shadow)
+            if runner.shadow_index(()) is not None
             else None
         )
         self._queues: dict[Lane, deque[Request]] = {lane: deque() for lane in Lane}

@@ -235,7 +235,7 @@ class LiveCosts:
         }
 
 
-# Row drafts (`models.batch.ragged_batch`): every classic row may verify its own n-gram drafts
+# Row drafts (`models.batch.slab_batch`): every classic row may verify its own n-gram drafts
 # in the batch's forward. A draft token is worth its verify position when the chance
 # it is accepted beats what that position costs at the tick's current yield.
 ROW_PRIOR_ALPHA = 0.8  # a row's per-draft acceptance before its first verify

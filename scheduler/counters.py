@@ -113,7 +113,7 @@ class Counters:
     live_sessions: int = 0
     live_sessions_peak: int = 0
     spec_rounds: int = 0  # the slot holder's rounds
-    row_rounds: int = 0  # classic rows verifying their own drafts (`models.batch.ragged_batch`)
+    row_rounds: int = 0  # classic rows verifying their own drafts (`models.batch.slab_batch`)
     probe_rounds: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0

@@ -30,7 +30,7 @@ class Interrupted(Exception):
 @dataclass
 class TokenBatch:
     """Tokens one action produced for one request; a classic row that verified its own
-    drafts in the step (`models.batch.ragged_batch`) reports how many it drafted and accepted."""
+    drafts in the step (`models.batch.slab_batch`) reports how many it drafted and accepted."""
 
     request_id: str
     token_ids: list[int]
@@ -163,7 +163,7 @@ class ModelRunner(Protocol):
         """An index over `history` that proposes what the slot's drafter would (`extend`
         it with tokens, `propose(k)` drafts), for the scheduler's shadow rounds
         (`scheduler.shadow`); None when the drafter's drafts are not fixed tokens read off
-        the text (a draft model). Optional: a runner without it gets no shadow rounds."""
+        the text (a draft model): then the scheduler runs no shadow rounds."""
 
     def spec_round_with_decode(
         self, request_id: str, drafts: bool = False, skip_cap: int = 2

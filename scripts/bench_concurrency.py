@@ -17,7 +17,7 @@ do not all end in the same tick), in-process (engine level: the scheduler over `
 - `classic`: B=1 policy off, every stream a classic row (the ratios' baseline);
 - `classic_batchgen`: the same on a second runner whose classic rows run in mlx-lm's
   `BatchGenerator` (`MlxRunner(ragged=False)`), the batch the runner used before the
-  slab (`models.batch.ragged_batch`): what the slab costs or gains plain batching.
+  slab (`models.batch.slab_batch`): what the slab costs or gains plain batching.
 `--configs`: a subset of the configurations, or `replica` (`default` with
 `replica_drafts`) and `budget` (`default` with `draft_step_share: 0.5`).
 `--workload repeat`: every code prompt asked twice, the second time at least N arrivals

@@ -1,6 +1,6 @@
 """Speculative round mechanics vs classic decode, single stream (made for the lent H200).
 
-Measures, per random-weight Llama size: classic decode (ours: `ClassicBatch`; mlx-lm's
+Measures, per random-weight Llama size: classic decode (ours: `GeneratorBatch`; mlx-lm's
 pipelined `generate_step`; a synchronised step loop), then `SpeculativeSession` with an
 ORACLE drafter (replays the target's own greedy continuation, each draft token corrupted
 with probability 1 - alpha; no draft cost) on the plain path ("before") and the
@@ -33,7 +33,7 @@ from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models import llama  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from models.batch.classic_batch import ClassicBatch  # noqa: E402
+from models.batch.generator_batch import GeneratorBatch  # noqa: E402
 from models.forward.bucketed import BucketedForward  # noqa: E402
 from models.loading.loader import load_pair  # noqa: E402
 from models.speculative.drafters import DrafterBase, DraftModelDrafter, NgramDrafter  # noqa: E402
@@ -94,8 +94,8 @@ class OracleDrafter(DrafterBase):
 
 
 def classic_ours(model, prompt, n, eos=()):
-    """(tokens, seconds per decoded token) through ClassicBatch, one row."""
-    batch = ClassicBatch(model, eos_token_ids=eos, max_batch_size=1, prefill_batch_size=1)
+    """(tokens, seconds per decoded token) through GeneratorBatch, one row."""
+    batch = GeneratorBatch(model, eos_token_ids=eos, max_batch_size=1, prefill_batch_size=1)
     req = Request("c", list(prompt), SamplingParams(max_tokens=n))
     out = list(batch.prefill([req])[0].token_ids)
     tic = time.perf_counter()

@@ -95,6 +95,10 @@ class Drafter(Protocol):
         """With `sample_drafts`: k drafts sampled from the drafter's processed distribution,
         and that distribution q (k, V), for rejection sampling."""
 
+    def shadow_index(self, history: Sequence[int]) -> NgramIndex | None:
+        """Its drafts over `history` as an index the scheduler's shadow rounds can run
+        without the model; None where drafts are not fixed tokens read off the text."""
+
 
 class DrafterBase:
     """The members of `Drafter` for a kind without the capability: no drafts like rows',
@@ -104,6 +108,9 @@ class DrafterBase:
     sample_drafts = False
     drafts_on_device = False
     prefix_cache: PrefixCache | None = None
+
+    def shadow_index(self, history: Sequence[int]) -> NgramIndex | None:
+        return None
 
     @classmethod
     def load(cls, draft: LoadedModel | None) -> "DrafterBase":
@@ -351,6 +358,9 @@ class NgramDrafter(DrafterBase):
         self.min_ngram = min_ngram
         self.replica = None  # a `models.speculative.replica_index.ReplicaIndex`, shared with the batch's rows
 
+    def shadow_index(self, history: Sequence[int]) -> NgramIndex:
+        return NgramIndex(history, self.max_ngram, self.min_ngram)
+
     def new_state(self, prompt_ids: Sequence[int]) -> None:
         return None
 
@@ -419,7 +429,7 @@ class DrafterSlot:
 class NgramIndex:
     """`ngram_lookup` over a growing history in O(max_ngram) per call: for every n, the
     most recent start of each n-gram that something followed. One per classic row
-    (`models.batch.ragged_batch`), extended with the tokens the row emits.
+    (`models.batch.slab_batch`), extended with the tokens the row emits.
     >>> index = NgramIndex([1, 2, 3, 9, 1, 2], max_ngram=2)
     >>> index.propose(2), ngram_lookup([1, 2, 3, 9, 1, 2], 2, 2)
     ([3, 9], [3, 9])

@@ -2,7 +2,7 @@
 streams that left the batch, for rows whose answer repeats earlier answers (agents that
 re-ask, code edits that return most of a file).
 
-A row drafts from it (`models.batch.ragged_batch`, `replica_drafts`) when the row's last
+A row drafts from it (`models.batch.slab_batch`, `replica_drafts`) when the row's last
 `min_ngram`..`max_ngram` tokens occurred in a stored output: the tokens that followed
 that occurrence, the longest match winning, its most recent occurrence first. The
 row's own prompt lookup (`NgramIndex`, n-grams up to 3) is asked when the replica's

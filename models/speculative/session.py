@@ -83,7 +83,7 @@ class SpeculativeSession:
         """`verifier`: the shape-stable compiled target forward (GPU path); None runs
         the plain mlx-lm forward, whose CPU results the tests pin exactly. `new_cache`
         makes the target cache `begin` fills (default: mlx-lm's prompt cache; the
-        fused tick passes a row of its slab, `models.batch.ragged_batch`). `lane`: the
+        fused tick passes a row of its slab, `models.batch.slab_batch`). `lane`: the
         request's (`scheduler.request.Lane`), which its row keeps if it parks or is
         demoted into the batch."""
         if not prompt_ids:

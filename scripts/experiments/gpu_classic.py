@@ -2,7 +2,7 @@
 
 Per model (the bundled target, then random Llamas named on the command line, e.g. 1B),
 three alternating repeats of: raw `generate_step`; `BatchGenerator` alone; our
-`ClassicBatch` (a lone row: the `models.batch.solo` path); a bare pipelined loop over a plain
+`GeneratorBatch` (a lone row: the `models.batch.solo` path); a bare pipelined loop over a plain
 KVCache; synchronised single-token forwards over a plain `KVCache` and over a
 `BatchKVCache`; and, for the bundled target, the threaded `Engine` (classic only).
 Prints ms per decoded token (median, then every repeat).
@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from models.batch.classic_batch import ClassicBatch
+from models.batch.generator_batch import GeneratorBatch
 from models.loading.loader import load_model
 from models.sampling.samplers import RequestSampler
 from scheduler.config import SchedulerConfig
@@ -61,7 +61,7 @@ def t_bg(model, prompt):
 
 
 def t_adapter(model, prompt):
-    b = ClassicBatch(model, eos_token_ids=(), max_batch_size=16, prefill_batch_size=8)
+    b = GeneratorBatch(model, eos_token_ids=(), max_batch_size=16, prefill_batch_size=8)
     b.prefill([Request("c", prompt, SamplingParams(max_tokens=N))])
     tic = time.perf_counter()
     c = 0
@@ -129,7 +129,7 @@ def run(name, model, prompt, target=None):
     fns = [
         ("raw generate_step", lambda: t_raw(model, prompt)),
         ("BatchGenerator", lambda: t_bg(model, prompt)),
-        ("ClassicBatch", lambda: t_adapter(model, prompt)),
+        ("GeneratorBatch", lambda: t_adapter(model, prompt)),
         ("solo loop", lambda: t_solo(model, prompt)),
         ("sync fwd KVCache", lambda: t_fwd(model, prompt, False)),
         ("sync fwd BatchKVCache", lambda: t_fwd(model, prompt, True)),

@@ -85,7 +85,7 @@ def main() -> None:
         "--chunk",
         type=int,
         default=0,
-        help="prompt positions per row per prefill forward (ragged_batch.PREFILL_CHUNK; 0: as it is)",
+        help="prompt positions per row per prefill forward (slab_batch.PREFILL_CHUNK; 0: as it is)",
     )
     ap.add_argument(
         "--decode-attention",
@@ -112,9 +112,9 @@ def main() -> None:
     from models.runner import MlxRunner
 
     if args.chunk:
-        from models.batch import ragged_batch
+        from models.batch import slab_batch
 
-        ragged_batch.PREFILL_CHUNK = args.chunk
+        slab_batch.PREFILL_CHUNK = args.chunk
     if args.decode_attention:
         from models.forward import slab_forward
 
@@ -408,7 +408,7 @@ def instrument_host(parts: dict[str, float], forwards: list[dict]) -> None:
     "packed"."""
     import mlx.core as mx
 
-    from models.batch import ragged_batch
+    from models.batch import slab_batch
     from models.forward import slab, slab_forward
 
     plan = slab_forward.Forward.__init__
@@ -447,7 +447,7 @@ def instrument_host(parts: dict[str, float], forwards: list[dict]) -> None:
         setattr(owner, name, timed)
 
     wrap(slab.Slab, "forward", "forward.build")
-    wrap(ragged_batch.RaggedBatch, "_draws", "draws.build")
+    wrap(slab_batch.SlabBatch, "_draws", "draws.build")
     wrap(mx, "async_eval", "async_eval")
     wrap(mx, "eval", "eval")
 
@@ -462,7 +462,7 @@ def instrument(parts: dict[str, float], forwards: list[dict], attention: bool) -
 
     import mlx.core as mx
 
-    from models.batch import prefix_cache, ragged_batch
+    from models.batch import prefix_cache, slab_batch
     from models.forward import slab, slab_forward
 
     def sync() -> None:
@@ -530,11 +530,11 @@ def instrument(parts: dict[str, float], forwards: list[dict], attention: bool) -
     wrap(slab.Slab, "write_prefix", "write_prefix")
     wrap(prefix_cache.PrefixCache, "store", "prefix_store")
     wrap(prefix_cache.PrefixCache, "lookup", "prefix_lookup")
-    wrap(ragged_batch.RaggedBatch, "_sample", "sample")
-    wrap(ragged_batch.RaggedBatch, "_apply", "apply")
-    wrap(ragged_batch.RaggedBatch, "_add_stream", "add_stream")
+    wrap(slab_batch.SlabBatch, "_sample", "sample")
+    wrap(slab_batch.SlabBatch, "_apply", "apply")
+    wrap(slab_batch.SlabBatch, "_add_stream", "add_stream")
     wrap(slab.Slab, "arrange", "arrange")
-    wrap(ragged_batch.RaggedBatch, "_prefill_group", "group")
+    wrap(slab_batch.SlabBatch, "_prefill_group", "group")
     if attention:
         grid = slab_forward._grid_attention
 

@@ -35,7 +35,7 @@ def main() -> int:
 
     import mlx.core as mx
 
-    from models.batch.ragged_batch import MAX_PREFILL_CHUNK
+    from models.batch.slab_batch import MAX_PREFILL_CHUNK
     from models.forward.slab import Slab
     from models.loading.loader import load_model
     from models.platform import cpu_math

@@ -3,14 +3,14 @@ speculative sessions run to completion; chi-square helpers for distribution test
 
 import math
 
-from models.batch.classic_batch import ClassicBatch
+from models.batch.generator_batch import GeneratorBatch
 from models.speculative.drafters import DraftModelDrafter, NgramDrafter
 from models.speculative.session import SpeculativeSession
 
 
 def run_classic(model, requests, eos_token_ids, **kw):
     """{request_id: (tokens, finish_reason)} from one prefill group plus decode steps."""
-    batch = ClassicBatch(model, eos_token_ids=eos_token_ids, **kw)
+    batch = GeneratorBatch(model, eos_token_ids=eos_token_ids, **kw)
     out = {r.request_id: [] for r in requests}
     reasons = {}
     for b in batch.prefill(requests):

@@ -1,5 +1,5 @@
 """Demotion over real tiny models: `MlxRunner.spec_to_classic` moves a live session
-into the classic batch (`ClassicBatch.adopt`, or `RaggedBatch.adopt` where the session
+into the classic batch (`GeneratorBatch.adopt`, or `SlabBatch.adopt` where the session
 is already a row of the batch's slab) without recomputing or redrawing.
 
 Greedy: a demoted stream equals its isolated classic run. Sampled (seeded): the
@@ -44,7 +44,7 @@ def runner(tiny_pair, request):
 
 
 def lone_row(runner):
-    """The request id of `ClassicBatch`'s lone `SoloRow` (None: none, or a ragged batch,
+    """The request id of `GeneratorBatch`'s lone `SoloRow` (None: none, or a slab batch,
     whose rows are all alike)."""
     solo = getattr(runner._classic, "_solo", None)
     return solo.request_id if isinstance(solo, SoloRow) else None
@@ -115,10 +115,10 @@ def test_greedy_demoted_stream_equals_isolated_classic(runner, prompt_ids, other
     out["a"] = speculate(runner, a, rounds=3, park=park)
     moved = runner.spec_to_classic("a")
     # BatchGenerator: the lone row moved into the batch and emitted its pending token
-    # on the way; the ragged batch moves nothing.
-    assert [b.request_id for b in moved] == (["r0"] if others == 1 and not runner._ragged else [])
+    # on the way; the slab batch moves nothing.
+    assert [b.request_id for b in moved] == (["r0"] if others == 1 and not runner._classic.shares_slab else [])
     drain(runner, out, reasons, moved)
-    assert (lone_row(runner) == "a") is (others == 0 and not runner._ragged)
+    assert (lone_row(runner) == "a") is (others == 0 and not runner._classic.shares_slab)
     assert runner.num_live_sessions() == 0 and runner._slot.holder is None
     decode_all(runner, out, reasons, ["a", *out])
     assert (out["a"], reasons["a"]) == isolated(runner, a)
@@ -139,7 +139,7 @@ def test_sampled_tokens_after_demotion_are_not_redrawn(runner, prompt_ids, other
     session = runner.session("a")
     expected = reference_after(runner, session, a.sampling.max_tokens - session.num_emitted)
     drain(runner, out, reasons, runner.spec_to_classic("a"))
-    assert (lone_row(runner) == "a") is (others == 0 and not runner._ragged)
+    assert (lone_row(runner) == "a") is (others == 0 and not runner._classic.shares_slab)
     decode_all(runner, out, reasons, ["a", *[r.request_id for r in rows]])
     assert out["a"] == expected and len(before) + len(expected) == 36
     for r in rows:  # the rows beside it are untouched

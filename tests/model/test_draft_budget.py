@@ -4,8 +4,8 @@ goes first; every stream still emits exactly what classic decode emits."""
 
 import pytest
 
-from models.batch import ragged_batch
-from models.batch.ragged_batch import RaggedBatch
+from models.batch import slab_batch
+from models.batch.slab_batch import SlabBatch
 from scheduler.costs import TickCosts, share_drafts, step_draft_budget, verify_costs
 from scheduler.request import Lane, Request, SamplingParams
 
@@ -29,7 +29,7 @@ def test_the_budget_goes_by_lane_and_the_skip_cap_bounds_who_waits(loaded, monke
         calls.append((list(wants), list(lanes), list(denied), budget, given))
         return given
 
-    monkeypatch.setattr(ragged_batch, "share_drafts", spy)
+    monkeypatch.setattr(slab_batch, "share_drafts", spy)
     target = loaded[0]
     eos = sorted(target.tokenizer.eos_token_ids)
     repeating = list(target.tokenizer.encode(REPEATING))
@@ -37,7 +37,7 @@ def test_the_budget_goes_by_lane_and_the_skip_cap_bounds_who_waits(loaded, monke
     requests = [
         Request(rid, repeating[i:], SamplingParams(max_tokens=40), lane=lanes[rid]) for i, rid in enumerate(lanes)
     ]
-    batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True)
+    batch = SlabBatch(target.model, eos_token_ids=eos, row_drafts=True)
     batch.costs, batch.skip_cap, batch.draft_step_share = COSTS, 2, 0.5
     out, reasons, steps = {r.request_id: [] for r in requests}, {}, []
     for b in batch.prefill(requests):
@@ -92,7 +92,7 @@ def test_a_row_drafts_from_the_replicas_past_outputs(loaded, prompt_ids):
     again = Request("again", prompt_ids[0], SamplingParams(max_tokens=48))
     results = {}
     for replica in (False, True):
-        batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True)
+        batch = SlabBatch(target.model, eos_token_ids=eos, row_drafts=True)
         batch.replica_index = ReplicaIndex() if replica else None
         runs = {}
         for request in (first, again):
@@ -146,10 +146,10 @@ def test_the_slot_holder_drafts_from_the_replicas_past_outputs_too():
 
 def test_by_default_no_step_budget_cuts_a_rows_drafts(loaded, monkeypatch):
     calls = []
-    monkeypatch.setattr(ragged_batch, "share_drafts", lambda *a: calls.append(a) or a[0])
+    monkeypatch.setattr(slab_batch, "share_drafts", lambda *a: calls.append(a) or a[0])
     target = loaded[0]
     repeating = list(target.tokenizer.encode(REPEATING))
-    batch = RaggedBatch(target.model, eos_token_ids=sorted(target.tokenizer.eos_token_ids), row_drafts=True)
+    batch = SlabBatch(target.model, eos_token_ids=sorted(target.tokenizer.eos_token_ids), row_drafts=True)
     batch.costs = COSTS
     assert batch.draft_step_share == 0
     batch.prefill([Request(rid, repeating[i:], SamplingParams(max_tokens=40)) for i, rid in enumerate("abc")])

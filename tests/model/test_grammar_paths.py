@@ -15,7 +15,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from models.batch.ragged_batch import RaggedBatch
+from models.batch.slab_batch import SlabBatch
 from models.sampling.grammar import Grammars, json_schema_grammar
 from models.speculative.drafters import DrafterBase
 from models.speculative.rollback import draft_budget
@@ -94,7 +94,7 @@ def test_classic_paths_match_the_reference(loaded, grammars, requests, expected)
     assert run_classic(model, requests, eos(loaded), grammars=grammars) == expected
     for r in requests:  # alone: the lone row
         assert run_classic(model, [r], eos(loaded), grammars=grammars)[r.request_id] == expected[r.request_id]
-    got, _ = _run(RaggedBatch(model, eos_token_ids=eos(loaded), grammars=grammars), requests, drafts=False)
+    got, _ = _run(SlabBatch(model, eos_token_ids=eos(loaded), grammars=grammars), requests, drafts=False)
     assert got == expected
 
 
@@ -178,7 +178,7 @@ def test_speculative_sessions_match_the_reference(loaded, grammars, requests, ex
         assert num_accepted >= 20 and num_cut > 0
 
 
-class OracleRows(RaggedBatch):
+class OracleRows(SlabBatch):
     def __init__(self, *args, streams, forbidden, **kw):
         super().__init__(*args, **kw)
         self.streams, self.forbidden, self.num_steps, self.proposed = streams, forbidden, 0, 0
@@ -210,7 +210,7 @@ def test_rows_that_verify_drafts_match_the_reference(loaded, grammars, requests,
     # the rows' own n-gram drafts, on a prompt where they would land unconstrained
     repeating = make_request("rep", list(loaded[0].tokenizer.encode(REPEATING)), MAX_TOKENS, grammar=GRAMMAR)
     reqs = [repeating, *requests]
-    got, _ = _run(RaggedBatch(model, eos_token_ids=eos(loaded), row_drafts=True, grammars=grammars), reqs, drafts=True)
+    got, _ = _run(SlabBatch(model, eos_token_ids=eos(loaded), row_drafts=True, grammars=grammars), reqs, drafts=True)
     assert got == run_classic(model, reqs, eos(loaded), grammars=grammars)
 
 
@@ -251,7 +251,7 @@ def test_sampled_constrained_streams_are_valid_on_every_path(loaded, grammars, p
     reqs = [make_request(f"s{i}", prompt_ids[i], MAX_TOKENS, grammar=GRAMMAR, temperature=1.0, seed=i) for i in INDEXES]
     outputs = list(run_classic(model, reqs, eos(loaded), grammars=grammars).values())
     outputs += list(
-        _run(RaggedBatch(model, eos_token_ids=eos(loaded), grammars=grammars), reqs, drafts=False)[0].values()
+        _run(SlabBatch(model, eos_token_ids=eos(loaded), grammars=grammars), reqs, drafts=False)[0].values()
     )
     outputs += [run_session(loaded, grammars, r, make_drafter("draft_model", loaded))[0] for r in reqs]
     assert len({tuple(tokens) for tokens, _ in outputs}) > 1  # the draws differ

@@ -13,8 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from models.batch.classic_batch import ClassicBatch
-from models.batch.ragged_batch import RaggedBatch
+from models.batch.generator_batch import GeneratorBatch
+from models.batch.slab_batch import SlabBatch
 from models.forward.bucketed import BucketedForward
 from models.sampling.samplers import RequestSampler, logprob_arrays
 from scheduler.request import SamplingParams, TokenLogprob
@@ -117,7 +117,7 @@ def classic(loaded, requests):
     return {
         name: {
             rid: tokens
-            for rid, (tokens, _) in run_batch(ClassicBatch(loaded[0].model, eos_token_ids=eos(loaded)), reqs).items()
+            for rid, (tokens, _) in run_batch(GeneratorBatch(loaded[0].model, eos_token_ids=eos(loaded)), reqs).items()
         }
         for name, reqs in requests.items()
     }
@@ -133,7 +133,7 @@ def test_logprob_arrays_read_the_chosen_token_and_the_top_k_in_order():
 
 def test_a_request_that_does_not_ask_gets_none(loaded, prompt_ids):
     model = loaded[0].model
-    for batch in (ClassicBatch(model, eos_token_ids=eos(loaded)), RaggedBatch(model, eos_token_ids=eos(loaded))):
+    for batch in (GeneratorBatch(model, eos_token_ids=eos(loaded)), SlabBatch(model, eos_token_ids=eos(loaded))):
         out = run_batch(batch, [make_request("a", prompt_ids[0], 6), make_request("b", prompt_ids[3], 6)])
         assert all(lp == [None] * len(lp) for _, lp in out.values())
     sampler = RequestSampler(SamplingParams(4))
@@ -143,10 +143,10 @@ def test_a_request_that_does_not_ask_gets_none(loaded, prompt_ids):
 @pytest.mark.parametrize("knobs", KNOBS)
 def test_classic_batch_rows_and_the_lone_row(loaded, requests, knobs):
     model, reqs = loaded[0].model, requests[knobs]
-    together = run_batch(ClassicBatch(model, eos_token_ids=eos(loaded)), reqs)  # BatchGenerator rows
+    together = run_batch(GeneratorBatch(model, eos_token_ids=eos(loaded)), reqs)  # BatchGenerator rows
     for r in reqs:
         check(model, r, *together[r.request_id])
-        alone = run_batch(ClassicBatch(model, eos_token_ids=eos(loaded)), [r])  # `SoloRow`
+        alone = run_batch(GeneratorBatch(model, eos_token_ids=eos(loaded)), [r])  # `SoloRow`
         assert alone[r.request_id][0] == together[r.request_id][0]
         check(model, r, *alone[r.request_id])
 
@@ -162,7 +162,7 @@ def test_slab_rows(loaded, requests, classic, knobs, mode):
             model, eos_token_ids=eos(loaded), row_drafts=True, num_draft_tokens=4, streams=classic[knobs]
         )
     else:
-        batch = RaggedBatch(model, eos_token_ids=eos(loaded), grid=mode == "pipelined")
+        batch = SlabBatch(model, eos_token_ids=eos(loaded), grid=mode == "pipelined")
     stats = {}
     out = run_batch(batch, reqs, drafts=mode == "row_drafts", stats=stats)
     for r in reqs:
@@ -247,7 +247,7 @@ def test_greedy_logprobs_are_the_same_with_speculation_on_and_off(loaded, prompt
         check(loaded[0].model, r, tokens, logprobs)
 
 
-@pytest.mark.parametrize("batch_kind", [ClassicBatch, RaggedBatch])
+@pytest.mark.parametrize("batch_kind", [GeneratorBatch, SlabBatch])
 def test_a_grammar_masks_the_reported_distribution(loaded, prompt_ids, batch_kind):
     """Forbidden tokens have -inf (the serve layer reports -9999) and the allowed ones'
     probabilities sum to 1; where fewer than k tokens are allowed the rest of the top k

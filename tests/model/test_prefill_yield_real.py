@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from models.batch import ragged_batch
+from models.batch import slab_batch
 from scheduler.config import SchedulerConfig
 from scheduler.core import Scheduler
 from tests.model.conftest import PROMPTS, isolated_streams, make_request
@@ -90,8 +90,8 @@ def layout(request, runner, monkeypatch):
     assert not slab.rows
     slab.grid = request.param == "grid"
     if slab.grid:
-        monkeypatch.setattr(ragged_batch, "PREFILL_CHUNK", PIECE)
-        monkeypatch.setattr(ragged_batch, "MAX_PREFILL_CHUNK", PIECE)
+        monkeypatch.setattr(slab_batch, "PREFILL_CHUNK", PIECE)
+        monkeypatch.setattr(slab_batch, "MAX_PREFILL_CHUNK", PIECE)
     yield request.param
     slab.grid = False
 

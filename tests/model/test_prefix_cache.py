@@ -12,7 +12,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from models.batch import prefix_cache as pc
 from models.batch.prefix_cache import PrefixCache, default_budget
-from models.batch.ragged_batch import RaggedBatch
+from models.batch.slab_batch import SlabBatch
 from models.forward.slab import STEP, Slab
 from scheduler.config import SchedulerConfig
 from scheduler.core import Scheduler
@@ -243,7 +243,7 @@ def fresh_tokens(n, seed):
 @pytest.mark.parametrize("grid", [False, True], ids=["packed", "grid"])
 def test_repeated_prompts_and_next_turns_start_from_the_cache(loaded, base, grid):
     model = loaded[0].model
-    batch = RaggedBatch(model, eos_token_ids=(), prefix_cache=PrefixCache(64 << 20))
+    batch = SlabBatch(model, eos_token_ids=(), prefix_cache=PrefixCache(64 << 20))
     batch.slab.grid = grid
     first = make_request("turn1", base, 24)
     out1 = drive(batch, [first])["turn1"]
@@ -265,7 +265,7 @@ def test_repeated_prompts_and_next_turns_start_from_the_cache(loaded, base, grid
 @pytest.mark.parametrize("grid", [False, True], ids=["packed", "grid"])
 def test_a_row_started_from_the_cache_holds_the_keys_of_its_own_prefill(loaded, base, grid):
     model = loaded[0].model
-    batch = RaggedBatch(model, eos_token_ids=(), prefix_cache=PrefixCache(64 << 20), prefill_batch_size=4)
+    batch = SlabBatch(model, eos_token_ids=(), prefix_cache=PrefixCache(64 << 20), prefill_batch_size=4)
     batch.slab.grid = grid
     out1 = drive(batch, [make_request("turn1", base, 24)])["turn1"]
     requests = [
@@ -285,7 +285,7 @@ def test_a_row_started_from_the_cache_holds_the_keys_of_its_own_prefill(loaded, 
 def test_rows_of_one_prefill_group_share_an_entry(loaded, base, grid):
     """Hits of different lengths from one entry, and a miss, in one prefill group."""
     model = loaded[0].model
-    batch = RaggedBatch(model, eos_token_ids=(), prefix_cache=PrefixCache(64 << 20), prefill_batch_size=4)
+    batch = SlabBatch(model, eos_token_ids=(), prefix_cache=PrefixCache(64 << 20), prefill_batch_size=4)
     batch.slab.grid = grid
     out1 = drive(batch, [make_request("turn1", base, 16)])["turn1"]
     hit = batch.prefix_cache.lookup(base + [1])
@@ -310,7 +310,7 @@ def test_a_prefilled_prompt_is_stored_after_its_first_token_for_requests_meanwhi
     arrives while the first one decodes still starts from it. A row that ends on its first
     token stores its prompt once, when it leaves."""
     model = loaded[0].model
-    batch = RaggedBatch(model, eos_token_ids=(), prefix_cache=PrefixCache(64 << 20))
+    batch = SlabBatch(model, eos_token_ids=(), prefix_cache=PrefixCache(64 << 20))
     batch.slab.grid = grid
     first = make_request("first", base, 24)
     batch.prefill([first])
@@ -322,7 +322,7 @@ def test_a_prefilled_prompt_is_stored_after_its_first_token_for_requests_meanwhi
     assert second.num_cached_tokens == len(base) - 1
     assert_row_holds(batch.slab, batch._streams["second"].row, model, second.prompt_ids)
 
-    lone = RaggedBatch(model, eos_token_ids=(), prefix_cache=PrefixCache(64 << 20))
+    lone = SlabBatch(model, eos_token_ids=(), prefix_cache=PrefixCache(64 << 20))
     lone.slab.grid = grid
     (first_token,) = lone.prefill([make_request("short", base, 1)])  # ends on its first token
     assert first_token.finish_reason == "length" and lone.prefix_cache.num_stores == 1
@@ -339,7 +339,7 @@ def test_choices_of_one_prompt_prefill_it_once(loaded, base, grid, with_cache):
     model = loaded[0].model
 
     def new_batch():
-        batch = RaggedBatch(
+        batch = SlabBatch(
             model, eos_token_ids=(), prefill_batch_size=8, prefix_cache=PrefixCache(64 << 20) if with_cache else None
         )
         batch.slab.grid = grid
@@ -373,9 +373,9 @@ def test_choices_of_one_prompt_prefill_it_once(loaded, base, grid, with_cache):
 
 def test_after_eviction_a_tiny_budget_still_gives_the_same_streams(loaded, base):
     model = loaded[0].model
-    probe = RaggedBatch(model, eos_token_ids=())
+    probe = SlabBatch(model, eos_token_ids=())
     budget = 300 * probe.slab.bytes_per_position  # room for one conversation
-    batch = RaggedBatch(model, eos_token_ids=(), prefix_cache=PrefixCache(budget))
+    batch = SlabBatch(model, eos_token_ids=(), prefix_cache=PrefixCache(budget))
     cache = batch.prefix_cache
 
     def within_budget():
@@ -400,7 +400,7 @@ def test_after_eviction_a_tiny_budget_still_gives_the_same_streams(loaded, base)
 
 def test_a_cancelled_row_stores_what_it_holds(loaded, base):
     model = loaded[0].model
-    batch = RaggedBatch(model, eos_token_ids=(), prefix_cache=PrefixCache(64 << 20))
+    batch = SlabBatch(model, eos_token_ids=(), prefix_cache=PrefixCache(64 << 20))
     emitted = batch.prefill([make_request("gone", base, 40)])[0].token_ids
     for _ in range(5):
         emitted += batch.decode()[0].token_ids
@@ -418,7 +418,7 @@ def test_rows_that_draft_store_only_the_tokens_they_emitted(loaded, monkeypatch)
 
     target = loaded[0]
     prompt = list(target.tokenizer.encode(REPEATING))
-    probe = RaggedBatch(target.model, eos_token_ids=(), row_drafts=True)
+    probe = SlabBatch(target.model, eos_token_ids=(), row_drafts=True)
     # Once the stream has repeated itself in the prompt, its steps accept whole drafts:
     # stop at a token first emitted as the second token of such a step.
     history = prompt + drive(probe, [make_request("warm", prompt, 24)], drafts=True)["warm"]
@@ -433,7 +433,7 @@ def test_rows_that_draft_store_only_the_tokens_they_emitted(loaded, monkeypatch)
     assert stop is not None, "no step accepted two drafts"
     probe.remove("look")
 
-    batch = RaggedBatch(target.model, eos_token_ids=(), row_drafts=True, prefix_cache=PrefixCache(64 << 20))
+    batch = SlabBatch(target.model, eos_token_ids=(), row_drafts=True, prefix_cache=PrefixCache(64 << 20))
     stored = []  # (positions in the row, positions stored) of every store
     keep = batch._store_prefix
     monkeypatch.setattr(

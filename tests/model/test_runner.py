@@ -176,3 +176,29 @@ def test_cancel_a_classic_row_and_an_active_session(runner, prompt_ids):
     assert runner.num_live_sessions() == 0
     runner.spec_begin(make_request("y", prompt_ids[12], 16))  # the drafter is free again
     runner.spec_finish("y")
+
+
+@pytest.mark.parametrize("backend", ["slab", "generator"])
+def test_both_batch_backends_implement_every_classic_rows_member(backend):
+    """The runner asks a classic batch only through `ClassicRows`: both backends carry
+    every attribute it declares and every method with the same parameters."""
+    from models.batch.generator_batch import GeneratorBatch
+    from models.batch.protocol import ClassicRows
+    from models.batch.slab_batch import SlabBatch
+
+    cls = SlabBatch if backend == "slab" else GeneratorBatch
+    for name in ClassicRows.__annotations__:
+        assert hasattr(cls, name) or name in _instance_attributes(cls), f"{cls.__name__} lacks {name}"
+    for name, member in inspect.getmembers(ClassicRows, inspect.isfunction):
+        if name.startswith("_"):
+            continue
+        ours = getattr(cls, name)
+        if name == "adopt":  # each backend takes its own stream description
+            continue
+        assert list(inspect.signature(ours).parameters) == list(inspect.signature(member).parameters), name
+
+
+def _instance_attributes(cls) -> set[str]:
+    """Names `__init__` assigns on `self`."""
+    source = inspect.getsource(cls.__init__)
+    return set(re.findall(r"self\.([a-z_]+)\s*[:=]", source))

@@ -16,7 +16,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 
-from models.batch.ragged_batch import RaggedBatch
+from models.batch.slab_batch import SlabBatch
 from models.speculative.drafters import DrafterBase
 from models.speculative.rollback import draft_budget
 
@@ -75,7 +75,7 @@ def test_classic_paths_match_the_plain_reference(loaded, prompt_ids, requests, e
     assert run_classic(model, reqs, eos(loaded)) == expected[knobs]  # BatchGenerator rows
     for r in reqs:  # alone: the lone row (`SoloRow`)
         assert run_classic(model, [r], eos(loaded))[r.request_id] == expected[knobs][r.request_id]
-    got, _ = _run(RaggedBatch(model, eos_token_ids=eos(loaded)), reqs, drafts=False)
+    got, _ = _run(SlabBatch(model, eos_token_ids=eos(loaded)), reqs, drafts=False)
     assert got == expected[knobs]
     plain = run_classic(model, [make_request(r.request_id, r.prompt_ids, MAX_TOKENS) for r in reqs], eos(loaded))
     assert plain != expected[knobs]  # the knobs change the streams
@@ -143,7 +143,7 @@ def test_speculative_rounds_match_classic_decode(loaded, requests, expected, kno
         assert num_accepted >= 20
 
 
-class OracleRows(RaggedBatch):
+class OracleRows(SlabBatch):
     """Rows whose drafts are their reference streams' next tokens (every third step the
     last one is wrong)."""
 
@@ -179,7 +179,7 @@ def test_rows_that_verify_drafts_match_classic_decode(loaded, requests, expected
     # the rows' own n-gram drafts, on a prompt where they land
     repeating = list(loaded[0].tokenizer.encode(REPEATING))
     ngram = [make_request("rep", repeating, 40, **KNOBS[knobs]), *reqs]
-    got, _ = _run(RaggedBatch(model, eos_token_ids=eos(loaded), row_drafts=True), ngram, drafts=True)
+    got, _ = _run(SlabBatch(model, eos_token_ids=eos(loaded), row_drafts=True), ngram, drafts=True)
     assert got == run_classic(model, ngram, eos(loaded))
 
 
@@ -195,7 +195,7 @@ def test_a_plus_100_logit_bias_forces_its_token_everywhere(loaded, prompt_ids, s
     model = loaded[0].model
     assert run_classic(model, reqs, eos(loaded)) == want
     assert run_classic(model, reqs[:1], eos(loaded)) == {"r1": want["r1"]}
-    assert _run(RaggedBatch(model, eos_token_ids=eos(loaded)), reqs, drafts=False)[0] == want
+    assert _run(SlabBatch(model, eos_token_ids=eos(loaded)), reqs, drafts=False)[0] == want
     for r in reqs:
         assert run_session(loaded, r, 3, make_drafter("draft_model", loaded))[:2] == want[r.request_id]
 
@@ -217,7 +217,7 @@ def test_seeded_sampled_streams_with_processors_agree_on_classic_paths(loaded, p
     model = loaded[0].model
     batched = run_classic(model, reqs, eos(loaded))
     alone = {r.request_id: run_classic(model, [r], eos(loaded))[r.request_id] for r in reqs}
-    ragged, _ = _run(RaggedBatch(model, eos_token_ids=eos(loaded)), reqs, drafts=False)
+    ragged, _ = _run(SlabBatch(model, eos_token_ids=eos(loaded)), reqs, drafts=False)
     assert batched == alone == ragged
     unprocessed = run_classic(
         model,

@@ -16,7 +16,7 @@ import json
 import jsonschema
 import pytest
 
-from models.batch.ragged_batch import RaggedBatch
+from models.batch.slab_batch import SlabBatch
 from models.forward.bucketed import BucketedForward
 from models.speculative.session import SpeculativeSession
 
@@ -167,7 +167,7 @@ def test_sampled_rows_verify_their_own_ngram_drafts(loaded, requests):
     model's logits are flat), beside the other sampled rows."""
     repeating = list(loaded[0].tokenizer.encode(REPEATING))
     reqs = [make_request("rep", repeating, 40, temperature=0.05, seed=0), *requests["penalized"]]
-    batch = RaggedBatch(loaded[0].model, eos_token_ids=eos(loaded), row_drafts=True)
+    batch = SlabBatch(loaded[0].model, eos_token_ids=eos(loaded), row_drafts=True)
     batch.sampled_drafts = True
     got, stats = _run(batch, reqs, drafts=True)
     assert got == run_classic(loaded[0].model, reqs, eos(loaded))
@@ -177,7 +177,7 @@ def test_sampled_rows_verify_their_own_ngram_drafts(loaded, requests):
 def test_pipelined_sampled_rows_emit_their_classic_streams(loaded, requests, classic):
     """A grid slab queues the next step's draws (one position ahead) before this step's
     tokens are read; a step taken back draws those positions again, the same."""
-    rows = RaggedBatch(loaded[0].model, eos_token_ids=eos(loaded), grid=True)
+    rows = SlabBatch(loaded[0].model, eos_token_ids=eos(loaded), grid=True)
     got, _ = _run(rows, requests["plain"], drafts=False)
     assert got == classic["plain"]
     assert rows.num_pipelined > 20

@@ -1,4 +1,4 @@
-"""The slab (models.forward.slab) and the batch over it (models.batch.ragged_batch): one forward over
+"""The slab (models.forward.slab) and the batch over it (models.batch.slab_batch): one forward over
 rows that bring different numbers of tokens gives each row what its own forward gives;
 rows move, free and shrink without disturbing the others; rows that verify their own
 n-gram drafts emit exactly what classic decode emits."""
@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from models.batch.prefix_cache import PrefixCache
-from models.batch.ragged_batch import RaggedBatch
+from models.batch.slab_batch import SlabBatch
 from models.forward import slab, slab_forward
 from models.forward.slab_forward import Forward
 from models.speculative.drafters import NgramIndex, ngram_lookup
@@ -162,7 +162,7 @@ def test_a_finished_row_leaves_the_batch_without_its_keys_being_copied():
     """Its stream is stored first; then the last classic row takes its slot, and the
     slab's last row (a session's) the slot that frees: two copies, not the leaving row's."""
     model = _llama(False)
-    batch = RaggedBatch(model, eos_token_ids=(), prefill_batch_size=4)
+    batch = SlabBatch(model, eos_token_ids=(), prefill_batch_size=4)
     batch.prefill([make_request(f"r{i}", p, 8) for i, p in enumerate(PROMPTS[:3])])
     session = batch.new_session_cache(PROMPTS[3])
     batch.slab.forward(model, [(session[0].row, PROMPTS[3])])
@@ -407,12 +407,12 @@ def test_rows_that_draft_emit_exactly_what_classic_decode_emits(loaded, prompt_i
     ]
     eos = sorted(target.tokenizer.eos_token_ids)
     expected = run_classic(target.model, requests, eos)
-    batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True, num_draft_tokens=4)
+    batch = SlabBatch(target.model, eos_token_ids=eos, row_drafts=True, num_draft_tokens=4)
     batch.costs = costs
     got, stats = _run(batch, requests, drafts=True)
     assert got == expected
     assert stats["accepted"] > 0 and stats["drafted"] >= stats["accepted"]
-    plain, none = _run(RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True), requests, drafts=False)
+    plain, none = _run(SlabBatch(target.model, eos_token_ids=eos, row_drafts=True), requests, drafts=False)
     assert plain == expected and none == {"drafted": 0, "accepted": 0}
 
 
@@ -425,7 +425,7 @@ def test_a_prefill_group_that_fails_leaves_no_rows_and_stores_nothing(loaded, mo
     target = loaded[0]
     eos = sorted(target.tokenizer.eos_token_ids)
     cache = PrefixCache(64 << 20, block_size=16)
-    batch = RaggedBatch(target.model, eos_token_ids=eos, prefill_batch_size=2, prefix_cache=cache, grid=grid)
+    batch = SlabBatch(target.model, eos_token_ids=eos, prefill_batch_size=2, prefix_cache=cache, grid=grid)
     session = batch.new_session_cache()  # a session row after the classic rows moves with each group
     live = [make_request("live", list(range(5, 60)), 6)]
     batch.prefill(live)
@@ -458,7 +458,7 @@ def test_a_long_prompt_left_alone_in_its_group_takes_the_finished_rows_share(loa
     eos = sorted(target.tokenizer.eos_token_ids)
     long = (list(range(3, 200)) * 7)[:1300]
     requests = [make_request("long", long, 6), make_request("short", list(range(40, 80)), 6)]
-    batch = RaggedBatch(target.model, eos_token_ids=eos, prefill_batch_size=2)
+    batch = SlabBatch(target.model, eos_token_ids=eos, prefill_batch_size=2)
     widths, forward = [], batch.slab.forward
 
     def spy(model, entries, **kw):
@@ -476,7 +476,7 @@ def test_rows_do_not_draft_where_a_verify_position_costs_too_much(loaded):
     target = loaded[0]
     repeating = list(target.tokenizer.encode(REPEATING))
     eos = sorted(target.tokenizer.eos_token_ids)
-    batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True)
+    batch = SlabBatch(target.model, eos_token_ids=eos, row_drafts=True)
     batch.costs = TickCosts({1: 1.0, 2: 1.1}, {0: 9.0, 1: 9.5}, 0.0)  # a verify costs 8 steps
     _, stats = _run(batch, [make_request("rep", repeating, 24), make_request("x", repeating[3:], 24)], drafts=True)
     assert stats["drafted"] == 0
@@ -490,7 +490,7 @@ def test_rows_do_not_draft_where_a_steps_first_draft_costs_too_much(loaded):
     eos = sorted(target.tokenizer.eos_token_ids)
     requests = [make_request("rep", repeating, 24), make_request("x", repeating[3:], 24)]
     for first, drafts in ((8.0, False), (0.01, True)):
-        batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True)
+        batch = SlabBatch(target.model, eos_token_ids=eos, row_drafts=True)
         batch.costs = TickCosts(
             {1: 1.0, 2: 1.1}, {0: 1.2, 1: 1.3}, 0.0, {2: 1.1 + first + 7 * 0.01}, {1: 1.0 + first, 2: 1.1 + first}
         )
@@ -505,10 +505,10 @@ def test_sampled_rows_draft_and_emit_their_classic_streams(loaded):
     repeating = list(target.tokenizer.encode(REPEATING))
     eos = sorted(target.tokenizer.eos_token_ids)
     requests = [make_request("s", repeating, 24, temperature=0.7, seed=1)]
-    off = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True)
+    off = SlabBatch(target.model, eos_token_ids=eos, row_drafts=True)
     _, stats = _run(off, requests, drafts=True)
     assert stats["drafted"] == 0  # `sampled_drafts` off (the default): greedy rows only
-    batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True)
+    batch = SlabBatch(target.model, eos_token_ids=eos, row_drafts=True)
     batch.sampled_drafts = True
     got, stats = _run(batch, requests, drafts=True)
     assert stats["drafted"] > 0
@@ -522,7 +522,7 @@ def test_new_rows_start_from_what_rows_of_their_kind_accepted_on_this_replica(lo
     target = loaded[0]
     repeating = list(target.tokenizer.encode(REPEATING))
     eos = sorted(target.tokenizer.eos_token_ids)
-    batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True)
+    batch = SlabBatch(target.model, eos_token_ids=eos, row_drafts=True)
     batch.sampled_drafts = True
     # a draft position costs 0.22 steps' time: at 2 rows a draft pays where it lands 40 %
     batch.costs = TickCosts({1: 1.0, 2: 1.1, 4: 1.3}, {0: 1.2, 1: 1.3}, 0.0, {2: 1.1 + 8 * 0.22, 4: 1.3 + 16 * 0.22})
@@ -549,7 +549,7 @@ def test_a_row_kept_from_drafts_relaxes_only_where_its_index_had_some(loaded, mo
     kind with it."""
     target = loaded[0]
     eos = sorted(target.tokenizer.eos_token_ids)
-    batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True)
+    batch = SlabBatch(target.model, eos_token_ids=eos, row_drafts=True)
     batch.costs = TickCosts({1: 1.0, 2: 1.1, 4: 1.3}, {0: 1.2, 1: 1.3}, 0.0, {2: 1.1 + 8 * 0.22, 4: 1.3 + 16 * 0.22})
     batch.prefill([make_request("g", list(target.tokenizer.encode(REPEATING)), 40)])
     row = batch._streams["g"]
@@ -626,7 +626,7 @@ def test_pipelined_steps_emit_what_unpipelined_steps_emit(loaded, prompt_ids, dr
     ]
     runs = []
     for pipeline in (False, True):
-        batch = RaggedBatch(target.model, eos_token_ids=eos, row_drafts=True, grid=True)
+        batch = SlabBatch(target.model, eos_token_ids=eos, row_drafts=True, grid=True)
         batch.costs, batch.pipeline, batch.sampled_drafts = costs, pipeline, True
         runs.append((_pipelined_run(batch, requests, late, ("t", 25), drafts), batch.num_pipelined))
     (plain, none), (piped, used) = runs
@@ -645,7 +645,7 @@ def test_a_finished_rows_removal_keeps_the_queued_step(loaded, prompt_ids):
     runs = []
     for pipeline in (False, True):
         # no stop ids: each row ends at its max_tokens, one after another
-        batch = RaggedBatch(target.model, eos_token_ids=(), row_drafts=False, grid=True)
+        batch = SlabBatch(target.model, eos_token_ids=(), row_drafts=False, grid=True)
         batch.pipeline = pipeline
         requests = [make_request(f"r{i}", prompt_ids[i], n) for i, n in enumerate(lengths)]
         out: dict[str, list[int]] = {}

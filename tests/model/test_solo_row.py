@@ -1,13 +1,13 @@
 """The lone classic row (`models.batch.solo.SoloRow`) and its moves in and out of the batch.
 
-Reference: the same requests through `ClassicBatch(single_row_fast_path=False)`, i.e.
+Reference: the same requests through `GeneratorBatch(single_row_fast_path=False)`, i.e.
 `BatchGenerator` alone. Streams must be token-identical (greedy and seeded sampling),
 with the same finish reasons, whichever path a row takes and however often it moves.
 """
 
 import pytest
 
-from models.batch.classic_batch import ClassicBatch
+from models.batch.generator_batch import GeneratorBatch
 from models.batch.solo import SoloRow
 
 from .conftest import make_request
@@ -30,7 +30,7 @@ def reference(loaded, request):
 @pytest.mark.parametrize("index", [0, 4, 8])
 def test_lone_row_matches_batch_generator(loaded, prompt_ids, index, sampling):
     request = make_request("a", prompt_ids[index], 40, **sampling)
-    batch = ClassicBatch(loaded[0].model, eos_token_ids=eos(loaded))
+    batch = GeneratorBatch(loaded[0].model, eos_token_ids=eos(loaded))
     (first,) = batch.prefill([request])
     assert isinstance(batch._solo, SoloRow)  # the fast path is really taken
     tokens, reason = list(first.token_ids), first.finish_reason
@@ -68,7 +68,7 @@ def test_moves_in_and_out_of_the_batch_keep_every_stream(loaded, prompt_ids, sam
     a = make_request("a", prompt_ids[0], 48, **sampling)
     b = make_request("b", prompt_ids[6], 10, **sampling)
     c = make_request("c", prompt_ids[13], 12, **sampling)
-    batch = ClassicBatch(loaded[0].model, eos_token_ids=eos(loaded))
+    batch = GeneratorBatch(loaded[0].model, eos_token_ids=eos(loaded))
     out = {"a": [], "b": [], "c": []}
     reasons = {}
     moves = []
@@ -103,7 +103,7 @@ def test_moves_in_and_out_of_the_batch_keep_every_stream(loaded, prompt_ids, sam
 
 
 def test_remove_mid_stream_then_new_row(loaded, prompt_ids):
-    batch = ClassicBatch(loaded[0].model, eos_token_ids=eos(loaded))
+    batch = GeneratorBatch(loaded[0].model, eos_token_ids=eos(loaded))
     batch.prefill([make_request("a", prompt_ids[2], 30)])
     batch.decode()
     batch.remove("a")
@@ -117,7 +117,7 @@ def test_remove_mid_stream_then_new_row(loaded, prompt_ids):
 
 
 def test_duplicate_request_id_rejected(loaded, prompt_ids):
-    batch = ClassicBatch(loaded[0].model, eos_token_ids=eos(loaded))
+    batch = GeneratorBatch(loaded[0].model, eos_token_ids=eos(loaded))
     batch.prefill([make_request("a", prompt_ids[2], 30)])
     with pytest.raises(ValueError, match="already a classic row"):
         batch.prefill([make_request("a", prompt_ids[3], 30)])
@@ -128,7 +128,7 @@ def test_solo_burst_returns_several_tokens_per_call(loaded, prompt_ids, burst_s,
     """With a burst budget a lone row's decode() keeps stepping (here: a budget no run
     reaches, so one call runs the row to its end); the stream is unchanged."""
     request = make_request("a", prompt_ids[7], max_tokens)
-    batch = ClassicBatch(loaded[0].model, eos_token_ids=eos(loaded), solo_burst_s=burst_s)
+    batch = GeneratorBatch(loaded[0].model, eos_token_ids=eos(loaded), solo_burst_s=burst_s)
     (first,) = batch.prefill([request])
     tokens, reason, calls = list(first.token_ids), first.finish_reason, 0
     while reason is None:
@@ -143,4 +143,4 @@ def test_solo_burst_returns_several_tokens_per_call(loaded, prompt_ids, burst_s,
 
 def test_negative_burst_rejected(loaded):
     with pytest.raises(ValueError, match="solo_burst_s"):
-        ClassicBatch(loaded[0].model, eos_token_ids=eos(loaded), solo_burst_s=-1)
+        GeneratorBatch(loaded[0].model, eos_token_ids=eos(loaded), solo_burst_s=-1)

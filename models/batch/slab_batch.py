@@ -1,6 +1,6 @@
 """Classic continuous batching over a `models.forward.slab.Slab`: the fused tick's batch.
 
-The same contract as `models.batch.classic_batch.ClassicBatch` (prefill, decode with an
+The same contract as `models.batch.generator_batch.GeneratorBatch` (prefill, decode with an
 optional rider, extract, adopt, remove), over rows that each keep their own length:
 - a classic row is a slab row plus its sampler, its stop ids, its budget and its
   pending token (emitted to the client, not yet fed to the model);
@@ -51,7 +51,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from models.batch.classic_batch import LiveRow, check_admissible, check_adoptable
+from models.batch.generator_batch import LiveRow, check_admissible, check_adoptable
 from models.batch.prefix_cache import PrefixCache
 from models.forward.ragged import Rider
 from models.forward.slab import Row, RowView, Slab
@@ -109,8 +109,11 @@ class _Ahead:
     logprobs: list[LogprobArrays | None]
 
 
-class RaggedBatch:
-    """Rows of classic decode, keyed by request id, in one slab with the sessions."""
+class SlabBatch:
+    """Rows of classic decode, keyed by request id, in one slab with the sessions
+    (`models.batch.protocol.ClassicRows`)."""
+
+    shares_slab = True
 
     def __init__(
         self,
@@ -262,6 +265,9 @@ class RaggedBatch:
         self.prefix_cache.store(token_ids[:n], n * self.slab.bytes_per_position, lambda: self.slab.copy_prefix(row, n))
 
     # -- admission ----------------------------------------------------------------------
+    def step_stats(self) -> dict:
+        return {"steps": self.num_steps, "pipelined": self.num_pipelined}
+
     def drafts_rows_of(self, greedy: bool) -> bool:
         """Whether rows of this kind (greedy, or sampled) verify their own drafts."""
         return self.row_drafts and (greedy or self.sampled_drafts)

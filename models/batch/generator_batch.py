@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -99,8 +99,52 @@ class LiveRow:
     sampler: RequestSampler
 
 
-class ClassicBatch:
-    """Rows of classic decode, keyed by request id."""
+class GeneratorBatch:
+    """Rows of classic decode, keyed by request id (`models.batch.protocol.ClassicRows`).
+
+    What only the slab batch can do is answered plainly here: sessions own their caches,
+    rows never draft, no prefix cache, `interrupt` and prefill pieces are not honoured."""
+
+    shares_slab = False
+    row_drafts = False
+    replica_index = None
+    prefix_cache = None
+    costs = None
+    skip_cap = 2
+
+    @property
+    def draft_step_share(self) -> float:
+        return 0.0
+
+    @draft_step_share.setter
+    def draft_step_share(self, share: float) -> None:
+        pass  # rows never draft here
+
+    @property
+    def sampled_drafts(self) -> bool:
+        return False
+
+    @sampled_drafts.setter
+    def sampled_drafts(self, on: bool) -> None:
+        pass
+
+    def drafts_rows_of(self, greedy: bool) -> bool:
+        return False
+
+    def step_stats(self) -> dict | None:
+        return None
+
+    def prefill_fits(self, prompt_ids: Sequence[int], piece: int) -> bool:
+        return len(prompt_ids) <= piece  # `BatchGenerator` prefills a prompt whole
+
+    def new_session_cache(self, prompt_ids: Sequence[int] = ()) -> list:
+        raise RuntimeError("sessions own their caches beside a BatchGenerator batch (shares_slab False)")
+
+    def keep_prompt(self, cache: list, prompt_ids: Sequence[int]) -> None:
+        pass  # no prefix cache
+
+    def release(self, cache: list, token_ids: Sequence[int] | None = None) -> None:
+        pass  # a session's own cache is not this batch's
 
     def __init__(
         self,
@@ -299,8 +343,11 @@ class ClassicBatch:
         del self._uid_by_request[request_id], self._request_by_uid[uid]
         self._solo = solo
 
-    def prefill(self, requests: Sequence[Request]) -> list[TokenBatch]:
-        """Admit and prefill `requests`; returns each one's first token(s).
+    def prefill(
+        self, requests: Sequence[Request], between: Callable[[], None] | None = None, piece: int = 0
+    ) -> list[TokenBatch]:
+        """Admit and prefill `requests`; returns each one's first token(s). `between` and
+        `piece` are ignored: `BatchGenerator` prefills a group whole.
 
         Existing batch rows are set aside while the new group is processed, so they
         do not advance (`_generation_batch` is swapped for an empty one and merged
@@ -364,14 +411,16 @@ class ClassicBatch:
         others = [b for uid, b in outputs.items() if uid not in new_uids]
         return moved + others + [outputs[uid] for uid in uids]
 
-    def decode(self, rider: Rider | None = None, drafts: bool = False) -> list[TokenBatch]:
+    def decode(
+        self, rider: Rider | None = None, drafts: bool = False, interrupt: Callable[[], bool] | None = None
+    ) -> list[TokenBatch]:
         """One batched decode step: one token for every active row.
 
         With `rider` (a verify carried along, `models.forward.ragged.Rider`) the step's forward
         goes through it, so the verify runs in the same forward as the rows; a lone row
         then steps exactly once. The rider stays unused when no forward runs (no rows,
-        or a lone row emitting its last token). `drafts` is for batches whose rows
-        draft (`models.batch.ragged_batch`); this one's rows do not."""
+        or a lone row emitting its last token). `drafts` and `interrupt` are for the slab
+        batch (`models.batch.slab_batch`); this one's rows do not draft, nor stop part-way."""
         if self._single_row_fast_path:
             self._batch_into_solo()
         if self._solo is not None:

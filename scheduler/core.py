@@ -46,21 +46,7 @@ class Scheduler:
         self.policy = policy or B1Policy.from_config(config, runner.policy_key(), clock=clock)
         self.ledger = ledger or RequestLedger(clock)  # every unfinished request
         self.sink = EventSink(self.counters, clock, on_finish=self._forget)
-        self.slot = SpecSlot(
-            runner,
-            lambda: self.config,
-            self.policy,
-            self.counters,
-            self.sink,
-            self._to_classic,
-            clock,
-            live_requests=self.num_unfinished,
-            num_rows=lambda: len(self._rows),
-            adopt_row=self._adopt_row,
-            release_row=self._release_row,
-            unqueue=self._unqueue,
-            rows_done=self._rows_done,
-        )
+        self.slot = SpecSlot(runner, self, lambda: self.config, self.policy, self.counters, self.sink, clock)
         # Classic rows' shadow rounds for the cost gate (None: the drafter proposes no
         # fixed tokens, e.g. a draft model, so a row's acceptance cannot be read off it).
         self._shadow = (
@@ -101,6 +87,10 @@ class Scheduler:
         return bool(
             self.ledger.has_inputs() or self._rows or self.slot.busy or any(self._queues.values()) or self._held_cancels
         )
+
+    def num_rows(self) -> int:
+        """Classic rows (`SlotHost`)."""
+        return len(self._rows)
 
     def num_unfinished(self) -> int:
         return self.ledger.num_unfinished
@@ -185,30 +175,30 @@ class Scheduler:
             self.sink.finish(request, "cancelled", phase="inbox")
             return
         if not self.runner.spec_supports(request):
-            self._to_classic(request, None)
+            self.to_classic(request, None)
         elif not (self.slot.gate.policy_allows if self._fusing() else self.policy.should_run()):
-            self._to_classic(request, "policy_declined")
+            self.to_classic(request, "policy_declined")
         elif not self.slot.batch_allows():
-            self._to_classic(request, "batch_size")
+            self.to_classic(request, "batch_size")
         else:
             reason = self.slot.try_admit(request, as_row=self._fusing(), install=install)
             if reason is not None:
-                self._to_classic(request, None if reason == ROW_IN_RING else reason)
+                self.to_classic(request, None if reason == ROW_IN_RING else reason)
 
-    def _to_classic(self, request: Request, reason: str | None) -> None:
+    def to_classic(self, request: Request, reason: str | None) -> None:
         """Queue for classic prefill; `reason` counts a speculative-eligible fallback."""
         if reason is not None:
             self.counters.record_fallback(reason)
         request.status = RequestStatus.QUEUED
         self._queues[request.lane].append(request)
 
-    def _adopt_row(self, request: Request, batches: list[TokenBatch]) -> None:
+    def adopt_row(self, request: Request, batches: list[TokenBatch]) -> None:
         """A speculative request demoted by the slot continues as a classic row."""
         request.status = RequestStatus.CLASSIC
         self._rows[request.request_id] = request
         self._apply_classic(batches)
 
-    def _release_row(self, request: Request, batches: list[TokenBatch], started: bool, error: str | None) -> None:
+    def release_row(self, request: Request, batches: list[TokenBatch], started: bool, error: str | None) -> None:
         """A row promoted into the slot (fused tick): its tokens emitted on the way are
         applied; it leaves the rows when its session started."""
         if error is not None:
@@ -218,7 +208,7 @@ class Scheduler:
         if started:
             self._rows.pop(request.request_id, None)
 
-    def _rows_done(self, batches: list[TokenBatch], error: str | None) -> None:
+    def rows_done(self, batches: list[TokenBatch], error: str | None) -> None:
         """The classic rows' decode step ran inside a fused round (rows whose prompts
         are still being prefilled were not in it)."""
         if error is not None:
@@ -226,7 +216,7 @@ class Scheduler:
         else:
             self._apply_classic(batches)
 
-    def _unqueue(self, request: Request) -> None:
+    def unqueue(self, request: Request) -> None:
         self._queues[request.lane].remove(request)
 
     def _cancel_now(self, request_id: str) -> None:

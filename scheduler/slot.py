@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 from scheduler.adaptive import B1Policy
 from scheduler.backlog import BacklogEntry, EntryKind, GrantBacklog
@@ -36,6 +36,34 @@ GRANT_LOG_LIMIT = 4096
 # `try_admit`'s answer in the fused tick when the request joins the ring but decodes as
 # a classic row while it waits for the drafter: the caller queues it for prefill.
 ROW_IN_RING = "row_in_ring"
+
+
+class SlotHost(Protocol):
+    """What the slot asks of the scheduler that owns the classic rows and the queues."""
+
+    def num_unfinished(self) -> int:
+        """Requests not finished yet (the batch-size rule counts them)."""
+
+    def num_rows(self) -> int:
+        """Classic rows."""
+
+    def to_classic(self, request: Request, reason: str | None) -> None:
+        """Queue `request` for classic prefill; `reason` counts a fallback."""
+
+    def adopt_row(self, request: Request, batches: list[TokenBatch]) -> None:
+        """Take a demoted (or, in the fused tick, parked) request as a classic row and
+        apply `batches` (other rows' tokens emitted on the way)."""
+
+    def release_row(self, request: Request, batches: list[TokenBatch], started: bool, error: str | None) -> None:
+        """A classic row was promoted into the slot (fused tick): apply `batches`; the
+        request leaves the rows (`started`) or fails (`error`)."""
+
+    def unqueue(self, request: Request) -> None:
+        """Take a request out of the classic admission queue (granted before prefill)."""
+
+    def rows_done(self, batches: list[TokenBatch], error: str | None) -> None:
+        """A fused round decoded the classic rows: apply their tokens now, before anything
+        else of the step moves a row (or fail them all with `error`)."""
 
 
 @dataclass
@@ -67,41 +95,21 @@ class SpecSlot:
     def __init__(
         self,
         runner: ModelRunner,
+        host: SlotHost,
         config: Callable[[], SchedulerConfig],
         policy: B1Policy,
         counters: Counters,
         sink: EventSink,
-        to_classic: Callable[[Request, str], None],
         clock: Callable[[], float],
-        live_requests: Callable[[], int] = lambda: 0,
-        num_rows: Callable[[], int] = lambda: 0,
-        adopt_row: Callable[[Request, list[TokenBatch]], None] | None = None,
-        release_row: Callable[[Request, list[TokenBatch], bool, str | None], None] | None = None,
-        unqueue: Callable[[Request], None] | None = None,
-        rows_done: Callable[[list[TokenBatch], str | None], None] | None = None,
     ) -> None:
-        """`adopt_row(request, batches)`: the scheduler takes a demoted (or, in the
-        fused tick, parked) request as a classic row and applies `batches` (other rows'
-        tokens); None = never demote. `release_row(request, batches, started, error)`:
-        a classic row was promoted into the slot (fused tick): apply `batches`, and the
-        request leaves the rows (started) or failed (`error`). `unqueue(request)`: take
-        a request out of the classic admission queue (it is granted before prefill).
-        `rows_done(batches, error)`: a fused round decoded the classic rows; apply
-        their tokens now, before anything else of the step moves a row (or fail them
-        all with `error`)."""
+        """`host`: the scheduler, for everything that touches classic rows and queues."""
         self.runner = runner
+        self.host = host
         self._config = config
         self.policy = policy
         self.counters = counters
         self.sink = sink
-        self._to_classic = to_classic
         self._clock = clock
-        self._live_requests = live_requests  # unfinished requests, for the batch-size rule
-        self._num_rows = num_rows  # classic rows
-        self._adopt_row = adopt_row
-        self._release_row = release_row
-        self._unqueue = unqueue
-        self._rows_done = rows_done
         self.backlog = GrantBacklog(on_depth=counters.observe_backlog)
         self.active: ActiveJob | None = None
         self.gate = CostGate(runner, config)
@@ -132,7 +140,7 @@ class SpecSlot:
         """
         config = self._config()
         if not self.busy and install:
-            if not as_row or self.gate.admits_newcomer(request, self._num_rows()):
+            if not as_row or self.gate.admits_newcomer(request, self.host.num_rows()):
                 self._install(request, started=False)
                 return None
         if config.tick_slice and can_join_backlog(len(self.backlog), config.backlog_cap, config.grant_rounds):
@@ -177,7 +185,7 @@ class SpecSlot:
 
     def _run(self, fuse: bool, action: Callable[[], bool]) -> SlotStep:
         """Run `action` (True: something ran) with this step's fuse flag, and report it."""
-        self._fuse = fuse and self._rows_done is not None
+        self._fuse = fuse
         self._fused = self._plain_round = False
         ran = action()
         return SlotStep(ran, self._fused, self._plain_round)
@@ -218,12 +226,12 @@ class SpecSlot:
                 continue
             if entry.kind is EntryKind.WAITING:
                 if not self.policy.should_run():  # settled to decline while it waited
-                    self._to_classic(request, "declined_at_promotion")
+                    self.host.to_classic(request, "declined_at_promotion")
                     continue
                 # The batch grew while it waited: a waiter has no session yet, so it
                 # joins the classic batch instead (a parked job must resume here).
                 if not self.batch_allows():
-                    self._to_classic(request, "batch_size_at_promotion")
+                    self.host.to_classic(request, "batch_size_at_promotion")
                     continue
                 self.counters.promotions += 1
                 self._begin(self._install(request, started=False))
@@ -248,7 +256,7 @@ class SpecSlot:
         request = entry.request
         if request.status not in (RequestStatus.QUEUED, RequestStatus.CLASSIC):
             return True
-        return self.gate.admits_row(request, self._num_rows() - (request.status is RequestStatus.CLASSIC))
+        return self.gate.admits_row(request, self.host.num_rows() - (request.status is RequestStatus.CLASSIC))
 
     def _promote_row(self, entry: BacklogEntry) -> bool:
         """Grant the slot to a ring entry that decodes as a classic row (fused tick).
@@ -266,7 +274,7 @@ class SpecSlot:
             return False
         self.counters.promotions += 1
         if request.status is RequestStatus.QUEUED:  # granted before its classic prefill
-            self._unqueue(request)
+            self.host.unqueue(request)
             self._begin(self._install(request, started=False))
             return True
         try:
@@ -276,9 +284,9 @@ class SpecSlot:
                 self.runner.spec_finish(request.request_id)  # whatever it kept for the request
             except Exception:  # noqa: BLE001 - best effort after a failure
                 pass
-            self._release_row(request, [], False, f"classic_to_spec failed: {exc}")
+            self.host.release_row(request, [], False, f"classic_to_spec failed: {exc}")
             return False
-        self._release_row(request, batches, started, None)
+        self.host.release_row(request, batches, started, None)
         if not started:
             return False
         self._round(self._install(request, started=True))
@@ -333,7 +341,7 @@ class SpecSlot:
     def _run_round(self, job: ActiveJob) -> bool:
         """One round; True if the job is still active after it."""
         request = job.request
-        fuse = self._fuse and not job.burst and not self._fused and self._num_rows() > 0
+        fuse = self._fuse and not job.burst and not self._fused and self.host.num_rows() > 0
         # Probes profile the B=1 policy, which the fused tick does not consult.
         probe = not self._fuse and self.policy.wants_probe(request.spec.num_probe_rounds)
         self._plain_round = self._plain_round and not probe
@@ -344,13 +352,13 @@ class SpecSlot:
                     request.request_id, drafts=config.rows_draft, skip_cap=config.skip_cap
                 )
                 self._fused = True
-                self._rows_done(rows, None)
+                self.host.rows_done(rows, None)
             else:
                 outcome = self.runner.spec_round(request.request_id, probe=probe)
         except Exception as exc:  # noqa: BLE001
             if fuse:
                 self._fused = True
-                self._rows_done([], f"spec_round_with_decode failed: {exc}")
+                self.host.rows_done([], f"spec_round_with_decode failed: {exc}")
             self._end(job, "error", error=f"spec_round failed: {exc}")
             return False
         job.slices_run += 1
@@ -367,8 +375,8 @@ class SpecSlot:
 
     def _park_if_expired(self, job: ActiveJob) -> None:
         request = job.request
-        into_batch = self._fuse and self._adopt_row is not None  # fused: it decodes on as a row
-        costs_more = into_batch and not self.gate.pays(request, self._num_rows())
+        into_batch = self._fuse  # fused: it decodes on as a row
+        costs_more = into_batch and not self.gate.pays(request, self.host.num_rows())
         if not costs_more and not grant_expired(job.slices_run, job.budget, len(self.backlog) > 0):
             return
         self.counters.cost_parks += int(costs_more)
@@ -388,7 +396,7 @@ class SpecSlot:
         self.active = None
         self._plain_round = False  # the park's moves are in this tick's time
         if into_batch:
-            self._adopt_row(request, moved)
+            self.host.adopt_row(request, moved)
         else:
             request.status = RequestStatus.PARKED
         self.backlog.push(request, EntryKind.PARKED)  # may reach cap+1 until the next promotion
@@ -396,13 +404,13 @@ class SpecSlot:
     def batch_allows(self) -> bool:
         """The batch-size rule for a request that has not started speculating, counted
         among the live requests itself (at admission and at its promotion)."""
-        return batch_allows_speculation(self._live_requests() - 1, self._config().speculative_disable_by_batch_size)
+        others = self.host.num_unfinished() - 1
+        return batch_allows_speculation(others, self._config().speculative_disable_by_batch_size)
 
     def _demotable(self) -> bool:
         config = self._config()
-        return self._adopt_row is not None and should_demote(
-            self._live_requests() - 1, config.speculative_disable_by_batch_size, self._num_rows(), config.max_batch_size
-        )
+        others, rows = self.host.num_unfinished() - 1, self.host.num_rows()
+        return should_demote(others, config.speculative_disable_by_batch_size, rows, config.max_batch_size)
 
     def _demote(self, request: Request) -> None:
         """Move a started session (taken off the slot or out of the ring) into the
@@ -419,7 +427,7 @@ class SpecSlot:
             return
         self.counters.demotions += 1
         self.policy.session_done(request.spec.num_slot_rounds)
-        self._adopt_row(request, batches)
+        self.host.adopt_row(request, batches)
 
     def _end(self, job: ActiveJob, reason: str, error: str | None = None) -> None:
         """The active job's grant ends with its request: release the session."""

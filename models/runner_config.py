@@ -44,8 +44,7 @@ class RunnerConfig:
     classic_burst_ms: float = knob(
         DEFAULT_CLASSIC_BURST_MS,
         "Milliseconds a classic row decoding *alone* keeps stepping within one engine tick, so a "
-        "tick returns several tokens when steps are fast (on an H200 a bundled-model step is "
-        "~1.4 ms and a tick's own work ~0.05–0.1 ms); a new arrival waits at most this long for its "
+        "tick returns several tokens when steps are fast; a new arrival waits at most this long for its "
         "prefill; 0 = one token per tick. Rows sharing the batch always step once per tick.",
         ge=0.0,
         le=1000.0,
@@ -69,23 +68,19 @@ class RunnerConfig:
     dense_weights: bool | None = knob(
         None,
         "Dequantize a quantized model's layers (target and draft model) once at load and serve "
-        "them as plain layers: float32 on a CPU, where MLX's quantized matmul is about 20x slower "
-        "than OpenBLAS's float32 one (SmolLM2-135M 4-bit: 1.1 against 22 tok/s); the scales' dtype on a "
-        "CUDA GPU, where MLX's quantized matmul made a 32-row step 3x and an 8 x 512 prefill forward "
-        "2.9x slower (Qwen2.5-1.5B shape, 4-bit, random weights; docs/gpu.md). None = on a CPU or a "
-        "CUDA GPU when the growth fits in half the memory available (Apple silicon's quantized "
-        "kernels are the fast ones); false keeps the weights as loaded, true dequantizes wherever. "
-        "The load log says which.",
+        "them as plain layers: float32 on a CPU, the scales' dtype on a CUDA GPU, where MLX's "
+        'quantized matmuls are the slow ones (docs/models.md, docs/gpu.md "What runs by default"). '
+        "None = on a CPU or a CUDA GPU when the growth fits in half the memory available (Apple "
+        "silicon's quantized kernels are the fast ones); false keeps the weights as loaded, true "
+        "dequantizes wherever. The load log says which.",
         default_doc="on a CPU or a CUDA GPU where the memory allows, off on Apple silicon",
     )
     fused_projections: bool | None = knob(
         None,
         "Run each layer's q, k and v projections as one matmul, and its MLP's gate and up as one, "
         "in every forward (llama-family models with plain layers: llama, mistral, qwen2; others are "
-        "left as they are). On the H200 4 greedy streams ran in 5-9 % less tick time and a 4-row step "
-        "of 5 tokens a row took 17.7-19.2 ms against 19.0-20.4 (Qwen2.5-1.5B shape, dense bf16, "
-        'random weights; docs/gpu.md, "Fused projections"); on the development CPU the engine ran '
-        "level within its noise (0.94-1.08x). None = on a CUDA GPU; true / false force it.",
+        'left as they are): fewer, wider matmuls, which a GPU runs faster (docs/gpu.md, "What runs '
+        'by default") and a CPU no faster. None = on a CUDA GPU; true / false force it.',
         default_doc="on a CUDA GPU, off elsewhere",
     )
     draft_step_share: float = knob(
@@ -94,9 +89,8 @@ class RunnerConfig:
         "(by the forward costs measured at load); when they do not all fit, rows share the budget as "
         "grants are shared: a row denied drafts `skip_cap` steps running first, then by lane (high, "
         "normal, low), then in the order rows joined. 0 = no limit: each row's drafts are priced by "
-        "the cost model alone, the faster default (on the development CPU a 0.5 share cost 5-7 % of "
-        "throughput and TPOT at 8 and 16 streams, docs/CONTINUOUS_BATCHING.md). A bound protects rows "
-        "that do not draft from long steps.",
+        'the cost model alone, the faster default (docs/CONTINUOUS_BATCHING.md, "The fused tick"). A '
+        "bound protects rows that do not draft from long steps.",
         ge=0.0,
         le=100.0,
     )
@@ -105,19 +99,16 @@ class RunnerConfig:
         "Classic rows that draft (`row_drafts`) also draft from the replica's past outputs: the "
         "outputs of rows that left the batch, held up to 16,384 tokens (`models/speculative/replica_index.py`); "
         "a row whose last 4-8 tokens occurred in one drafts what followed, else its own prompt "
-        "lookup. For agents that re-ask and edits that return most of an earlier answer (6-12 % "
-        "faster from 2 streams where every prompt comes twice, a little slower on fresh prompts: "
-        "docs/benchmarks.md, scenario 6). Needs the slab batch.",
+        "lookup. For agents that re-ask and edits that return most of an earlier answer; a little "
+        "slower on fresh prompts (docs/benchmarks.md, scenario 6). Needs the slab batch.",
     )
     sampled_row_drafts: bool = knob(
         False,
         "Classic rows that draft (`row_drafts`) draft at temperature > 0 too, not only greedy "
         "ones: a sampled row's draws are keyed by position, so its tokens are the same either way "
-        '(docs/configuration.md, "Speculation at temperature > 0"). Off by default: on the CPU it '
-        "gains on code at T = 0.7 (1.07-1.36x plain batching from 2 to 8 streams, against 0.99-1.03x "
-        "without) but where drafts rarely land (random prompts at T = 1.0) it ran 0.93-0.96x from 4 "
-        "streams, against 0.96-0.98x without, within this machine's noise but short of 0.97x "
-        "(docs/benchmarks.md, scenario 6). Needs the slab batch.",
+        '(docs/configuration.md, "Speculation at temperature > 0"). Off by default: it gains on code '
+        "at T = 0.7 but costs a little where sampled drafts rarely land (docs/benchmarks.md, "
+        "scenario 6). Needs the slab batch.",
     )
     warm_positions: int | None = knob(
         None,

@@ -46,10 +46,10 @@ docs: $(STAMP)
 	$(BIN)/python -m serve_app.config_docs
 
 bench-quick: model
-	$(BIN)/python -m scripts.bench_all --quick --out results/quick
+	$(BIN)/python -m scripts.bench.all --quick --out results/quick
 
 bench: model
-	$(BIN)/python -m scripts.bench_all --out results/full
+	$(BIN)/python -m scripts.bench.all --out results/full
 
 clean:
 	rm -rf $(VENV) results .pytest_cache

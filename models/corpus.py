@@ -1,7 +1,7 @@
 """The training corpus every machine has: the Python standard library's own source.
 
 Used to train the bundled tokenizer and the bundled target + draft pair
-(`scripts/train_fixture_pair.py`). Files are taken in sorted relative-path order so a
+(`scripts/tools/train_fixture_pair.py`). Files are taken in sorted relative-path order so a
 given Python version yields the same corpus everywhere; every 20th file is held out
 for validation. Each document ends with the end-of-text token.
 """

@@ -24,7 +24,7 @@ EMA_WEIGHT = 0.3  # weight of the newest round in a request's acceptance estimat
 # Speculating beside a batch must beat decoding by this factor: what the tick times do
 # not show (rows moving in and out of the batch, and streams that finish apart, so
 # their successors' prefills no longer batch) costs about this much on the CPU runs of
-# scripts/bench_concurrency.py (docs/benchmarks.md, scenario 6).
+# scripts/bench/concurrency.py (docs/benchmarks.md, scenario 6).
 BATCH_MARGIN = 1.1
 RELAX_WEIGHT = 0.05  # how far each turn-away moves an estimate back toward all-accepted
 # A stream the gate parked because speculating cost more than it returned waits this

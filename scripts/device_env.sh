@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Sourced by the scripts that run on the offline lent H200 (gpu_serve.sh, and by hand
-# before scripts/experiments/*.py or scripts.bench_multiturn): installs MLX and the
+# before scripts/experiments/*.py or scripts.bench.multiturn): installs MLX and the
 # service's wheels into /tmp/site when it is missing and the parts are where
 # ../shared/device/README.md and scripts/device_wheels.sh put them, puts /tmp/site on
-# the paths, and builds the random-weight model of $SHAPE (scripts/shapes.py; $BITS bits, 4 unless
+# the paths, and builds the random-weight model of $SHAPE (scripts/bench/shapes.py; $BITS bits, 4 unless
 # set, 0 for bf16) at $MODEL.
 #
 #   SHAPE=q15 source scripts/device_env.sh && python3 -m scripts.experiments.gpu_ticks --target "$MODEL" ...
@@ -18,7 +18,7 @@ if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$P
 echo "installed after $(( $(date +%s) - T0 )) s"
 python3 -c "import ray, mlx.core as mx; print('ray', ray.__version__, 'mlx', mx.__version__, mx.default_device())"
 SHAPE=${SHAPE:-q15}
-BITS=${BITS:-4}  # 0: unquantized bf16 (scripts/shapes.py --bits)
+BITS=${BITS:-4}  # 0: unquantized bf16 (scripts/bench/shapes.py --bits)
 MODEL=${MODEL_DIR:-/tmp/specslot-$SHAPE$([ "$BITS" = 4 ] || echo "-b$BITS")}
-test -f "$MODEL/model.safetensors" || python3 -m scripts.shapes "$SHAPE" "$MODEL" --tokenizer-vocab --bits "$BITS"
+test -f "$MODEL/model.safetensors" || python3 -m scripts.bench.shapes "$SHAPE" "$MODEL" --tokenizer-vocab --bits "$BITS"
 echo "model after $(( $(date +%s) - T0 )) s"

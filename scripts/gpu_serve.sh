@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Scenario 4 on a GPU host: the whole service (Ray Serve, HTTP, the scheduler actor) with
 # configs/gpu.yaml against mlx_lm.server, same random-weight model of a realistic shape
-# (scripts/shapes.py, vocabulary cut to the bundled tokenizer's so both servers can
+# (scripts/bench/shapes.py, vocabulary cut to the bundled tokenizer's so both servers can
 # detokenize), n-gram drafter (random weights: no draft model would accept anything).
 # Figures from it come from random weights: say so next to them.
 #
@@ -28,7 +28,7 @@ done
 CS=""; for c in ${CS_LIST:-1 4 16 64}; do CS="$CS --concurrency $c"; done
 PS=""; for p in ${PEERS:-mlx_lm}; do PS="$PS --peer $p"; done
 # shellcheck disable=SC2086
-timeout "${LIMIT:-470}" python3 -m scripts.bench_vs_mlx_lm --target "$MODEL" \
+timeout "${LIMIT:-470}" python3 -m scripts.bench.vs_mlx_lm --target "$MODEL" \
   "${CONFIGS[@]}" \
   $PS $CS --prompt-chars "${CHARS:-600}" --prompt-tokens "${TOKENS:-0}" --repeats "${REPEATS:-2}" --prompts-per-stream "${PPS:-2}" --temperature "${TEMP:-0}" \
   ${ARGS:-} --out "$OUT/${NAME:-vs_mlx_lm_$SHAPE}" --no-plot --startup-timeout 300 || {

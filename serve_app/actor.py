@@ -4,7 +4,7 @@ The actor is a threaded Ray actor: `poll` blocks one of its threads in
 `Engine.get_events`, while `submit` / `cancel` / `snapshot` run on others; all MLX work
 stays on the Engine's own thread. The replica polls in a loop, so one round trip carries
 every event of a tick for all of the replica's requests (the per-token hop cost is
-measured by scripts/measure_actor_hop.py).
+measured by scripts/bench/actor_hop.py).
 
 `ActorSource` is the replica side: it creates the actor on the replica's node (hard
 affinity), and re-creates it when it dies.

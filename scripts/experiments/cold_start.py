@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--target", required=True, help="the model directory")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s.%(msecs)03d %(name)s %(message)s", datefmt="%H:%M:%S")
-    from scripts.engine_load import engine_from_config
+    from scripts.bench.engine_load import engine_from_config
 
     cache = tempfile.mkdtemp(prefix="specslot-cold-")
     spec = f"{args.config}{',' if ':' in args.config else ':'}kernel_cache_dir={cache},policy_cache_dir={cache}/policy"

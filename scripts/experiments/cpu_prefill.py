@@ -10,7 +10,7 @@ cached turn (the 466-token prompt again plus 76 new tokens: the prefix cache ser
     python -m scripts.experiments.cpu_prefill [--config configs/bundled.yaml] [--rounds 16]
 
 `--bare`: no engine, `cpu_math` on: the forwards alone of scenario 7's turns 2-6
-(`scripts/bench_multiturn.py`, prompts of 466-871 tokens), each turn's prompt fresh in one
+(`scripts/bench/multiturn.py`, prompts of 466-871 tokens), each turn's prompt fresh in one
 slab forward against its last 76 tokens over the rest cached, in a slab of 4 rows (the
 others 300 positions long, as at concurrency 4); median of `--rounds`, the two taking
 turns. Their ratio is the prefix cache's at that turn with nothing else counted.
@@ -34,7 +34,7 @@ from mlx_lm.models import activations  # noqa: E402
 
 from models.platform import cpu_math  # noqa: E402
 from scheduler.request import Request, SamplingParams  # noqa: E402
-from scripts.engine_load import engine_from_config, first_token  # noqa: E402
+from scripts.bench.engine_load import engine_from_config, first_token  # noqa: E402
 
 CASES = ("fresh 76", "fresh 466", "cached turn (466 + 76)", "fresh 900")
 

@@ -23,8 +23,8 @@ import models  # noqa: E402,F401  (fast BLAS before mlx)
 
 # isort: split
 from scheduler.request import Request, SamplingParams  # noqa: E402
-from scripts.engine_load import engine_from_config  # noqa: E402
-from scripts.prompts import chat_messages, chat_questions, stdlib_snippets  # noqa: E402
+from scripts.bench.engine_load import engine_from_config  # noqa: E402
+from scripts.bench.prompts import chat_messages, chat_questions, stdlib_snippets  # noqa: E402
 
 
 def prompt_ids(codec, kind: str, streams: int, seed: int) -> list[list[int]]:
@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--rounds", type=int, default=7, help="bursts per configuration, the first unmeasured")
     args = ap.parse_args()
-    from scripts.servers import config_models
+    from scripts.bench.servers import config_models
     from serve_app.codec import TextCodec
 
     target = args.target or config_models(args.config)[0]

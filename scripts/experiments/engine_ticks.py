@@ -4,7 +4,7 @@ per run the client's TPOT beside the scheduler's own tick times by action (the
 `tick_seconds` tallies `/metrics` exports as `specslot_scheduler_tick_seconds`).
 
 Set beside `gpu_ticks.py` (the same scheduler ticked on the calling thread) and beside a
-server's runs (`scripts/bench_vs_mlx_lm.py` prints the same tick times per run), it says
+server's runs (`scripts/bench/vs_mlx_lm.py` prints the same tick times per run), it says
 whether a slower step over HTTP comes from the engine's thread or from the service
 around it.
 
@@ -43,9 +43,9 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.7)
     args = ap.parse_args()
 
-    from scripts.bench_vs_mlx_lm import tick_delta, tick_line
-    from scripts.engine_load import engine_from_config, run_engine_load
-    from scripts.loadgen import LoadConfig
+    from scripts.bench.engine_load import engine_from_config, run_engine_load
+    from scripts.bench.loadgen import LoadConfig
+    from scripts.bench.vs_mlx_lm import tick_delta, tick_line
     from serve_app.codec import TextCodec
 
     engine, info = engine_from_config(args.config, args.target)

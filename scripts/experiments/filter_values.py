@@ -29,7 +29,7 @@ import models  # noqa: E402,F401  (fast BLAS before mlx)
 # isort: split
 from models.sampling.samplers import min_p_filter, top_p_filter  # noqa: E402
 from scheduler.request import Request, SamplingParams  # noqa: E402
-from scripts.engine_load import engine_from_config  # noqa: E402
+from scripts.bench.engine_load import engine_from_config  # noqa: E402
 
 
 def use_filters(way: str) -> None:

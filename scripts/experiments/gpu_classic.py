@@ -28,9 +28,9 @@ from models.sampling.samplers import RequestSampler
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.request import Request, SamplingParams
-from scripts.bench_engine import load_runner
-from scripts.bench_overhead import engine_decode_rate
-from scripts.gpu_bench import random_llama
+from scripts.bench.engine import load_runner
+from scripts.bench.gpu_rounds import random_llama
+from scripts.bench.overhead import engine_decode_rate
 
 N = int(os.environ.get("N", "256"))
 

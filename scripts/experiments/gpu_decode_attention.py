@@ -32,7 +32,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from models.forward.slab_forward import _grid_attention, _grid_mask  # noqa: E402
-from scripts.bench_util import median_eval_s  # noqa: E402
+from scripts.bench.util import median_eval_s  # noqa: E402
 
 HEADS, KV_HEADS, DIM, LAYERS, CAPACITY = 12, 2, 128, 28, 1024
 

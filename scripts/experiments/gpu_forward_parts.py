@@ -24,7 +24,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache  # noqa: E402
 
 from models.forward.bucketed import BucketedForward  # noqa: E402
-from scripts.gpu_bench import log, random_llama  # noqa: E402
+from scripts.bench.gpu_rounds import log, random_llama  # noqa: E402
 
 
 def timings(forward, cache, n: int, reps: int = 15) -> dict:

@@ -19,7 +19,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache  # noqa: E402
 
 from models.forward.bucketed import BucketedForward  # noqa: E402
-from scripts.gpu_bench import OracleDrafter, classic_mlxlm, classic_ours, log, random_llama, spec_run  # noqa: E402
+from scripts.bench.gpu_rounds import OracleDrafter, classic_mlxlm, classic_ours, log, random_llama, spec_run  # noqa: E402
 
 
 def forward_ms(fn, cache, n, reps=20):

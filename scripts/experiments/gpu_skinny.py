@@ -53,7 +53,7 @@ import models  # noqa: E402,F401  (before mlx, as the service imports it)
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
-from scripts.bench_util import median_eval_s  # noqa: E402
+from scripts.bench.util import median_eval_s  # noqa: E402
 
 MAX_TOKENS = 8  # SkinnyLinear's inputs of 2..MAX_TOKENS tokens take the kernel
 ROWS = 2  # output features per block

@@ -1,7 +1,7 @@
 """Where a burst of long prompts' time to first token goes, tick by tick (made for the lent
 H200; runs on a CPU with a small model too).
 
-Builds the scheduler and runner a deployment config builds (`scripts.engine_load.serve_args`), submits `--requests` prompts of `--prompt-chars` characters at once (the
+Builds the scheduler and runner a deployment config builds (`scripts.bench.engine_load.serve_args`), submits `--requests` prompts of `--prompt-chars` characters at once (the
 load generator's prompts), and ticks on this thread as the engine thread does, until
 every request has its first token and `--tokens` tokens. Per tick: the action, the
 requests prefilled, the live rows, milliseconds. Prints the timeline folded into runs
@@ -31,7 +31,7 @@ def main() -> None:
         "--prompt-tokens",
         type=int,
         default=0,
-        help="prompts of this many tokens (scripts.prompts.sized_snippets; 0: --prompt-chars characters)",
+        help="prompts of this many tokens (scripts.bench.prompts.sized_snippets; 0: --prompt-chars characters)",
     )
     ap.add_argument("--tokens", type=int, default=16, help="tokens per request")
     ap.add_argument(
@@ -98,10 +98,10 @@ def main() -> None:
     from scheduler.core import Scheduler
     from scheduler.engine import freeze_heap
     from scheduler.request import Request, SamplingParams
-    from scripts.bench_vs_mlx_lm import parse_config_spec
-    from scripts.engine_load import serve_args
-    from scripts.loadgen import LoadConfig, build_requests
-    from scripts.prompts import sized_snippets
+    from scripts.bench.engine_load import serve_args
+    from scripts.bench.loadgen import LoadConfig, build_requests
+    from scripts.bench.prompts import sized_snippets
+    from scripts.bench.vs_mlx_lm import parse_config_spec
     from serve_app.codec import TextCodec
 
     path, overrides = parse_config_spec(args.config)

@@ -1,6 +1,6 @@
 """Where the speculative slot's time to first token goes (made for the lent H200).
 
-Runs the engine loop (`scripts.bench_engine.drive`, b1 policy on, 1 stream at a time) on
+Runs the engine loop (`scripts.bench.engine.drive`, b1 policy on, 1 stream at a time) on
 the bundled pair in fresh child processes, each serving three requests one after the
 other: a 64-token prompt (as `bench_engine --streams 1`), a 97-token prompt (a prompt
 length the process has not met), then the 64-token prompt again. Per request: TTFT,
@@ -69,9 +69,9 @@ def child(mode: str, drafter: str, max_tokens: int) -> dict:
     from models.runner import MlxRunner
     from models.speculative.drafters import DraftModelDrafter, NgramDrafter
     from scheduler.config import SchedulerConfig
-    from scripts import metrics
-    from scripts.bench_engine import DRAFT, TARGET, Arrival, drive
-    from scripts.prompts import token_prompts
+    from scripts.bench import metrics
+    from scripts.bench.engine import DRAFT, TARGET, Arrival, drive
+    from scripts.bench.prompts import token_prompts
 
     tic = time.perf_counter()
     target, draft = load_pair(

@@ -19,7 +19,7 @@ import models  # noqa: E402,F401  (fast BLAS before mlx.core)
 # isort: split
 import mlx.core as mx  # noqa: E402
 
-from scripts.bench_util import median_eval_s  # noqa: E402
+from scripts.bench.util import median_eval_s  # noqa: E402
 
 LAYERS = 16
 HIDDEN, MLP, HEADS, KV_HEADS, HEAD_DIM, KEYS = 2048, 8192, 32, 8, 64, 768

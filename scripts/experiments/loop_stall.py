@@ -50,7 +50,7 @@ class OneTokenClient:
 
 def conversation(tokenizer, num_tokens: int) -> list[dict]:
     """Chat messages of about `num_tokens` tokens: user turns of stdlib text, short replies."""
-    from scripts.prompts import stdlib_snippets
+    from scripts.bench.prompts import stdlib_snippets
 
     messages, total, seed = [], 0, 0
     while total < num_tokens:

@@ -92,8 +92,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
 
-    from scripts.bench_vs_mlx_lm import parse_config_spec
-    from scripts.engine_load import engine_from_config
+    from scripts.bench.engine_load import engine_from_config
+    from scripts.bench.vs_mlx_lm import parse_config_spec
 
     path, overrides = parse_config_spec(args.config)
     engine, _ = engine_from_config(path, args.target, overrides)

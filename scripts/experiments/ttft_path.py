@@ -38,7 +38,7 @@ TARGET = os.path.join(HERE, "models", "bundled", "target")
 def prompts(target: str, long_tokens: int) -> list[tuple[str, list[dict]]]:
     from transformers import AutoTokenizer
 
-    from scripts.bench_multiturn import user_texts
+    from scripts.bench.multiturn import user_texts
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     long_text = user_texts(tokenizer, 1, 1, long_tokens, 1, seed=5)[0][0]
@@ -50,7 +50,7 @@ def prompts(target: str, long_tokens: int) -> list[tuple[str, list[dict]]]:
 
 def engine_mode(config: str, target: str, cases, repeats: int) -> None:
     from scheduler.request import Request, SamplingParams
-    from scripts.engine_load import engine_from_config, first_token
+    from scripts.bench.engine_load import engine_from_config, first_token
     from serve_app.codec import TextCodec
 
     engine, info = engine_from_config(config, target)
@@ -77,7 +77,7 @@ def engine_mode(config: str, target: str, cases, repeats: int) -> None:
 
 
 def service_series(url: str) -> dict[str, float]:
-    from scripts import metrics
+    from scripts.bench import metrics
 
     text = metrics.fetch(url)
     return {

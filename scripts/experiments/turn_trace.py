@@ -1,5 +1,5 @@
 """Where a multi-turn conversation's time to first token goes, tick by tick, on the engine
-thread (no Ray, no HTTP): scenario 7's conversations (`scripts/bench_multiturn.py`) on the
+thread (no Ray, no HTTP): scenario 7's conversations (`scripts/bench/multiturn.py`) on the
 engine CONFIG builds, with every tick's start, end and action recorded.
 
 A turn's TTFT, from its `submit` to the moment the conversation's thread reads the event
@@ -33,8 +33,8 @@ HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 import models  # noqa: E402,F401  (fast BLAS before mlx)
 
 # isort: split
-from scripts import bench_multiturn  # noqa: E402
-from scripts.bench_vs_mlx_lm import parse_config_spec  # noqa: E402
+from scripts.bench import multiturn as bench_multiturn  # noqa: E402
+from scripts.bench.vs_mlx_lm import parse_config_spec  # noqa: E402
 
 TARGET = os.path.join(HERE, "models", "bundled", "target")
 
@@ -139,7 +139,7 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from scripts.engine_load import engine_from_config
+    from scripts.bench.engine_load import engine_from_config
 
     path, overrides = parse_config_spec(args.config)
     size, ours = bench_multiturn.split_sizes(False, args.repeats, overrides)

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from scripts import bench_multiturn
+from scripts.bench import multiturn as bench_multiturn
 
 pytestmark = [pytest.mark.model, pytest.mark.serve]
 BUNDLED = os.path.isfile("models/bundled/target/model.safetensors")

@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from scripts import bench_rotation, bench_single
+from scripts.bench import rotation as bench_rotation
+from scripts.bench import single as bench_single
 
 pytestmark = pytest.mark.model
 BUNDLED = os.path.isfile("models/bundled/target/model.safetensors")
@@ -75,7 +76,7 @@ def test_rotation_quick(tmp_path):
 
 @pytest.mark.skipif(not BUNDLED, reason="bundled pair not present")
 def test_concurrency_quick(tmp_path):
-    from scripts import bench_concurrency
+    from scripts.bench import concurrency as bench_concurrency
 
     assert (
         bench_concurrency.main(["--quick", "--repeats", "1", "--waves", "1", "--out", str(tmp_path), "--no-plot"]) == 0
@@ -100,7 +101,7 @@ def test_concurrency_quick(tmp_path):
 def test_concurrency_mixed_workload_samples_every_other_request(tmp_path, monkeypatch):
     """`--workload mixed`: the even-numbered requests greedy, the odd ones sampled at 0.7
     with their own seeds; every configuration gives the same output lengths."""
-    from scripts import bench_concurrency
+    from scripts.bench import concurrency as bench_concurrency
 
     seen = []
     inner = bench_concurrency.drive

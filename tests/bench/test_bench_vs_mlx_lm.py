@@ -1,4 +1,4 @@
-"""scripts.bench_vs_mlx_lm: how a --config spec becomes our server's deployment config,
+"""scripts.bench.vs_mlx_lm: how a --config spec becomes our server's deployment config,
 and how a server of several replicas is scraped."""
 
 import http.server
@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from models.loading.hub import resolve_model_dir
-from scripts import bench_vs_mlx_lm
-from scripts.bench_vs_mlx_lm import our_servers
+from scripts.bench import vs_mlx_lm as bench_vs_mlx_lm
+from scripts.bench.vs_mlx_lm import our_servers
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -1,13 +1,13 @@
-"""`scripts.engine_load`: the load generator's workload on the in-process engine, and
+"""`scripts.bench.engine_load`: the load generator's workload on the in-process engine, and
 `bench_vs_mlx_lm --engine`'s per-concurrency comparison with the server's runs."""
 
 from __future__ import annotations
 
 import pytest
 
-from scripts import bench_vs_mlx_lm
-from scripts.engine_load import engine_from_config, run_engine_load
-from scripts.loadgen import LoadConfig, build_requests
+from scripts.bench import vs_mlx_lm as bench_vs_mlx_lm
+from scripts.bench.engine_load import engine_from_config, run_engine_load
+from scripts.bench.loadgen import LoadConfig, build_requests
 
 pytestmark = pytest.mark.model
 

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from scripts.loadgen import LoadConfig, build_requests
+from scripts.bench.loadgen import LoadConfig, build_requests
 from serve_app.codec import TextCodec
 
 

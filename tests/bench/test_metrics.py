@@ -2,7 +2,7 @@
 
 import pytest
 
-from scripts import metrics
+from scripts.bench import metrics
 
 
 def record(lane="normal", arrival=0.0, chunks=((0.5, 1), (0.7, 2), (1.0, 1)), finish=1.0, output=4):
@@ -95,7 +95,7 @@ def test_server_side_ttft_over_a_run_from_two_scrapes():
 
 
 def test_pair_rows_count_requests_whose_server_side_ttft_passed_a_second():
-    from scripts.bench_vs_mlx_lm import pair_ratios
+    from scripts.bench.vs_mlx_lm import pair_ratios
 
     summary = {
         "output_throughput": 10.0,
@@ -119,7 +119,7 @@ def test_pair_rows_count_requests_whose_server_side_ttft_passed_a_second():
 def test_tick_delta_reads_a_runs_ticks_from_two_scrapes():
     """What bench_vs_mlx_lm prints per run of ours: ticks per action that ran between
     two /metrics scrapes, their mean ms, and the engine's mean gap per tick."""
-    from scripts.bench_vs_mlx_lm import TICK_GAP, TICK_SUMMARY, tick_delta, tick_line
+    from scripts.bench.vs_mlx_lm import TICK_GAP, TICK_SUMMARY, tick_delta, tick_line
 
     def text(decode_n, decode_s, spec_n, spec_s, gap_s):
         return "\n".join(

@@ -1,4 +1,4 @@
-"""`scripts.train_draft` end to end on the bundled 7M target at toy sizes: the draft it
+"""`scripts.tools.train_draft` end to end on the bundled 7M target at toy sizes: the draft it
 writes loads, shares the target's vocabulary, drafts for the target with streams equal to
 classic decode, records how it was made, and the same seed gives the same weights.
 Its pure parts (batch plans, acceptance rounds, the learning-rate schedule, clipping,
@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from scripts import draft_data, draft_eval, draft_fit, train_draft
+from scripts.tools import draft_data, draft_eval, draft_fit, train_draft
 
 from .conftest import PROMPTS, isolated_streams, make_request
 
@@ -255,7 +255,7 @@ def test_the_draft_config_keeps_the_family_and_refuses_others():
 
 
 def test_training_prompts_are_not_evaluation_prompts():
-    from scripts import prompts
+    from scripts.bench import prompts
 
     def texts(chats):
         return {c[0]["content"] for c in chats}

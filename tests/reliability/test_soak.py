@@ -1,5 +1,5 @@
 """Cancellation soak, CI-sized: in-process engine (every phase, exactly checked) and
-real HTTP clients hanging up through Ray Serve. `python -m scripts.soak` is the full one."""
+real HTTP clients hanging up through Ray Serve. `python -m scripts.bench.soak` is the full one."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ HTTP_REQUESTS = 48
 @pytest.mark.model
 @pytest.mark.parametrize("tick_mode", ["alternate", "fused"])
 def test_engine_soak_cancels_in_every_phase_and_loses_nothing(tiny_pair, tick_mode):
-    from scripts.soak import run_engine
+    from scripts.bench.soak import run_engine
 
     num_requests = ENGINE_REQUESTS if tick_mode == "alternate" else ENGINE_REQUESTS // 2
     report = run_engine(
@@ -35,7 +35,7 @@ def test_engine_soak_cancels_in_every_phase_and_loses_nothing(tiny_pair, tick_mo
 
 @pytest.mark.serve
 def test_http_soak_random_hang_ups_lose_nothing(rel_app):
-    from scripts.soak_http import http_soak
+    from scripts.bench.soak_http import http_soak
 
     report = http_soak(rel_app, HTTP_REQUESTS, concurrency=5, seed=3, headers=AUTH)
     print(f"\nhttp soak: {report}")

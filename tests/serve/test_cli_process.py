@@ -14,7 +14,7 @@ import pytest
 import yaml
 from serve_helpers import REPO_ROOT, free_port, wait_until
 
-from scripts import proc_tree
+from scripts.bench import proc_tree
 
 pytestmark = pytest.mark.serve
 

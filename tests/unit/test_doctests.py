@@ -12,7 +12,7 @@ import pkgutil
 import pytest
 
 PACKAGES = ("models", "scheduler", "serve_app")
-SCRIPTS = ("scripts.metrics", "scripts.bench_vs_mlx_lm", "scripts.bench_multiturn", "scripts.proc_tree")
+SCRIPTS = ("scripts.bench.metrics", "scripts.bench.vs_mlx_lm", "scripts.bench.multiturn", "scripts.bench.proc_tree")
 
 
 def _modules() -> list[str]:

@@ -1,11 +1,11 @@
-"""scripts.proc_tree on live processes: a busy child is found below this process, named
+"""scripts.bench.proc_tree on live processes: a busy child is found below this process, named
 by its command line, and its CPU time shows in the per-kind cores of an interval."""
 
 import subprocess
 import sys
 import time
 
-from scripts import proc_tree
+from scripts.bench import proc_tree
 
 
 def test_a_busy_child_shows_up_with_its_cpu():

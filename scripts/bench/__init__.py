@@ -1,0 +1,1 @@
+"""Benchmarks: the scenarios, the load generator, the servers they compare, their metrics."""

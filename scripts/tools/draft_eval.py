@@ -1,0 +1,82 @@
+"""How well a draft predicts its target, and what a draft token costs (`scripts.tools.train_draft`).
+
+Acceptance is measured along the target's own greedy continuations of held-out prompts:
+at each generated position the draft, fed the same history, proposes its argmax, and a
+position agrees when that equals the target's token. That is exactly what a greedy
+speculative round checks, so a round of K drafts accepts the agreeing run at its start
+(`accepted_per_round`), then the target adds one token of its own.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from scripts.tools.draft_data import Example, padded_length
+
+
+def draft_matches(draft: nn.Module, examples: list[Example]) -> list[list[bool]]:
+    """Per example, whether the draft's argmax equals the target's token at each
+    completion position (one teacher-forced forward per example). Inputs are padded on the
+    right to `padded_length` (causal attention: padding changes no earlier position), so
+    a GPU builds attention kernels for a few lengths, not one per example."""
+    out = []
+    for e in examples:
+        seq = e.prompt_ids + e.completion_ids
+        inputs = seq[:-1] + [0] * (padded_length(len(seq)) - len(seq) + 1)
+        logits = draft(mx.array(inputs)[None])[0, len(e.prompt_ids) - 1 : len(seq) - 1]
+        predicted = mx.argmax(logits, axis=-1).tolist()
+        out.append([p == t for p, t in zip(predicted, e.completion_ids)])
+    return out
+
+
+def accepted_per_round(matches: list[list[bool]], k: int) -> float:
+    """Mean accepted drafts per simulated round of `k` drafts: a round accepts the run of
+    agreeing positions at its start (at most `k`), then the target's own token follows.
+
+    >>> accepted_per_round([[True, True, False, False, True, True, True]], 2)  # rounds take 2, 0, 2
+    1.3333333333333333
+    >>> accepted_per_round([[True] * 8], 4)  # rounds take 4 (+1), then 3 to the end
+    3.5
+    """
+    accepted = rounds = 0
+    for row in matches:
+        pos = 0
+        while pos < len(row):
+            m = 0
+            while m < k and pos + m < len(row) and row[pos + m]:
+                m += 1
+            accepted, rounds, pos = accepted + m, rounds + 1, pos + m + 1
+    return accepted / rounds if rounds else 0.0
+
+
+def acceptance(matches: list[list[bool]], ks=(2, 4, 6)) -> dict:
+    """Per-token agreement and simulated accepted drafts per round at each K."""
+    positions = sum(len(row) for row in matches)
+    result = {
+        "prompts": len(matches),
+        "positions": positions,
+        "agreement": round(sum(map(sum, matches)) / positions, 4) if positions else 0.0,
+    }
+    for k in ks:
+        result[f"accepted_per_round_k{k}"] = round(accepted_per_round(matches, k), 3)
+    return result
+
+
+def step_seconds(model: nn.Module, prompt_ids: list[int], steps: int = 24, warmup: int = 4) -> float:
+    """Median seconds of one single-token decode step (batch 1, KV cache after `prompt_ids`)."""
+    cache = make_prompt_cache(model)
+    token = mx.argmax(model(mx.array(prompt_ids)[None], cache=cache)[:, -1], axis=-1)
+    mx.eval(token)
+    times = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        token = mx.argmax(model(token[:, None], cache=cache)[:, -1], axis=-1)
+        mx.eval(token)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)

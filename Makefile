@@ -43,7 +43,7 @@ hooks:
 
 # docs/configuration.md's key tables, from the configs that declare each key
 docs: $(STAMP)
-	$(BIN)/python -m serve_app.config_docs
+	$(BIN)/python -m serve_app.configuration.docs
 
 bench-quick: model
 	$(BIN)/python -m scripts.bench.all --quick --out results/quick

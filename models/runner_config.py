@@ -1,7 +1,7 @@
 """The runner's typed configuration: what `MlxRunner` is built with besides its models.
 
 Each field is a `knob` (scheduler.knobs), declared here only; the deployment args
-(`serve_app.config.ServeArgs`) take the `deployed` ones, and build_engine passes them
+(`serve_app.configuration.args.ServeArgs`) take the `deployed` ones, and build_engine passes them
 through `MlxRunner.from_paths(**...)`. Knobs the scheduler reads too (K, batch sizes,
 `row_drafts`) are `SchedulerConfig`'s, declared again with `same_as`. No mlx here: the
 deployment args import this module before any model is loaded.

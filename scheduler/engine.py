@@ -12,7 +12,7 @@ after "an illegal memory access was encountered" every later MLX call in the pro
 fails the same way. When a tick's error events carry one of those (`device_lost`), the
 engine fails every unfinished request, stops ticking and reports `fatal_error`; the
 process has to be replaced (the scheduler actor exits and its replica starts a fresh
-one: `serve_app.actor`).
+one: `serve_app.deployment.actor`).
 """
 
 from __future__ import annotations

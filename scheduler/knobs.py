@@ -1,9 +1,9 @@
 """Knobs: a config field's default, range and one-line description, declared once.
 
 `SchedulerConfig` and `models.runner_config.RunnerConfig` declare every field with
-`knob(...)`; the deployment args (`serve_app.config.ServeArgs`), the live subset
+`knob(...)`; the deployment args (`serve_app.configuration.args.ServeArgs`), the live subset
 (`LiveConfig`) and the knob tables of docs/configuration.md are derived from them
-(`serve_app.knob_fields`, `serve_app.config_docs`). A new knob is one field here:
+(`serve_app.configuration.knob_fields`, `serve_app.configuration.docs`). A new knob is one field here:
 
     skip_cap: int = knob(2, "Grant decisions an entry may be skipped before it must win.",
                          ge=1, le=1000, live=True)

@@ -3,13 +3,13 @@
 YAML configs point `import_path` at `serve_app.app:build_app`; `args` is validated by
 `ServeArgs` and the models are found (directories checked, hub ids looked up in the local
 Hugging Face cache) before anything starts. Each replica owns exactly one scheduler actor
-(`serve_app.actor`), tokenizes on its own side, and serves the Starlette app from
-`serve_app.http`. The replica loads in the background, so
+(`serve_app.deployment.actor`), tokenizes on its own side, and serves the Starlette app from
+`serve_app.openai.http`. The replica loads in the background, so
 `/health` answers 503 (model loading) at once and 200 when ready, while /v1 requests
 wait for the load; a failed load is reported by `/health` and the health check. `user_config` may carry the
 live knobs of
 `LiveConfig`. With `affinity_routing`, each replica records the session ids it serves and
-reports them to every router as Serve routing stats (`serve_app.served_keys`).
+reports them to every router as Serve routing stats (`serve_app.deployment.served_keys`).
 """
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 import models  # noqa: F401  (fast BLAS before anything imports mlx)
-from serve_app.actor import ActorSource
-from serve_app.client import EngineClient
-from serve_app.codec import TextCodec
-from serve_app.config import ConfigError, LiveConfig, ServeArgs, format_validation_error, read_chat_template
-from serve_app.http import OpenAIService
-from serve_app.ingress import SpecslotIngress, run_asgi
-from serve_app.ready import last_error_line
-from serve_app.sampling_defaults import read_generation_config
-from serve_app.served_keys import ServedKeys
+from serve_app.configuration.args import ConfigError, LiveConfig, ServeArgs, format_validation_error, read_chat_template
+from serve_app.deployment.actor import ActorSource
+from serve_app.deployment.client import EngineClient
+from serve_app.deployment.ingress import SpecslotIngress, run_asgi
+from serve_app.deployment.ready import last_error_line
+from serve_app.deployment.served_keys import ServedKeys
+from serve_app.openai.codec import TextCodec
+from serve_app.openai.http import OpenAIService
+from serve_app.openai.sampling_defaults import read_generation_config
 
 logger = logging.getLogger("ray.serve")
 
@@ -106,7 +106,7 @@ class SpecslotReplica:
 
     async def record_routing_stats(self) -> dict:
         """Serve polls this every `affinity_stats_period_s` and hands the result to every
-        router as the replica's `routing_stats` (`serve_app.served_keys`). Async: it runs
+        router as the replica's `routing_stats` (`serve_app.deployment.served_keys`). Async: it runs
         on the event loop that records the keys, never beside it in a thread."""
         return {} if self.served_keys is None else self.served_keys.report(time.time())
 
@@ -191,7 +191,7 @@ def build_app(args: dict) -> Application:
 
 def affinity_router_config(args: ServeArgs) -> RequestRouterConfig:
     """Serve's request router for `affinity_routing` (by path: the proxy imports it)."""
-    from serve_app.router import ROUTER_PATH
+    from serve_app.deployment.router import ROUTER_PATH
 
     return RequestRouterConfig(
         request_router_class=ROUTER_PATH,

@@ -1,7 +1,7 @@
 """`python -m serve_app.cli [config.yaml]`: `serve run` that fails fast and says when it is ready.
 
 Before Ray starts, every specslot application of the config is built in-process
-(`serve_app.launch.precheck`): a bad arg or model path exits 1 with one message. Then
+(`serve_app.deployment.launch.precheck`): a bad arg or model path exits 1 with one message. Then
 a local Ray instance (no dashboard, loopback only) starts unless RAY_ADDRESS is set,
 `serve run --non-blocking` deploys the config, and the CLI waits for each app's /health:
 it logs `specslot ready at http://HOST:PORT/v1 — model …` once loaded, or exits 1 with
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, value in LOCAL_RAY_ENV.items():
             os.environ.setdefault(name, value)
     import models  # noqa: F401  (fast BLAS before anything imports mlx)
-    from serve_app.launch import LaunchError, app_targets, precheck, read_config, wait_until_ready
+    from serve_app.deployment.launch import LaunchError, app_targets, precheck, read_config, wait_until_ready
 
     try:
         config = read_config(config_path)

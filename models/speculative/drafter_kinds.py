@@ -1,7 +1,7 @@
 """The drafter registry: each drafter kind a deployment may name, and its class.
 
 A new drafter is one class implementing `models.speculative.drafters.Drafter` plus one line in
-`DRAFTERS`; the deployment args accept its kind (`serve_app.config.DrafterArgs`), the
+`DRAFTERS`; the deployment args accept its kind (`serve_app.configuration.args.DrafterArgs`), the
 docs list it, and `MlxRunner.from_paths` builds it (`Drafter.load`). Classes are named
 by import path and imported only when a runner builds one, so the deployment config
 (validated where no model is loaded) does not import mlx.

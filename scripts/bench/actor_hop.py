@@ -55,8 +55,8 @@ async def run_workload(client, codec, n, max_tokens, concurrency):
 
 async def measure(args, serve_args, codec):
 
-    from serve_app.actor import ActorSource, build_engine
-    from serve_app.client import EngineClient, LocalSource
+    from serve_app.deployment.actor import ActorSource, build_engine
+    from serve_app.deployment.client import EngineClient, LocalSource
 
     rows = []
     for kind in ("in-process", "ray-actor"):
@@ -104,8 +104,8 @@ def main() -> None:
     import ray
 
     from models.tiny import build_tiny_pair
-    from serve_app.codec import TextCodec
-    from serve_app.config import ServeArgs
+    from serve_app.configuration.args import ServeArgs
+    from serve_app.openai.codec import TextCodec
 
     target, draft = build_tiny_pair(tempfile.mkdtemp(prefix="hop-"))
     serve_args = ServeArgs.model_validate({"model": target, "drafter": {"kind": "draft_model", "path": draft}})

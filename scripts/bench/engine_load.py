@@ -10,7 +10,7 @@ Times: arrival at submit; a request's first token and every later one when
 `get_events` hands them to this thread. The load generator times the first chunk that
 has text instead (a random-weight model's first tokens may decode to none).
 `engine_from_config(spec, target)` builds the engine a deployment config would run
-(`serve_app.actor.build_engine`), from the `serve_args` the config gives;
+(`serve_app.deployment.actor.build_engine`), from the `serve_args` the config gives;
 `first_token(engine, request)` times one request alone to its first token.
 """
 
@@ -26,8 +26,8 @@ from scripts.bench.loadgen import LoadConfig, build_requests
 def serve_args(path: str, overrides: dict):
     """The `ServeArgs` the deployment config at `path` gives its first application (its
     `args`, then its first deployment's `user_config`), with `overrides` on top."""
-    from serve_app.config import ServeArgs
-    from serve_app.launch import read_config
+    from serve_app.configuration.args import ServeArgs
+    from serve_app.deployment.launch import read_config
 
     app = read_config(path)["applications"][0]
     user_config = app["deployments"][0].get("user_config") or {}
@@ -38,7 +38,7 @@ def engine_from_config(spec: str, target: str, overrides: dict | None = None):
     """(started Engine, its runner info) for config `spec` (PATH[:key=value,...]) with
     `model` = `target` and `overrides` on top of the spec's."""
     from scripts.bench.vs_mlx_lm import parse_config_spec
-    from serve_app.actor import build_engine
+    from serve_app.deployment.actor import build_engine
 
     path, spec_overrides = parse_config_spec(spec)
     engine, info = build_engine(serve_args(path, {**spec_overrides, **(overrides or {}), "model": target}))
@@ -65,7 +65,7 @@ def first_token(engine, request) -> tuple[float, object]:
 
 def run_engine_load(engine, codec, eos_ids, cfg: LoadConfig) -> dict:
     """`cfg`'s requests through `engine` (started, idle), `cfg.concurrency` at a time,
-    their prompts encoded by `codec` (`serve_app.codec.TextCodec`) as the replica does."""
+    their prompts encoded by `codec` (`serve_app.openai.codec.TextCodec`) as the replica does."""
     from scheduler.request import Lane, Request, SamplingParams
 
     items = build_requests(cfg)

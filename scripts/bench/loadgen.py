@@ -100,7 +100,7 @@ def build_requests(cfg: LoadConfig) -> list[dict]:
         )
         prompts = [{"messages": system + m} for m in chats]
     elif cfg.prompt_tokens:
-        from serve_app.codec import TextCodec
+        from serve_app.openai.codec import TextCodec
 
         codec = TextCodec.from_path(cfg.tokenizer)
         prompts = [{"prompt": p} for p in sized_snippets(codec, cfg.num_prompts, cfg.seed, cfg.prompt_tokens)]

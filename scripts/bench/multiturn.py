@@ -515,7 +515,7 @@ def run_engine(
     overrides: dict | None = None,
 ) -> dict:
     """The workload of `run`, in-process on the engine `config` (with `overrides`) builds
-    (`serve_app.actor.build_engine`, as the scheduler actor does), with the prefix cache
+    (`serve_app.deployment.actor.build_engine`, as the scheduler actor does), with the prefix cache
     at its configured budget (`cache_on`) and off (`cache_off`)."""
     from transformers import AutoTokenizer
 

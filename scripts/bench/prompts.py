@@ -47,7 +47,7 @@ def _snippets(files: tuple[str, ...], num_prompts: int, seed: int, num_chars: in
 
 def sized_snippets(codec, num_prompts: int, seed: int = 0, num_tokens: int = 2048) -> list[str]:
     """`num_prompts` code texts of `num_tokens` tokens each as `codec` (a
-    `serve_app.codec.TextCodec`) tokenizes them, give or take the token at the cut
+    `serve_app.openai.codec.TextCodec`) tokenizes them, give or take the token at the cut
     (re-encoding a text cut at a token boundary can merge its last tokens): a line
     naming the prompt first, so no two share a prefix, then snippets until the length."""
     encoded = [codec.encode(t) for t in stdlib_snippets(num_prompts, seed, num_chars=num_tokens * 6)]

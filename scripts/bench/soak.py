@@ -270,7 +270,7 @@ def run_engine(
 
 def model_paths(which: str) -> tuple[str, str]:
     if which == "bundled":
-        from serve_app.config import REPO_ROOT
+        from serve_app.configuration.args import REPO_ROOT
 
         return str(REPO_ROOT / "models/bundled/target"), str(REPO_ROOT / "models/bundled/draft")
     from models.tiny import build_tiny_pair

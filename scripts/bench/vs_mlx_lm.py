@@ -378,7 +378,7 @@ def engine_runs(spec: str, target: str, seeds, load_config, seed: int) -> list[d
     """The runs of `seeds` ((concurrency, repeat, prompt seed)) on the engine config
     `spec` builds, in-process (`scripts.bench.engine_load`), after the same warm-up."""
     from scripts.bench.engine_load import engine_from_config, run_engine_load
-    from serve_app.codec import TextCodec
+    from serve_app.openai.codec import TextCodec
 
     engine, info = engine_from_config(spec, target)
     codec, eos = TextCodec.from_path(target), info["eos_token_ids"]

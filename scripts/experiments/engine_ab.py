@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7, help="bursts per configuration, the first unmeasured")
     args = ap.parse_args()
     from scripts.bench.servers import config_models
-    from serve_app.codec import TextCodec
+    from serve_app.openai.codec import TextCodec
 
     target = args.target or config_models(args.config)[0]
     codec = TextCodec.from_path(target)

@@ -46,7 +46,7 @@ def main() -> None:
     from scripts.bench.engine_load import engine_from_config, run_engine_load
     from scripts.bench.loadgen import LoadConfig
     from scripts.bench.vs_mlx_lm import tick_delta, tick_line
-    from serve_app.codec import TextCodec
+    from serve_app.openai.codec import TextCodec
 
     engine, info = engine_from_config(args.config, args.target)
     codec, eos = TextCodec.from_path(args.target), info["eos_token_ids"]

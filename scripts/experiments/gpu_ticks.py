@@ -102,7 +102,7 @@ def main() -> None:
     from scripts.bench.loadgen import LoadConfig, build_requests
     from scripts.bench.prompts import sized_snippets
     from scripts.bench.vs_mlx_lm import parse_config_spec
-    from serve_app.codec import TextCodec
+    from serve_app.openai.codec import TextCodec
 
     path, overrides = parse_config_spec(args.config)
     serve = serve_args(path, {**overrides, "model": args.target})

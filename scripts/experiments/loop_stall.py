@@ -1,12 +1,12 @@
 """How long a long prompt's tokenization holds the replica's event loop, which streams
-every request's tokens: the replica's real HTTP app (`serve_app.http.OpenAIService`) with
+every request's tokens: the replica's real HTTP app (`serve_app.openai.http.OpenAIService`) with
 the bundled tokenizer, in-process (no Ray, no model: a stand-in scheduler answers each
 request with one token at once), with a coroutine on the same loop that sleeps 1 ms at a
 time and records how late it wakes, as a stream's next token would.
 
 Per prompt size: `--requests` chat requests of that many tokens, sent `--gap-ms` apart,
 three ways taking turns for `--rounds` rounds: every prompt tokenized on the event loop,
-`serve_app.http`'s default (bodies of `TOKENIZE_OFF_LOOP_BYTES` or more on the tokenizer
+`serve_app.openai.http`'s default (bodies of `TOKENIZE_OFF_LOOP_BYTES` or more on the tokenizer
 thread), and every prompt on the thread. Prints the loop's worst and p99 lateness and the
 requests' mean time from when each was due to its response, per side.
 
@@ -99,9 +99,9 @@ async def burst(http_client, messages: list[dict], num_requests: int, gap_s: flo
 async def main_async(args) -> int:
     import httpx
 
-    from serve_app import http
-    from serve_app.codec import TextCodec
-    from serve_app.config import ServeArgs
+    from serve_app.configuration.args import ServeArgs
+    from serve_app.openai import http
+    from serve_app.openai.codec import TextCodec
 
     codec = TextCodec.from_path(args.target)
     service = http.OpenAIService(OneTokenClient(), codec, ServeArgs.model_validate({"model": args.target}))

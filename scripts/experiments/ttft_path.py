@@ -51,7 +51,7 @@ def prompts(target: str, long_tokens: int) -> list[tuple[str, list[dict]]]:
 def engine_mode(config: str, target: str, cases, repeats: int) -> None:
     from scheduler.request import Request, SamplingParams
     from scripts.bench.engine_load import engine_from_config, first_token
-    from serve_app.codec import TextCodec
+    from serve_app.openai.codec import TextCodec
 
     engine, info = engine_from_config(config, target)
     codec = TextCodec.from_path(target)

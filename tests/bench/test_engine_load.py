@@ -13,7 +13,7 @@ pytestmark = pytest.mark.model
 
 
 def test_engine_load_runs_the_load_generators_requests(tiny_pair):
-    from serve_app.codec import TextCodec
+    from serve_app.openai.codec import TextCodec
 
     engine, info = engine_from_config("configs/bundled.yaml", tiny_pair[0], {"drafter": {"kind": "ngram"}})
     codec = TextCodec.from_path(tiny_pair[0])

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from scripts.bench.loadgen import LoadConfig, build_requests
-from serve_app.codec import TextCodec
+from serve_app.openai.codec import TextCodec
 
 
 def _prompts(**kw):

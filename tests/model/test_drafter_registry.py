@@ -10,7 +10,7 @@ import pytest
 from models.runner import MlxRunner
 from models.speculative.drafter_kinds import DRAFTERS, NO_DRAFTER
 from models.speculative.drafters import Drafter
-from serve_app.config import DrafterArgs
+from serve_app.configuration.args import DrafterArgs
 
 pytestmark = pytest.mark.model
 

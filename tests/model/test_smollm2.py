@@ -253,11 +253,11 @@ class Served:
         import httpx
         from openai import AsyncOpenAI
 
-        from serve_app.actor import build_engine
-        from serve_app.client import EngineClient, LocalSource
-        from serve_app.codec import TextCodec
-        from serve_app.config import ServeArgs
-        from serve_app.http import OpenAIService
+        from serve_app.configuration.args import ServeArgs
+        from serve_app.deployment.actor import build_engine
+        from serve_app.deployment.client import EngineClient, LocalSource
+        from serve_app.openai.codec import TextCodec
+        from serve_app.openai.http import OpenAIService
 
         args = ServeArgs.model_validate(
             {"model": self.model_dir, "served_model_name": SERVED, "drafter": {"kind": "ngram"}, "max_batch_size": 4}
@@ -353,9 +353,9 @@ def test_a_forced_tool_call_is_valid(served, tool_choice):
 def test_a_tool_call_history_renders_through_smollm2s_own_template(smollm2_dir):
     """SmolLM2's template reads `content` on every message and never renders
     `tool_calls`: the assistant's call reaches it as Hermes text in its content."""
-    from serve_app.chat import ChatMessage, template_messages
-    from serve_app.codec import TextCodec
-    from serve_app.tool_formats import ToolFormat
+    from serve_app.openai.chat import ChatMessage, template_messages
+    from serve_app.openai.codec import TextCodec
+    from serve_app.openai.tool_formats import ToolFormat
 
     codec = TextCodec.from_path(smollm2_dir)
     ids = codec.encode_chat(template_messages([ChatMessage.model_validate(m) for m in HISTORY]))

@@ -18,6 +18,6 @@ def main_app(ray_cluster, tiny_pair):
 @pytest.fixture(scope="session")
 def codec(tiny_pair):
     """The tiny target's tokenizer (a ChatML-style chat template), for the HTTP layer without Ray."""
-    from serve_app.codec import TextCodec
+    from serve_app.openai.codec import TextCodec
 
     return TextCodec.from_path(tiny_pair[0])

@@ -9,8 +9,8 @@ import httpx
 from scheduler.events import TokenEvent
 from scheduler.ledger import QueueFull
 from scheduler.request import SpecStats
-from serve_app.config import ServeArgs
-from serve_app.http import OpenAIService
+from serve_app.configuration.args import ServeArgs
+from serve_app.openai.http import OpenAIService
 
 
 class ScriptedClient:

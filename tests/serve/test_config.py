@@ -12,7 +12,7 @@ from models.loading.checks import ModelLoadError
 from models.loading.pypi_weights import is_pypi_source
 from scheduler.config import SchedulerConfig
 from serve_app.app import ConfigError, build_app, validate_args, validate_user_config
-from serve_app.config import LiveConfig, ServeArgs
+from serve_app.configuration.args import LiveConfig, ServeArgs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
@@ -105,9 +105,9 @@ def test_config_specifics():
 @pytest.mark.parametrize(
     "extra, router, margin",
     [
-        ({}, "serve_app.router.PrefixAffinityRouter", 4),
-        ({"affinity_load_margin": 0}, "serve_app.router.PrefixAffinityRouter", 0),
-        ({"affinity_stats_period_s": 0.5}, "serve_app.router.PrefixAffinityRouter", 4),
+        ({}, "serve_app.deployment.router.PrefixAffinityRouter", 4),
+        ({"affinity_load_margin": 0}, "serve_app.deployment.router.PrefixAffinityRouter", 0),
+        ({"affinity_stats_period_s": 0.5}, "serve_app.deployment.router.PrefixAffinityRouter", 4),
         ({"affinity_routing": False}, None, None),
     ],
 )
@@ -211,7 +211,7 @@ def test_policy_profiling_knobs_reach_the_scheduler_config():
 def test_runner_args_reach_the_mlx_runner(monkeypatch, raw, expected):
     """The engine's runner factory builds MlxRunner with the deployment's runner args."""
     import models.runner
-    from serve_app.actor import build_engine
+    from serve_app.deployment.actor import build_engine
 
     seen = {}
 

@@ -9,14 +9,16 @@ from pydantic import ConfigDict, ValidationError, create_model
 
 from scheduler.config import SchedulerConfig
 from scheduler.knobs import knob, knob_fields
-from serve_app import config_docs
-from serve_app import knob_fields as derive
-from serve_app.config import LiveConfig, ServeArgs
+from serve_app.configuration import docs as config_docs
+from serve_app.configuration import knob_fields as derive
+from serve_app.configuration.args import LiveConfig, ServeArgs
 
 
 def test_configuration_page_is_current():
     page = config_docs.DOC_PATH.read_text(encoding="utf-8")
-    assert config_docs.render(page) == page, "docs/configuration.md is stale: run `python -m serve_app.config_docs`"
+    assert config_docs.render(page) == page, (
+        "docs/configuration.md is stale: run `python -m serve_app.configuration.docs`"
+    )
 
 
 def test_a_stale_table_is_rewritten():

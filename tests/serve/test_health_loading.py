@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from serve_app.app import load_replica
-from serve_app.config import ServeArgs
-from serve_app.http import OpenAIService
+from serve_app.configuration.args import ServeArgs
+from serve_app.openai.http import OpenAIService
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TARGET = os.path.join(REPO, "models", "bundled", "target")

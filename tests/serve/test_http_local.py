@@ -9,7 +9,7 @@ from local_service import ScriptedClient, make_app, run
 
 from scheduler.events import TokenEvent
 from scheduler.request import Lane
-from serve_app.responses import StopMatcher
+from serve_app.openai.responses import StopMatcher
 
 pytestmark = pytest.mark.model
 
@@ -55,7 +55,7 @@ def test_decoder_sends_stray_bytes_at_once(codec):
 
 
 def test_decoder_holds_repeated_lead_bytes_for_a_bounded_number_of_tokens(codec):
-    from serve_app.codec import MAX_HELD_TOKENS
+    from serve_app.openai.codec import MAX_HELD_TOKENS
 
     lead = _byte_token(codec, 0xE4)  # each one could start a character; the next breaks it
     decoder = codec.decoder()
@@ -199,7 +199,7 @@ class FailingClient(ScriptedClient):
 
 class DeadClient(ScriptedClient):
     async def submit(self, request):
-        from serve_app.client import SchedulerLost
+        from serve_app.deployment.client import SchedulerLost
 
         raise SchedulerLost("actor died: /tmp/ray/session_x")
 

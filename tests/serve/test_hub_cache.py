@@ -20,8 +20,8 @@ import pytest
 from models.loading.checks import ModelLoadError, model_fingerprint
 from models.loading.hub import DOWNLOAD_PATTERNS, cached_name, hub_cache_dir, is_repo_id, resolve_model_dir
 from serve_app.app import build_app, load_replica
-from serve_app.config import ServeArgs, resolve_path
-from serve_app.ready import drafter_label
+from serve_app.configuration.args import ServeArgs, resolve_path
+from serve_app.deployment.ready import drafter_label
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUNDLED = {
@@ -170,7 +170,7 @@ def test_the_replica_loads_its_tokenizer_from_the_cache(hub_cache):
         async def start(self):
             pass
 
-    from serve_app.http import OpenAIService
+    from serve_app.openai.http import OpenAIService
 
     service = OpenAIService(
         Started(), None, ServeArgs.model_validate({"model": TARGET_ID, "drafter": {"kind": "ngram"}})

@@ -9,10 +9,11 @@ import pytest
 import yaml
 
 from models.loading.checks import ModelLoadError
-from serve_app import cli, launch
+from serve_app import cli
 from serve_app.app import ConfigError, build_app, validate_args, validate_user_config
-from serve_app.config import ServeArgs
-from serve_app.ready import last_error_line, ready_line, speculation_status
+from serve_app.configuration.args import ServeArgs
+from serve_app.deployment import launch
+from serve_app.deployment.ready import last_error_line, ready_line, speculation_status
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TARGET = os.path.join(REPO, "models", "bundled", "target")

@@ -34,7 +34,7 @@ def mlx_lm_reference(prompt_ids: list[int], num_tokens: int) -> tuple[list[int],
 
 def test_logprobs_and_n_through_the_openai_client():
     """One engine for every request (starting one is most of this test's time)."""
-    from serve_app.codec import TextCodec
+    from serve_app.openai.codec import TextCodec
 
     codec = TextCodec.from_path(os.path.abspath(TARGET))
     prompt_ids = codec.encode(PROMPT)

@@ -102,7 +102,7 @@ BUNDLED = os.path.join(os.path.dirname(__file__), "..", "..", "models", "bundled
 
 @pytest.mark.parametrize("text", ["é", "€", "日本", "😀"])
 def test_a_token_holding_part_of_a_character_reports_its_own_bytes(text):
-    from serve_app.codec import TextCodec
+    from serve_app.openai.codec import TextCodec
 
     codec = TextCodec.from_path(BUNDLED)  # byte-level BPE: each of these characters spans tokens
     ids = codec.encode(text)

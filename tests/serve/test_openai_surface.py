@@ -11,8 +11,8 @@ import os
 import pytest
 from local_service import ScriptedClient, make_app, run
 
-from serve_app.codec import TextCodec
-from serve_app.config import ConfigError, ServeArgs, is_template_path, read_chat_template
+from serve_app.configuration.args import ConfigError, ServeArgs, is_template_path, read_chat_template
+from serve_app.openai.codec import TextCodec
 
 pytestmark = pytest.mark.model
 

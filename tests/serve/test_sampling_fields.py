@@ -13,9 +13,9 @@ import pytest
 from local_service import ScriptedClient, run
 
 from serve_app.app import validate_args
-from serve_app.config import ConfigError, ServeArgs
-from serve_app.http import OpenAIService
-from serve_app.sampling_defaults import SamplingDefaults, read_generation_config, request_defaults
+from serve_app.configuration.args import ConfigError, ServeArgs
+from serve_app.openai.http import OpenAIService
+from serve_app.openai.sampling_defaults import SamplingDefaults, read_generation_config, request_defaults
 
 pytestmark = pytest.mark.model
 

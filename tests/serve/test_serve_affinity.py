@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from serve_helpers import MODEL, new_router, oai, replica_serving, wait_until
 
-from serve_app.affinity import preferred_replica
 from serve_app.app import build_app
+from serve_app.deployment.affinity import preferred_replica
 
 pytestmark = pytest.mark.serve
 

@@ -44,9 +44,9 @@ def test_chat_and_completions_streaming_and_not(main_app):
 def test_greedy_output_equals_engine_direct(main_app, tiny_pair):
     """The served greedy token stream equals the Engine's own, run in this process."""
     from scheduler.request import Request, SamplingParams
-    from serve_app.actor import build_engine
-    from serve_app.codec import TextCodec
-    from serve_app.config import ServeArgs
+    from serve_app.configuration.args import ServeArgs
+    from serve_app.deployment.actor import build_engine
+    from serve_app.openai.codec import TextCodec
 
     target, draft = tiny_pair
     args = ServeArgs.model_validate({"model": target, "drafter": {"kind": "draft_model", "path": draft}})

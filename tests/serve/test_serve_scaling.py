@@ -16,7 +16,7 @@ import pytest
 import yaml
 from serve_helpers import MODEL, PROMPT, REPO_ROOT, deploy, free_port, new_router, oai, replica_serving, wait_until
 
-from serve_app.affinity import preferred_replica
+from serve_app.deployment.affinity import preferred_replica
 
 pytestmark = pytest.mark.serve
 

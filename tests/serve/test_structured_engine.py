@@ -52,11 +52,11 @@ TEMPLATES = {"hermes": None, "mistral": CALLS_TEMPLATE.replace("MARK", "[TOOL_CA
 async def _session(test, chat_template=None):
     from openai import AsyncOpenAI
 
-    from serve_app.actor import build_engine
-    from serve_app.client import EngineClient, LocalSource
-    from serve_app.codec import TextCodec
-    from serve_app.config import ServeArgs
-    from serve_app.http import OpenAIService
+    from serve_app.configuration.args import ServeArgs
+    from serve_app.deployment.actor import build_engine
+    from serve_app.deployment.client import EngineClient, LocalSource
+    from serve_app.openai.codec import TextCodec
+    from serve_app.openai.http import OpenAIService
 
     args = ServeArgs.model_validate({"model": os.path.abspath(TARGET), "drafter": {"kind": "ngram"}})
     client = EngineClient(LocalSource(lambda: build_engine(args)))
@@ -93,7 +93,7 @@ def test_json_schema_reply_parses_and_validates_streamed_or_not():
 
 @pytest.mark.parametrize("fmt", list(TEMPLATES))
 def test_a_tool_call_round_trip(fmt):
-    from serve_app.codec import TextCodec
+    from serve_app.openai.codec import TextCodec
 
     assert TextCodec.from_path(os.path.abspath(TARGET), TEMPLATES[fmt]).tool_format.name == fmt
 

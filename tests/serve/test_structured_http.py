@@ -105,7 +105,7 @@ def test_auto_reads_a_hermes_tool_call_or_returns_content(codec):
 
 
 def test_tools_reach_the_chat_template_unless_tool_choice_is_none(tiny_pair):
-    from serve_app.codec import TextCodec
+    from serve_app.openai.codec import TextCodec
 
     codec = TextCodec.from_path(tiny_pair[0], chat_template=TOOLS_TEMPLATE)
     for body, shown in [({"tools": [WEATHER, CLOCK]}, True), ({"tools": [WEATHER], "tool_choice": "none"}, False)]:

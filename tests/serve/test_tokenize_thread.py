@@ -1,5 +1,5 @@
 """Long prompts are tokenized on the replica's tokenizer thread, not on its event loop
-(`serve_app.http.TOKENIZE_OFF_LOOP_BYTES`), with the same ids and the same errors."""
+(`serve_app.openai.http.TOKENIZE_OFF_LOOP_BYTES`), with the same ids and the same errors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 from local_service import ScriptedClient, make_app, run
 
-from serve_app import http as http_module
+from serve_app.openai import http as http_module
 
 
 def _recording(codec, monkeypatch, name: str) -> list[str]:

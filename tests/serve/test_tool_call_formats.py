@@ -69,7 +69,7 @@ def marker_dir(tiny_pair, tmp_path_factory):
 
 
 def codec_for(path: str, fmt: str, tool_call_format: str = "auto"):
-    from serve_app.codec import TextCodec
+    from serve_app.openai.codec import TextCodec
 
     return TextCodec.from_path(path, chat_template=TEMPLATES[fmt], tool_call_format=tool_call_format)
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from serve_app.affinity import (
+from serve_app.deployment.affinity import (
     ARRIVAL_GRACE_S,
     Pin,
     SessionPins,

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from serve_app.affinity import SessionPins, preferred_replica, rank_replicas
+from serve_app.deployment.affinity import SessionPins, preferred_replica, rank_replicas
 
 
 def simulate(replica_ids, num_conversations, num_turns, concurrency, run_id, load_margin=4, use_pins=True, seed=0):

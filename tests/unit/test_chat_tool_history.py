@@ -11,9 +11,9 @@ import os
 
 import pytest
 
-from serve_app.chat import ChatMessage, calls_as_content, template_messages
-from serve_app.codec import TextCodec
-from serve_app.tool_formats import FORMATS, ToolFormat
+from serve_app.openai.chat import ChatMessage, calls_as_content, template_messages
+from serve_app.openai.codec import TextCodec
+from serve_app.openai.tool_formats import FORMATS, ToolFormat
 
 pytestmark = pytest.mark.model  # loads a real tokenizer through mlx_lm
 

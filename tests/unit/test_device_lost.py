@@ -9,8 +9,8 @@ import pytest
 
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
-from serve_app.actor import EXIT_DEVICE_LOST, SchedulerActor
-from serve_app.client import EngineClient, LocalSource
+from serve_app.deployment.actor import EXIT_DEVICE_LOST, SchedulerActor
+from serve_app.deployment.client import EngineClient, LocalSource
 from tests.unit.factories import collect, make_request
 from tests.unit.fakes import SlowRunner
 

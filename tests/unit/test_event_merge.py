@@ -5,7 +5,7 @@ import asyncio
 
 from scheduler.events import TokenEvent
 from scheduler.request import TokenLogprob
-from serve_app.events import EventRouter, iterate
+from serve_app.deployment.events import EventRouter, iterate
 
 
 def read_all(queue, on_merge=None):

@@ -12,8 +12,8 @@ from starlette.applications import Starlette  # noqa: E402
 from starlette.responses import JSONResponse, StreamingResponse  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 
-from serve_app.ingress import Forwarder, read_body, request_key, run_asgi  # noqa: E402
-from serve_app.prompt_key import prompt_affinity_key  # noqa: E402
+from serve_app.deployment.ingress import Forwarder, read_body, request_key, run_asgi  # noqa: E402
+from serve_app.deployment.prompt_key import prompt_affinity_key  # noqa: E402
 
 CHAT = "/v1/chat/completions"
 BODY = json.dumps({"messages": [{"role": "user", "content": "hello"}], "stream": True}).encode()

@@ -9,8 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from scheduler.counters import CANCEL_PHASES, FALLBACK_REASONS, TICK_ACTIONS, Counters
 from scheduler.events import RequestTimes
 from scheduler.request import Lane, RequestStatus
-from serve_app import scheduler_metrics
-from serve_app.metrics import ReplicaMetrics, StreamTimes
+from serve_app.deployment import scheduler_metrics
+from serve_app.deployment.metrics import ReplicaMetrics, StreamTimes
 from tests.unit.factories import FakeClock, make_request, make_scheduler, tick
 from tests.unit.fakes import FakeRunner
 

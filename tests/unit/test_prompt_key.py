@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from serve_app.prompt_key import PROMPT_KEY_CHARS, PROMPT_KEY_TOKENS, key_of_body, prompt_affinity_key
+from serve_app.deployment.prompt_key import PROMPT_KEY_CHARS, PROMPT_KEY_TOKENS, key_of_body, prompt_affinity_key
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

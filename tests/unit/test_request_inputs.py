@@ -5,9 +5,9 @@ from dataclasses import replace
 
 import pytest
 
-from serve_app import request_inputs
-from serve_app.config import ServeArgs
-from serve_app.protocol import APIError, GenerationSpec
+from serve_app.configuration.args import ServeArgs
+from serve_app.openai import request_inputs
+from serve_app.openai.protocol import APIError, GenerationSpec
 
 SPEC = GenerationSpec(
     chat=False,

@@ -7,14 +7,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from serve_app.affinity import preferred_replica
-from serve_app.served_keys import ServedKeys
+from serve_app.deployment.affinity import preferred_replica
+from serve_app.deployment.served_keys import ServedKeys
 
 pytest.importorskip("ray.serve.request_router")
 
 from ray.serve._private.request_router.common import ReplicaQueueLengthCache  # noqa: E402
 
-from serve_app.router import PrefixAffinityRouter, affinity_key  # noqa: E402
+from serve_app.deployment.router import PrefixAffinityRouter, affinity_key  # noqa: E402
 
 
 @dataclass(frozen=True)

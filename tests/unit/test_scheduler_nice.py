@@ -9,13 +9,13 @@ import textwrap
 
 import pytest
 
-from serve_app.config import ServeArgs
+from serve_app.configuration.args import ServeArgs
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread niceness is Linux's")
 
 CHILD = textwrap.dedent("""
     import json, os, sys, threading, time
-    from serve_app.actor import set_process_nice
+    from serve_app.deployment.actor import set_process_nice
     target = int(sys.argv[1])
     started = threading.Event()
     before = threading.Thread(target=lambda: started.wait(), daemon=True)
@@ -55,7 +55,7 @@ def test_every_thread_and_every_later_one_gets_the_niceness():
 def test_without_the_privilege_the_niceness_stays_and_a_warning_says_so(monkeypatch, caplog):
     """What an unprivileged actor meets when asked for a higher priority (setpriority
     raises EACCES): nothing changes, one warning."""
-    from serve_app import actor
+    from serve_app.deployment import actor
 
     current = os.getpriority(os.PRIO_PROCESS, 0)
 
@@ -63,7 +63,7 @@ def test_without_the_privilege_the_niceness_stays_and_a_warning_says_so(monkeypa
         raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr(actor.os, "setpriority", refuse)
-    with caplog.at_level("WARNING", logger="serve_app.actor"):
+    with caplog.at_level("WARNING", logger="serve_app.deployment.actor"):
         assert actor.set_process_nice(current - 1 if current > -20 else current + 1) == 0
     assert [r.message for r in caplog.records] == [
         f"scheduler_nice {current - 1 if current > -20 else current + 1}: not permitted (niceness stays {current})"

@@ -4,7 +4,7 @@ import pickle
 
 import pytest
 
-from serve_app.served_keys import NO_REPORT, ServedKeys, key_digest, read_report
+from serve_app.deployment.served_keys import NO_REPORT, ServedKeys, key_digest, read_report
 
 
 def test_the_report_holds_the_most_recent_keys_and_when():

@@ -1,8 +1,8 @@
 """Speculative counters per request (SpecStats.record_round) and their Prometheus series
-under vLLM's names (serve_app.metrics), from slot rounds and row verifies alike."""
+under vLLM's names (serve_app.deployment.metrics), from slot rounds and row verifies alike."""
 
 from scheduler.request import SpecStats
-from serve_app.metrics import ReplicaMetrics, StreamTimes
+from serve_app.deployment.metrics import ReplicaMetrics, StreamTimes
 
 
 def test_record_round_counts_verifies_and_accepted_positions():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.codec import TextCodec
+from serve_app.openai.codec import TextCodec
 
 
 class TableTokenizer:

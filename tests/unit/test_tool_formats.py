@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from serve_app.tool_formats import ToolFormat, detect, marker_special_ids
+from serve_app.openai.tool_formats import ToolFormat, detect, marker_special_ids
 
 NAMES = frozenset({"get_weather", "get_time"})
 OSLO = {"city": "Oslo"}

@@ -18,7 +18,7 @@ from typing import Callable
 
 import yaml
 
-from serve_app.ready import last_error_line, ready_line
+from serve_app.deployment.ready import last_error_line, ready_line
 
 logger = logging.getLogger("specslot")
 

@@ -1,13 +1,13 @@
 """Serve's request router for specslot: a conversation stays on the replica holding its
-prefix cache, within a load bound (the policy is `serve_app.affinity`).
+prefix cache, within a load bound (the policy is `serve_app.deployment.affinity`).
 
 The affinity key is the request's Serve session id (`metadata.session_id`). Where
 requests enter through Serve's HTTP proxy (`affinity_key: session`), the router runs
 before the body is read, so that is Serve's session header (`X-Session-Id`, renamed
 with `RAY_SERVE_SESSION_ID_HEADER_KEY`). Behind `SpecslotIngress` (`affinity_key:
-prompt`, `serve_app.ingress`), the ingress reads the body and sets the session id of
+prompt`, `serve_app.deployment.ingress`), the ingress reads the body and sets the session id of
 its handle call to the session header when there is one, else to the prompt's key
-(`serve_app.prompt_key`): "prompt:" + blake2b of the canonical JSON of a chat request's
+(`serve_app.deployment.prompt_key`): "prompt:" + blake2b of the canonical JSON of a chat request's
 messages up to and including the first user message, with its tools; or of a
 completions prompt's first 256 characters (64 token ids). Every turn of a conversation
 resends those leading messages, so all its turns share one key. Requests without a key
@@ -18,7 +18,7 @@ The router remembers which replica each session is pinned to (`SessionPins`, an 
 `max_pins` sessions). There is one router per HTTP proxy (that is per node) and one per
 `SpecslotIngress` replica, and a conversation's turns may enter through any of them, so
 the replicas are the shared record: each publishes the keys it served recently, and
-when, as its routing stats (`serve_app.served_keys`, polled by Serve every
+when, as its routing stats (`serve_app.deployment.served_keys`, polled by Serve every
 `request_routing_stats_period_s`, `affinity_stats_period_s` in specslot's config). A
 key this router has not pinned goes to the replica that reports it; a key pinned here
 goes elsewhere when a replica reports serving it after this router last sent it (another
@@ -39,12 +39,12 @@ import time
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from serve_app.affinity import DEFAULT_MAX_PINS, SessionPins, UnreportedPins, home_replica, rank_replicas
-from serve_app.served_keys import key_digest, read_report
+from serve_app.deployment.affinity import DEFAULT_MAX_PINS, SessionPins, UnreportedPins, home_replica, rank_replicas
+from serve_app.deployment.served_keys import key_digest, read_report
 
 logger = logging.getLogger("ray.serve")
 
-ROUTER_PATH = "serve_app.router.PrefixAffinityRouter"
+ROUTER_PATH = "serve_app.deployment.router.PrefixAffinityRouter"
 PROBE_DEADLINE_S = 0.1
 
 

@@ -16,9 +16,9 @@ from typing import Sequence
 from starlette.requests import Request as HTTPRequest
 
 from scheduler.request import Lane, SamplingParams
-from serve_app.codec import TextCodec
-from serve_app.config import ServeArgs
-from serve_app.protocol import APIError, GenerationSpec
+from serve_app.configuration.args import ServeArgs
+from serve_app.openai.codec import TextCodec
+from serve_app.openai.protocol import APIError, GenerationSpec
 
 
 def lane_cap(args: ServeArgs, http: HTTPRequest) -> Lane:

@@ -6,9 +6,9 @@ from pathlib import Path
 
 from models.loading.hub import is_repo_id
 from models.loading.pypi_weights import is_pypi_source
-from serve_app.config_errors import ConfigError
+from serve_app.configuration.errors import ConfigError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 def is_template_path(value: str) -> bool:

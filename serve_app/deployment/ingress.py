@@ -1,12 +1,12 @@
 """The prompt-keyed front door: a thin deployment in front of `SpecslotServer` that
 reads each request's body, gives it an affinity key, and forwards it through a
-deployment handle, so that `serve_app.router` can keep a conversation on its replica
+deployment handle, so that `serve_app.deployment.router` can keep a conversation on its replica
 even when the client sends no session id.
 
 Serve's HTTP proxy routes a request before reading its body, so the proxy's router sees
 only headers. Here the body is in hand: the key is the session id (Serve's session
 header, `X-Session-Id` unless `RAY_SERVE_SESSION_ID_HEADER_KEY` renames it) when the
-request has one, else `serve_app.prompt_key.prompt_affinity_key` (a hash of the
+request has one, else `serve_app.deployment.prompt_key.prompt_affinity_key` (a hash of the
 prompt's leading messages), else none. The handle call carries the key as its
 `session_id`, which the router reads. `build_app` puts this deployment in front when
 `affinity_key` is `prompt`.
@@ -29,7 +29,7 @@ from typing import AsyncIterator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.prompt_key import prompt_affinity_key
+from serve_app.deployment.prompt_key import prompt_affinity_key
 
 logger = logging.getLogger("ray.serve")
 

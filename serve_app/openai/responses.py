@@ -15,8 +15,8 @@ import json
 import time
 from dataclasses import dataclass
 
-from serve_app.logprobs import LogprobFormat
-from serve_app.structured import NONE, OutputSpec, read_tool_calls
+from serve_app.openai.logprobs import LogprobFormat
+from serve_app.openai.structured import NONE, OutputSpec, read_tool_calls
 
 
 class StopMatcher:

@@ -3,7 +3,7 @@
 `ServeArgs` validates what a YAML config's `args` (or `build_app(args)`) supplies: unknown
 keys, wrong types and out-of-range values are rejected with a message naming the field.
 Its scheduler and runner knobs are derived from `SchedulerConfig` and `RunnerConfig`
-(`serve_app.knob_fields`), where each is declared once; the fields written here are the
+(`serve_app.configuration.knob_fields`), where each is declared once; the fields written here are the
 serve layer's own. `scheduler_config()` resolves the process-wide env overrides exactly
 once, here, so no decision code reads the environment. `LiveConfig` is the subset Serve's
 `user_config` may change on a running replica (the live knobs).
@@ -20,11 +20,11 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from models.loading.hub import is_repo_id
 from models.speculative.drafter_kinds import DRAFTERS, NO_DRAFTER
 from scheduler.request import Lane
-from serve_app import knob_fields
-from serve_app.config_errors import ConfigError, format_validation_error  # noqa: F401 (re-exported)
-from serve_app.config_paths import REPO_ROOT, is_template_path, read_chat_template, resolve_path  # noqa: F401 (re-exported)
-from serve_app.sampling_defaults import SamplingDefaults
-from serve_app.tool_formats import FORMATS as TOOL_CALL_FORMATS
+from serve_app.configuration import knob_fields
+from serve_app.configuration.errors import ConfigError, format_validation_error  # noqa: F401 (re-exported)
+from serve_app.configuration.paths import REPO_ROOT, is_template_path, read_chat_template, resolve_path  # noqa: F401 (re-exported)
+from serve_app.openai.sampling_defaults import SamplingDefaults
+from serve_app.openai.tool_formats import FORMATS as TOOL_CALL_FORMATS
 
 LaneName = Literal["high", "normal", "low"]
 
@@ -32,7 +32,7 @@ _STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
 def _doc(values: str | None = None, default: str | None = None, expand: bool = False) -> dict:
-    """Docs-table extras of a field written here (see serve_app.config_docs)."""
+    """Docs-table extras of a field written here (see serve_app.configuration.docs)."""
     extra = {"values": values, "default_doc": default, "expand": expand or None}
     return {k: v for k, v in extra.items() if v is not None}
 
@@ -117,7 +117,7 @@ class _ServeArgsBase(BaseModel):
     )
     affinity_routing: bool = Field(
         True,
-        description="Serve's router for this deployment is `serve_app.router.PrefixAffinityRouter`: "
+        description="Serve's router for this deployment is `serve_app.deployment.router.PrefixAffinityRouter`: "
         "the requests of one session (Serve's `X-Session-Id` header, or with `affinity_key: prompt` "
         "a hash of the prompt's leading messages) go to one replica, where the session's prefix "
         "cache is; a new session goes to the replica holding the fewest sessions; a session whose "
@@ -130,10 +130,10 @@ class _ServeArgsBase(BaseModel):
         "session",
         description="What `affinity_routing` keys on. `session`: Serve's session header only; the HTTP "
         "proxy routes, and requests without a session id are spread as by Serve's default router. "
-        "`prompt`: a front deployment, `SpecslotIngress` (`serve_app/ingress.py`, one replica unless a "
+        "`prompt`: a front deployment, `SpecslotIngress` (`serve_app/deployment/ingress.py`, one replica unless a "
         "`deployments` entry of that name says otherwise), reads each request's body and keys it on "
         "its session header or, without one, on a hash of the prompt's leading text, the same for "
-        "every turn of a conversation (`serve_app/prompt_key.py`; exactly what is hashed is under "
+        "every turn of a conversation (`serve_app/deployment/prompt_key.py`; exactly what is hashed is under "
         '"Prefix cache" below); it then forwards the request to `SpecslotServer` through a '
         "deployment handle. Costs one more hop per request and per streamed chunk. Ignored when "
         "`affinity_routing` is false.",

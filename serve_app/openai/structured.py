@@ -6,7 +6,7 @@ grammar that constrains decoding (`SamplingParams.grammar`, llguidance's: a JSON
 schema's from `models.sampling.grammar`, a forced tool call's from the `ToolFormat`), the tools the chat template
 renders, and how the
 finished text is returned. Tool calls are written and read in the deployment's
-`ToolFormat` (`serve_app.tool_formats`: Hermes / Qwen, Llama 3 JSON, Mistral), chosen
+`ToolFormat` (`serve_app.openai.tool_formats`: Hermes / Qwen, Llama 3 JSON, Mistral), chosen
 from the model's chat template. A forced tool call (`tool_choice: "required"` or a named
 function) is constrained to that format's form of a call naming one of the allowed
 tools with arguments matching that function's parameters: one call for a named
@@ -22,8 +22,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from serve_app.errors import APIError
-from serve_app.tool_formats import ToolFormat
+from serve_app.openai.errors import APIError
+from serve_app.openai.tool_formats import ToolFormat
 
 FORCED, AUTO, NONE = "forced", "auto", "none"
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")

@@ -10,7 +10,7 @@ import os
 import re
 
 from models.loading.hub import is_repo_id
-from serve_app.config import ServeArgs
+from serve_app.configuration.args import ServeArgs
 
 _EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception): (.+)$")
 

@@ -11,9 +11,9 @@ import asyncio
 import contextlib
 import logging
 
-from serve_app.client import SCHEDULER_LOST
-from serve_app.protocol import APIError
-from serve_app.responses import ResponseFormat, Usage, sse
+from serve_app.deployment.client import SCHEDULER_LOST
+from serve_app.openai.protocol import APIError
+from serve_app.openai.responses import ResponseFormat, Usage, sse
 
 logger = logging.getLogger("serve_app.http")  # where operators' filters expect the HTTP layer
 

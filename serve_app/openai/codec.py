@@ -16,9 +16,9 @@ from pathlib import Path
 
 from jinja2 import TemplateError, TemplateSyntaxError
 
-from serve_app.chat import calls_as_content
-from serve_app.errors import APIError
-from serve_app.tool_formats import ToolFormat, detect, marker_special_ids
+from serve_app.openai.chat import calls_as_content
+from serve_app.openai.errors import APIError
+from serve_app.openai.tool_formats import ToolFormat, detect, marker_special_ids
 
 MAX_TEMPLATE_MESSAGE = 300  # characters of a template's own error passed on to the client
 # Tokens a stream's text may wait on for one character. A UTF-8 character has at most four
@@ -121,7 +121,7 @@ class IncrementalDecoder:
 class TextCodec:
     def __init__(self, tokenizer, chat_template: str | None = None, tool_call_format: str = "auto") -> None:
         """`chat_template`: a jinja template used instead of the tokenizer's own;
-        `tool_call_format`: how the model writes tool calls (`serve_app.tool_formats`;
+        `tool_call_format`: how the model writes tool calls (`serve_app.openai.tool_formats`;
         "auto": as the chat template shows them)."""
         self._tok = tokenizer
         self._chat_template = chat_template

@@ -24,7 +24,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from serve_app.errors import APIError
+from serve_app.openai.errors import APIError
 
 _BODY = ConfigDict(extra="forbid", strict=True)
 

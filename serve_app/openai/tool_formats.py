@@ -91,7 +91,7 @@ class ToolFormat:
         """`calls` ((name, arguments) pairs; arguments an object, or the string a client
         sent) written as this format's replies write them, spaced as `json.dumps` does,
         so `read` reads them back. For histories whose chat template does not render
-        tool calls (`serve_app.chat.calls_as_content`)."""
+        tool calls (`serve_app.openai.chat.calls_as_content`)."""
         if self.name == "mistral_v11":
             return "".join(f"[TOOL_CALLS]{name}[ARGS]{_dumps(arguments)}" for name, arguments in calls)
         key = "parameters" if self.name == "llama3_json" else "arguments"

@@ -7,8 +7,8 @@ a replica it adds or replaces must not fail its share of traffic. A failed load
 (`fail_load`) is 503 `model_load_failed` naming the fault. Every
 client-caused problem is a 4xx with an OpenAI error body; a full scheduler queue is a
 503 with `Retry-After`; a client that goes away has its request cancelled in the
-scheduler, whatever phase it is in. The input checks are `serve_app.request_inputs`;
-reading the choices into a JSON body or an event stream is `serve_app.choices`.
+scheduler, whatever phase it is in. The input checks are `serve_app.openai.request_inputs`;
+reading the choices into a JSON body or an event stream is `serve_app.openai.choices`.
 """
 
 from __future__ import annotations
@@ -27,20 +27,20 @@ from starlette.routing import Route
 
 from scheduler.ledger import QueueFull
 from scheduler.request import Lane, Request, parse_priority
-from serve_app import request_inputs
-from serve_app.choices import collect_one, sse_body
-from serve_app.client import SCHEDULER_LOST, EngineClient
-from serve_app.codec import TextCodec
-from serve_app.config import ServeArgs
-from serve_app.errors import EXCEPTION_HANDLERS
-from serve_app.logprobs import LogprobFormat, LogprobTrail
-from serve_app.metrics import ReplicaMetrics, StreamTimes
-from serve_app.protocol import APIError, GenerationSpec, decode_json, parse_generation
-from serve_app.ready import health_body
-from serve_app.responses import CompletionText, ResponseFormat, Usage
-from serve_app.sampling_defaults import request_defaults
+from serve_app.configuration.args import ServeArgs
+from serve_app.deployment.client import SCHEDULER_LOST, EngineClient
+from serve_app.deployment.metrics import ReplicaMetrics, StreamTimes
+from serve_app.deployment.ready import health_body
+from serve_app.openai import request_inputs
+from serve_app.openai.choices import collect_one, sse_body
+from serve_app.openai.codec import TextCodec
+from serve_app.openai.errors import EXCEPTION_HANDLERS
+from serve_app.openai.logprobs import LogprobFormat, LogprobTrail
+from serve_app.openai.protocol import APIError, GenerationSpec, decode_json, parse_generation
+from serve_app.openai.responses import CompletionText, ResponseFormat, Usage
+from serve_app.openai.sampling_defaults import request_defaults
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("serve_app.http")  # a stable name for operators' log filters
 
 DRAIN_AFTER_STOP_S = 2.0  # wait for the cancelled request's final stats after a text stop
 # A request body at least this large is tokenized on the replica's tokenizer thread, not on
@@ -65,7 +65,7 @@ class OpenAIService:
         self.args = args
         self.metrics = metrics or ReplicaMetrics(args.model_name, args.num_draft_tokens)
         self.load_error: str | None = None  # why loading failed, once it has
-        # SamplingParams fields for what a request omits (`serve_app.sampling_defaults`).
+        # SamplingParams fields for what a request omits (`serve_app.openai.sampling_defaults`).
         self.sampling_defaults = request_defaults(args.sampling_defaults, None)
         self._load_ended = asyncio.Event()
         if codec is not None:

@@ -1,7 +1,7 @@
 """docs/configuration.md's knob tables, generated from the configs that declare the knobs.
 
 Each table sits between `<!-- BEGIN generated: NAME -->` and `<!-- END generated: NAME -->`
-markers; `python -m serve_app.config_docs` rewrites them in place (`--check`: exit 1 when
+markers; `python -m serve_app.configuration.docs` rewrites them in place (`--check`: exit 1 when
 the page is stale; tests/serve/test_config_docs.py fails then too). A row is one field of
 `ServeArgs`: its default, accepted values (from the field's type and range), env
 variable, when it takes effect (`live`: `LiveConfig` accepts it) and description.
@@ -20,8 +20,8 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from scheduler.knobs import unwrap_optional
-from serve_app import knob_fields
-from serve_app.config import REPO_ROOT, LiveConfig, ServeArgs
+from serve_app.configuration import knob_fields
+from serve_app.configuration.args import REPO_ROOT, LiveConfig, ServeArgs
 
 DOC_PATH = REPO_ROOT / "docs" / "configuration.md"
 HEADER = "| key | default | values | env override | takes effect | description |\n|---|---|---|---|---|---|"
@@ -129,7 +129,7 @@ def main(argv: list[str]) -> int:
     current = render(page)
     if "--check" in argv:
         if current != page:
-            print(f"{DOC_PATH} is stale: run `python -m serve_app.config_docs`", file=sys.stderr)
+            print(f"{DOC_PATH} is stale: run `python -m serve_app.configuration.docs`", file=sys.stderr)
             return 1
         return 0
     if current != page:

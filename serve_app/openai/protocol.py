@@ -7,9 +7,9 @@ as the client wrote it (`messages[1].content`) and never carry internal detail (
 stack traces). Fields OpenAI defines that this server does not implement yet are
 accepted with the values that change nothing (`echo: false`, `best_of: 1`) and are a 400
 `unsupported_parameter` naming the field otherwise. `response_format`, `tools` and
-`tool_choice` become an `OutputSpec` (`serve_app.structured`). Sampling fields a request omits stay
+`tool_choice` become an `OutputSpec` (`serve_app.openai.structured`). Sampling fields a request omits stay
 unset here: their defaults depend on the deployment and the model
-(`serve_app.sampling_defaults`).
+(`serve_app.openai.sampling_defaults`).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from serve_app.chat import ChatMessage, template_messages
-from serve_app.errors import APIError
-from serve_app.sampling_defaults import sampling_fields
-from serve_app.structured import OutputSpec, resolve
-from serve_app.tool_formats import ToolFormat
+from serve_app.openai.chat import ChatMessage, template_messages
+from serve_app.openai.errors import APIError
+from serve_app.openai.sampling_defaults import sampling_fields
+from serve_app.openai.structured import OutputSpec, resolve
+from serve_app.openai.tool_formats import ToolFormat
 
 _BODY = ConfigDict(extra="forbid", strict=True)
 MAX_CHOICES = 8  # `n`: independent completions of one prompt, each an engine request
@@ -158,7 +158,7 @@ class GenerationSpec:
     model: str | None
     prompt_text: str | None  # completions with a text prompt
     prompt_ids: list[int] | None  # completions with token ids
-    messages: list[dict] | None  # chat, as templates take them (`serve_app.chat`)
+    messages: list[dict] | None  # chat, as templates take them (`serve_app.openai.chat`)
     chat_template_kwargs: dict
     max_tokens: int | None
     # The sampling fields the request set, as `SamplingParams` takes them (`top_k: -1`

@@ -1,7 +1,7 @@
 """Which replica serves a request: conversation affinity under a load bound.
 
 Pure functions over plain data (no ray), plus the router's one piece of state,
-`SessionPins`; used by `serve_app.router`. A conversation's turns share an affinity
+`SessionPins`; used by `serve_app.deployment.router`. A conversation's turns share an affinity
 key. A key seen before goes to the replica it is pinned to, where its prefix cache is.
 A new key is placed on the replica with the fewest pinned keys (ties: the shorter
 queue, then the highest rendezvous score `hash(key, replica_id)`), so conversations
@@ -12,7 +12,7 @@ the request and the key is pinned there (it now holds the longer prefix). A requ
 without a key goes to the least loaded replica.
 
 Several routers (one per HTTP proxy, one per `SpecslotIngress` replica) share what the
-replicas report (`serve_app.served_keys`): the keys each served recently and when. A
+replicas report (`serve_app.deployment.served_keys`): the keys each served recently and when. A
 key's home is the most recent placement known, this router's own pin or a replica's
 report of serving the key after that pin (`home_replica`), so a key placed by another
 router goes where that router sent it once the replica has reported it. A new key is

@@ -3,7 +3,7 @@
 Request series are recorded by the HTTP layer as tokens stream and requests finish:
 vLLM's v1 names under our prefix (`specslot:` for `vllm:`) with a `model_name` label,
 so a vLLM dashboard needs only the prefix changed, plus the older per-lane `specslot_*`
-series. Scheduler series (`serve_app.scheduler_metrics`) are read from the engine
+series. Scheduler series (`serve_app.deployment.scheduler_metrics`) are read from the engine
 snapshot at scrape time. Every series is declared up front, so a scrape shows the same
 names, types and label sets from the first one on. Each replica has its own registry;
 docs/metrics.md lists the series and how to scrape them.
@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 
 from scheduler.events import RequestTimes
 from scheduler.request import Lane, SpecStats
-from serve_app.scheduler_metrics import scheduler_families
+from serve_app.deployment.scheduler_metrics import scheduler_families
 
 disable_created_metrics()  # `_created` series double the output for no operator value
 

@@ -3,7 +3,7 @@
 `deployment_fields` gives `ServeArgs` one field per deployed knob of `SchedulerConfig`
 and `RunnerConfig`, with the knob's range, choices and description; `live_fields` gives
 `LiveConfig` the live ones, each optional. A field's docs extras (`env`, `live`,
-`default_doc`) ride in `json_schema_extra`, where `serve_app.config_docs` reads them.
+`default_doc`) ride in `json_schema_extra`, where `serve_app.configuration.docs` reads them.
 """
 
 from __future__ import annotations

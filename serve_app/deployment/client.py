@@ -3,7 +3,7 @@
 The HTTP layer only needs: submit a request and read its events, cancel it, take a
 snapshot, reconfigure. `EngineClient` implements that over a *source* of per-tick event
 batches; `LocalSource` wraps an in-process `Engine` (tests, tools) and
-`serve_app.actor.ActorSource` the replica's scheduler actor. One pump task per client
+`serve_app.deployment.actor.ActorSource` the replica's scheduler actor. One pump task per client
 polls the source and fans batches out to per-request queues, so the replica pays one
 hop per tick, not one per token or per request.
 """
@@ -15,7 +15,7 @@ import logging
 from typing import AsyncIterator, Protocol
 
 from scheduler.request import Request
-from serve_app.events import EventRouter, iterate
+from serve_app.deployment.events import EventRouter, iterate
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ class EngineClient:
 class LocalSource:
     """An in-process `Engine` as an `EventSource` (no Ray); blocking calls use threads.
 
-    `engine_factory()` returns `(engine, info)` like `serve_app.actor.build_engine`:
+    `engine_factory()` returns `(engine, info)` like `serve_app.deployment.actor.build_engine`:
     an unstarted Engine and a dict the runner factory fills with runner info.
     """
 
@@ -198,7 +198,7 @@ class LocalSource:
     async def poll(self, timeout: float) -> list:
         events = await asyncio.to_thread(self._engine.get_events, timeout)
         if not events and self._engine.fatal_error:
-            # As the scheduler actor's process ends (serve_app.actor): the engine is lost.
+            # As the scheduler actor's process ends (serve_app.deployment.actor): the engine is lost.
             raise SchedulerLost(f"the device is lost ({self._engine.fatal_error})")
         return events
 

@@ -19,8 +19,8 @@ import time
 
 from scheduler.ledger import QueueFull
 from scheduler.request import Request
-from serve_app.client import SchedulerLost
-from serve_app.config import ServeArgs
+from serve_app.configuration.args import ServeArgs
+from serve_app.deployment.client import SchedulerLost
 
 logger = logging.getLogger(__name__)
 

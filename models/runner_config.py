@@ -100,15 +100,15 @@ class RunnerConfig:
         "outputs of rows that left the batch, held up to 16,384 tokens (`models/speculative/replica_index.py`); "
         "a row whose last 4-8 tokens occurred in one drafts what followed, else its own prompt "
         "lookup. For agents that re-ask and edits that return most of an earlier answer; a little "
-        "slower on fresh prompts (docs/benchmarks.md, scenario 6). Needs the slab batch.",
+        "slower on fresh prompts (docs/history/benchmarks-2026-12b.md, scenario 6). Needs the slab batch.",
     )
     sampled_row_drafts: bool = knob(
         False,
         "Classic rows that draft (`row_drafts`) draft at temperature > 0 too, not only greedy "
         "ones: a sampled row's draws are keyed by position, so its tokens are the same either way "
         '(docs/configuration.md, "Speculation at temperature > 0"). Off by default: it gains on code '
-        "at T = 0.7 but costs a little where sampled drafts rarely land (docs/benchmarks.md, "
-        "scenario 6). Needs the slab batch.",
+        "at T = 0.7 but costs a little where sampled drafts rarely land "
+        "(docs/history/benchmarks-2026-12b.md, scenario 6). Needs the slab batch.",
     )
     warm_positions: int | None = knob(
         None,

@@ -2,7 +2,7 @@
 process, taking turns on the same bursts: N streams of `--prompts` prompts, `--tokens`
 each; per configuration, output tok/s of each burst and the median, the median of the
 bursts' mean TTFT, and A / B per pair of bursts. The first burst of each is a warm-up.
-(docs/gpu.md, "Fused projections"; docs/benchmarks.md, "SmolLM2-135M-Instruct".)
+(docs/history/gpu-2026-12.md, "Fused projections"; docs/benchmarks.md, "SmolLM2-135M-Instruct".)
 
     python -m scripts.experiments.engine_ab --streams 4 --a '{"fused_projections": false}' --b '{}'
     python -m scripts.experiments.engine_ab --config configs/local.yaml --prompts chat --streams 1 \

@@ -1,5 +1,5 @@
 """A slab step with each layer's q/k/v and gate/up shared (`models/loading/fused_projections.py`)
-against the separate projections (docs/gpu.md, "Fused projections"): 4 rows over 300
+against the separate projections (docs/history/gpu-2026-12.md, "Fused projections"): 4 rows over 300
 positions, 1 and 5 tokens a row, the two models alternating; per step the host's graph
 building and the whole synchronized step, medians of 30. On a CUDA GPU a quantized model
 is dequantized first, as `dense_weights` does by default.

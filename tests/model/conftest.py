@@ -60,6 +60,18 @@ def make_request(request_id, prompt_ids, max_tokens=24, **sampling):
     return Request(request_id, list(prompt_ids), SamplingParams(max_tokens=max_tokens, **sampling))
 
 
+def drain(scheduler, streams: dict | None = None, max_ticks: int = 100_000) -> dict:
+    """Tick `scheduler` until it has no work, adding each event's tokens to `streams`
+    ({request id: tokens}); a scheduler that never runs dry fails the test."""
+    streams = {} if streams is None else streams
+    for _ in range(max_ticks):
+        if not scheduler.has_work():
+            return streams
+        for event in scheduler.tick():
+            streams.setdefault(event.request_id, []).extend(event.token_ids)
+    raise AssertionError(f"the scheduler still had work after {max_ticks} ticks")
+
+
 def isolated_streams(runner, prompts, max_tokens=24):
     """Each prompt alone through a classic-only scheduler (B=1 policy off), greedy: the
     reference streams, keyed r0, r1, ... in `prompts`' order."""
@@ -70,9 +82,5 @@ def isolated_streams(runner, prompts, max_tokens=24):
     for i, p in enumerate(prompts):
         scheduler = Scheduler(runner, SchedulerConfig(b1_policy="off"))
         scheduler.submit(make_request("solo", p, max_tokens=max_tokens))
-        tokens = []
-        while scheduler.has_work():
-            for event in scheduler.tick():
-                tokens += event.token_ids
-        out[f"r{i}"] = tokens
+        out[f"r{i}"] = drain(scheduler, {"solo": []})["solo"]
     return out

@@ -18,7 +18,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.core import Scheduler
 from scheduler.request import Request
 
-from .conftest import make_request
+from .conftest import drain, make_request
 from .helpers import make_drafter, run_classic
 
 pytestmark = pytest.mark.model
@@ -661,10 +661,7 @@ def test_the_choices_of_one_request_share_its_prompt_through_the_scheduler(loade
         requests = [make_request(f"c{i}", base, 16, temperature=0.8 if i % 2 else 0.0, seed=i) for i in range(4)]
         for r in requests:
             scheduler.submit(r)
-        out = {r.request_id: [] for r in requests}
-        while scheduler.has_work():
-            for event in scheduler.tick():
-                out[event.request_id] += event.token_ids
+        out = drain(scheduler, {r.request_id: [] for r in requests})
         runner.close()
         return out, requests
 

@@ -29,7 +29,7 @@ import pytest
 from scheduler.config import SchedulerConfig
 from scheduler.core import Scheduler
 
-from .conftest import make_request
+from .conftest import drain, make_request
 from .helpers import run_classic
 
 pytestmark = pytest.mark.model
@@ -200,13 +200,7 @@ def drive(runner, prompts, **overrides):
     requests = [make_request(f"r{i}", p, max_tokens=MAX_TOKENS) for i, p in enumerate(prompts)]
     for r in requests:
         scheduler.submit(r)
-    streams = {r.request_id: [] for r in requests}
-    for _ in range(2000):
-        for event in scheduler.tick():
-            streams[event.request_id] += event.token_ids
-        if not scheduler.has_work():
-            break
-    assert not scheduler.has_work()
+    streams = drain(scheduler, {r.request_id: [] for r in requests}, max_ticks=2000)
     assert runner.num_live_sessions() == 0 and runner.num_classic_rows() == 0
     return streams, requests
 

@@ -54,7 +54,7 @@ class MlxRunner:
         `knobs` (its field names) overriding it: `MlxRunner(target, drafter,
         num_draft_tokens=3)`. `draft_fingerprint`: the draft model's content hash
         (`LoadedModel.fingerprint`), naming it in `policy_key`. `fast_verify` puts the
-        speculative rounds through `models.forward.bucketed`; with `ragged` None classic rows and
+        speculative rounds through `models.forward.bucketed`; with `slab_batch` None classic rows and
         sessions share one slab whenever the verify can ride in the batch's forward."""
         config = dataclasses.replace(config or RunnerConfig(), **knobs)
         self.config = config

@@ -44,11 +44,11 @@ def make_classic_batch(
 ) -> ClassicRows:
     """Where the verify can ride in the batch's forward (`fuse_blocker` None), classic
     rows and sessions share one slab (`models.batch.slab_batch`): moving a stream between
-    them moves no keys. Otherwise, or with `config.ragged` False, mlx-lm's
-    `BatchGenerator` (`models.batch.generator_batch`); `config.ragged` True demands the slab.
+    them moves no keys. Otherwise, or with `config.slab_batch` False, mlx-lm's
+    `BatchGenerator` (`models.batch.generator_batch`); `config.slab_batch` True demands the slab.
     `drafter`: the slot's (None: no slot); on the slab, with the prefix cache on, a
     drafter that keeps KV gets its own share of the budget (`make_prefix_caches`)."""
-    if config.ragged and fuse_blocker is not None:
+    if config.slab_batch and fuse_blocker is not None:
         raise ValueError(f"the slab batch needs a verify that rides in it: {fuse_blocker}")
     common = dict(
         eos_token_ids=eos_token_ids,
@@ -57,7 +57,7 @@ def make_classic_batch(
         solo_burst_s=config.classic_burst_ms / 1000.0,
         grammars=grammars,
     )
-    if fuse_blocker is None and config.ragged is not False:
+    if fuse_blocker is None and config.slab_batch is not False:
         batch = SlabBatch(
             model,
             row_drafts=config.row_drafts and drafter is not None,

@@ -130,7 +130,7 @@ class RunnerConfig:
         "the classic batch and the slot with the slab batch on a GPU, where kernels compile on first use.",
         deployed=False,
     )
-    ragged: bool | None = knob(
+    slab_batch: bool | None = knob(
         None,
         "Classic rows and sessions in one slab (`models.batch.slab_batch`); None = whenever the "
         "verify can ride in the batch's forward, False = mlx-lm's `BatchGenerator` in every case.",

@@ -16,7 +16,7 @@ do not all end in the same tick), in-process (engine level: the scheduler over `
 - `alternate`: the seed's strict alternation, B=1 policy on, no row drafts;
 - `classic`: B=1 policy off, every stream a classic row (the ratios' baseline);
 - `classic_batchgen`: the same on a second runner whose classic rows run in mlx-lm's
-  `BatchGenerator` (`MlxRunner(ragged=False)`), the batch the runner used before the
+  `BatchGenerator` (`MlxRunner(slab_batch=False)`), the batch the runner used before the
   slab (`models.batch.slab_batch`): what the slab costs or gains plain batching.
 `--configs`: a subset of the configurations, or `replica` (`default` with
 `replica_drafts`) and `budget` (`default` with `draft_step_share: 0.5`).
@@ -152,7 +152,7 @@ def run(
     streams = [1, 2, 4] if quick else [1, 2, 4, 8, 16]
     max_tokens = 64 if quick else 128
     runner = load_runner(target, drafter, draft, num_draft_tokens=4, max_batch_size=max(streams))
-    batchgen = load_runner(target, drafter, draft, num_draft_tokens=4, max_batch_size=max(streams), ragged=False)
+    batchgen = load_runner(target, drafter, draft, num_draft_tokens=4, max_batch_size=max(streams), slab_batch=False)
     bench_util.warm_up(runner, runner.tokenizer)
     bench_util.warm_up(batchgen, batchgen.tokenizer)
     runner.tick_costs()  # measured once per replica at load, not inside a timed run

@@ -38,7 +38,7 @@ def load_runner(
     draft_path: str = DRAFT,
     num_draft_tokens: int = 4,
     max_batch_size: int = 16,
-    ragged: bool | None = None,
+    slab_batch: bool | None = None,
 ) -> MlxRunner:
     return MlxRunner.from_paths(
         target,
@@ -47,7 +47,7 @@ def load_runner(
         num_draft_tokens=num_draft_tokens,
         max_batch_size=max_batch_size,
         prefill_batch_size=min(8, max_batch_size),
-        ragged=ragged,
+        slab_batch=slab_batch,
     )
 
 

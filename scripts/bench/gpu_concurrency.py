@@ -120,7 +120,7 @@ def main() -> None:
     oracle_ns = [int(x) for x in os.environ.get("ORACLE_NS", "2,4,8").split(",") if x]
     max_batch = max(16, *concurrencies, *oracle_ns)
 
-    def runner(ragged, drafter=None):
+    def runner(slab_batch, drafter=None):
         if drafter is None:
             return MlxRunner.from_paths(
                 path,
@@ -128,7 +128,7 @@ def main() -> None:
                 num_draft_tokens=4,
                 max_batch_size=max_batch,
                 prefill_batch_size=8,
-                ragged=ragged,
+                slab_batch=slab_batch,
             )
         return MlxRunner(
             load_pair(path, None)[0],
@@ -136,7 +136,7 @@ def main() -> None:
             num_draft_tokens=4,
             max_batch_size=max_batch,
             prefill_batch_size=8,
-            ragged=ragged,
+            slab_batch=slab_batch,
         )
 
     plain = runner(None)

@@ -28,7 +28,7 @@ SAMPLED = dict(temperature=0.8, top_p=0.9, seed=5)
 PENALIZED = dict(presence_penalty=1.0, repetition_penalty=1.3, logit_bias=((40, 1.0),))
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["ragged", "batch_generator"])
+@pytest.fixture(scope="module", params=[True, False], ids=["slab", "batch_generator"])
 def runner(tiny_pair, request):
     r = MlxRunner.from_paths(
         tiny_pair[0],
@@ -36,7 +36,7 @@ def runner(tiny_pair, request):
         drafter_path=tiny_pair[1],
         num_draft_tokens=3,
         classic_burst_ms=0,
-        ragged=request.param,
+        slab_batch=request.param,
         row_drafts=False,
     )  # rows verifying drafts: tests/model/test_row_drafts.py
     yield r

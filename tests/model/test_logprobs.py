@@ -203,8 +203,8 @@ def test_speculative_sessions_report_each_verify_position(loaded, requests, clas
         assert num_accepted >= 20  # accepted drafts' logprobs are checked
 
 
-@pytest.mark.parametrize("ragged", [True, False], ids=["slab_fused", "batch_generator_alternating"])
-def test_greedy_logprobs_are_the_same_with_speculation_on_and_off(loaded, prompt_ids, ragged):
+@pytest.mark.parametrize("slab_batch", [True, False], ids=["slab_fused", "batch_generator_alternating"])
+def test_greedy_logprobs_are_the_same_with_speculation_on_and_off(loaded, prompt_ids, slab_batch):
     """Through the scheduler and `MlxRunner` (the slab batch and the fused tick, or
     mlx-lm's batch and the alternating tick; rotation, promotion, demotion): the streams
     and their logprobs do not depend on which path produced each token."""
@@ -213,7 +213,8 @@ def test_greedy_logprobs_are_the_same_with_speculation_on_and_off(loaded, prompt
     from scheduler.config import SchedulerConfig
     from scheduler.core import Scheduler
 
-    runner = MlxRunner(loaded[0], DraftModelDrafter(loaded[1].model, loaded[1].name), num_draft_tokens=4, ragged=ragged)
+    drafter = DraftModelDrafter(loaded[1].model, loaded[1].name)
+    runner = MlxRunner(loaded[0], drafter, num_draft_tokens=4, slab_batch=slab_batch)
     repeating = list(loaded[0].tokenizer.encode(REPEATING))
     prompts = [prompt_ids[0], prompt_ids[7], repeating, prompt_ids[12]]
 

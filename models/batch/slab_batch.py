@@ -59,7 +59,7 @@ from models.sampling.grammar import Grammars
 from models.sampling.samplers import LogprobArrays, RequestSampler, draw_plain, log_probs, stop_token_ids
 from models.speculative.drafters import NgramIndex
 from models.speculative.replica_index import ReplicaIndex
-from models.speculative.rollback import accept_count, clip_tokens, draft_budget
+from models.speculative.round_math import accept_count, clip_tokens, draft_budget
 from scheduler.costs import (
     DraftFit,
     ReplicaAcceptance,

@@ -6,7 +6,7 @@ its keys, and the draw for output position p (0: the first generated token) uses
 key of p alone (`position_keys`: a hash of the request's seed and p). How many
 positions a call draws, and in which call a position is drawn, do not matter: a
 classic step draws one position, a verify K + 1 of them, and a seeded request draws
-the same token at p either way. So with the equality rule (`models.speculative.rollback`) a
+the same token at p either way. So with the equality rule (`models.speculative.round_math`) a
 seeded sampled stream is the same with speculation on or off; an unseeded request
 gets a random seed once.
 

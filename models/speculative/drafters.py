@@ -30,7 +30,7 @@ from models.forward.prefill import prefill_chunks
 from models.sampling.samplers import DRAFTS, RequestSampler, log_probs
 from models.speculative import cache_rollback
 from models.speculative.rejection import fit_vocab
-from models.speculative.rollback import draft_cache_trim
+from models.speculative.round_math import draft_cache_trim
 
 if TYPE_CHECKING:
     from models.batch.prefix_cache import PrefixCache

@@ -14,7 +14,7 @@ Worked example, one draft: p = (0.5, 0.5), q = (0.9, 0.1), draft 0 (drawn with
 probability 0.9) is accepted with probability 0.5 / 0.9; a rejection draws from the
 residual (0, 0.4) / 0.4, i.e. token 1. P(0) = 0.9 * 0.5 / 0.9 = 0.5, as p says.
 
-Drafters that give no distribution (n-gram) keep the equality rule (`models.speculative.rollback`).
+Drafters that give no distribution (n-gram) keep the equality rule (`models.speculative.round_math`).
 
 This preserves the distribution, not the sample path: the drafts and the uniforms are
 draws classic decode never makes, so a seeded request's tokens differ from its classic

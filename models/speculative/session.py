@@ -45,7 +45,7 @@ from models.sampling.samplers import ROUNDS, LogprobArrays, RequestSampler, stop
 from models.speculative.cache_rollback import trim_exact
 from models.speculative.drafters import Drafter
 from models.speculative.rejection import verify_drafts, with_bonus_row
-from models.speculative.rollback import accept_count, clip_tokens, draft_budget, target_cache_trim
+from models.speculative.round_math import accept_count, clip_tokens, draft_budget, target_cache_trim
 from scheduler.model_api import RoundOutcome
 from scheduler.request import SamplingParams, TokenLogprob
 

@@ -18,7 +18,7 @@ import pytest
 from models.batch.slab_batch import SlabBatch
 from models.sampling.grammar import Grammars, json_schema_grammar
 from models.speculative.drafters import DrafterBase
-from models.speculative.rollback import draft_budget
+from models.speculative.round_math import draft_budget
 from models.speculative.session import SpeculativeSession
 
 from .conftest import make_request

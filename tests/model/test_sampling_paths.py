@@ -18,7 +18,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from models.batch.slab_batch import SlabBatch
 from models.speculative.drafters import DrafterBase
-from models.speculative.rollback import draft_budget
+from models.speculative.round_math import draft_budget
 
 from .conftest import make_request
 from .helpers import make_drafter, run_classic, run_session, stepwise_greedy

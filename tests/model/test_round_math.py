@@ -3,7 +3,7 @@
 import pytest
 
 from models.speculative.drafters import ngram_lookup
-from models.speculative.rollback import (
+from models.speculative.round_math import (
     accept_count,
     clip_tokens,
     draft_budget,

@@ -1,26 +1,17 @@
 """Shadow rounds: what a classic row would have accepted in the slot, read off the
 tokens it emits anyway.
 
-The fused tick's cost gate grants the slot to a row only where its acceptance pays
-(`scheduler.costs`). Without a measurement a row's estimate drifts back toward
-all-accepted with every turn-away, so a stream that accepts nothing (sampled text
-with no repeats) is granted again every few dozen tokens to find that out, and each
-such tryout costs the whole batch a slower tick. For a drafter that proposes fixed
-tokens (n-gram prompt lookup), the measurement is free: open a round where the slot
-would (propose `num_draft_tokens` tokens from the row's history), then match the
-row's next tokens against the drafts. The verify accepts draft `d` with probability
-p(d) under the row's own sampling distribution, and the row samples `d` with that
-same probability, so the number of leading matches has the distribution of the
-accepted count (greedy: it is the accepted count). The round ends at the first
-token that does not match, or at the token after the last draft (the verify's
-correction or bonus token), and the next round opens at the history that follows.
-Where the lookup finds nothing to draft, the slot would still run a round for one
-token: that is a round with nothing gained, as the gate counts the slot's own.
-
-`ShadowRounds` keeps one index per row it watches (built once from the last
-`MAX_HISTORY` tokens of prompt and output, then extended token by token) and hands
-every finished round's matches to `record(request, matches)`. Tokens a request
-emitted elsewhere (as the slot's holder) are folded into its index unscored.
+The cost gate (`scheduler.costs`) grants the slot only where a row's acceptance pays;
+unmeasured, a row that accepts nothing is granted again and again to find that out. With an
+n-gram drafter the measurement is free: a round opens where the slot would (proposing
+`num_draft_tokens` from the row's history) and matches the row's next tokens to the drafts.
+The row samples each draft with the probability the verify accepts it, so the leading
+matches have the accepted count's distribution (greedy: they are it). A round ends at the
+first mismatch or at the token after the last draft; a lookup that drafts nothing is a round
+with nothing gained. `ShadowRounds` keeps one index per row (the last `MAX_HISTORY` tokens,
+then extended) and hands each round's matches to `record(request, matches)`; tokens emitted
+as the slot's holder are folded in unscored.
+See docs/CONTINUOUS_BATCHING.md, "The fused tick" ("Shadow rounds").
 """
 
 from __future__ import annotations

@@ -1,37 +1,16 @@
 """Classic continuous batching over mlx-lm 0.32.2's `BatchGenerator`.
 
-This is the only module that knows `BatchGenerator`'s API (including two private
-attributes, see `prefill`); mlx-lm is pinned exactly for that reason.
-
-How mlx-lm's generator works (0.32.2): `insert` queues prompts and returns uids; each
-`next()` first decodes the generation batch (one forward for all rows) and then
-advances prompt processing (prefill chunks; a prompt whose last token remains moves to
-the generation batch, whose constructor runs the forward on that token). Decoding is
-pipelined: a token returned by `next()` has already been fed to the model, and the
-following token is being computed.
-
-Our contract is one model action per call:
-- `prefill(requests)` runs prompt processing for just these requests, until each has
-  emitted its first token, without advancing existing rows;
-- `decode()` runs one batched decode step over all rows and returns one token per row.
-Finish reasons are mlx-lm's: "stop" (an EOS or per-request stop token, which is
-emitted) or "length" (max_tokens reached); stop wins when both apply.
-
-A lone row runs outside `BatchGenerator`, as a `models.batch.solo.SoloRow` (plain KV cache,
-generate_step's pipelining; why: see that module). It moves into the batch when
-another row is admitted: its pending token is emitted first, then the token is the
-one-token "prompt" of a batch row that keeps the row's KV cache, sampler and
-remaining budget. When the batch drains to one decoding row with nothing left to
-prefill, that row moves back out (its pending token and cache are extracted).
-Neither move recomputes or redraws a token, so a seeded stream is the same either way.
-
-A row whose request asked for logprobs reads them from the log-probabilities
-`BatchGenerator` hands back with each token, which are the sampler's own (its logits
-processor is the request's `RequestSampler.penalized`, normalised the same way).
-
-`adopt` takes a stream decoded elsewhere (a speculative session demoted to classic)
-the same way: its cache, sampler and pending token become a row, as a `SoloRow` when
-no other row exists, else as a one-token prompt of `BatchGenerator`.
+The only module that knows `BatchGenerator`'s API (two private attributes included, see
+`prefill`); mlx-lm is pinned exactly for that reason. One model action per call: `prefill`
+runs prompt processing for just the given requests until each has emitted its first token,
+without advancing existing rows; `decode` runs one batched decode step and returns one token
+per row. Finish reasons are mlx-lm's: "stop" (an EOS or per-request stop token, emitted) or
+"length"; stop wins when both apply. Logprobs are those `BatchGenerator` hands back with each
+token, the sampler's own. A lone row runs outside as a `models.batch.solo.SoloRow`; when
+another row is admitted (or `adopt` brings a stream in) its pending token is emitted and
+becomes the one-token prompt of a batch row that keeps its KV cache, sampler and budget, and
+a batch down to one decoding row with nothing to prefill moves it back out. No move
+recomputes or redraws a token: docs/CONTINUOUS_BATCHING.md, "Classic rows in the MLX runner".
 """
 
 from __future__ import annotations

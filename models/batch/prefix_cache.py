@@ -1,30 +1,16 @@
 """A per-replica store of KV prefixes: finished streams' keys and values, kept so that
 a later prompt starting with the same tokens prefills only the rest.
 
-Chat clients and agents resend the whole conversation every turn, so the previous
-turn's prompt and answer are a prefix of the next prompt.
-
-An entry is a token sequence and, per layer, its keys and values (kv_heads, n, dim)
-for positions 0..n-1. Attention is causal, so the KV of positions 0..m-1 depends only
-on tokens 0..m-1: any prefix of an entry serves any prompt that starts with it, and a
-hit may end anywhere, inside a block or a chat turn.
-
-Index: chained hashes of full `block_size`-token blocks (the hash of block i names
-tokens 0..(i+1)*block_size-1) map to the entries holding that prefix. A lookup walks
-the prompt's blocks while some entry holds them, then compares the tokens of those
-entries with the prompt (a hash collision cannot make a wrong hit) and keeps the
-longest common prefix, which may reach into the next, partial, block.
-
-Memory: entries hold copies, never views of live rows (a row keeps changing, an entry
-must not; a view would also keep the row's whole buffer alive). Entry bytes are
-counted against `budget_bytes`; a store evicts least recently used entries until the
-new one fits, and an entry whose tokens are a prefix of a new one is replaced by it.
-
-Live and parked streams: nothing here is ever a stream's state. A hit is copied into
-the row of the classic stream or speculative session that starts from it; a parked
-session keeps its own row (the slot takes only the drafter back, and the draft state
-stays with the session) until it finishes and its stream is stored. Evicting any
-entry therefore never reaches a running or parked stream.
+An entry is a token sequence and, per layer, its keys and values (kv_heads, n, dim) for
+positions 0..n-1. Attention is causal, so any prefix of an entry serves any prompt that
+starts with it, and a hit may end anywhere. A lookup walks chained hashes of full
+`block_size`-token blocks, then compares tokens (a hash collision cannot make a wrong hit)
+and keeps the longest common prefix. Entries hold copies, never views of live rows (a row
+keeps changing, an entry must not); their bytes count against `budget_bytes`, least recently
+used entries are evicted first, and an entry whose tokens are a prefix of a new one is
+replaced by it. Nothing here is ever a stream's state (a hit is copied into a row; a parked
+session keeps its own row), so evicting an entry never reaches a running or parked stream.
+See docs/configuration.md, "Prefix cache".
 """
 
 from __future__ import annotations

@@ -1,44 +1,16 @@
 """Classic continuous batching over a `models.forward.slab.Slab`: the fused tick's batch.
 
 The same contract as `models.batch.generator_batch.GeneratorBatch` (prefill, decode with an
-optional rider, extract, adopt, remove), over rows that each keep their own length:
-- a classic row is a slab row plus its sampler, its stop ids, its budget and its
-  pending token (emitted to the client, not yet fed to the model);
-- `decode` feeds every row's pending token, and the rider's verify tokens, in one
-  `Slab.forward`, and draws every row's next token;
-- the slot holder's KV lives in the same slab (`new_session_cache`), so a promotion
-  (`extract`) and a park (`adopt`) move no keys: the row changes hands. Classic rows
-  fill the slab's first slots, sessions the slots after them, so a decode step's rows
-  are the buffer's first m rows and attend in one call;
-- with a `PrefixCache`, a new row starts from the longest cached prefix of its prompt
-  (copied into the row) and prefills only the rest; a prefilled prompt is stored at the
-  batch's next operation (its first token goes out first), and a row that leaves
-  (finished, cancelled, or a session's row released) stores its tokens' KV for later
-  prompts;
-- with `row_drafts`, every row may also verify its own n-gram drafts (prompt lookup
-  over its prompt and output, `models.speculative.drafters.NgramIndex`) in the same forward: it
-  accepts the prefix of drafts equal to what its sampler draws at the verify positions
-  and emits it plus the target's next token; its rejected drafts leave its row by
-  lowering the row's length. A sampled row drafts too: output position p is drawn with
-  p's key however many positions the step verified, so a seeded stream is the one
-  classic decode gives. How many drafts a row verifies
-  is decided per step by expected value (`scheduler.costs.row_draft_budget`: the row's
-  acceptance estimate against what a verify position costs at this batch size, from
-  the runner's measured `TickCosts`); a row whose drafts do not land drafts nothing,
-  and a step drafts at all only when its rows' expected gains pay for its first draft
-  (`scheduler.costs.drafts_pay`: on a CPU the first multi-token row costs a few ms).
-On a grid slab (a GPU) plain steps are pipelined: when no row drafts and no verify
-rides, the next step (every row fed the token this step draws, still on the device)
-is queued before this step's tokens are read, so the host builds step n + 1 while the
-device runs step n. The queued step is used by the next `decode` if the rows are the
-same (less any that finished: removing a finished row takes nothing back); anything
-else that touches the batch first takes it back (rows shortened by one; its draws
-changed no sampler, and a later draw of the same position uses the same key), so what
-every stream emits does not depend on the pipeline. On a CPU steps are not pipelined:
-the next step would run on the cores the host uses.
-A row whose request asked for logprobs reads them at every position it emits (a
-verified draft's from the verify position that accepted it) from the log-probabilities
-its sampler drew from (`RequestSampler.sample_with_logprobs`); other rows compute none.
+optional rider, extract, adopt, remove), over rows that each keep their own length. A row is
+a slab row plus its sampler, stop ids, budget and pending token (emitted, not yet fed).
+`decode` feeds every row's pending token, the rider's verify tokens and the rows' own n-gram
+drafts (`row_drafts`, budgeted per step by `scheduler.costs`) in one `Slab.forward`. Classic
+rows fill the slab's first slots, sessions the slots after them, so `extract` and `adopt`
+move no keys: the row changes hands. Output position p is always drawn with p's key, and a
+grid slab's queued (pipelined) step is taken back before anything else touches the batch,
+so what a seeded stream emits depends neither on drafts nor on the pipeline. Only rows that
+asked read logprobs, from the distribution their sampler drew from.
+See docs/CONTINUOUS_BATCHING.md, "The fused tick".
 """
 
 from __future__ import annotations

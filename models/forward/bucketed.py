@@ -1,31 +1,16 @@
 """Shape-stable forwards over a KV cache: the GPU path of a speculative round.
 
-Why: on MLX CUDA, `mx.fast.scaled_dot_product_attention` with more than one query
-compiles a kernel for every new key length (40-60 ms each). mlx-lm's `KVCache` hands
-attention exactly `offset` keys, so a verify forward at a growing offset meets a new key
-length every round. Here the forward always attends over the cache's whole buffer, whose
-capacity is a multiple of `bucket`, with an explicit mask that hides every slot at or
-beyond each query's own position (the padding and stale entries of rejected drafts).
-Shapes then change only when the buffer grows into a new bucket, so each (bucket, query
-length) compiles once, and `warm` can do that at load. Prefill goes the same way
-(`prefill`): fixed chunks of `prefill_chunk` positions, the last one padded, so a new
-prompt length costs no new shape either (a plain causal prefill of length P builds a
-cuDNN attention plan per P, tens of milliseconds each on the GPU).
-
-The whole forward is one `mx.compile`d function per shape: tokens, the offset (an array,
-so it is no compile-time constant) and the cache buffers go in; the head (logits, the
-greedy token of the last position, or the greedy token of every position) and the
-updated buffers come out. That removes the per-op Python graph building,
-which is about half of a synchronised decode step of a 1B model on an H200.
-
-Contract: works for any mlx-lm model whose layers take a standard `KVCache` through
-`cache.offset`, `cache.update_and_fetch` and `create_attention_mask(..., cache)` and need
-no sliding window (llama, mistral, qwen2, ...); `supports(model)` checks the cache type.
-Positions and masking are exact, so results equal the plain forward up to float
-summation order (greedy parity is tested in float32). The cache objects stay ordinary
-`KVCache`s: prefill, `trim_prompt_cache` and the classic path keep working on them.
-For llama and qwen2 the compiled forward is `_FusedDecoder` (fewer, wider matmuls);
-any other model runs its own forward.
+Why: on MLX CUDA, multi-query `mx.fast.scaled_dot_product_attention` compiles a kernel for
+every new key length, and a verify at a growing offset meets a new one every round. Here the
+forward attends over the cache's whole buffer, a multiple of `bucket` long, with a mask that
+hides every slot at or beyond each query's own position, and `prefill` runs fixed chunks of
+`prefill_chunk` positions, the last one padded; each (bucket, query length) is one
+`mx.compile`d function, compiled once (`warm` does it at load). Contract: any mlx-lm model
+whose layers take a standard `KVCache` (`offset`, `update_and_fetch`,
+`create_attention_mask(..., cache)`) and need no sliding window; `supports(model)` checks
+the cache type. Results equal the plain forward up to float summation order, and the caches
+stay ordinary `KVCache`s. llama and qwen2 run `_FusedDecoder`; any other model its own
+forward. See docs/gpu.md, "`fast_verify: true`: the compiled per-session verify".
 """
 
 from __future__ import annotations

@@ -1,26 +1,15 @@
 """One model forward over groups of rows that bring different numbers of new tokens.
 
-The fused tick needs the classic batch's decode step (B rows, one token each, in a
-`BatchKVCache` or a lone row's `KVCache`) and the slot holder's verify (one row, 1 + K
-tokens, its own `KVCache`) in a single forward, without padding the decode rows to
-1 + K tokens (on a CPU every token a forward carries costs).
-
-Mechanism: tokens are packed as rows of length one (input shape (T, 1), T = B + 1 + K),
-so every projection and MLP runs once over T tokens. Each layer gets a `_PackedLayer`
-cache view: its `offset` gives every token its own position (RoPE takes per-row
-offsets, as it does for `BatchKVCache`), its `update_and_fetch` writes each group's new
-keys into that group's own cache, and attention is computed per group against that
-group's keys, with that group's mask (left padding for the batch, causal for the
-verify). mlx-lm routes attention through `base.scaled_dot_product_attention`, which
-hands caches with a `bits` attribute to `base.quantized_scaled_dot_product_attention`;
-`_attention` takes that name for packed groups and passes every other call through
-to mlx-lm's own function unchanged. Nothing is copied: each group attends to its own
-cache as it would in its own forward.
-
-Whether a model supports this is checked, not assumed: `check_support` runs a packed
-forward against separate forwards on throwaway caches at load (families whose layers
-use other cache types or attention paths fail it and keep the alternating tick).
-mlx-lm is pinned exactly; this is the only module that relies on the hook.
+The fused tick needs the classic batch's decode step (B rows, one token each) and the slot
+holder's verify (one row, 1 + K tokens, its own `KVCache`) in a single forward, without
+padding the decode rows. Tokens are packed as rows of length one (input (T, 1), T = B + 1 +
+K); each layer's `_PackedLayer` cache view gives every token its own position, writes each
+group's new keys into that group's own cache, and has attention computed per group against
+its own keys and mask, copying nothing. mlx-lm hands caches with a `bits` attribute to
+`base.quantized_scaled_dot_product_attention`; `_attention` takes that name for packed
+groups and passes every other call through unchanged. mlx-lm is pinned exactly; this is the
+only module that relies on the hook. `check_support` runs a packed forward against separate
+forwards at load; a family that fails it keeps the alternating tick.
 """
 
 from __future__ import annotations

@@ -1,26 +1,17 @@
 """A KV store in which every row has its own length, and one forward over rows that
 bring different numbers of new tokens.
 
-Why: the fused tick runs the classic rows' decode step and the slot holder's verify
-(1 + K tokens) in one forward, and streams move between the classic batch and the
-slot at every grant and park. In mlx-lm's `BatchKVCache` rows share one write
-position (left padding keeps them aligned), so a stream joining it is re-prefilled as
-a one-token prompt, every join or leave copies the whole batch cache, and a returning
-holder, longer by its speculative gain, raises every row's padding. Here a row is a
-slot in one preallocated buffer per layer, (rows, kv_heads, capacity, head_dim), with
-its own length: a stream moves between the batch and the slot without its keys
-moving, a rejected draft is dropped by lowering the row's length, and nothing pads.
-
-`Slab.forward(model, entries)` runs one model call for entries (row, tokens), each row
-gaining its tokens at its own positions, exactly as if each row had run its own forward
-(`models.forward.slab_forward`: packed on a CPU, a padded grid on a GPU).
-
-`RowView` is one row of one layer behind mlx-lm's `KVCache` interface (offset,
-update_and_fetch, trim, make_mask, state), so ordinary forwards (a session's prefill,
-a probe, a verify alone) run on a row as on a private cache.
-
-mlx-lm is pinned exactly; `check_support` compares this forward with separate
-forwards at load, so a family whose layers do something else keeps the alternating tick.
+Why: the fused tick runs the classic rows' decode and the slot holder's verify in one
+forward, and streams move between batch and slot at every grant and park, where mlx-lm's
+`BatchKVCache` (one write position for all rows) re-prefills, copies and pads. Here a row
+is a slot in one buffer per layer, (rows, kv_heads, capacity, head_dim), with its own
+length: a stream moves without its keys moving, a rejected draft is dropped by lowering the
+row's length, and nothing pads.
+`Slab.forward(model, entries)` gives each row its tokens at its own positions, exactly as its
+own forward would (`models.forward.slab_forward`); `RowView` puts one row of one layer behind
+mlx-lm's `KVCache` interface. mlx-lm is pinned exactly; `check_support` compares this forward
+with separate forwards at load, and a family that fails keeps the alternating tick.
+See docs/CONTINUOUS_BATCHING.md, "The fused tick".
 """
 
 from __future__ import annotations

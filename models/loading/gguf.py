@@ -1,26 +1,14 @@
 """GGUF files (llama.cpp's format) as mlx-lm model directories, without torch.
 
 `materialize(path)` turns a `.gguf` file into a directory `mlx_lm.load` reads (config.json,
-model.safetensors, tokenizer.json, tokenizer_config.json), once per file content, under
-the specslot cache; every later load of the same bytes reuses it. MLX reads the GGUF
-itself (`mx.load`): Q4_0, Q4_1 and Q8_0 tensors arrive as MLX affine-quantized
-weight/scales/biases (groups of 32) and are written as they are, so the directory is a
-quantized mlx-lm model; whether a layer stays quantized where it runs is
-`models.loading.dense_weights`' choice (dequantized on a CPU, whose quantized matmul is slow).
-
-What is read from the metadata:
-
-- architecture: `llama` (also Mistral-style llama GGUFs) and `qwen2`; llama.cpp stores a
-  llama's q and k rows permuted for its interleaved rope, which `_unpermute` undoes so
-  mlx-lm's rotate-half rope applies;
-- sizes, norm epsilon, rope theta and linear rope scaling, context length, and tied
-  embeddings (no `output` tensor);
-- the tokenizer: a byte-level BPE (`tokenizer.ggml.model` gpt2) from the vocabulary and
-  merges, with the pre-tokenizer its `tokenizer.ggml.pre` names, control tokens as special
-  tokens, and the chat template, BOS / EOS / padding from the metadata.
-
-Anything else (another architecture, a SentencePiece vocabulary, a pre-tokenizer not in
-`PRE_TOKENIZERS`, a tensor type MLX cannot read) is one ModelLoadError naming it.
+model.safetensors, tokenizer.json, tokenizer_config.json), once per file content, under the
+specslot cache. MLX reads the GGUF itself (`mx.load`); Q4_0, Q4_1 and Q8_0 tensors arrive
+MLX affine-quantized (groups of 32) and are written as they are, and whether a layer stays
+quantized where it runs is `models.loading.dense_weights`' choice. Supported: `llama`
+(Mistral-style too; `_unpermute` undoes llama.cpp's q and k row permutation) and `qwen2`,
+with a byte-level BPE tokenizer (`tokenizer.ggml.model` gpt2). Anything else (another
+architecture, a SentencePiece vocabulary, a pre-tokenizer not in `PRE_TOKENIZERS`, a tensor
+type MLX cannot read) is one ModelLoadError naming it. See docs/models.md, "GGUF files".
 """
 
 from __future__ import annotations

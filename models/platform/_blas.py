@@ -1,33 +1,16 @@
 """Choose and load the CPU BLAS that MLX's matmuls run on, before `mlx.core` is imported.
 
-The `mlx-cpu` wheel links a reference BLAS (~6 GFLOP/s for a 1024² float32 matmul on two
-cores). Loading an OpenBLAS globally first makes MLX resolve `cblas_sgemm` to it instead
-(100-400 GFLOP/s). The choice is made from the CPU's own feature flags, read before
-anything is loaded: a library with instructions the CPU lacks dies with SIGILL, which no
-process can catch. `CHOICES` is the whole table; `select` is a pure function over it.
-
-The library we load is `scipy-openblas32` (the OpenBLAS that NumPy and SciPy ship), built
-with DYNAMIC_ARCH: it picks its kernels from `cpuid` at load, for every x86-64 level and
-arm64 core, so it runs wherever its baseline does. Its symbols carry a `scipy_` prefix;
-`models.platform._elf` writes a cached copy that exports `cblas_*` under their plain names.
-
-Threads: `OPENBLAS_NUM_THREADS` wins, then `OMP_NUM_THREADS` as the user launched the
-process with it, else every core this process may run on, less one inside a Ray worker
-(the scheduler actor): Serve's proxy, the replicas and Ray's own processes share the
-node's cores with it, and a matmul split over every core waits for whichever of its
-threads they preempt (on 2 cores, one thread made the served multi-turn workload's
-decode ticks 31-36 ms against 39-46 with two). Ray sets `OMP_NUM_THREADS=1` inside its
-workers when a task or actor reserves under one CPU (ours reserve 0); that value is
-Ray's, not the user's, so it is ignored. Once a model is loaded, `fit_threads` gives that
-core back where the model's weights exceed `ALL_CORES_BYTES` (its matmuls then split well).
-This module must not import mlx.
-
-Idle threads: OpenBLAS keeps a thread that has finished its share of a matmul spinning
-for 2^28 cycles (~0.1 s) before it sleeps, so under a model's stream of small matmuls its
-threads never sleep: on two cores one of them burnt a core beside the engine thread (8-10
-CPU-seconds of a 10-second multi-turn run) and slowed the engine's own steps. We start it
-with `OPENBLAS_THREAD_TIMEOUT=4` (2^4 cycles: a finished thread sleeps at once) unless
-the environment sets `OPENBLAS_THREAD_TIMEOUT` or `GOTO_THREAD_TIMEOUT`.
+The `mlx-cpu` wheel links a slow reference BLAS; loading `scipy-openblas32` (DYNAMIC_ARCH:
+kernels picked from `cpuid`) globally first makes MLX resolve `cblas_sgemm` to it, through a
+cached copy from `models.platform._elf` that exports its `scipy_`-prefixed symbols as plain
+`cblas_*`. The choice is made from the CPU's feature flags before anything is loaded (a
+library with instructions the CPU lacks dies with SIGILL, which no process can catch):
+`CHOICES` is the whole table, `select` a pure function over it. Threads: `OPENBLAS_NUM_THREADS`
+wins, then `OMP_NUM_THREADS` as the user launched the process with it (not Ray's value inside
+its workers), else every usable core, less one inside a Ray worker (Ray's other processes
+share the cores) until `fit_threads` gives it back for weights over `ALL_CORES_BYTES`.
+`OPENBLAS_THREAD_TIMEOUT` is 4 (a finished thread sleeps at once) unless the environment sets
+it or `GOTO_THREAD_TIMEOUT`. Must not import mlx. See docs/configuration.md, "CPU BLAS".
 """
 
 from __future__ import annotations

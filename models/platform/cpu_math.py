@@ -1,33 +1,17 @@
 """Attention's softmax and the MLP's SiLU on MLX's CPU backend, in numpy for prompt-sized
-inputs and from MLX's fast primitives for the rest.
+inputs and from MLX's fast primitives for the rest (MLX's own `exp` is slow on x86).
 
-On an x86 CPU, MLX's `exp` (and `sigmoid`, and the softmax inside
-`mx.fast.scaled_dot_product_attention`) runs ~12 ns an element, where its additions and
-multiplications run well under 1 ns, and numpy's `exp` ~0.6 ns. A prompt's forward is
-mostly those exponentials on a small model: for the bundled target (8 layers, hidden
-256, MLP 768) a 466-token prompt spent ~6 ms a layer in SiLU and ~13 ms in attention,
-against ~5 ms in all its matrix products.
-
-- A prompt chunk's softmax (each query block's scores, evaluated) and SiLU (from
-  `NUMPY_ELEMENTS` elements) run in numpy, in place over one copy: a masked softmax over
-  a block of 165k scores took 0.28 ms there against 1.6 ms from MLX primitives. The
-  price is a synchronization per call, which small inputs would not win back.
-- Everything else (decode steps, short verifies) and every call inside a function
-  transformation (`mx.compile`, where nothing may be evaluated) uses `exp` here: a
-  polynomial 2^f on [0, 1) times 2^n built from the exponent bits, ~3x faster than MLX's
-  and as accurate (a relative error of ~1e-7 x (1 + |x|) for both: the float32 input's
-  rounding, scaled).
-
-`install` puts `attention` in place of `mx.fast.scaled_dot_product_attention` and
-`swiglu` in place of mlx-lm's, process-wide, on an x86-64 CPU only (`models.loading.loader` calls it for
-every model it loads). Process-wide, so that every path of the process (the slab's
-forward, mlx-lm's caches, a test's reference decode) computes the same function.
-`attention` takes multi-query calls (prompt chunks, long verifies) in float32 with no
-mask, a causal one or a 2-D one; anything else (one query, fewer than `MIN_SCORES`
-scores, other dtypes, attention sinks, other masks) goes to MLX's kernel as before. Not for
-`mx.compile(shapeless=True)`:
-reinterpreting the exponent bits (`view`) has no shapeless form, and mlx-lm's one
-shapeless user (`activations.swiglu`) is what `swiglu` replaces.
+A prompt chunk's softmax and SiLU run in numpy, in place over one copy (a sync per call,
+which small inputs would not win back); the rest, and every call inside `mx.compile` (where
+nothing may be evaluated), uses `exp` here, a polynomial as accurate as MLX's. `install`
+puts `attention` and `swiglu` in place of MLX's and mlx-lm's, process-wide on an x86-64 CPU
+only (`models.loading.loader` calls it), so every path of the process computes the same
+function. `attention` takes multi-query float32 calls with no mask, a causal one or a 2-D
+one; anything else (one query, fewer than `MIN_SCORES` scores, other dtypes, attention
+sinks, other masks) goes to MLX's kernel. Not for `mx.compile(shapeless=True)`: `view` of
+the exponent bits has no shapeless form, and mlx-lm's one shapeless user
+(`activations.swiglu`) is what `swiglu` replaces.
+See docs/configuration.md, "CPU softmax and SiLU".
 """
 
 from __future__ import annotations

@@ -1,29 +1,16 @@
 """Per-request samplers: the request's logit processors, filters and seeded random stream.
 
-mlx-lm's `make_sampler` draws from MLX's global random state, so two requests
-interleaved in one process would perturb each other's streams. Here each request owns
-its keys, and the draw for output position p (0: the first generated token) uses the
-key of p alone (`position_keys`: a hash of the request's seed and p). How many
-positions a call draws, and in which call a position is drawn, do not matter: a
-classic step draws one position, a verify K + 1 of them, and a seeded request draws
-the same token at p either way. So with the equality rule (`models.speculative.round_math`) a
-seeded sampled stream is the same with speculation on or off; an unseeded request
-gets a random seed once.
-
-Every path turns logits into tokens through one function, `penalized_logits`, then
-`log_probs`, then the sampler's pick (argmax, or the filters and one seeded draw). The
-processors read the stream's tokens, which the sampler keeps (`accept`) so that they
-move with it between paths. A verify position i reads the stream plus the drafts
-before it, which is what classic decode would have read there had those drafts been
-emitted: a greedy stream with penalties is the same whether it speculates or not.
-A request's grammar (`models.sampling.grammar`) is the last processor: it masks each position
-after the stream plus the drafts before it, the same way.
-
-A request that asks for log-probabilities (`SamplingParams.logprobs`) gets them from
-the same processed log-probabilities the pick reads (`sample_with_logprobs`), before
-temperature and the filters: the distribution the model and the processors give,
-the same for greedy and sampled requests. Every path reads them at the positions it
-emits, so they do not depend on how a token was produced (classic, verified draft).
+Each request owns its keys (mlx-lm's `make_sampler` draws from MLX's global random state,
+which interleaved requests would perturb): output position p (0: the first generated token)
+is drawn with the key of p alone (`position_keys`, a hash of the seed and p), however many
+positions a call draws, so under the equality rule (`models.speculative.round_math`) a seeded
+stream is the same with speculation on or off; an unseeded request gets a random seed once.
+Every path turns logits into tokens through `penalized_logits`, then `log_probs`, then the
+pick (argmax, or the filters and one seeded draw). The processors (the grammar last) read
+the stream's tokens (`accept`) plus, at a verify position, the drafts before it: what
+classic decode would read there. Logprobs (`sample_with_logprobs`) are the processed
+log-probabilities the pick reads, before temperature and the filters, on every path.
+See docs/configuration.md, "Sampling".
 """
 
 from __future__ import annotations

@@ -1,27 +1,17 @@
 """Exact rollback of mlx-lm prompt caches: drop a round's rejected tokens, or refuse.
 
 The one place that reads mlx-lm cache internals (pinned mlx-lm 0.32.2). mlx-lm's own
-`trim_prompt_cache` is not enough: it decides on `is_trimmable()` (for a
-`RotatingKVCache`: offset < max_size, so true on an empty cache and false once the ring
-has filled), returns how much it trimmed without anyone checking, and leaves the
-trimmed tail of a ring in its buffer, where the next update takes it for valid keys.
-
-Per layer type (`trim_exact`):
-- `KVCache`, `QuantizedKVCache`, `ChunkedKVCache`, and a slab row (`models.forward.slab.RowView`):
-  entries live at [.., :offset]; moving
-  the offset back is exact while there are that many entries to drop.
-- `RotatingKVCache` (sliding-window layers): a multi-token update (`_update_concat`)
-  leaves the buffer in temporal order with `_idx == keys.shape[2]`, holding the new
-  tokens after at least max_size - 1 older ones. Cutting n entries off the end (offset,
-  `_idx` and the buffer itself) leaves exactly the state an update without them would
-  have left, as long as >= min(offset, max_size) entries remain, which holds for any
-  n below the update's length. Worked example, max_size 4, tokens 0..9 cached, verify
-  [10..13]: the buffer becomes 7..13 (3 older + 4 new); rejecting 12, 13 leaves 7..11,
-  whose last 4 are the window the next token at position 12 attends to. Single-token
-  updates overwrite the oldest slot in place once the ring is full, so entries they
-  wrote cannot be dropped that way: take a `checkpoint` before them and `restore` it.
-- anything else (state-space / recurrent layers: `ArraysCache`, `MambaCache`, ...)
-  folds every token into its state and cannot be rolled back at all.
+`trim_prompt_cache` is not enough: it trusts `is_trimmable()` (for a ring: true while empty,
+false once full), nobody checks how much it trimmed, and it leaves a ring's trimmed tail
+where the next update takes it for valid keys. Per layer type (`trim_exact`):
+- `KVCache`, `QuantizedKVCache`, `ChunkedKVCache`, a slab `RowView`: the offset moves back.
+- `RotatingKVCache`: a multi-token update leaves the buffer in temporal order, its new tokens
+  after at least max_size - 1 older ones, so cutting fewer than its length off the end is
+  exact (max_size 4, tokens 0..9, verify [10..13]: the buffer holds 7..13; rejecting 12, 13
+  leaves 7..11, whose last 4 are the next position's window). Single-token updates overwrite
+  in place: take a `checkpoint` before them and `restore` it.
+- state-space / recurrent layers (`ArraysCache`, `MambaCache`, ...): no rollback at all.
+See docs/CONTINUOUS_BATCHING.md, "Rolling back a round: which targets speculate".
 """
 
 from __future__ import annotations

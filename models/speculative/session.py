@@ -4,26 +4,14 @@ State: the target KV cache (holds every token but the pending one), the drafter'
 per-session state (for a draft model: its own KV cache), the token history (prompt +
 emitted; the last is the pending token), counters, per-round timings and the stop
 conditions. Nothing lives in a suspended generator, so any number of other sessions'
-rounds may run between two `step()` calls.
-
-Acceptance at temperature > 0 depends on the drafter. A drafter that samples its drafts
-(the draft model, `propose_sampled`) hands over the distribution q each was drawn from,
-and the target accepts by rejection sampling against its own distribution p
-(`models.speculative.rejection`: accept with min(1, p/q), else draw from the residual). A drafter
-that gives no distribution (n-gram, or the draft model with `sample_drafts` off) is
-checked by token equality: each verify position draws the target's token, and a draft
-is accepted only if it equals that draw. Either way every emitted token is distributed
-as a target sample given the emitted prefix, and the draws come from the request's
-seeded keys (`models.sampling.samplers`), so a seeded request is reproducible. Under equality
-verify position i draws output position p + i with that position's key, the draw
-classic decode makes there: a seeded stream is the same token for token with
-speculation on or off. Rejection sampling draws its drafts and each round's uniforms
-from the request's other key streams: the same distribution, another sample path.
-At temperature 0 the draw is the argmax and drafts are greedy, which
-makes the stream identical to classic greedy decoding. A request that asked for
-logprobs gets each emitted token's from the verify position that produced it (the
-same processed log-probabilities the target's draw reads), so they match classic
-decode's too.
+rounds may run between two `step()` calls. Every emitted token is distributed as a target
+sample given the emitted prefix, drawn from the request's seeded keys. Drafts that come with
+their distribution q are accepted by rejection sampling (`models.speculative.rejection`:
+same distribution, another sample path); others by token equality, which draws output
+position p with p's key as classic decode does, so a seeded stream is the same token for
+token with speculation on or off; at temperature 0 draws and drafts are greedy, so the stream
+is classic greedy decoding's. Logprobs come from the verify position that produced each
+token, as classic's do. See docs/configuration.md, "Speculation at temperature > 0".
 """
 
 from __future__ import annotations

@@ -1,29 +1,16 @@
 """Which replica serves a request: conversation affinity under a load bound.
 
-Pure functions over plain data (no ray), plus the router's one piece of state,
-`SessionPins`; used by `serve_app.deployment.router`. A conversation's turns share an affinity
-key. A key seen before goes to the replica it is pinned to, where its prefix cache is.
-A new key is placed on the replica with the fewest pinned keys (ties: the shorter
-queue, then the highest rendezvous score `hash(key, replica_id)`), so conversations
-spread evenly however their keys hash: 8 conversations on 2 replicas split 4 / 4.
-Either way the replica is used unless its queue is longer than the least loaded
-replica's by more than `load_margin` requests; then the least loaded replica serves
-the request and the key is pinned there (it now holds the longer prefix). A request
-without a key goes to the least loaded replica.
-
-Several routers (one per HTTP proxy, one per `SpecslotIngress` replica) share what the
-replicas report (`serve_app.deployment.served_keys`): the keys each served recently and when. A
-key's home is the most recent placement known, this router's own pin or a replica's
-report of serving the key after that pin (`home_replica`), so a key placed by another
-router goes where that router sent it once the replica has reported it. A new key is
-placed by sessions counted as every router sees them: each replica's reported count
-plus this router's placements there that its report does not hold yet (`UnreportedPins`).
-Times come from the wall clocks of several machines; skew far below the time between a
-conversation's turns (NTP keeps it to milliseconds) changes no choice.
-
-Worked example, margin 4, queues {a: 9, b: 3}: a key pinned to `a` goes to `b`
-(9 - 3 = 6 > 4) and is pinned to `b`; with {a: 7, b: 3} it stays on `a` (7 - 3 = 4,
-within the margin). A new key with pins {a: 3, b: 2} goes to `b`.
+Pure functions over plain data (no ray), plus the router's one piece of state, `SessionPins`;
+used by `serve_app.deployment.router`. A known key goes to its home (`home_replica`: this
+router's pin, or a replica that reports serving the key after that pin), where its prefix
+cache is. A new key goes to the replica with the fewest sessions, reported plus this router's
+unreported placements (`UnreportedPins`); ties: the shorter queue, then the rendezvous score
+`hash(key, replica_id)`. Either way, a replica whose queue exceeds the least loaded one's by
+more than `load_margin` loses the request, and the pin, to the least loaded replica, where a
+request without a key goes too. Times come from several machines' clocks: skew far below
+the time between a conversation's turns changes no choice. Worked example, margin 4, queues
+{a: 9, b: 3}: a key pinned to `a` goes to `b` (9 - 3 = 6 > 4) and is pinned to `b`; with
+{a: 7, b: 3} it stays on `a` (7 - 3 = 4). A new key with pins {a: 3, b: 2} goes to `b`.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """The affinity key of a request without a session id: a hash of its prompt's leading
 text, the same for every turn of a conversation.
 
-Chat clients and agents resend the whole conversation every turn, so turn k+1's
-messages begin with turn k's. The key hashes what every turn shares:
-
-- `/v1/chat/completions`: the messages up to and including the first `user` message
-  (every system or developer message before it, and that first user message), and the
-  request's `tools` when it has any, as canonical JSON (sorted keys). The second turn
-  of `[system S, user U1]` is `[system S, user U1, assistant A1, user U2]`: the same key.
-- `/v1/completions`: the first `PROMPT_KEY_CHARS` characters of a text prompt, or the
-  first `PROMPT_KEY_TOKENS` ids of a token prompt. A prompt shorter than that keys on
-  the whole prompt, so a conversation whose first prompt is short changes key once, on
-  the first turn past the limit (the prefix cache reuses whole 64-token blocks only, so
-  such a first turn has little to reuse anyway).
-
-Anything else (other paths, a body that is not the JSON object these expect) has no
-key; the server answers it as usual, 4xx included.
+Clients resend the whole conversation every turn, so the key hashes what every turn shares,
+as canonical JSON (sorted keys). `/v1/chat/completions`: the messages up to and including
+the first `user` message, and the request's `tools` when it has any. `/v1/completions`: the
+first `PROMPT_KEY_CHARS` characters of a text prompt, or the first `PROMPT_KEY_TOKENS` ids of
+a token prompt (a shorter prompt keys whole, so its conversation changes key once). Anything
+else has no key; the server answers it as usual, 4xx included.
 
 >>> turn_1 = {"messages": [{"role": "user", "content": "hi"}]}
 >>> turn_2 = {"messages": [{"role": "user", "content": "hi"},

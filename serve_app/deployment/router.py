@@ -1,33 +1,15 @@
 """Serve's request router for specslot: a conversation stays on the replica holding its
 prefix cache, within a load bound (the policy is `serve_app.deployment.affinity`).
 
-The affinity key is the request's Serve session id (`metadata.session_id`). Where
-requests enter through Serve's HTTP proxy (`affinity_key: session`), the router runs
-before the body is read, so that is Serve's session header (`X-Session-Id`, renamed
-with `RAY_SERVE_SESSION_ID_HEADER_KEY`). Behind `SpecslotIngress` (`affinity_key:
-prompt`, `serve_app.deployment.ingress`), the ingress reads the body and sets the session id of
-its handle call to the session header when there is one, else to the prompt's key
-(`serve_app.deployment.prompt_key`): "prompt:" + blake2b of the canonical JSON of a chat request's
-messages up to and including the first user message, with its tools; or of a
-completions prompt's first 256 characters (64 token ids). Every turn of a conversation
-resends those leading messages, so all its turns share one key. Requests without a key
-go to the shorter queue of two random replicas, as with Serve's default router. Queue
-lengths are Serve's ongoing-request counts per replica: cached where fresh, else probed.
-
-The router remembers which replica each session is pinned to (`SessionPins`, an LRU of
-`max_pins` sessions). There is one router per HTTP proxy (that is per node) and one per
-`SpecslotIngress` replica, and a conversation's turns may enter through any of them, so
-the replicas are the shared record: each publishes the keys it served recently, and
-when, as its routing stats (`serve_app.deployment.served_keys`, polled by Serve every
-`request_routing_stats_period_s`, `affinity_stats_period_s` in specslot's config). A
-key this router has not pinned goes to the replica that reports it; a key pinned here
-goes elsewhere when a replica reports serving it after this router last sent it (another
-router moved or placed it since). A new session goes to the replica with the fewest
-sessions: its reported count plus this router's placements there that the report does
-not hold yet, the same for every router that has seen the same reports. A key placed by one router is
-known to the others only after that replica's next report, so within one stats period
-two routers may place a new session on two replicas; after the reports, all follow the
-one that served it last.
+The affinity key is the request's Serve session id (`metadata.session_id`): Serve's session
+header where the HTTP proxy routes (`affinity_key: session`; it routes before the body is
+read), or behind `SpecslotIngress` (`affinity_key: prompt`) that header or else the prompt's
+key (`serve_app.deployment.prompt_key`). Requests without a key go to the shorter queue of
+two random replicas, as with Serve's default router. There is one router per HTTP proxy and
+one per `SpecslotIngress` replica, each with its own pins (`SessionPins`); the replicas'
+routing stats (`serve_app.deployment.served_keys`) are their shared record, so a key placed
+by one router is known to the others only after its replica's next report.
+See docs/configuration.md, "Prefix cache".
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from models.batch.generator_batch import LiveRow
     from models.batch.prefix_cache import PrefixCache
     from models.forward.ragged import Rider
+    from models.sampling.samplers import RequestSampler
     from models.speculative.replica_index import ReplicaIndex
     from scheduler.costs import TickCosts
 
@@ -53,7 +54,21 @@ class ClassicRows(Protocol):
 
     def extract(self, request_id: str) -> tuple[TokenBatch, LiveRow | None]: ...
 
-    def adopt(self, *args, **kwargs) -> list[TokenBatch]: ...
+    def adopt(
+        self,
+        request_id: str,
+        cache: list,
+        sampler: RequestSampler,
+        pending_token: int,
+        *,
+        max_tokens: int,
+        num_emitted: int,
+        stop_ids: Sequence[int],
+        history: Sequence[int] | None = None,
+        lane: int = 1,
+    ) -> list[TokenBatch]:
+        """Take over a live stream (a demoted or parked session) as a row: `cache` holds
+        every token but `pending_token`, the last one emitted."""
 
     def remove(self, request_id: str) -> None: ...
 

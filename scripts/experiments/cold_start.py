@@ -21,8 +21,6 @@ import logging  # noqa: E402
 import os  # noqa: E402
 import tempfile  # noqa: E402
 
-HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
-
-HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import models  # noqa: E402,F401  (fast BLAS before mlx)
 

@@ -15,9 +15,6 @@ around it.
 from __future__ import annotations
 
 import argparse
-import os
-
-HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def tick_state(engine) -> dict:

@@ -17,8 +17,6 @@ import os
 import statistics
 import time
 
-HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 SHAPES = (
     [(rows, 512, length) for rows in (1, 8) for length in (0, 512, 1024, 1536)]
     + [(rows, width, 0) for rows in (1, 2, 4) for width in (1024, 2048)]

@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-
-HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SHAPES = (
     [(r, w, n) for n in (100, 700) for w in (2, 5) for r in (1, 4, 8, 16, 32)]

@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
-
-HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def timed(fn, repeats: int = 1) -> float:

@@ -243,8 +243,7 @@ def generate(
                 stopped_by = "time" if not bool(mx.all(done).item()) else stopped_by
                 break
         tokens = np.array(mx.stack(steps, axis=1))
-        # Every chunk is wider than the last (sorted prompts): cached buffers of the old
-        # widths are never reused and would fill the device.
+        # Chunks differ in width: cached buffers of other widths would pile up on the device.
         mx.clear_cache()
         ids = np.array(mx.stack(step_ids, axis=1)) if topk else None
         lps = np.array(mx.stack(step_lps, axis=1).astype(mx.float32)) if topk else None

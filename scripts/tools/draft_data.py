@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import random
 import time
+import weakref
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -97,7 +98,9 @@ class _Buffers:
     the positions not written yet."""
 
     def __init__(self, batch: _FixedBatch) -> None:
-        self.batch = batch
+        # A weak reference: a cycle would keep each chunk's buffers on the device until the
+        # cyclic collector runs, which a process holding millions of tokens rarely does.
+        self.batch = weakref.proxy(batch)
         self.keys = self.values = None
 
     @property

@@ -309,3 +309,29 @@ def test_fixed_shape_generation_is_mlx_lms_greedy_decode():
         assert all(t in row for t, row in zip(ref[:cut], example.topk_ids))  # greedy: the token is in its top k
         assert (example.topk_logprobs <= 0).all()
     assert stats["tokens"] == sum(len(e.completion_ids) for e in examples) and stats["kept"] == 4
+
+
+def test_a_finished_chunks_buffers_are_freed_without_the_cycle_collector(monkeypatch):
+    """Each chunk's key/value buffers go when the chunk ends, not when Python's cyclic
+    collector next runs (rarely, in a process holding millions of kept tokens)."""
+    import gc
+    import weakref
+
+    from models.loading.loader import load_model
+
+    target = load_model(TARGET)
+    made = []
+
+    class Recorded(draft_data._FixedBatch):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr(draft_data, "_FixedBatch", Recorded)
+    prompts = [target.tokenizer.encode(t) for t in ("def f(x):\n", "x = [1, 2", "import os\n")]
+    gc.disable()
+    try:
+        draft_data.generate(target.model, prompts, max_new_tokens=4, temperature=0.0, eos_ids=[], topk=2, batch_size=1)
+        assert len(made) == 3 and all(ref() is None for ref in made)
+    finally:
+        gc.enable()

@@ -40,8 +40,8 @@ def batch_sizes(max_rows: int) -> list[int]:
 def _timed(fn) -> float:
     fn()  # warm-up: first use of a shape allocates
     runs = []
-    # A slow forward (a real model on a CPU) gets fewer runs: 20 sizes x 6 forwards of
-    # SmolLM2-135M took 28 s of every start on 2 cores.
+    # A slow forward (a real model on a CPU) gets fewer runs, so that measuring every size
+    # stays a small part of a replica's start.
     while len(runs) < REPEATS and (len(runs) < MIN_REPEATS or sum(runs) < BUDGET_S):
         tic = time.perf_counter()
         fn()

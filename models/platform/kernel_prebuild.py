@@ -36,8 +36,8 @@ from collections import Counter
 
 log = logging.getLogger(__name__)
 
-# What a llama / qwen2 / mistral forward and the sampler build on first use, `{dt}` the
-# model's float dtype (measured on the H200: the nine families of a first start, mlx 0.32.4).
+# What a llama / qwen2 / mistral forward and the sampler build on first use under the pinned
+# mlx, `{dt}` the model's float dtype (docs/gpu.md, "Install and serve").
 FAMILIES = (
     "gather:{dt}:int32",
     "gather:{dt}:uint32",

@@ -70,8 +70,8 @@ def build_engine(args: ServeArgs):
         if args.tick_mode == "fused" and runner.fuse_blocker is not None:
             logger.info("fused tick off (the alternating tick runs): %s", runner.fuse_blocker)
         elif args.tick_mode == "fused" and args.b1_policy == "auto":
-            # The cost gate needs this machine's forward costs: measure them now (about
-            # a second on a CPU), not on the first request.
+            # The cost gate needs this machine's forward costs: measure them now, at load,
+            # not on the first request.
             logger.info("fused tick on: %s", runner.tick_costs().to_dict())
         elif args.tick_mode == "fused":
             logger.info("fused tick on (b1_policy %s: no cost gate)", args.b1_policy)

@@ -3,8 +3,8 @@
 The actor is a threaded Ray actor: `poll` blocks one of its threads in
 `Engine.get_events`, while `submit` / `cancel` / `snapshot` run on others; all MLX work
 stays on the Engine's own thread. The replica polls in a loop, so one round trip carries
-every event of a tick for all of the replica's requests (the per-token hop cost is
-measured by scripts/bench/actor_hop.py).
+every event of a tick for all of the replica's requests (the hop's cost per token:
+docs/configuration.md, "Replica ↔ scheduler actor").
 
 `ActorSource` is the replica side: it creates the actor on the replica's node (hard
 affinity), and re-creates it when it dies.

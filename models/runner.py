@@ -312,7 +312,7 @@ class MlxRunner:
 
     def tick_costs(self) -> TickCosts | None:
         """Decode and fused forward costs on this machine (`models.forward.tick_costs`),
-        measured on the first call (about a second on a CPU with the bundled pair)."""
+        measured once, on the first call (a load-time cost: see that module)."""
         if not self.can_fuse():
             return None
         if self._tick_costs is None:

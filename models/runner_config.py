@@ -20,9 +20,9 @@ from scheduler.config import SchedulerConfig
 from scheduler.knobs import knob, same_as
 
 _SCHEDULER = knobs.knob_fields(SchedulerConfig)
-# Per-tick time a lone classic row may keep decoding: on an H200 a bundled-model step is
-# ~1.4 ms and an engine tick's own work ~0.05-0.1 ms, so ~3 steps per tick make that
-# overhead a few percent; on CPU a step takes longer than this and a tick stays one step.
+# Per-tick time a lone classic row may keep decoding: a few fast GPU steps per tick make the
+# tick's own work a small share of each; on a CPU a step takes longer and a tick stays one step
+# (docs/history/benchmarks-2026-11.md, "Second H200 run").
 DEFAULT_CLASSIC_BURST_MS = 4.0
 
 

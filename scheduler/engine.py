@@ -69,7 +69,8 @@ def freeze_heap() -> None:
     """Collect once, then leave every object the process holds after loading out of later
     garbage collections (`gc.freeze`). A full collection walks every tracked object, and
     a loaded replica holds many (the libraries, the tokenizer, the runner's tables), and
-    one landing inside a tick stalls every stream (~300 ms seen on an H200 host)."""
+    one landing inside a tick stalls every stream (docs/history/gpu-2026-12.md, "The service
+    over HTTP, against mlx_lm.server")."""
     gc.collect()
     gc.freeze()
 

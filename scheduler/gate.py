@@ -46,9 +46,8 @@ class CostGate:
         is `auto` and the runner measured its costs. Where classic rows of the request's
         kind verify drafts of the slot's own kind (greedy n-gram rows beside an n-gram
         slot), the slot buys it nothing, alone or beside rows: it speculates as a row,
-        whose draft budget follows its own acceptance (SmolLM2 chat on a CPU, where
-        drafts rarely land: a lone stream ran 0.93x classic decode in the slot, 1.01x
-        as a row). A sampled request beside rows that do not draft sampled streams (the
+        whose draft budget follows its own acceptance (docs/CONTINUOUS_BATCHING.md, "The
+        fused tick"). A sampled request beside rows that do not draft sampled streams (the
         default) is priced like any other."""
         if self._config().b1_policy != "auto" or self.costs is None:
             return True

@@ -22,9 +22,8 @@ from typing import Callable, Protocol, Sequence
 from scheduler.request import Request
 
 # Positions of prompt + output a row's index starts from: the drafts a lookup finds
-# come mostly from recent text, and the build (one dict entry per n-gram) runs in a
-# tick: 2,048 positions took 4.7 ms on the 2-core development machine, this ~2.3 ms.
-# After the build each row costs ~4-6 us a token.
+# come mostly from recent text, and the build (one dict entry per n-gram) runs inside a
+# tick (its cost: docs/CONTINUOUS_BATCHING.md, "The fused tick", shadow rounds).
 MAX_HISTORY = 1024
 
 

@@ -2,9 +2,8 @@
 
 Why it exists: `BatchGenerator` keeps its rows in a `BatchKVCache`, whose attention
 always takes an explicit mask array (left padding). For a batch of one that mask buys
-nothing and costs: on the H200 a synchronised B=1 forward took 1.9 ms with
-`BatchKVCache` against 1.1 ms with a plain `KVCache` (bundled target), 4.3 against
-3.1 ms (1B Llama). `GeneratorBatch` therefore runs a lone row here and moves it into
+nothing and slows every forward (docs/history/benchmarks-2026-11.md, "Second H200
+run"). `GeneratorBatch` therefore runs a lone row here and moves it into
 the batch when a second row arrives (`models.batch.generator_batch`).
 
 Pipelining is generate_step's: after a token is returned, the forward that feeds it

@@ -26,9 +26,10 @@ from mlx_lm.models.cache import KVCache, create_attention_mask, make_prompt_cach
 from models.forward.slab_forward import STEP, Forward, SlabLayer, last_positions
 
 # Of a position's logit spread. bf16 keeps 8 bits of mantissa (relative step 2^-7), and a
-# batched kernel's rounding compounds over a real model's layers (SmolLM2, 30 layers: ~3 %).
+# batched kernel's rounding compounds over a real model's layers to a few percent
+# (docs/gpu.md, "What runs by default").
 HALF_RTOL = 0.06
-FLOAT_RTOL = 0.005  # a GPU's float32 matmuls may round like TF32 (SmolLM2 on an H100: 0.09 %)
+FLOAT_RTOL = 0.005  # a GPU's float32 matmuls may round like TF32
 # What the load check feeds a model (real text: random ids give logits no model meets).
 CHECK_TEXT = "The quick brown fox jumps over the lazy dog, and then it runs back home to sleep."
 FRUGAL_ROWS = 4  # rows a packed slab allocates at first (it doubles them as rows come)
@@ -117,10 +118,9 @@ class Slab:
         allocates `FRUGAL_ROWS` rows and doubles them as rows come, and doubles its
         capacity when a row outgrows it: there growing or shrinking the buffers costs
         as much as a forward of hundreds of tokens, in proportion to the rows
-        allocated (2 cores, bundled target, 768 positions: 18 rows 220 ms, 5 rows
-        21 ms), and a conversation that grows a turn at a time would pay it at every
-        `STEP`. A grid slab (a GPU), where copies cost little and memory counts,
-        allocates `rows` at once and grows by `STEP`."""
+        allocated, and a conversation that grows a turn at a time would pay it at every
+        `STEP` (docs/history/benchmarks-2026-12.md). A grid slab (a GPU), where copies cost
+        little and memory counts, allocates `rows` at once and grows by `STEP`."""
         self.grid = (mx.default_device() == mx.gpu) if grid is None else grid
         self._frugal = not self.grid
         rows = min(rows, FRUGAL_ROWS) if self._frugal else rows
@@ -257,11 +257,10 @@ class Slab:
         length), every read before any write (a row's positions past its length are
         never read: every forward masks them). The rows read are evaluated copies first:
         a write whose source is a view of the buffer it writes to copies the whole buffer
-        (MLX cannot update it in place while another array shares its memory): on a
-        2-core CPU, 9 rows of a 32-row, 1,024-position float32 slab of 24 layers moved
-        in 490 ms as 8 pairwise swaps, in 38 ms this way. Only the longest moved row's
-        positions are copied, not the whole capacity (a packed slab doubles it as rows
-        grow)."""
+        (MLX cannot update it in place while another array shares its memory), so one
+        gather before the writes copies each buffer once, where pairwise swaps would copy it
+        at every write. Only the longest moved row's positions are copied, not the whole
+        capacity (a packed slab doubles it as rows grow)."""
         if not moves:
             return
         index = mx.array([src for src, _, _ in moves])

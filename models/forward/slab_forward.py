@@ -44,11 +44,11 @@ EXACT_WIDTHS = 8  # grid forwards up to this many tokens per row run at their ow
 # kernel takes no mask array, so this goes to its general attention); "rows": one SDPA
 # per row over exactly its keys, no mask (the one-query kernel a lone row's step uses),
 # for runs of at most `PER_ROW_DECODE` rows; "matmuls": `_grid_attention` (docs/gpu.md,
-# "Known issues": which is fastest is not measured yet).
+# "Known issues": which is fastest is still open).
 DECODE_ATTENTION = "mask"
 PER_ROW_DECODE = 8
 # An interruptible forward asks at most this many times: each checkpoint evaluates the graph
-# so far, a sync that cost a real model's lone decode step ~5 % at every other layer.
+# so far, a sync a lone decode step feels (docs/CONTINUOUS_BATCHING.md, "Arrivals stop a decode step").
 INTERRUPT_CHECKPOINTS = 3
 
 
@@ -89,8 +89,7 @@ class Forward:
         elif slab.grid and max(len(tokens) for _, tokens in entries) > EXACT_WIDTHS:
             # Prompt chunks of rows far apart (a group whose shorter prompts are done):
             # the entries' rows alone, their keys gathered for attention. Packed, every
-            # row's causal attention would build a plan for its own shape (tens of ms each
-            # on MLX CUDA: 5 rows of a group took 260-1,240 ms where 8 took 33).
+            # row's causal attention would build a plan for its own shape on MLX CUDA.
             self._plan_grid(slab, entries, sorted(slots))
         else:
             self._plan_packed(slab, entries)
@@ -403,13 +402,13 @@ def _grid_attention(
 ) -> mx.array:
     """A grid's attention with several queries per row, as two matmuls and a softmax:
     `mx.fast.scaled_dot_product_attention` with a mask builds a plan on MLX CUDA for every
-    new (rows, width, keys) shape (tens of ms on an H200, waited for by a new concurrency's
-    first requests); this way a new shape costs a few ms. Queries (rows, heads, width,
+    new (rows, width, keys) shape, which a new concurrency's first requests wait for; this
+    way builds none (docs/gpu.md, "What runs by default"). Queries (rows, heads, width,
     dim), keys and values (rows, kv heads, keys, dim), mask (rows, 1, width, keys).
 
     `numpy_softmax` (a packed forward's `_Block`, float32 on a CPU): the softmax in numpy
-    where the scores can be evaluated (`cpu_math`: ~20x MLX's `exp` on an x86 CPU; 4 rows
-    of 5 tokens over ~850 keys took 0.85 ms a layer against 1.2 for one call a row)."""
+    where the scores can be evaluated (`cpu_math`, whose `exp` is far faster than MLX's on an
+    x86 CPU: docs/configuration.md, "CPU softmax and SiLU")."""
     rows, heads, width, dim = queries.shape
     kv_heads = keys.shape[1]
     q = (queries * scale).reshape(rows, kv_heads, heads // kv_heads, width, dim)

@@ -5,9 +5,8 @@ decode step of b rows (the classic batch alone), the same step carrying one veri
 of 1 + K tokens (the fused tick), b rows each verifying 1 + K tokens (rows that
 draft), for b in `batch_sizes`, and at every other size and the largest b rows of which
 one brings a draft (a step's first draft) and b rows of which half bring one draft each, plus the
-drafter proposing K tokens. Medians of three
-to five synchronised runs after one warm-up each; a CPU replica spends well under a
-second here with the bundled pair, about 15 s with SmolLM2-135M.
+drafter proposing K tokens. Medians of five synchronised runs after one warm-up each
+(three once they take `BUDGET_S`).
 """
 
 from __future__ import annotations
@@ -40,8 +39,8 @@ def batch_sizes(max_rows: int) -> list[int]:
 def _timed(fn) -> float:
     fn()  # warm-up: first use of a shape allocates
     runs = []
-    # A slow forward (a real model on a CPU) gets fewer runs: 20 sizes x 6 forwards of
-    # SmolLM2-135M took 28 s of every start on 2 cores.
+    # A slow forward (a real model on a CPU) gets fewer runs, so that measuring every size
+    # stays a small part of a replica's start.
     while len(runs) < REPEATS and (len(runs) < MIN_REPEATS or sum(runs) < BUDGET_S):
         tic = time.perf_counter()
         fn()

@@ -73,7 +73,7 @@ _SHA256_SEEN: dict[tuple, str] = {}
 
 def file_sha256(path: str) -> str:
     """The file's sha256 (hex), remembered per process by path, size, mtime and inode: a
-    replica resolves its model file several times while it starts (~0.3 s each for 94 MB)."""
+    replica resolves its model file several times while it starts, each hash a full read."""
     st = os.stat(path)
     key = (os.path.abspath(path), st.st_size, st.st_mtime_ns, st.st_ino)
     if key not in _SHA256_SEEN:

@@ -1,14 +1,13 @@
 """Quantized weights, dequantized once at load (`dense_weights`, on by default on a CPU and
 on a CUDA GPU where the memory allows).
 
-On a CPU, MLX's quantized matmul is about 20x slower than a float32 one through OpenBLAS
-(SmolLM2-135M 4-bit: 1.1 against 22 tok/s), so quantized layers become float32 ones
+On a CPU, MLX's quantized matmul is far slower than a float32 one through OpenBLAS
+(docs/models.md, "GGUF files"), so quantized layers become float32 ones
 (`models.loading.loader` has cast the scales to float32 already). On a CUDA GPU, MLX's
-quantized matmul is fast for one token and slow for many (H200, Qwen2.5-1.5B shape:
-a 32-row step 26 against 8.7 ms dense; docs/gpu.md), so they become plain layers in the
-scales' dtype. Either way by default only while the growth fits in half the memory
-available. On Apple silicon the quantized kernels are the fast ones: the model stays as
-loaded.
+quantized matmul is fast for one token and slow for many (docs/gpu.md, "What runs by
+default"), so they become plain layers in the scales' dtype. Either way by default only
+while the growth fits in half the memory available. On Apple silicon the quantized kernels
+are the fast ones: the model stays as loaded.
 """
 
 from __future__ import annotations

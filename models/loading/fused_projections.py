@@ -12,7 +12,7 @@ run unchanged. A module keeps its weight and bias (the row slices), so the model
 parameters are the same arrays as before.
 
 A forward launches fewer matmuls, which pays on a CUDA GPU, where each launch costs host
-time; on a CPU it measured level, so the default is on only on a GPU (docs/gpu.md, "What
+time; on a CPU it gains nothing, so the default is on only on a GPU (docs/gpu.md, "What
 runs by default").
 
 Llama-family models (llama, mistral, qwen2: `bucketed._fusable`) only; any other model,

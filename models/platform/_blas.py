@@ -120,8 +120,7 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
 
 LEFT_ONE = "one left to the node's other processes"
 # Weights a decode step reads past which its matmuls split well over every core, even beside
-# Serve's processes: SmolLM2-135M in float32 (540 MB) decoded at 8.7 tok/s on two threads
-# against 6.5 on one (2-core x86-64); the bundled 7M target's steps (28 MB) ran faster on one.
+# Serve's processes; below it one core is left to them (docs/configuration.md, "CPU BLAS").
 ALL_CORES_BYTES = 64 << 20
 
 

@@ -39,8 +39,8 @@ _POLY = (
 )
 
 BLOCK_SCORES = 1 << 18  # attention scores per query block (1 MiB of float32)
-# Below this many scores a call's few exponentials cost less than the ~25 operations
-# here: MLX's kernel (a 5-token verify over 200 keys took 0.13 ms there, 0.18 here).
+# Below this many scores (a short verify) a call's few exponentials cost less than the ~25
+# operations here, so it stays on MLX's kernel.
 MIN_SCORES = 1 << 14
 # SiLU inputs from this many elements (prompt chunks of ~40+ tokens at MLP width 768) go
 # to numpy: evaluating there costs a synchronization, which a decode step's few
@@ -100,8 +100,8 @@ def _evaluated(array: mx.array) -> bool:
 def attention(queries, keys, values, *, scale, mask=None, sinks=None, **kwargs):
     """`mx.fast.scaled_dot_product_attention`'s contract; queries (B, heads, N, dim),
     keys and values (B, kv heads, T, dim). The queries go in blocks whose scores take at
-    most `BLOCK_SCORES` elements (each softmax pass stays in the cache; one over the whole
-    grid of a long prompt ran slower than MLX's kernel), and with a causal mask a block
+    most `BLOCK_SCORES` elements (each softmax pass stays in the cache, which one over a long
+    prompt's whole grid would not), and with a causal mask a block
     reads only the keys up to its last query. A block's softmax runs in numpy
     (`_softmax_numpy`): the scores are evaluated there, so inside a function transformation
     (`mx.compile`, where nothing may be evaluated) the softmax is `softmax`'s instead."""
@@ -135,8 +135,8 @@ def attention(queries, keys, values, *, scale, mask=None, sinks=None, **kwargs):
 
 def _softmax_numpy(scores: mx.array, causal: bool, mask: mx.array | None) -> mx.array:
     """Masked softmax over the last axis of evaluated float32 `scores` (..., rows, keys),
-    computed in numpy: its `exp` runs ~20x faster than MLX's on an x86 CPU, and the five
-    passes over the block run there in place. `causal`: row i sees keys up to
+    computed in numpy, whose `exp` is far faster than MLX's on an x86 CPU (docs/configuration.md,
+    "CPU softmax and SiLU"), the five passes over the block in place. `causal`: row i sees keys up to
     keys - rows + i (the rows are the last queries of the block's keys)."""
     x = np.array(scores, copy=True)
     rows, keys = x.shape[-2:]

@@ -3,8 +3,8 @@
 MLX keeps the buffers a computation frees in a cache, to hand them out again without a
 device allocation, and by default lets that cache grow to its whole memory limit. A
 serving process frees buffers of ever new sizes (prefill chunks, growing KV rows, the
-prefix cache's copies), so its cache only grows: on the H200, a replica's held 18-29 GB
-after a few bursts of 32 long prompts while its arrays took 5-7 GB. Two processes on one
+prefix cache's copies), so its cache only grows, to several times what its arrays hold
+(docs/history/gpu-2026-12.md, "What runs by default"). Two processes on one
 GPU (two replicas given half a GPU each, or a benchmark's servers side by side) then run
 out of memory, and a request whose prefill cannot allocate fails. `bound_cache` caps
 the cache at `CACHE_SHARE` of the device's memory on a CUDA GPU; what is freed beyond it

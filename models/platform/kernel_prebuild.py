@@ -1,10 +1,10 @@
 """A fresh GPU kernel cache's first kernels, built in parallel while the replica loads.
 
 MLX's CUDA backend compiles a kernel family with NVRTC the first time one of its ops
-runs, on the thread that evaluates, one family after another: 3-7 s each on the H200
-host. A replica's first start on a fresh machine spent ~45 s of its ~60 s building nine
-(gathers of the dtype pairs the forward and the sampler use, the key/value write's
-scatter, SiLU, SwiGLU), every other start loads them from the kernel cache
+runs, on the thread that evaluates, one family after another, seconds each: a replica's
+first start on a fresh machine spent most of its time building nine (gathers of the dtype
+pairs the forward and the sampler use, the key/value write's scatter, SiLU, SwiGLU;
+docs/gpu.md, "Install and serve"), every other start loads them from the kernel cache
 (`models.platform.kernel_cache`). A family is keyed by its op and dtypes alone (whatever the
 shapes), so a tiny op of the same dtypes builds the same kernels. When the replica's
 kernel cache is empty, `start` runs one process per family in `FAMILIES`, each with a
@@ -36,8 +36,8 @@ from collections import Counter
 
 log = logging.getLogger(__name__)
 
-# What a llama / qwen2 / mistral forward and the sampler build on first use, `{dt}` the
-# model's float dtype (measured on the H200: the nine families of a first start, mlx 0.32.4).
+# What a llama / qwen2 / mistral forward and the sampler build on first use under the pinned
+# mlx, `{dt}` the model's float dtype (docs/gpu.md, "Install and serve").
 FAMILIES = (
     "gather:{dt}:int32",
     "gather:{dt}:uint32",

@@ -444,8 +444,8 @@ class NgramIndex:
 
     def _index_all(self, seq: list[int]) -> None:
         """`extend(seq)` on an empty index, each n's n-grams zipped from shifted slices
-        of the sequence (a prompt of ~900 tokens: a ~1 ms loop of dict stores otherwise,
-        on a first token's path). Later starts overwrite earlier ones, as in `extend`."""
+        of the sequence (not a per-token loop of dict stores: this runs on a first token's
+        path). Later starts overwrite earlier ones, as in `extend`."""
         self.history = seq
         m = len(seq)
         for n in range(self.min_ngram, self.max_ngram + 1):

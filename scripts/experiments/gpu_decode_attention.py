@@ -6,12 +6,12 @@ CUDA runs on its one-query kernel; a step of several rows of different lengths p
 a mask over a bucket of keys, and MLX CUDA's one-query kernel takes no mask array, so
 that call goes to its general attention. On the H200 (q15 shape, random weights) a
 4-row step over HTTP took 13.5 ms against 5.1 for one row and the peer's 10.5 ms
-(docs/gpu.md). This times, first, the attention alone: 28 layers of R rows (the q15
-heads: 12 query, 2 key/value, dimension 128, bf16) over a slab-like buffer, with a mask
-(boolean, additive), without one (the floor, not a valid answer), as two matmuls
-(`slab_forward._grid_attention`), and one call per row over exactly its keys; then,
-with `--target`, the engine's ticks (`gpu_ticks.py`, T = 0.7, classic rows only) for
-each `slab_forward.DECODE_ATTENTION` in turn.
+(docs/history/gpu-2026-12.md, "With fused projections"). This times, first, the attention
+alone: 28 layers of R rows (the q15 heads: 12 query, 2 key/value, dimension 128, bf16)
+over a slab-like buffer, with a mask (boolean, additive), without one (the floor, not a
+valid answer), as two matmuls (`slab_forward._grid_attention`), and one call per row over
+exactly its keys; then, with `--target`, the engine's ticks (`gpu_ticks.py`, T = 0.7,
+classic rows only) for each `slab_forward.DECODE_ATTENTION` in turn.
 
     python3 -m scripts.experiments.gpu_decode_attention --target /tmp/specslot-q15 --rounds 2
 """

@@ -1,5 +1,5 @@
 """A few-token matmul kernel on a CUDA GPU (made for the lent H200): is it right, and does
-it pay? (docs/gpu.md, "A few-token matmul kernel: measured, not adopted".)
+it pay? (docs/history/gpu-2026-12.md, "A few-token matmul kernel: measured, not adopted".)
 
 MLX CUDA's bf16 matmul (cuBLAS) costs ~4.7 ms for the 196 weight matmuls of one
 Qwen2.5-1.5B-shaped forward of any 2 to 1,024 tokens, against 1.5 ms for one token. The
@@ -22,7 +22,7 @@ across the block, so W is read once whatever the token count.
 
 4. With `--host`: what a launch costs the host, the part that undid the kernel in the
    service (`mx.fast.cuda_kernel` assembles the kernel's source text at every call; a
-   launch without it measured as costly: docs/gpu.md). Microseconds per call to build (no evaluation) and to evaluate 2,000 calls of a
+   launch without it measured as costly: docs/history/gpu-2026-12.md). Microseconds per call to build (no evaluation) and to evaluate 2,000 calls of a
    (N, 1536) x (1536, 1536) product: cuBLAS's matmul, the kernel through
    `mx.fast.cuda_kernel`, and the same compiled kernel launched through
    `mx.fast.precompiled_cuda_kernel` (PTX compiled here through NVRTC from a standalone
@@ -31,8 +31,8 @@ across the block, so W is read once whatever the token count.
 
 The kernel reads N, K and M from a small int32 input (`dims`) rather than from its
 inputs' shapes, so `mx.fast.cuda_kernel` gives it no shape parameters and the precompiled
-launch has the same signature. (The tables of sections 1-3 in docs/gpu.md were taken with
-the shapes read as `x_shape` / `w_shape`, commits 43fa79e and 4530120.)
+launch has the same signature. (The tables of sections 1-3 in docs/history/gpu-2026-12.md
+were taken with the shapes read as `x_shape` / `w_shape`, commits 43fa79e and 4530120.)
 
     python3 -m scripts.experiments.gpu_skinny [--model /tmp/specslot-q15] [--rows 1 2 4 8 16] [--host]
 """

@@ -3,8 +3,8 @@
 The actor is a threaded Ray actor: `poll` blocks one of its threads in
 `Engine.get_events`, while `submit` / `cancel` / `snapshot` run on others; all MLX work
 stays on the Engine's own thread. The replica polls in a loop, so one round trip carries
-every event of a tick for all of the replica's requests (the per-token hop cost is
-measured by scripts/bench/actor_hop.py).
+every event of a tick for all of the replica's requests (the hop's cost per token:
+docs/configuration.md, "Replica ↔ scheduler actor").
 
 `ActorSource` is the replica side: it creates the actor on the replica's node (hard
 affinity), and re-creates it when it dies.
@@ -70,8 +70,8 @@ def build_engine(args: ServeArgs):
         if args.tick_mode == "fused" and runner.fuse_blocker is not None:
             logger.info("fused tick off (the alternating tick runs): %s", runner.fuse_blocker)
         elif args.tick_mode == "fused" and args.b1_policy == "auto":
-            # The cost gate needs this machine's forward costs: measure them now (about
-            # a second on a CPU), not on the first request.
+            # The cost gate needs this machine's forward costs: measure them now, at load,
+            # not on the first request.
             logger.info("fused tick on: %s", runner.tick_costs().to_dict())
         elif args.tick_mode == "fused":
             logger.info("fused tick on (b1_policy %s: no cost gate)", args.b1_policy)

@@ -131,7 +131,7 @@ class SchedulerConfig:
         "512), their first tokens "
         "sent at once, and the slot's holder takes a round and the rows a decode step: a long "
         "prompt no longer stops every stream, nor a short or urgent request, until it is in "
-        "(each extra forward costs its fixed part, ~7 ms on the development CPU). 0: a prefill "
+        "(each extra forward costs its fixed part). 0: a prefill "
         "runs its forwards back to back (up to 2,048 positions a row each) and arrivals wait "
         "for it. On a GPU the prefill keeps its own chunks (512-2,048 positions a row: shorter "
         "forwards cost there) and the steps and admissions happen between them. See "

@@ -230,10 +230,9 @@ class _ServeArgsBase(BaseModel):
         description="The niceness the scheduler actor's threads run at (Linux): its compute "
         "then yields the cores to the HTTP proxy and the replicas (Ray starts every worker "
         "at 15) whenever they have a request or a token to pass on, and takes them back as "
-        "soon as they are done. On a busy 2-core CPU, 19 instead of Ray's 15 cut a new "
-        "request's TTFT under load from 20-23 to 14-16 ms with no loss of throughput "
-        "(docs/history/benchmarks-2026-12.md); on an H200 host's 16 cores, 19 and Ray's 15 served "
-        'alike (docs/gpu.md, "The slot\'s tryouts at T = 0.7"). Raising priority (below the current value) '
+        "soon as they are done: on a busy CPU with few cores a new request's TTFT under load "
+        "falls with no loss of throughput (docs/history/benchmarks-2026-12.md); with many cores "
+        'it makes no difference (docs/gpu.md, "The slot\'s tryouts at T = 0.7"). Raising priority (below the current value) '
         "needs privileges: the actor logs a warning and keeps its niceness. None: leave "
         "it as Ray set it.",
         json_schema_extra=_doc(values="-20–19, or null"),

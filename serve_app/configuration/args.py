@@ -232,8 +232,8 @@ class _ServeArgsBase(BaseModel):
         "at 15) whenever they have a request or a token to pass on, and takes them back as "
         "soon as they are done: on a busy CPU with few cores a new request's TTFT under load "
         "falls with no loss of throughput (docs/history/benchmarks-2026-12.md); with many cores "
-        'it makes no difference (docs/gpu.md, "The slot\'s tryouts at T = 0.7"). Raising priority (below the current value) '
-        "needs privileges: the actor logs a warning and keeps its niceness. None: leave "
+        'it makes no difference (docs/gpu.md, "The slot\'s tryouts at T = 0.7"). Raising priority '
+        "(below the current value) needs privileges: the actor logs a warning and keeps its niceness. None: leave "
         "it as Ray set it.",
         json_schema_extra=_doc(values="-20–19, or null"),
     )

@@ -63,6 +63,7 @@ def readme(record: dict) -> str:
         f"Command (seed {record['seed']}, {record['device']}, mlx {record['versions']['mlx']}):",
         "",
         "```",
+        *([record["data"]["command"], "# then, on the data that command kept:"] if "command" in record["data"] else []),
         record["command"],
         "```",
         "",

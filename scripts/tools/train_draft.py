@@ -284,7 +284,7 @@ def load_or_generate_data(target, args, t0: float, gen_end: float) -> tuple[list
             kind: draft_data.load_examples(os.path.join(args.data, f"held_out_{kind}.npz")) for kind in meta["held_out"]
         }
         print(f"data: {len(examples):,} continuations read from {args.data}", flush=True)
-        return examples, eval_sets, {**meta["stats"], "read_from": args.data}
+        return examples, eval_sets, {**meta["stats"], "read_from": args.data, "command": meta["command"]}
     examples, eval_sets, stats = generate_data(target, args, t0, gen_end)
     os.makedirs(args.data, exist_ok=True)
     draft_data.save_examples(os.path.join(args.data, "train.npz"), examples)

@@ -106,6 +106,13 @@ def test_data_written_by_one_run_trains_the_same_draft_in_another(drafts):
     with open(os.path.join(drafts["cached"], "provenance.json")) as f:
         record = json.load(f)
     assert record["data"]["read_from"] == drafts["data"] and record["data"]["examples"] == 12
+    with open(os.path.join(drafts["data"], "data.json")) as f:
+        writer = json.load(f)["command"]
+    assert record["data"]["command"] == writer != record["command"]
+    with open(os.path.join(drafts["cached"], "README.md")) as f:
+        readme = f.read()
+    lines = readme.splitlines()
+    assert lines.index(writer) < lines.index(record["command"])  # both commands, data first
 
 
 def test_data_of_other_arguments_is_refused(drafts, tmp_path, capsys):

@@ -27,7 +27,7 @@ logger = logging.getLogger("specslot")
 
 GGUF_MAGIC = b"GGUF"
 GROUP_SIZE = 32  # llama.cpp's block size for Q4_0, Q4_1 and Q8_0
-FORMAT_VERSION = 1  # bump when the directory written here changes shape
+FORMAT_VERSION = 2  # bump when the directory written here changes (its config, its files)
 ARCHITECTURES = ("llama", "qwen2")
 
 # llama.cpp's per-layer tensor names -> mlx-lm's (llama and qwen2 share them).

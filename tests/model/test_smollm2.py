@@ -4,8 +4,8 @@ the CPU), end to end:
 
 - greedy chat answers a factual question;
 - every drafter's greedy streams equal classic decode token for token, four requests at
-  once rotating through the slot (n-gram drafts; a draft model cut from SmolLM2's own
-  first layers, since no separate draft exists for it);
+  once rotating through the slot (n-gram drafts, and the distilled draft model shipped in
+  models/drafts/smollm2);
 - structured output (a JSON schema, forced tool calls), a tool-call history through
   SmolLM2's own template (which renders only `content`), and finite logprobs, through the
   real HTTP layer and an in-process engine (no Ray), as tests/serve/test_structured_engine.py
@@ -22,7 +22,6 @@ import asyncio
 import json
 import math
 import os
-import shutil
 
 import pytest
 
@@ -48,7 +47,7 @@ QUIET_COSTS = dict(
     fused={0: 0.0140, 2: 0.0150, 4: 0.0170, 8: 0.0210},
     all_verify={2: 0.0160, 4: 0.0220, 8: 0.0330},
 )
-DRAFT_LAYERS = 8  # the draft model: SmolLM2's first 8 of 30 layers
+SHIPPED_DRAFT = os.path.join(os.path.dirname(__file__), "..", "..", "models", "drafts", "smollm2")
 SERVED = "smollm2"
 WEATHER = {
     "type": "function",
@@ -106,25 +105,9 @@ def fixed_tick_costs():
 
 
 @pytest.fixture(scope="module")
-def draft_dir(smollm2_dir, tmp_path_factory):
-    """A draft model sharing SmolLM2's vocabulary: its first `DRAFT_LAYERS` layers (still
-    quantized as converted), embeddings, final norm and tied head."""
-    import mlx.core as mx
-
-    out = str(tmp_path_factory.mktemp("smollm2-draft"))
-    weights = mx.load(os.path.join(smollm2_dir, "model.safetensors"))
-    kept = {
-        k: v for k, v in weights.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < DRAFT_LAYERS
-    }
-    mx.save_safetensors(os.path.join(out, "model.safetensors"), kept, metadata={"format": "mlx"})
-    with open(os.path.join(smollm2_dir, "config.json")) as f:
-        config = json.load(f)
-    config["num_hidden_layers"] = DRAFT_LAYERS
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config, f)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(smollm2_dir, name), out)
-    return out
+def draft_dir():
+    """SmolLM2's distilled draft, shipped in the repository (models/drafts/smollm2)."""
+    return SHIPPED_DRAFT
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +197,18 @@ def test_classic_decode_answers_and_stops(classic, smollm2_dir):
     answer = tokenizer.decode(classic["r0"])
     assert "Paris" in answer and classic["r0"][-1] == 2, answer  # <|im_end|> ends the turn
     assert all(len(tokens) > 4 for tokens in classic.values())
+
+
+def test_the_shipped_draft_was_trained_on_this_target(smollm2_dir):
+    """Its provenance names the fingerprint of the SmolLM2 file the tests fetch, and the
+    loader pairs the two (same vocabulary)."""
+    from models.loading.loader import load_pair
+
+    with open(os.path.join(SHIPPED_DRAFT, "provenance.json")) as f:
+        record = json.load(f)
+    target, draft = load_pair(smollm2_dir, SHIPPED_DRAFT)
+    assert record["target"]["fingerprint"] == target.fingerprint
+    assert draft.model.args.num_hidden_layers == record["draft"]["config"]["num_hidden_layers"] < 30
 
 
 @pytest.mark.parametrize("kind, tick_mode", [("ngram", "fused"), ("ngram", "alternate"), ("draft_model", "fused")])

@@ -27,6 +27,7 @@ def test_all_expected_configs_exist():
         "legacy-hold.yaml",
         "classic-only.yaml",
         "gpu.yaml",
+        "smollm2-draft.yaml",
     } <= names
 
 
@@ -65,6 +66,9 @@ def test_config_specifics():
     assert not ServeArgs.model_validate(args_of("classic-only.yaml")["args"]).speculative
     scaling = args_of("autoscale.yaml")["deployments"][0]["autoscaling_config"]
     assert (scaling["min_replicas"], scaling["max_replicas"]) == (1, 4)
+    # SmolLM2 with its shipped draft: a directory in the repository, made absolute at build.
+    paired = ServeArgs.model_validate(args_of("smollm2-draft.yaml")["args"]).with_resolved_paths()
+    assert paired.drafter.kind == "draft_model" and os.path.isfile(os.path.join(paired.drafter.path, "config.json"))
     # The default deployment: SmolLM2-135M-Instruct from its PyPI wheel (`make model`).
     local = args_of("local.yaml")
     assert (local["args"]["model"], local["args"]["served_model_name"]) == (

@@ -47,7 +47,9 @@ QUIET_COSTS = dict(
     fused={0: 0.0140, 2: 0.0150, 4: 0.0170, 8: 0.0210},
     all_verify={2: 0.0160, 4: 0.0220, 8: 0.0330},
 )
-SHIPPED_DRAFT = os.path.join(os.path.dirname(__file__), "..", "..", "models", "drafts", "smollm2")
+SHIPPED_DRAFT = os.path.join(  # SmolLM2's distilled draft, in the repository
+    os.path.dirname(__file__), "..", "..", "models", "drafts", "smollm2"
+)
 SERVED = "smollm2"
 WEATHER = {
     "type": "function",
@@ -105,12 +107,6 @@ def fixed_tick_costs():
 
 
 @pytest.fixture(scope="module")
-def draft_dir():
-    """SmolLM2's distilled draft, shipped in the repository (models/drafts/smollm2)."""
-    return SHIPPED_DRAFT
-
-
-@pytest.fixture(scope="module")
 def prompts(smollm2_dir):
     from pathlib import Path
 
@@ -156,7 +152,7 @@ def test_greedy_margins_are_far_above_float_noise(reference):
 
 
 @pytest.fixture(scope="module")
-def runners(smollm2_dir, draft_dir):
+def runners(smollm2_dir):
     """`runners(kind)`: an MlxRunner over SmolLM2 drafting with `kind`, loaded once."""
     from models.runner import MlxRunner
 
@@ -168,7 +164,7 @@ def runners(smollm2_dir, draft_dir):
                 smollm2_dir,
                 drafter_kind=kind,
                 num_draft_tokens=4,
-                drafter_path=draft_dir if kind == "draft_model" else None,
+                drafter_path=SHIPPED_DRAFT if kind == "draft_model" else None,
             )
         return loaded[kind]
 

@@ -25,11 +25,14 @@ from scripts.bench.loadgen import LoadConfig, build_requests
 
 def serve_args(path: str, overrides: dict):
     """The `ServeArgs` the deployment config at `path` gives its first application (its
-    `args`, then its first deployment's `user_config`), with `overrides` on top."""
-    from serve_app.configuration.args import ServeArgs
-    from serve_app.deployment.launch import read_config
+    `args`, then its first deployment's `user_config`), with `overrides` on top. Read
+    as plain YAML: an engine in-process needs no Ray (a GPU host may have none)."""
+    import yaml
 
-    app = read_config(path)["applications"][0]
+    from serve_app.configuration.args import ServeArgs
+
+    with open(path, encoding="utf-8") as f:
+        app = yaml.safe_load(f)["applications"][0]
     user_config = app["deployments"][0].get("user_config") or {}
     return ServeArgs.model_validate({**app["args"], **user_config, **overrides})
 

@@ -49,6 +49,20 @@ def burst(engine, prompts: list[list[int]], tag: str, tokens: int, temperature: 
     return count / (time.perf_counter() - tic), 1e3 * statistics.mean(firsts.values())
 
 
+def tick_summary(counters: dict) -> str:
+    """What an engine's ticks did over all its bursts: count and mean ms per action,
+    the slot's and the rows' rounds and their drafted / accepted tokens."""
+    ticks = ", ".join(
+        f"{action} {n} x {1e3 * counters['tick_seconds'][action] / n:.1f} ms"
+        for action, n in counters["actions"].items()
+        if n
+    )
+    return (
+        f"{ticks}; slot rounds {counters['spec_rounds']}, row rounds {counters['row_rounds']}, "
+        f"accepted {counters['accepted_tokens']} of {counters['drafted_tokens']} drafted"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/bundled.yaml")
@@ -76,6 +90,7 @@ def main() -> None:
         "B": engine_from_config(args.config, target, json.loads(args.b))[0],
     }
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
+    work: dict[str, str] = {}
     try:
         for r in range(args.rounds):
             for name in ("A", "B") if r % 2 else ("B", "A"):
@@ -83,6 +98,7 @@ def main() -> None:
                 figures = burst(engines[name], prompts, f"{name}{r}", args.tokens, args.temperature)
                 if r:
                     results[name].append(figures)
+        work = {name: tick_summary(engine.snapshot()["counters"]) for name, engine in engines.items()}
     finally:
         for engine in engines.values():
             engine.stop()
@@ -93,6 +109,7 @@ def main() -> None:
             + f"; median {statistics.median(rate for rate, _ in runs):.1f}, mean TTFT median "
             f"{statistics.median(ttft for _, ttft in runs):.0f} ms"
         )
+        print(f"  {name} ticks: {work.get(name, '-')}")
     ratios = [a / b for (a, _), (b, _) in zip(results["A"], results["B"])]
     print(f"A / B per burst pair: {' '.join(f'{x:.2f}' for x in ratios)}; median {statistics.median(ratios):.2f}")
 

@@ -49,9 +49,10 @@ def burst(engine, prompts: list[list[int]], tag: str, tokens: int, temperature: 
     return count / (time.perf_counter() - tic), 1e3 * statistics.mean(firsts.values())
 
 
-def tick_summary(counters: dict) -> str:
+def tick_summary(snapshot: dict) -> str:
     """What an engine's ticks did over all its bursts: count and mean ms per action,
     the slot's and the rows' rounds and their drafted / accepted tokens."""
+    counters = snapshot["counters"]
     ticks = ", ".join(
         f"{action} {n} x {1e3 * counters['tick_seconds'][action] / n:.1f} ms"
         for action, n in counters["actions"].items()
@@ -98,7 +99,7 @@ def main() -> None:
                 figures = burst(engines[name], prompts, f"{name}{r}", args.tokens, args.temperature)
                 if r:
                     results[name].append(figures)
-        work = {name: tick_summary(engine.snapshot()["counters"]) for name, engine in engines.items()}
+        work = {name: tick_summary(engine.snapshot()) for name, engine in engines.items()}
     finally:
         for engine in engines.values():
             engine.stop()

@@ -104,6 +104,8 @@ def main() -> None:
 
     path, overrides = parse_config_spec(args.config)
     serve = serve_args(path, {**overrides, "model": args.target})
+    # a `pypi:` file or a GGUF: the mlx-lm directory the replicas load (the codec reads it too)
+    args.target = serve.with_resolved_paths().model_dirs()[0]
     from models.platform import kernel_cache
 
     kernel_cache.use(serve.kernel_cache_dir)

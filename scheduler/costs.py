@@ -310,6 +310,43 @@ class ReplicaAcceptance:
         self.estimate.relax()
 
 
+MATCH_WEIGHT = 0.1  # weight of one verify in the acceptance of drafts from one kind of match
+MATCH_MIN_VERIFIES = 8  # verifies of a kind of match before its estimate replaces a row's own
+
+
+@dataclass
+class MatchAcceptance:
+    """Per-draft acceptance of drafts by what their lookup matched (`key`: where the drafts
+    came from and how many tokens of the row's suffix matched there), over the replica's
+    recent verifies. A long match says a row is copying; a one-token match in prose says
+    little. A row's drafts are then judged by the record of their kind of match once it
+    has `MATCH_MIN_VERIFIES` verifies (`alpha`), not by the row's own recent rounds, so a
+    stream whose first drafts missed still drafts once it starts copying, and rows of
+    prose stop paying for the short matches every stream of prose keeps finding.
+    >>> match = MatchAcceptance()
+    >>> for _ in range(20):
+    ...     match.record(("own", 1), 3, 0)
+    ...     match.record(("own", 3), 3, 3)
+    >>> round(match.alpha(("own", 1)), 2), round(match.alpha(("own", 3)), 2), match.alpha(("own", 2))
+    (0.1, 0.99, None)
+    """
+
+    estimates: dict = field(default_factory=dict)
+    counts: dict = field(default_factory=dict)
+
+    def alpha(self, key) -> float | None:
+        """The estimate for drafts of `key`'s kind (None: too few verifies yet)."""
+        if self.counts.get(key, 0) < MATCH_MIN_VERIFIES:
+            return None
+        return self.estimates[key].alpha
+
+    def record(self, key, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted == 0:
+            return
+        self.estimates.setdefault(key, RowAcceptance()).record(num_drafted, num_accepted, MATCH_WEIGHT)
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+
 class DraftFit(NamedTuple):
     """What a step's drafts cost, in seconds (`verify_costs`): a step of b rows costs
     `per_forward + per_token * b`; each drafting row adds `per_row` and each draft

@@ -34,6 +34,7 @@ from models.speculative.replica_index import ReplicaIndex
 from models.speculative.round_math import accept_count, clip_tokens, draft_budget
 from scheduler.costs import (
     DraftFit,
+    MatchAcceptance,
     ReplicaAcceptance,
     RowAcceptance,
     TickCosts,
@@ -67,6 +68,7 @@ class _Stream:
     lane: int = 1  # the request's lane (`scheduler.request.Lane`): its place in the step's draft budget
     denied: int = 0  # steps running in which this row had drafts and the budget gave it none
     withheld: bool = False  # this step the row's estimate kept it from drafts its index had
+    match: tuple = ("own", 0)  # where the row's last proposal came from, and its match's length
 
 
 @dataclass(eq=False)
@@ -131,6 +133,8 @@ class SlabBatch:
         self.replica_index: ReplicaIndex | None = None
         # Where new rows' acceptance estimates start, by kind (greedy: True).
         self.replica_acceptance = {True: ReplicaAcceptance(), False: ReplicaAcceptance()}
+        # Acceptance by the kind of lookup match a row's drafts came from, by kind of row.
+        self.match_acceptance = {True: MatchAcceptance(), False: MatchAcceptance()}
         self.num_steps = 0  # decode steps (a verify riding included)
         self.num_pipelined = 0  # steps whose tokens a queued step had drawn
         self._streams: dict[str, _Stream] = {}  # classic rows, in slots 0..len-1
@@ -519,6 +523,7 @@ class SlabBatch:
                 if draft:
                     stream.acceptance.record(len(draft), num_accepted)
                     kind.record(len(draft), num_accepted)
+                    self.match_acceptance[stream.sampler.is_greedy].record(stream.match, len(draft), num_accepted)
                     drafted.add(stream.sampler.is_greedy)
                 elif wanted and stream.withheld:
                     stream.acceptance.relax(kind.alpha)
@@ -662,13 +667,16 @@ class SlabBatch:
             s.withheld = False
         if self._nobody_pays(len(streams)):
             return [[] for _ in streams]
-        alphas = [None if s.index is None else s.acceptance.alpha for s in streams]
+        # What each row's lookup would propose (uncounted), so that its drafts are priced
+        # by the record of their kind of match where there is one (`_alpha`).
+        peeks = [[] if s.index is None else self._propose(s, self.num_draft_tokens, count=False) for s in streams]
+        alphas = [None if s.index is None else self._alpha(s) for s in streams]
         budgets = self._row_budgets(streams, alphas)
         out = [s.sampler.allowed_drafts(self._propose(s, k)) if k else [] for s, k in zip(streams, budgets)]
         # Only a row kept from drafts it had relaxes its estimate: steps in which prose
         # offers no n-gram say nothing about how its next drafts will fare.
-        for s, k in zip(streams, budgets):
-            s.withheld = s.index is not None and not k and bool(self._propose(s, 1, count=False))
+        for s, k, peek in zip(streams, budgets, peeks):
+            s.withheld = s.index is not None and not k and bool(peek)
         # Priced by what the rows proposed (a row whose n-grams found nothing adds nothing).
         if not self._step_pays(alphas, [len(d) for d in out], len(streams)):
             return [[] for _ in streams]
@@ -690,12 +698,23 @@ class SlabBatch:
 
     def _propose(self, stream: _Stream, k: int, count: bool = True) -> list[int]:
         """A row's k drafts: from the replica's past outputs where its last tokens match
-        one at least `replica_index.min_ngram` long, else from its own prompt and output."""
+        one at least `replica_index.min_ngram` long, else from its own prompt and output.
+        Sets the row's `match` (where they came from, and how long a suffix matched)."""
         if self.replica_index is not None:
             drafts = self.replica_index.propose(stream.index.history, k, count)
             if drafts:
+                stream.match = ("replica", self.replica_index.last_match)
                 return drafts
-        return stream.index.propose(k)
+        drafts = stream.index.propose(k)
+        stream.match = ("own", stream.index.last_match)
+        return drafts
+
+    def _alpha(self, stream: _Stream) -> float:
+        """The per-draft acceptance a row's drafts are priced at: the record of drafts from
+        the kind of match its last proposal found, once that has enough verifies, else
+        the row's own estimate."""
+        by_match = self.match_acceptance[stream.sampler.is_greedy].alpha(stream.match)
+        return stream.acceptance.alpha if by_match is None else by_match
 
     def _sample(
         self, streams: list[_Stream], logits: list[mx.array], drafts: list[list[int]]

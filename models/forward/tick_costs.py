@@ -5,8 +5,10 @@ decode step of b rows (the classic batch alone), the same step carrying one veri
 of 1 + K tokens (the fused tick), b rows each verifying 1 + K tokens (rows that
 draft), for b in `batch_sizes`, and at every other size and the largest b rows of which
 one brings a draft (a step's first draft) and b rows of which half bring one draft each, plus the
-drafter proposing K tokens. Medians of five synchronised runs after one warm-up each
-(three once they take `BUDGET_S`).
+drafter proposing K tokens. The forwards of one size run in turns, five rounds after one
+warm-up each (three once a round takes `ROUND_BUDGET_S`): the decode step by its median,
+every other as the decode step plus the median of its differences from the decode step of
+its round, so a machine that slows down for a moment moves both sides of a difference.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ CONTEXT = 128
 REPEATS = 5
 MIN_REPEATS = 3
 BUDGET_S = 0.1  # past this much time a measurement stops at MIN_REPEATS runs
+ROUND_BUDGET_S = 1.0  # past this much time a round, the forwards of one size stop at MIN_REPEATS rounds
 
 
 def batch_sizes(max_rows: int) -> list[int]:
@@ -48,6 +51,30 @@ def _timed(fn) -> float:
     return statistics.median(runs)
 
 
+def _timed_in_turns(fns: dict[str, object]) -> dict[str, float]:
+    """Seconds of each of `fns` run in turns: the first (the baseline) by its median,
+    every other as the baseline plus the median of its per-round difference from it."""
+    for fn in fns.values():
+        fn()  # warm-up: first use of a shape allocates
+    runs: dict[str, list[float]] = {name: [] for name in fns}
+    rounds = 0
+    while rounds < REPEATS:
+        tic = time.perf_counter()
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            runs[name].append(time.perf_counter() - start)
+        rounds += 1
+        if rounds >= MIN_REPEATS and time.perf_counter() - tic > ROUND_BUDGET_S:
+            break
+    base_name, *others = fns
+    base = runs[base_name]
+    out = {base_name: statistics.median(base)}
+    for name in others:
+        out[name] = out[base_name] + statistics.median(t - b for t, b in zip(runs[name], base))
+    return out
+
+
 def measure(
     model: nn.Module, drafter: Drafter | None, num_draft_tokens: int, max_rows: int, vocab_size: int
 ) -> TickCosts:
@@ -59,33 +86,37 @@ def measure(
     mx.eval(slab.arrays())
     verify = prompt[: num_draft_tokens + 1]
 
-    def timed_forward(entries):
+    def forward(entries):
         def run():
             mx.eval(slab.forward(model, entries), slab.arrays())
             for row, tokens in entries:
                 for view in row.cache:
                     view.trim(len(tokens))
 
-        return _timed(run)
+        return run
 
-    # b decoding rows in slots 0..b-1, the verifying row next to them (as in a fused tick)
-    decode = {b: timed_forward([(r, [prompt[i]]) for i, r in enumerate(rows[:b])]) for b in sizes}
-    fused = {
-        b: timed_forward([(r, [prompt[i]]) for i, r in enumerate(rows[:b])] + [(rows[b], verify)]) for b in [0, *sizes]
-    }
-    all_verify = {b: timed_forward([(r, verify) for r in rows[:b]]) for b in sizes if b > 1}
-    # b rows, the first bringing one draft: a step's first draft (every other size)
-    some = sizes[::2] + sizes[-1:] * (len(sizes) % 2 == 0)  # every other size and the largest
-    one_draft = {
-        b: timed_forward([(rows[0], prompt[:2])] + [(r, [prompt[i]]) for i, r in enumerate(rows[1:b], 1)]) for b in some
-    }
-    # half of b rows bring one draft each (a step where every row drafts runs differently
-    # on a CPU: no one-token rows are left to share an attention call)
-    half_one = {
-        b: timed_forward([(r, prompt[i : i + 2] if i < b // 2 else [prompt[i]]) for i, r in enumerate(rows[:b])])
-        for b in some
-        if b >= 4
-    }
+    def steps(b: int) -> dict:
+        # b decoding rows in slots 0..b-1; beside them, in turn: the verifying row next to
+        # them (a fused tick), every row verifying (rows that draft), the first row bringing
+        # one draft (a step's first draft), half the rows bringing one draft each (a step
+        # where every row drafts runs differently on a CPU: no one-token rows share a call)
+        one = [(r, [prompt[i]]) for i, r in enumerate(rows[:b])]
+        variants = {"decode": one, "fused": one + [(rows[b], verify)]}
+        if b > 1:
+            variants["all_verify"] = [(r, verify) for r in rows[:b]]
+        variants["one_draft"] = [(rows[0], prompt[:2])] + one[1:]
+        if b >= 4:
+            variants["half_one"] = [
+                (r, prompt[i : i + 2] if i < b // 2 else [prompt[i]]) for i, r in enumerate(rows[:b])
+            ]
+        return _timed_in_turns({name: forward(entries) for name, entries in variants.items()})
+
+    by_size = {b: steps(b) for b in sizes}
+    decode = {b: t["decode"] for b, t in by_size.items()}
+    fused = {0: _timed(forward([(rows[0], verify)]))} | {b: t["fused"] for b, t in by_size.items()}
+    all_verify = {b: t["all_verify"] for b, t in by_size.items() if "all_verify" in t}
+    one_draft = {b: t["one_draft"] for b, t in by_size.items()}
+    half_one = {b: t["half_one"] for b, t in by_size.items() if "half_one" in t}
     return TickCosts(decode, fused, _draft_seconds(drafter, prompt, num_draft_tokens), all_verify, one_draft, half_one)
 
 

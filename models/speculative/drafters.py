@@ -431,8 +431,8 @@ class NgramIndex:
     most recent start of each n-gram that something followed. One per classic row
     (`models.batch.slab_batch`), extended with the tokens the row emits.
     >>> index = NgramIndex([1, 2, 3, 9, 1, 2], max_ngram=2)
-    >>> index.propose(2), ngram_lookup([1, 2, 3, 9, 1, 2], 2, 2)
-    ([3, 9], [3, 9])
+    >>> index.propose(2), ngram_lookup([1, 2, 3, 9, 1, 2], 2, 2), index.last_match
+    ([3, 9], [3, 9], 2)
     """
 
     def __init__(self, history: Sequence[int], max_ngram: int = 3, min_ngram: int = 1):
@@ -440,6 +440,7 @@ class NgramIndex:
         self.min_ngram = min_ngram
         self.history: list[int] = []
         self._starts: list[dict[tuple, int]] = [{} for _ in range(max_ngram + 1)]
+        self.last_match = 0  # the suffix length the last `propose` matched (0: none)
         self._index_all(list(history))
 
     def _index_all(self, seq: list[int]) -> None:
@@ -466,10 +467,12 @@ class NgramIndex:
         suffix (n from max_ngram down), read on as a repeat past the history's end, as
         `ngram_lookup` proposes."""
         seq = self.history
+        self.last_match = 0
         if k <= 0:
             return []
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             start = self._starts[n].get(tuple(seq[-n:]))
             if start is not None:
+                self.last_match = n
                 return continuation(seq, start + n, k)
         return []

@@ -40,6 +40,7 @@ class ReplicaIndex:
         self._tokens: list[int] = []  # the outputs, each followed by a separator (None)
         self._starts: dict[tuple, int] = {}  # n-gram -> where its latest occurrence's follower is
         self.num_proposals = self.num_hits = 0
+        self.last_match = 0  # the suffix length the last `propose` matched (0: none)
 
     def __len__(self) -> int:
         return self._size
@@ -72,6 +73,7 @@ class ReplicaIndex:
         """Up to `k` tokens that followed the latest stored occurrence of the longest
         suffix of `context` (n from `max_ngram` down to `min_ngram`); [] without one.
         `count`: whether the lookup counts in `stats` (a peek does not)."""
+        self.last_match = 0
         if k <= 0:
             return []
         self.num_proposals += count
@@ -79,6 +81,7 @@ class ReplicaIndex:
         for n in range(min(self.max_ngram, len(tail)), self.min_ngram - 1, -1):
             at = self._starts.get(tuple(tail[-n:]))
             if at is not None:
+                self.last_match = n
                 out = []
                 for token in self._tokens[at : at + k]:
                     if token is None:

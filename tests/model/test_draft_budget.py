@@ -161,3 +161,42 @@ def test_by_default_no_step_budget_cuts_a_rows_drafts(loaded, monkeypatch):
             if b.finish_reason:
                 batch.remove(b.request_id)
     assert calls == [] and max(per_step) > 4  # more than a 0.5 share's 4 per step would allow
+
+
+def test_a_rows_drafts_are_priced_by_the_record_of_their_kind_of_match(loaded):
+    """Once a kind of lookup match has a record, a row's drafts from it are priced by that
+    record, not by the row's own rounds: a row whose own estimate is at the prior does not
+    draft from matches that have failed, and one whose own estimate has collapsed still
+    drafts from matches that land. The stream stays what classic decode emits."""
+    from scheduler.costs import MATCH_MIN_VERIFIES, RowAcceptance
+
+    target = loaded[0]
+    eos = sorted(target.tokenizer.eos_token_ids)
+    request = Request("r", list(target.tokenizer.encode(REPEATING)), SamplingParams(max_tokens=30))
+    expected = run_classic(target.model, [request], eos)["r"][0]
+
+    def run(match_alpha: float, own_alpha: float) -> tuple[list[int], int, set]:
+        batch = SlabBatch(target.model, eos_token_ids=eos, row_drafts=True)
+        batch.costs = COSTS
+        record = batch.match_acceptance[True]
+        keys = [("own", n) for n in range(1, 4)]
+        for key in keys:  # every kind of match has a long record at `match_alpha`
+            for _ in range(8 * MATCH_MIN_VERIFIES):
+                record.record(key, 4, 4 if match_alpha > 0.5 else 0)
+        out = [t for b in batch.prefill([request]) for t in b.token_ids]
+        batch._streams["r"].acceptance = RowAcceptance(own_alpha, 1.0 - own_alpha)
+        drafted, matches = 0, set()
+        while True:
+            (b,) = batch.decode(drafts=True)
+            out += b.token_ids
+            drafted += b.num_drafted
+            if b.num_drafted:
+                matches.add(batch._streams["r"].match if "r" in batch._streams else None)
+            if b.finish_reason:
+                return out, drafted, matches
+
+    out, drafted, _ = run(match_alpha=0.0, own_alpha=0.8)
+    assert drafted == 0 and out == expected
+    out, drafted, matches = run(match_alpha=1.0, own_alpha=0.05)
+    assert drafted > 0 and out == expected
+    assert matches <= {("own", n) for n in range(1, 4)} | {None}

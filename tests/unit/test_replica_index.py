@@ -10,10 +10,13 @@ def test_the_longest_match_wins_then_the_latest_occurrence():
     index.add([1, 2, 3, 4, 5, 6])
     index.add([7, 3, 4, 8, 9])
     assert index.propose([0, 3, 4], 3) == [8, 9]  # (3, 4): the latest output
+    assert index.last_match == 2
     assert index.propose([2, 3, 4], 3) == [5, 6]  # (2, 3, 4) is longer: the first output
+    assert index.last_match == 3
     assert index.propose([9, 9, 1, 2, 3, 4], 1) == [5]  # only the last max_ngram tokens count
     assert index.propose([5], 2) == [] and index.propose([], 2) == []  # shorter than min_ngram
     assert index.propose([6, 7], 2) == []  # no n-gram across two outputs
+    assert index.last_match == 0
     assert index.propose([2, 3], 0) == []
     assert index.stats() == {"tokens": 11, "outputs": 2, "proposals": 6, "hits": 3}
 

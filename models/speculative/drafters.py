@@ -146,6 +146,24 @@ class DraftModelState:
     checkpoint: cache_rollback.Checkpoint | None = None
 
 
+# A round's first draft step feeds what the draft has not seen: the pending token, and
+# the last round's final draft when that round accepted everything. On MLX CUDA a forward
+# of several tokens runs causal attention, built per key length, which is new every
+# round (an H100: 43 ms a round for SmolLM2's draft, against 4 ms fed one token at a time:
+# docs/gpu.md, "Known issues"); feeds up to this long go one token at a time on a GPU.
+ONE_AT_A_TIME_FEED = 4
+
+
+def _unseen_first(model: nn.Module, cache: list, feed: list[int]) -> list[int]:
+    """On a GPU, run all but the last of a short `feed` through `model` as one-token steps
+    (lazily: their cache writes join the next forward's graph); what is left to feed."""
+    if 1 < len(feed) <= ONE_AT_A_TIME_FEED and mx.default_device() == mx.gpu:
+        for token in feed[:-1]:
+            model(mx.array([[token]], dtype=mx.int32), cache=cache)
+        return feed[-1:]
+    return feed
+
+
 class DraftModelDrafter(DrafterBase):
     """A small mlx-lm model sharing the target's vocabulary.
 
@@ -252,7 +270,7 @@ class DraftModelDrafter(DrafterBase):
             return []
         # Tokens the draft has not seen: the pending one, plus the last round's final
         # draft when that round accepted everything.
-        feed = list(history[state.num_cached :])
+        feed = _unseen_first(self.model, state.cache, list(history[state.num_cached :]))
         logits = self.model(mx.array([feed]), cache=state.cache)[0, -1]
         token = mx.argmax(logits, axis=-1)
         self._before_steps(state)
@@ -269,16 +287,17 @@ class DraftModelDrafter(DrafterBase):
         """Exactly `k` (>= 1) greedy drafts as a lazy int32 array of shape (k,): the same
         tokens as `propose`, but nothing waits for the device, so the caller can chain
         the verify forward onto them."""
-        feed = mx.array([list(history[state.num_cached :])], dtype=mx.int32)
+        unseen = list(history[state.num_cached :])
         if self.fast is not None:
             step = self.fast.greedy
         else:
+            unseen = _unseen_first(self.model, state.cache, unseen)
 
             def step(cache, tokens):
                 logits = self.model(tokens, cache=cache)[:, -1]
                 return mx.argmax(logits, axis=-1).astype(mx.int32)
 
-        token = step(state.cache, feed)
+        token = step(state.cache, mx.array([unseen], dtype=mx.int32))
         self._before_steps(state)
         drafts = [token]
         for _ in range(k - 1):
@@ -307,7 +326,10 @@ class DraftModelDrafter(DrafterBase):
             def logits_of(tokens):
                 return self.model(tokens, cache=state.cache)[0, -1:]
 
-        logits = logits_of(mx.array([list(history[state.num_cached :])], dtype=mx.int32))
+        unseen = list(history[state.num_cached :])
+        if self.fast is None:
+            unseen = _unseen_first(self.model, state.cache, unseen)
+        logits = logits_of(mx.array([unseen], dtype=mx.int32))
         self._before_steps(state)
         drafts, rows = [], []
         for j in range(k):

@@ -312,6 +312,7 @@ class ReplicaAcceptance:
 
 MATCH_WEIGHT = 0.1  # weight of one verify in the acceptance of drafts from one kind of match
 MATCH_MIN_VERIFIES = 8  # verifies of a kind of match before its estimate replaces a row's own
+MATCH_RELAX = 0.001  # each step its record keeps rows from a kind's drafts, it moves this far back to the prior
 
 
 @dataclass
@@ -322,13 +323,19 @@ class MatchAcceptance:
     little. A row's drafts are then judged by the record of their kind of match once it
     has `MATCH_MIN_VERIFIES` verifies (`alpha`), not by the row's own recent rounds, so a
     stream whose first drafts missed still drafts once it starts copying, and rows of
-    prose stop paying for the short matches every stream of prose keeps finding.
+    prose stop paying for the short matches every stream of prose keeps finding. A kind
+    whose record keeps rows from drafting drifts back toward the prior (`relax`), so a
+    replica whose traffic changes tries it again.
     >>> match = MatchAcceptance()
     >>> for _ in range(20):
     ...     match.record(("own", 1), 3, 0)
     ...     match.record(("own", 3), 3, 3)
     >>> round(match.alpha(("own", 1)), 2), round(match.alpha(("own", 3)), 2), match.alpha(("own", 2))
     (0.1, 0.99, None)
+    >>> for _ in range(500):
+    ...     match.relax(("own", 1))
+    >>> round(match.alpha(("own", 1)), 2)
+    0.37
     """
 
     estimates: dict = field(default_factory=dict)
@@ -345,6 +352,15 @@ class MatchAcceptance:
             return
         self.estimates.setdefault(key, RowAcceptance()).record(num_drafted, num_accepted, MATCH_WEIGHT)
         self.counts[key] = self.counts.get(key, 0) + 1
+
+    def relax(self, key) -> None:
+        """A step in which rows were kept from drafts of `key`'s kind: its estimate moves
+        `MATCH_RELAX` of the way back to `ROW_PRIOR_ALPHA`."""
+        estimate = self.estimates.get(key)
+        if estimate is not None:
+            shift = MATCH_RELAX * (ROW_PRIOR_ALPHA - estimate.alpha)
+            estimate.successes += shift
+            estimate.failures = max(estimate.failures - shift, 1e-3)
 
 
 class DraftFit(NamedTuple):

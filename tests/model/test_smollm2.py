@@ -361,3 +361,33 @@ def test_a_tool_call_history_is_answered(served):
     assert choice.finish_reason in ("stop", "length")
     assert isinstance(choice.message.content, str) and choice.message.content.strip()
     assert reply.usage.prompt_tokens > 40  # the call and its result were in the prompt
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_slab_takes_smollm2_in_half_precision_and_refuses_a_layout_bug(smollm2_dir, monkeypatch, dtype):
+    """The load check's criterion on real weights (what a GPU serves: half precision):
+    packed forwards that differ from separate ones by rounding pass, and a slab that hands
+    each row another row's logits (a layout bug) is refused."""
+    import mlx.core as mx
+
+    from models.forward import slab
+    from models.loading import dense_weights
+    from models.loading.loader import load_model
+
+    target = load_model(smollm2_dir, "target")
+    dense_weights.apply(target.model, target.name, None)
+    target.model.set_dtype(getattr(mx, dtype))
+    text = "The quick brown fox jumps over the lazy dog while the old cat sleeps on a warm mat."
+    ids = list(target.tokenizer.encode(text))
+    assert len(ids) >= 17
+    assert slab.check_support(target.model, token_ids=ids) is None
+
+    forward = slab.Slab.forward
+
+    def rows_rotated(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        return out[1:] + out[:1]
+
+    monkeypatch.setattr(slab.Slab, "forward", rows_rotated)
+    why = slab.check_support(target.model, token_ids=ids)
+    assert why is not None and "differs from separate ones" in why, why

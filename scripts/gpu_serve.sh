@@ -23,11 +23,12 @@ set -euo pipefail
 T0=$(date +%s)
 # shellcheck source=scripts/device_env.sh
 source scripts/device_env.sh
+TARGET=(--target "$MODEL"); NAMED=""
+case "$MODEL" in pypi:*|*.gguf) TARGET=(); NAMED=",served_model_name=$(basename "$MODEL" .gguf)" ;; esac  # peers: the config's converted file
 CONFIGS=(); IFS='|' read -r -a extras <<< "${EXTRAS:-${EXTRA:-}}"; [ ${#extras[@]} -gt 0 ] || extras=("")
 for e in "${extras[@]}"; do
-  CONFIGS+=(--config "configs/gpu.yaml:model=$MODEL,drafter={kind: ngram},policy_cache_dir=/tmp/specslot-policy,kernel_cache_dir=/tmp/specslot-kernels,actor_num_gpus=${GPUS:-1}$e")
+  CONFIGS+=(--config "configs/gpu.yaml:model=$MODEL,drafter={kind: ngram},policy_cache_dir=/tmp/specslot-policy,kernel_cache_dir=/tmp/specslot-kernels,actor_num_gpus=${GPUS:-1}$NAMED$e")
 done
-TARGET=(--target "$MODEL"); case "$MODEL" in pypi:*|*.gguf) TARGET=() ;; esac  # peers: the config's converted file
 CS=""; for c in ${CS_LIST:-1 4 16 64}; do CS="$CS --concurrency $c"; done
 PS=""; for p in ${PEERS:-mlx_lm}; do PS="$PS --peer $p"; done
 # shellcheck disable=SC2086

@@ -203,13 +203,30 @@ def load_fast_blas() -> Loaded:
                 _load_openblas(_state, flags)
             except (OSError, AttributeError, _elf.ElfError) as exc:
                 _state.choice = Choice(REFERENCE, f"{OPENBLAS} could not be loaded: {exc}")
-    if _state.choice.library == REFERENCE and _state.choice.reason != "SPECSLOT_FAST_BLAS=0":
+    if _state.choice.library == REFERENCE and needs_warning(_state.choice, _gpu_is_default()):
         _state.warning = (
             f"specslot: warning: MLX runs on its reference CPU BLAS "
             f"({_state.choice.reason}); measured {measure_gflops(256):.1f} GFLOP/s"
         )
         print(_state.warning, file=sys.stderr)
     return _state
+
+
+def needs_warning(choice: Choice, gpu_is_default: bool) -> bool:
+    """Whether the reference BLAS is worth a warning: not where the user opted out, and
+    not where MLX computes on a GPU (the CPU's matmuls then serve no model forward)."""
+    return choice.library == REFERENCE and choice.reason != "SPECSLOT_FAST_BLAS=0" and not gpu_is_default
+
+
+def _gpu_is_default() -> bool:
+    """Whether MLX's default device is a GPU (CUDA or Metal); imports mlx.core, so only
+    after the BLAS choice is made."""
+    try:
+        import mlx.core as mx
+
+        return mx.default_device().type == mx.DeviceType.gpu
+    except Exception:  # noqa: BLE001 - an MLX that cannot say: treat as a CPU
+        return False
 
 
 def _load_openblas(state: Loaded, flags: frozenset[str]) -> None:

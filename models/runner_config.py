@@ -38,8 +38,8 @@ class RunnerConfig:
         "(`models/forward/bucketed.py`): the fastest lone stream on a GPU (docs/gpu.md), but that verify "
         "cannot ride in the batch's forward, so mlx-lm's `BatchGenerator` and the alternating tick "
         "run instead of the slab; for single-stream deployments. Off: the slab serves on CPU and GPU "
-        'alike (on a GPU its forwards run as grids with bucketed shapes, docs/gpu.md "Concurrency '
-        'on the H200").',
+        'alike (on a GPU its forwards run as grids with bucketed shapes, docs/gpu.md "What runs by '
+        'default").',
     )
     classic_burst_ms: float = knob(
         DEFAULT_CLASSIC_BURST_MS,

@@ -19,17 +19,22 @@ from mlx_lm.models.cache import make_prompt_cache
 from scripts.tools.draft_data import Example, padded_length
 
 
+def completion_logits(model: nn.Module, example: Example) -> mx.array:
+    """`model`'s logits (lazy) at each completion position of `example`, from one
+    teacher-forced forward. Inputs are padded on the right to `padded_length` (causal
+    attention: padding changes no earlier position), so a GPU builds attention kernels for
+    a few lengths, not one per example."""
+    seq = example.prompt_ids + example.completion_ids
+    inputs = seq[:-1] + [0] * (padded_length(len(seq)) - len(seq) + 1)
+    return model(mx.array(inputs)[None])[0, len(example.prompt_ids) - 1 : len(seq) - 1]
+
+
 def draft_matches(draft: nn.Module, examples: list[Example]) -> list[list[bool]]:
     """Per example, whether the draft's argmax equals the target's token at each
-    completion position (one teacher-forced forward per example). Inputs are padded on the
-    right to `padded_length` (causal attention: padding changes no earlier position), so
-    a GPU builds attention kernels for a few lengths, not one per example."""
+    completion position (`completion_logits`)."""
     out = []
     for e in examples:
-        seq = e.prompt_ids + e.completion_ids
-        inputs = seq[:-1] + [0] * (padded_length(len(seq)) - len(seq) + 1)
-        logits = draft(mx.array(inputs)[None])[0, len(e.prompt_ids) - 1 : len(seq) - 1]
-        predicted = mx.argmax(logits, axis=-1).tolist()
+        predicted = mx.argmax(completion_logits(draft, e), axis=-1).tolist()
         out.append([p == t for p, t in zip(predicted, e.completion_ids)])
     return out
 
@@ -60,13 +65,10 @@ def rejection_acceptance(
     """Per example, at each completion position, the probability that rejection sampling
     accepts a draft token sampled there: sum over the vocabulary of min(p, q), p and q the
     target's and the draft's distributions at `temperature`, both fed the same history
-    (one teacher-forced forward each, padded as `draft_matches` pads)."""
+    (`completion_logits`)."""
     out = []
     for e in examples:
-        seq = e.prompt_ids + e.completion_ids
-        inputs = mx.array(seq[:-1] + [0] * (padded_length(len(seq)) - len(seq) + 1))[None]
-        span = slice(len(e.prompt_ids) - 1, len(seq) - 1)
-        p, q = (mx.softmax(m(inputs)[0, span].astype(mx.float32) / temperature, axis=-1) for m in (target, draft))
+        p, q = (mx.softmax(completion_logits(m, e).astype(mx.float32) / temperature, axis=-1) for m in (target, draft))
         out.append(mx.minimum(p, q).sum(axis=-1).tolist())
     return out
 
@@ -88,13 +90,13 @@ def expected_per_round(alphas: list[list[float]], k: int) -> float:
         n = len(row)
         drafts, count = [0.0] * (n + 2), [0.0] * (n + 2)  # expected from a round starting there on
         for start in range(n - 1, -1, -1):
+            width = min(k, n - start)  # drafts this round can bring
             reach, d, c = 1.0, 0.0, 0.0
-            for m in range(min(k, n - start) + 1):  # m drafts accepted, then the target's token
-                stop = 1.0 - row[start + m] if m < min(k, n - start) else 1.0
-                p = reach * stop
+            for m in range(width + 1):  # m drafts accepted, then the target's token
+                p = reach * (1.0 - row[start + m] if m < width else 1.0)
                 d += p * (m + drafts[start + m + 1])
                 c += p * (1 + count[start + m + 1])
-                if m < min(k, n - start):
+                if m < width:
                     reach *= row[start + m]
             drafts[start], count[start] = d, c
         accepted, rounds = accepted + drafts[0], rounds + count[0]

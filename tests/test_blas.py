@@ -309,7 +309,7 @@ def test_no_fast_library_warns_once_with_reason_and_rate_and_keeps_working():
 
 def test_the_reference_blas_warns_only_where_a_cpu_runs_the_model():
     fallback = blas.Choice(blas.REFERENCE, "the scipy-openblas32 wheel is not installed")
-    assert blas.needs_warning(fallback, gpu_is_default=False)
-    assert not blas.needs_warning(fallback, gpu_is_default=True)  # a CUDA or Metal host
-    assert not blas.needs_warning(blas.Choice(blas.REFERENCE, "SPECSLOT_FAST_BLAS=0"), gpu_is_default=False)
-    assert not blas.needs_warning(blas.Choice(blas.OPENBLAS, ""), gpu_is_default=False)
+    assert blas.needs_warning(fallback, gpu_is_default=lambda: False)
+    assert not blas.needs_warning(fallback, gpu_is_default=lambda: True)  # a CUDA or Metal host
+    assert not blas.needs_warning(blas.Choice(blas.REFERENCE, "SPECSLOT_FAST_BLAS=0"), gpu_is_default=lambda: False)
+    assert not blas.needs_warning(blas.Choice(blas.OPENBLAS, ""), gpu_is_default=lambda: False)

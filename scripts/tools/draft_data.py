@@ -25,7 +25,11 @@ import numpy as np
 from models.forward.slab_forward import last_positions
 from scripts.bench import prompts as prompt_sets
 
-PROMPT_KINDS = ("chat", "code_chat", "code")
+PROMPT_KINDS = ("chat", "code_chat", "code")  # the held-out evaluation's kinds
+# Training may also take requests the target writes itself (`self_chat_prompts`).
+TRAINING_KINDS = (*PROMPT_KINDS, "self_chat")
+SELF_CHAT_TEMPERATURE = 0.8  # hotter writes garbled requests, colder repeats a few
+SELF_CHAT_TOKENS = 64  # a user's turn at most; one not ended by then is dropped
 PAD_TO = 32
 
 
@@ -45,6 +49,20 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     if getattr(tokenizer, "chat_template", None):
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
     return list(tokenizer.encode(messages[-1]["content"]))
+
+
+def user_turn_prefix(tokenizer) -> list[int]:
+    """The chat template's tokens before a user's words (its system turn included): what
+    the target continues to write a user's request itself."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("self_chat prompts need a target whose tokenizer has a chat template")
+    sentinel = "SPECSLOT-USER-TURN"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": sentinel}], tokenize=False)
+    prefix = list(tokenizer.encode(text[: text.index(sentinel)], add_special_tokens=False))
+    whole = list(tokenizer.apply_chat_template([{"role": "user", "content": sentinel}]))
+    if not prefix or whole[: len(prefix)] != prefix:
+        raise ValueError("the chat template's text before a user's words does not tokenize as its own start")
+    return prefix
 
 
 def split_counts(total: int, mix: dict[str, float]) -> dict[str, int]:
@@ -283,6 +301,31 @@ def generate(
         "stopped_by": stopped_by,
     }
     return examples, stats
+
+
+def self_chat_prompts(
+    model, tokenizer, num_prompts: int, *, batch_size: int, deadline: float = math.inf, seed: int = 0
+) -> tuple[list[list[int]], dict]:
+    """Requests the target writes itself, sampled from its template's user turn (the
+    "Magpie" recipe), each then put through the template for the assistant's turn: topics
+    and phrasings from the target's own distribution, past any fixed list. Turns that do
+    not end within SELF_CHAT_TOKENS, are empty or repeat one already kept are dropped."""
+    eos = set(tokenizer.eos_token_ids)
+    turns, stats = generate(
+        model,
+        [user_turn_prefix(tokenizer)] * num_prompts,
+        max_new_tokens=SELF_CHAT_TOKENS,
+        temperature=SELF_CHAT_TEMPERATURE,
+        eos_ids=eos,
+        topk=0,
+        batch_size=batch_size,
+        deadline=deadline,
+        label="generate (self_chat requests)",
+        seed=seed,
+    )
+    texts = dict.fromkeys(tokenizer.decode(t.completion_ids[:-1]).strip() for t in turns if t.completion_ids[-1] in eos)
+    prompts = [encode_chat(tokenizer, [{"role": "user", "content": text}]) for text in texts if text]
+    return prompts, {**stats, "requests_kept": len(prompts)}
 
 
 def clip(example: Example, max_seq: int) -> Example:

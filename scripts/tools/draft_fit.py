@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import llama
 from mlx_lm.utils import quantize_model, save_config, save_model
 
@@ -148,6 +148,24 @@ def init_from_target(draft: nn.Module, target: nn.Module) -> str:
     draft.set_dtype(mx.float32)
     mx.eval(draft.parameters())
     return f"embedding and final norm copied from the target, and its first {taken} layers"
+
+
+def init_from_draft(draft: nn.Module, saved: nn.Module, path: str) -> str:
+    """Start `draft` from `saved`, an earlier draft of the same shape (dequantized), to
+    train it further on new data; returns what was taken, for the record."""
+    from models.loading import dense_weights
+
+    dense_weights.dequantize(saved)
+    theirs = dict(tree_flatten(saved.parameters()))
+    mine = dict(tree_flatten(draft.parameters()))
+    differ = sorted(
+        k for k in mine.keys() | theirs.keys() if k not in theirs or k not in mine or theirs[k].shape != mine[k].shape
+    )
+    if differ:
+        raise ValueError(f"--init {path!r} holds a draft of another shape (it differs at {differ[0]}); pass its shape")
+    draft.update(tree_unflatten([(k, v.astype(mx.float32)) for k, v in theirs.items()]))
+    mx.eval(draft.parameters())
+    return f"every weight from the draft in {path}"
 
 
 def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:

@@ -3,6 +3,17 @@
 from __future__ import annotations
 
 
+def commands(record: dict) -> list[str]:
+    """The commands that made the draft: an --init draft's own first, then the data
+    command where the data was read from an earlier run, then the training command."""
+    lines = []
+    if record.get("continued_from"):
+        lines += [*commands(record["continued_from"]), "# then, continuing that draft on new data:"]
+    if "command" in record["data"]:
+        lines += [record["data"]["command"], "# then, on the data that command kept:"]
+    return [*lines, record["command"]]
+
+
 def readme(record: dict) -> str:
     """What the draft is, how it was made, how well it drafts, and the command again."""
     d, t, training = record["draft"], record["target"], record["training"]
@@ -63,8 +74,7 @@ def readme(record: dict) -> str:
         f"Command (seed {record['seed']}, {record['device']}, mlx {record['versions']['mlx']}):",
         "",
         "```",
-        *([record["data"]["command"], "# then, on the data that command kept:"] if "command" in record["data"] else []),
-        record["command"],
+        *commands(record),
         "```",
         "",
         "`provenance.json` holds the full record.",

@@ -43,6 +43,7 @@ import numpy as np
 from scripts.tools import draft_data, draft_eval, draft_fit, draft_report
 
 RESERVE_S = 20.0  # kept from training for saving, loading and evaluating the draft
+SELF_CHAT_SHARE = 0.2  # of the data budget, at most, for the target to write its requests
 
 
 class _Parser(argparse.ArgumentParser):
@@ -59,8 +60,8 @@ def parse_mix(text: str) -> dict[str, float]:
     mix = {}
     for part in text.split(","):
         kind, _, weight = part.partition(":")
-        if kind.strip() not in draft_data.PROMPT_KINDS:
-            raise argparse.ArgumentTypeError(f"prompt kind {kind.strip()!r} is not one of {draft_data.PROMPT_KINDS}")
+        if kind.strip() not in draft_data.TRAINING_KINDS:
+            raise argparse.ArgumentTypeError(f"prompt kind {kind.strip()!r} is not one of {draft_data.TRAINING_KINDS}")
         try:
             mix[kind.strip()] = float(weight)
         except ValueError:
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--mix",
         type=parse_mix,
         default=parse_mix("chat:0.5,code_chat:0.25,code:0.25"),
-        help="prompt kinds and their shares (chat, code_chat, code)",
+        help="prompt kinds and their shares (chat, code_chat, code; self_chat: requests the target writes)",
     )
     g.add_argument("--sampled-fraction", type=float, default=0.5, help="share continued by sampling, not greedily")
     g.add_argument("--temperature", type=float, default=0.7, help="for the sampled continuations")
@@ -120,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-heads", type=int, default=2)
     g.add_argument("--head-dim", type=int, default=None, help="default: hidden / heads")
     g = p.add_argument_group("training")
+    g.add_argument(
+        "--init", metavar="DIR", help="continue training the draft in DIR (its shape) rather than start from the target"
+    )
     g.add_argument("--steps", type=int, default=3000)
     g.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per batch")
     g.add_argument("--lr", type=float, default=2e-3)
@@ -175,21 +179,33 @@ def check_args(args: argparse.Namespace) -> None:
 
 def make_data(target, args, deadline: float) -> tuple[list[draft_data.Example], dict]:
     """The target's continuations of the training prompts: greedy ones (each distinct
-    prompt once), then sampled ones, each pass stopping at its share of `deadline`."""
+    prompt once), then sampled ones, each pass stopping at its share of `deadline`. The
+    self_chat kind's requests are written by the target first, in SELF_CHAT_SHARE of it."""
     tokenizer = target.tokenizer
     counts = draft_data.split_counts(args.num_prompts, args.mix)
     by_kind = draft_data.training_prompts(tokenizer, counts, args.seed, args.code_chars)
-    prompts = [p for kind in draft_data.PROMPT_KINDS for p in by_kind[kind]]
+    start, examples, passes = time.monotonic(), [], {}
+    if counts.get("self_chat"):
+        mx.random.seed(args.seed + 2)
+        by_kind["self_chat"], passes["self_chat"] = draft_data.self_chat_prompts(
+            target.model,
+            tokenizer,
+            counts["self_chat"],
+            batch_size=args.gen_batch,
+            deadline=start + SELF_CHAT_SHARE * (deadline - start),
+            seed=args.seed,
+        )
+        print(f"generate (self_chat requests): {passes['self_chat']}", flush=True)
+    prompts = [p for kind in draft_data.TRAINING_KINDS for p in by_kind.get(kind, ())]
     # Kinds interleaved: a pass the deadline stops keeps the mix, not just the first kinds.
     prompts = [prompts[i] for i in np.random.default_rng(args.seed).permutation(len(prompts))]
     sampled = draft_data.assign_sampled(len(prompts), args.sampled_fraction, args.seed)
     greedy = list(dict.fromkeys(tuple(p) for p, s in zip(prompts, sampled) if not s))
     sampled_prompts = [p for p, s in zip(prompts, sampled) if s]
     eos = sorted(tokenizer.eos_token_ids)
-    start, examples, passes = time.monotonic(), [], {}
-    share = len(greedy) / max(1, len(greedy) + len(sampled_prompts))
+    share, now = len(greedy) / max(1, len(greedy) + len(sampled_prompts)), time.monotonic()
     for name, group, temp, end in (
-        ("greedy", [list(p) for p in greedy], 0.0, start + share * (deadline - start)),
+        ("greedy", [list(p) for p in greedy], 0.0, now + share * (deadline - now)),
         ("sampled", sampled_prompts, args.temperature, deadline),
     ):
         if not group:
@@ -336,7 +352,12 @@ def run(args: argparse.Namespace) -> dict:
 
     mx.random.seed(args.seed)
     draft = draft_fit.build(config)
-    init = draft_fit.init_from_target(draft, target.model)
+    if args.init:
+        earlier = load_model(args.init, "draft")
+        check_same_vocabulary(target, earlier)
+        init = draft_fit.init_from_draft(draft, earlier.model, args.init)
+    else:
+        init = draft_fit.init_from_target(draft, target.model)
     params = draft_fit.num_params(draft)
     embed = draft.model.embed_tokens.weight.size
     print(
@@ -411,6 +432,7 @@ def run(args: argparse.Namespace) -> dict:
             **files,
         },
         "data": data_stats,
+        "continued_from": _provenance(args.init) if args.init else None,
         "training": {
             **training,
             "loss_first": training["loss_curve"][0]["loss"] if training["loss_curve"] else None,
@@ -429,6 +451,15 @@ def run(args: argparse.Namespace) -> dict:
     with open(os.path.join(args.out, "README.md"), "w") as f:
         f.write(draft_report.readme(record))
     return record
+
+
+def _provenance(path: str) -> dict | None:
+    """The record of the draft in `path`, when train_draft wrote one."""
+    try:
+        with open(os.path.join(path, "provenance.json")) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
 
 
 def _version(dist: str) -> str:

@@ -386,3 +386,28 @@ def test_the_slab_takes_smollm2_in_half_precision_and_refuses_a_layout_bug(smoll
     monkeypatch.setattr(slab.Slab, "forward", rows_rotated)
     why = slab.check_support(target.model, token_ids=ids)
     assert why is not None and "differs from separate ones" in why, why
+
+
+def test_smollm2_writes_requests_of_its_own_to_train_a_draft_on(smollm2_dir):
+    """train_draft's self_chat kind: SmolLM2 continues its template's user turn into
+    requests, each then rendered for the assistant's turn like any other chat prompt."""
+    import mlx.core as mx
+
+    from models.loading import dense_weights
+    from models.loading.loader import load_pair
+    from scripts.tools import draft_data
+
+    target, _ = load_pair(smollm2_dir, None)
+    dense_weights.apply(target.model, target.name, None)
+    tokenizer = target.tokenizer
+    prefix = draft_data.user_turn_prefix(tokenizer)
+    assert tokenizer.decode(prefix).endswith("<|im_start|>user\n")
+    mx.random.seed(0)
+    prompts, stats = draft_data.self_chat_prompts(target.model, tokenizer, 8, batch_size=8)
+    assert stats["prompts"] == 8 and stats["requests_kept"] == len(prompts) >= 4
+    texts = [tokenizer.decode(p) for p in prompts]
+    assert len(set(texts)) == len(texts)
+    for ids, text in zip(prompts, texts):
+        assert ids[: len(prefix)] == prefix and text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+        request = text[len(tokenizer.decode(prefix)) : -len("<|im_end|>\n<|im_start|>assistant\n")]
+        assert request.strip() and "<|im_start|>" not in request

@@ -60,14 +60,17 @@ TOY = [
 @pytest.fixture(scope="module")
 def drafts(tmp_path_factory):
     """{name: output dir}: runs "a" and "b" with seed 0, "other" with seed 1, "cached" with
-    seed 0 from data a --data-only run wrote (in "data")."""
+    seed 0 from data a --data-only run wrote (in "data"), "continued" from "a" on prompts
+    that include requests the target writes itself."""
     root = tmp_path_factory.mktemp("drafts")
-    out = {name: str(root / name) for name in ("a", "b", "other", "cached", "data")}
+    out = {name: str(root / name) for name in ("a", "b", "other", "cached", "data", "continued")}
     for name, seed in (("a", 0), ("b", 0), ("other", 1)):
         assert train_draft.main(["--target", TARGET, "--out", out[name], "--seed", str(seed), *TOY]) == 0
     for extra in (["--data-only"], []):
         args = ["--target", TARGET, "--out", out["cached"], "--data", out["data"], *TOY, *extra]
         assert train_draft.main(args) == 0
+    args = ["--target", TARGET, "--out", out["continued"], "--init", out["a"], *TOY, "--mix", "chat:1,self_chat:1"]
+    assert train_draft.main(args) == 0
     return out
 
 
@@ -138,6 +141,40 @@ def test_the_provenance_records_the_run(drafts):
     assert record["decode_step_ms"]["draft"] > 0 and record["draft"]["weight_file_bytes"] > 0
     with open(os.path.join(drafts["a"], "README.md")) as f:
         assert "kind: draft_model" in f.read()
+
+
+def test_a_continued_draft_starts_from_the_earlier_one_and_records_it(drafts):
+    """--init takes every weight of the earlier draft (its 8-bit weights dequantized), and
+    the record and README carry the earlier draft's commands before the new one."""
+    from pathlib import Path
+
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_config
+
+    from models.loading import dense_weights
+    from models.loading.loader import load_model
+
+    with open(os.path.join(drafts["a"], "provenance.json")) as f:
+        earlier = json.load(f)
+    with open(os.path.join(drafts["continued"], "provenance.json")) as f:
+        record = json.load(f)
+    assert record["continued_from"] == earlier and record["draft"]["init"].startswith("every weight from the draft")
+    assert record["data"]["prompts_per_kind"] == {"chat": 6, "self_chat": 6}
+    assert record["data"]["passes"]["self_chat"]["prompts"] == 6
+    with open(os.path.join(drafts["continued"], "README.md")) as f:
+        text = f.read()
+    assert text.index(earlier["command"]) < text.index("continuing that draft") < text.index(record["command"])
+
+    config = {k: v for k, v in load_config(Path(drafts["a"])).items() if not k.startswith("quantization")}
+    draft = draft_fit.build(config)
+    draft_fit.init_from_draft(draft, load_model(drafts["a"], "draft").model, drafts["a"])
+    again = load_model(drafts["a"], "draft")
+    assert dense_weights.dequantize(again.model) > 0
+    expected = dict(tree_flatten(again.model.parameters()))
+    for name, value in tree_flatten(draft.parameters()):
+        assert value.dtype == mx.float32 and mx.array_equal(value, expected[name].astype(mx.float32)), name
+    with pytest.raises(ValueError, match="another shape"):
+        draft_fit.init_from_draft(draft_fit.build({**config, "hidden_size": 32}), again.model, "x")
 
 
 def test_the_draft_drafts_and_streams_equal_classic_decode(drafts):

@@ -40,6 +40,7 @@ from scheduler.costs import (
     TickCosts,
     draft_net,
     drafts_pay,
+    match_prior,
     row_draft_budget,
     share_drafts,
     step_draft_budget,
@@ -671,12 +672,16 @@ class SlabBatch:
             s.withheld = False
         if self._nobody_pays(len(streams)):
             return [[] for _ in streams]
-        # What each row's lookup would propose (uncounted), so that its drafts are priced
-        # by the record of their kind of match where there is one (`_alpha`).
-        peeks = [[] if s.index is None else self._propose(s, self.num_draft_tokens, count=False) for s in streams]
+        # What each row's lookup proposes, so that its drafts are priced by the record of
+        # their kind of match where there is one (`_alpha`); a row drafts a prefix of it.
+        peeks = [[] if s.index is None else self._propose(s, self.num_draft_tokens) for s in streams]
         alphas = [None if s.index is None else self._alpha(s) for s in streams]
         budgets = self._row_budgets(streams, alphas)
-        out = [s.sampler.allowed_drafts(self._propose(s, k)) if k else [] for s, k in zip(streams, budgets)]
+        if self.replica_index is not None:
+            for s, k in zip(streams, budgets):
+                if k:
+                    self.replica_index.count(s.match[0] == "replica")
+        out = [s.sampler.allowed_drafts(peek[:k]) if k else [] for s, k, peek in zip(streams, budgets, peeks)]
         # Only a row kept from drafts it had relaxes its estimate: steps in which prose
         # offers no n-gram say nothing about how its next drafts will fare.
         for s, k, peek in zip(streams, budgets, peeks):
@@ -700,12 +705,13 @@ class SlabBatch:
             s.denied = 0 if n or not d else s.denied + 1
         return [d[:n] for d, n in zip(out, given)]
 
-    def _propose(self, stream: _Stream, k: int, count: bool = True) -> list[int]:
+    def _propose(self, stream: _Stream, k: int) -> list[int]:
         """A row's k drafts: from the replica's past outputs where its last tokens match
         one at least `replica_index.min_ngram` long, else from its own prompt and output.
-        Sets the row's `match` (where they came from, and how long a suffix matched)."""
+        Sets the row's `match` (where they came from, and how long a suffix matched).
+        Uncounted in the replica index's stats: `_drafts` counts the ones rows use."""
         if self.replica_index is not None:
-            drafts = self.replica_index.propose(stream.index.history, k, count)
+            drafts = self.replica_index.propose(stream.index.history, k, count=False)
             if drafts:
                 stream.match = ("replica", self.replica_index.last_match)
                 return drafts
@@ -716,9 +722,10 @@ class SlabBatch:
     def _alpha(self, stream: _Stream) -> float:
         """The per-draft acceptance a row's drafts are priced at: the record of drafts from
         the kind of match its last proposal found, once that has enough verifies, else
-        the row's own estimate."""
+        the row's own estimate, capped by what such a match is expected to land
+        (`scheduler.costs.match_prior`)."""
         by_match = self.match_acceptance[stream.sampler.is_greedy].alpha(stream.match)
-        return stream.acceptance.alpha if by_match is None else by_match
+        return min(stream.acceptance.alpha, match_prior(stream.match)) if by_match is None else by_match
 
     def _sample(
         self, streams: list[_Stream], logits: list[mx.array], drafts: list[list[int]]

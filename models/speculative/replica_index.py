@@ -91,6 +91,11 @@ class ReplicaIndex:
                 return out
         return []
 
+    def count(self, hit: bool) -> None:
+        """A proposal that a peek (`propose(..., count=False)`) made, counted once used."""
+        self.num_proposals += 1
+        self.num_hits += hit
+
     def stats(self) -> dict:
         return {
             "tokens": self._size,

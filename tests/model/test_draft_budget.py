@@ -19,6 +19,16 @@ pytestmark = pytest.mark.model
 COSTS = TickCosts({1: 11.0, 2: 12.0, 4: 14.0}, {0: 17.4, 2: 18.4}, 0.0, {2: 24.8, 4: 39.6})
 
 
+def land_every_match(batch, accepted: bool = True) -> None:
+    """Give every kind of a row's own match a long record of greedy drafts that all land
+    (`accepted`) or all miss, so rows are priced by it rather than by `match_prior`."""
+    from scheduler.costs import MATCH_MIN_VERIFIES
+
+    for n in range(1, 4):
+        for _ in range(8 * MATCH_MIN_VERIFIES):
+            batch.match_acceptance[True].record(("own", n), 4, 4 if accepted else 0)
+
+
 def test_the_budget_goes_by_lane_and_the_skip_cap_bounds_who_waits(loaded, monkeypatch):
     assert verify_costs(COSTS, 4) == pytest.approx((10.0, 1.0, 1.6, 0.0, 0.0))
     assert step_draft_budget(3, verify_costs(COSTS, 4), 0.5) == 4
@@ -39,6 +49,7 @@ def test_the_budget_goes_by_lane_and_the_skip_cap_bounds_who_waits(loaded, monke
     ]
     batch = SlabBatch(target.model, eos_token_ids=eos, row_drafts=True)
     batch.costs, batch.skip_cap, batch.draft_step_share = COSTS, 2, 0.5
+    land_every_match(batch)
     out, reasons, steps = {r.request_id: [] for r in requests}, {}, []
     for b in batch.prefill(requests):
         out[b.request_id] += b.token_ids
@@ -168,7 +179,7 @@ def test_a_rows_drafts_are_priced_by_the_record_of_their_kind_of_match(loaded):
     record, not by the row's own rounds: a row whose own estimate is at the prior does not
     draft from matches that have failed, and one whose own estimate has collapsed still
     drafts from matches that land. The stream stays what classic decode emits."""
-    from scheduler.costs import MATCH_MIN_VERIFIES, RowAcceptance
+    from scheduler.costs import RowAcceptance
 
     target = loaded[0]
     eos = sorted(target.tokenizer.eos_token_ids)
@@ -178,11 +189,7 @@ def test_a_rows_drafts_are_priced_by_the_record_of_their_kind_of_match(loaded):
     def run(match_alpha: float, own_alpha: float) -> tuple[list[int], int, set]:
         batch = SlabBatch(target.model, eos_token_ids=eos, row_drafts=True)
         batch.costs = COSTS
-        record = batch.match_acceptance[True]
-        keys = [("own", n) for n in range(1, 4)]
-        for key in keys:  # every kind of match has a long record at `match_alpha`
-            for _ in range(8 * MATCH_MIN_VERIFIES):
-                record.record(key, 4, 4 if match_alpha > 0.5 else 0)
+        land_every_match(batch, match_alpha > 0.5)
         out = [t for b in batch.prefill([request]) for t in b.token_ids]
         batch._streams["r"].acceptance = RowAcceptance(own_alpha, 1.0 - own_alpha)
         drafted, matches = 0, set()
@@ -200,3 +207,25 @@ def test_a_rows_drafts_are_priced_by_the_record_of_their_kind_of_match(loaded):
     out, drafted, matches = run(match_alpha=1.0, own_alpha=0.05)
     assert drafted > 0 and out == expected
     assert matches <= {("own", n) for n in range(1, 4)} | {None}
+
+
+def test_until_a_kind_of_match_has_a_record_its_length_caps_a_rows_price(loaded):
+    """A fresh replica prices a row's drafts from a one-token match at `match_prior`'s
+    cap, not at the row's optimistic start; a row's own lower estimate and a kind's own
+    record, once there, take over."""
+    from scheduler.costs import RowAcceptance, match_prior
+
+    target = loaded[0]
+    batch = SlabBatch(target.model, eos_token_ids=sorted(target.tokenizer.eos_token_ids), row_drafts=True)
+    batch.prefill([Request("r", list(target.tokenizer.encode(REPEATING)), SamplingParams(max_tokens=8))])
+    stream = batch._streams["r"]
+    stream.acceptance = RowAcceptance(0.8, 0.2)
+    for match in (("own", 1), ("own", 2), ("own", 3), ("replica", 4)):
+        stream.match = match
+        assert batch._alpha(stream) == pytest.approx(min(0.8, match_prior(match)))
+    assert match_prior(("own", 1)) < match_prior(("own", 3)) < 0.8
+    stream.acceptance = RowAcceptance(0.1, 0.9)
+    assert batch._alpha(stream) == pytest.approx(0.1)
+    land_every_match(batch)
+    stream.match = ("own", 1)
+    assert batch._alpha(stream) > 0.95

@@ -7,8 +7,12 @@ def commands(record: dict) -> list[str]:
     """The commands that made the draft: an --init draft's own first, then the data
     command where the data was read from an earlier run, then the training command."""
     lines = []
-    if record.get("continued_from"):
-        lines += [*commands(record["continued_from"]), "# then, continuing that draft on new data:"]
+    earlier = record.get("continued_from")
+    if earlier:
+        lines += [
+            *commands(earlier),
+            f"# then, continuing that draft on new data (--init: where it was written, {earlier['args']['out']}):",
+        ]
     if "command" in record["data"]:
         lines += [record["data"]["command"], "# then, on the data that command kept:"]
     return [*lines, record["command"]]

@@ -163,7 +163,8 @@ def test_a_continued_draft_starts_from_the_earlier_one_and_records_it(drafts):
     assert record["data"]["passes"]["self_chat"]["prompts"] == 6
     with open(os.path.join(drafts["continued"], "README.md")) as f:
         text = f.read()
-    assert text.index(earlier["command"]) < text.index("continuing that draft") < text.index(record["command"])
+    continuing = f"continuing that draft on new data (--init: where it was written, {earlier['args']['out']})"
+    assert text.index(earlier["command"]) < text.index(continuing) < text.index(record["command"])
 
     config = {k: v for k, v in load_config(Path(drafts["a"])).items() if not k.startswith("quantization")}
     draft = draft_fit.build(config)

@@ -4,14 +4,15 @@
         --out drafts/smollm2 --max-minutes 9
 
 1. data (`scripts.tools.draft_data`): training-side prompts (chat questions, chat requests
-   about code, raw code; `scripts.bench.prompts`), chat ones through the target's template;
-   the target continues each, greedily or sampled at --temperature, batched, keeping its
+   about code, raw code; `scripts.bench.prompts`; with `self_chat` in --mix, requests the
+   target writes itself), chat ones through the target's template; the target continues each, greedily or sampled at --temperature, batched, keeping its
    top-k log-probabilities per generated token. It also writes its greedy continuations
    of the held-out evaluation prompts. With --data DIR the continuations are kept there and
    a later run with the same target and data arguments trains on them; --data-only spends
    the whole budget generating, so data and training can take one command each.
 2. draft (`scripts.tools.draft_fit`): the target's family, --layers x --hidden, tied embedding
-   started from the target's; trained on completion tokens only (cross-entropy on the
+   started from the target's (or, with --init DIR, every weight from an earlier draft of that
+   shape); trained on completion tokens only (cross-entropy on the
    target's tokens mixed with its top-k distribution, --kd-weight).
 3. output: an mlx-lm directory (config.json, model.safetensors, the target's tokenizer
    files; quantized with --bits) that `models.loading.loader.load_model` loads and that passes
@@ -344,20 +345,21 @@ def run(args: argparse.Namespace) -> dict:
         head_dim=args.head_dim,
     )
 
+    if not args.data_only:  # before the data: a draft --init cannot continue fails in seconds
+        mx.random.seed(args.seed)
+        draft = draft_fit.build(config)
+        if args.init:
+            earlier = load_model(args.init, "draft")
+            check_same_vocabulary(target, earlier)
+            init = draft_fit.init_from_draft(draft, earlier.model, args.init)
+        else:
+            init = draft_fit.init_from_target(draft, target.model)
+
     gen_share = 0.97 if args.data_only else args.gen_share  # data only: all but saving the data
     examples, eval_sets, data_stats = load_or_generate_data(target, args, t0, t0 + gen_share * args.max_minutes * 60)
     if args.data_only:
         return {"data": data_stats, "seconds": round(time.monotonic() - t0, 1)}
     examples = [draft_data.clip(e, args.max_seq) for e in examples]
-
-    mx.random.seed(args.seed)
-    draft = draft_fit.build(config)
-    if args.init:
-        earlier = load_model(args.init, "draft")
-        check_same_vocabulary(target, earlier)
-        init = draft_fit.init_from_draft(draft, earlier.model, args.init)
-    else:
-        init = draft_fit.init_from_target(draft, target.model)
     params = draft_fit.num_params(draft)
     embed = draft.model.embed_tokens.weight.size
     print(

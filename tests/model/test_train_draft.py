@@ -213,6 +213,17 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert "missing" in lines[0] and "--kv-heads" in lines[1] and "poetry" in lines[2]
 
 
+def test_a_draft_init_cannot_continue_is_one_line_before_any_data(drafts, tmp_path, capsys):
+    out, data = str(tmp_path / "d"), str(tmp_path / "data")
+    common = ["--target", TARGET, "--out", out, "--data", data, *TOY]
+    assert train_draft.main([*common, "--init", str(tmp_path / "missing")]) == 2
+    assert train_draft.main([*common, "--init", drafts["a"], "--hidden", "32"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith("train_draft: error: ") for line in lines), lines
+    assert "missing" in lines[0] and "another shape" in lines[1]
+    assert not os.path.exists(data)
+
+
 @pytest.mark.parametrize("module", [draft_data, draft_eval, draft_fit, train_draft])
 def test_docstring_examples_hold(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)

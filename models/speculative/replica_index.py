@@ -76,23 +76,24 @@ class ReplicaIndex:
         self.last_match = 0
         if k <= 0:
             return []
-        self.num_proposals += count
+        out = []
         tail = list(context[-self.max_ngram :])
         for n in range(min(self.max_ngram, len(tail)), self.min_ngram - 1, -1):
             at = self._starts.get(tuple(tail[-n:]))
             if at is not None:
                 self.last_match = n
-                out = []
                 for token in self._tokens[at : at + k]:
                     if token is None:
                         break
                     out.append(token)
-                self.num_hits += count
-                return out
-        return []
+                break
+        if count:
+            self.count(self.last_match > 0)
+        return out
 
     def count(self, hit: bool) -> None:
-        """A proposal that a peek (`propose(..., count=False)`) made, counted once used."""
+        """One proposal in `stats` (a hit: its suffix matched); a peek
+        (`propose(..., count=False)`) is counted this way once it is used."""
         self.num_proposals += 1
         self.num_hits += hit
 

@@ -5,15 +5,16 @@
 
 1. data (`scripts.tools.draft_data`): training-side prompts (chat questions, chat requests
    about code, raw code; `scripts.bench.prompts`; with `self_chat` in --mix, requests the
-   target writes itself), chat ones through the target's template; the target continues each, greedily or sampled at --temperature, batched, keeping its
-   top-k log-probabilities per generated token. It also writes its greedy continuations
+   target writes itself), chat ones through the target's template; the target continues
+   each, greedily or sampled at --temperature, batched, keeping its top-k
+   log-probabilities per generated token. It also writes its greedy continuations
    of the held-out evaluation prompts. With --data DIR the continuations are kept there and
    a later run with the same target and data arguments trains on them; --data-only spends
    the whole budget generating, so data and training can take one command each.
 2. draft (`scripts.tools.draft_fit`): the target's family, --layers x --hidden, tied embedding
    started from the target's (or, with --init DIR, every weight from an earlier draft of that
-   shape); trained on completion tokens only (cross-entropy on the
-   target's tokens mixed with its top-k distribution, --kd-weight).
+   shape); trained on completion tokens only (cross-entropy on the target's tokens mixed
+   with its top-k distribution, --kd-weight).
 3. output: an mlx-lm directory (config.json, model.safetensors, the target's tokenizer
    files; quantized with --bits) that `models.loading.loader.load_model` loads and that passes
    `check_same_vocabulary`, plus provenance.json and README.md.

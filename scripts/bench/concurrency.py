@@ -97,7 +97,7 @@ def one_run(
             f"s{i}",
             p,
             n,
-            after_request=f"s{i - concurrency}" if i >= concurrency else None,
+            after_finishes=max(i - concurrency + 1, 0),
             sampling=dict(temperature=temperature, seed=i) if temperature and (i % 2 or not mixed) else {},
         )
         for i, (p, n) in enumerate(zip(prompts, lengths))

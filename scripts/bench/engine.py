@@ -97,6 +97,7 @@ class Arrival:
     lane: Lane = Lane.NORMAL
     after_tokens: int = 0  # submit once this many tokens were emitted in total
     after_request: str | None = None  # ... and this request finished
+    after_finishes: int = 0  # ... and this many requests finished (a closed loop's shared queue)
     sampling: dict = field(default_factory=dict)  # SamplingParams fields besides max_tokens (greedy: none)
 
 
@@ -128,7 +129,11 @@ def drive(
     num_grants = 0
     for tick_index in range(max_ticks):
         due = [
-            a for a in pending if emitted >= a.after_tokens and (a.after_request is None or a.after_request in finished)
+            a
+            for a in pending
+            if emitted >= a.after_tokens
+            and (a.after_request is None or a.after_request in finished)
+            and len(finished) >= a.after_finishes
         ]
         for a in due:
             pending.remove(a)

@@ -134,3 +134,35 @@ def test_concurrency_mixed_workload_samples_every_other_request(tmp_path, monkey
         assert [a.sampling for a in arrivals] == [
             dict(temperature=0.7, seed=i) if i % 2 else {} for i in range(len(arrivals))
         ]
+
+
+@pytest.mark.skipif(not BUNDLED, reason="bundled pair not present")
+def test_closed_loop_replaces_whichever_request_finishes(monkeypatch):
+    """Scenario 6's closed loop is one queue, as `vllm bench serve --max-concurrency` runs:
+    the next request starts when any request finishes. Per-stream chains would tie each
+    stream to one kind of request under `--workload mixed` (an even concurrency keeps the
+    sampled requests on their own streams, whose time then bounds the run)."""
+    from scheduler.config import SchedulerConfig
+    from scripts.bench import concurrency as bench_concurrency
+    from scripts.bench.engine import drive, load_runner
+    from scripts.bench.prompts import token_prompts
+
+    runner = load_runner(drafter="ngram", max_batch_size=2)
+    prompts = token_prompts(runner.tokenizer, 4, 1, num_tokens=24)
+    seen = []
+    inner = bench_concurrency.drive
+    monkeypatch.setattr(
+        bench_concurrency,
+        "drive",
+        lambda runner, config, arrivals: seen.append(arrivals) or inner(runner, config, arrivals),
+    )
+    bench_concurrency.one_run(runner, "classic", prompts, 2, 16, grant_rounds=8, temperature=0.7, mixed=True)
+    assert [(a.after_request, a.after_finishes) for a in seen[0]] == [(None, 0), (None, 0), (None, 1), (None, 2)]
+    # The long first request is still running when the short second one's successor starts.
+    arrivals = [
+        bench_concurrency.Arrival("long", prompts[0], 40),
+        bench_concurrency.Arrival("short", prompts[1], 4),
+        bench_concurrency.Arrival("next", prompts[2], 4, after_finishes=1),
+    ]
+    records = drive(runner, SchedulerConfig(b1_policy="off"), arrivals).records
+    assert records["short"]["finish_s"] <= records["next"]["arrival_s"] < records["long"]["finish_s"]

@@ -21,7 +21,7 @@ from models.batch.protocol import ClassicRows
 from models.forward import bucketed, ragged, slab, tick_costs
 from models.loading import dense_weights, fused_projections
 from models.loading.loader import LoadedModel, load_pair
-from models.platform import _blas, device_memory
+from models.platform import _blas, device_memory, startup
 from models.runner_build import hardware_name  # noqa: F401 (re-exported)
 from models.runner_config import RunnerConfig
 from models.sampling.grammar import Grammars
@@ -65,7 +65,8 @@ class MlxRunner:
         self.eos_token_ids: list[int] = sorted(self.tokenizer.eos_token_ids)
         self.grammars = Grammars.for_tokenizer(self.tokenizer, self.eos_token_ids)  # constrained requests' compiler
         tic = time.perf_counter()
-        self.grammars.index()  # here, not at the first constrained request on the engine thread
+        with startup.phase("grammar index"):
+            self.grammars.index()  # here, not at the first constrained request on the engine thread
         log.debug("grammar index of %d tokens built in %.2f s", len(self.tokenizer.vocab), time.perf_counter() - tic)
         self.max_context = target.max_context
         self.num_draft_tokens = num_draft_tokens
@@ -93,7 +94,8 @@ class MlxRunner:
         if self._verifier is not None:
             self.fuse_blocker = "the slot verifies through the compiled GPU path (fast_verify)"
         elif self.fuse_blocker is None:
-            self.fuse_blocker = slab.check_support(target.model, token_ids=target.tokenizer.encode(slab.CHECK_TEXT))
+            with startup.phase("slab check"):
+                self.fuse_blocker = slab.check_support(target.model, token_ids=target.tokenizer.encode(slab.CHECK_TEXT))
         self._classic: ClassicRows = runner_build.make_classic_batch(
             target.model,
             config,
@@ -113,14 +115,16 @@ class MlxRunner:
             # On a GPU the sampler's and the verify's kernels compile on first use (seconds
             # for the first sampled request without this; the kernel cache keeps them).
             tic = time.perf_counter()
-            runner_build.run_warm_batch(self)
+            with startup.phase("warm requests"):
+                runner_build.run_warm_batch(self)
             log.info("warm requests ran in %.1f s", time.perf_counter() - tic)
         if self._verifier is not None:
             warm_positions = config.warm_positions
             if warm_positions is None:
                 warm_positions = min(self.max_context, 2048)
             if warm_positions > 0:
-                self.warm(warm_positions)
+                with startup.phase("compiled verify"):
+                    self.warm(warm_positions)
 
     @property
     def fast_verify(self) -> bool:
@@ -197,11 +201,12 @@ class MlxRunner:
         if kind is not None and kind.needs_weights and not drafter_path:
             raise ValueError(f"drafter_kind {drafter_kind!r} needs drafter_path")
         device_memory.bound_cache()
-        target, draft = load_pair(target_path, drafter_path if kind is not None and kind.needs_weights else None)
-        for loaded in (target, draft):
-            if loaded is not None:
-                dense_weights.apply(loaded.model, loaded.name, config.dense_weights)
-                fused_projections.apply(loaded.model, loaded.name, config.fused_projections)
+        with startup.phase("weights"):
+            target, draft = load_pair(target_path, drafter_path if kind is not None and kind.needs_weights else None)
+            for loaded in (target, draft):
+                if loaded is not None:
+                    dense_weights.apply(loaded.model, loaded.name, config.dense_weights)
+                    fused_projections.apply(loaded.model, loaded.name, config.fused_projections)
         if mx.default_device() == mx.cpu:
             changed = _blas.fit_threads(sum(v.nbytes for _, v in tree_flatten(target.model.parameters())))
             if changed:
@@ -317,9 +322,10 @@ class MlxRunner:
             return None
         if self._tick_costs is None:
             vocab = getattr(getattr(self.target.model, "args", None), "vocab_size", 256)
-            self._tick_costs = tick_costs.measure(
-                self.target.model, self._slot.drafter, self.num_draft_tokens, self._classic_rows_cap, vocab
-            )
+            with startup.phase("tick costs"):
+                self._tick_costs = tick_costs.measure(
+                    self.target.model, self._slot.drafter, self.num_draft_tokens, self._classic_rows_cap, vocab
+                )
         return self._tick_costs
 
     def spec_round_with_decode(

@@ -54,6 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     if not os.environ.get("RAY_ADDRESS"):
         for name, value in LOCAL_RAY_ENV.items():
             os.environ.setdefault(name, value)
+    phases: dict[str, float] = {}  # where the start goes, logged with the ready line
+    mark = [time.perf_counter()]
+
+    def done(name: str) -> None:
+        now = time.perf_counter()
+        phases[name] = now - mark[0]
+        mark[0] = now
+
     import models  # noqa: F401  (fast BLAS before anything imports mlx)
     from serve_app.deployment.launch import LaunchError, app_targets, precheck, read_config, wait_until_ready
 
@@ -63,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as exc:
         return _fail(str(exc))
     _log_to_stderr()
+    done("checks")
 
     import ray
     from ray.serve.scripts import cli
@@ -71,13 +80,15 @@ def main(argv: list[str] | None = None) -> int:
         # "local" always starts a fresh instance: with no address, ray.init joins the
         # cluster recorded under /tmp/ray, which may be another user's or a dead one.
         ray.init(address=os.environ.get("RAY_ADDRESS") or "local", namespace="serve", include_dashboard=False)
+    done("Ray")
     # After ray.init, which installs its own SIGTERM handler (a bare sys.exit).
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
     rc = 1  # what an unexpected exception exits with, after the shutdown below
     try:
         cli.main(["run", "--non-blocking", config_path], prog_name="serve", standalone_mode=False)
-        wait_until_ready(app_targets(config))
+        done("Serve deploy")
+        wait_until_ready(app_targets(config), phases=phases)
         while True:  # serve until a signal; Ray streams the replicas' logs meanwhile
             time.sleep(3600)
     except LaunchError as exc:

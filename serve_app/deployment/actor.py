@@ -35,8 +35,10 @@ def build_engine(args: ServeArgs):
     Returns (engine, info): `info` is filled with what the HTTP layer needs once the
     runner exists (after `engine.start()`).
     """
-    from models.platform import kernel_cache
+    from models.platform import kernel_cache, startup
 
+    started = time.perf_counter()
+    startup.reset()
     home = kernel_cache.use(args.kernel_cache_dir)  # before anything touches the GPU
     if args.prebuild_kernels:
         kernel_cache.prebuild(home, args.model)
@@ -75,6 +77,9 @@ def build_engine(args: ServeArgs):
             logger.info("fused tick on: %s", runner.tick_costs().to_dict())
         elif args.tick_mode == "fused":
             logger.info("fused tick on (b1_policy %s: no cost gate)", args.b1_policy)
+        # From this actor's start (imports and the runner's load) to a runner that serves.
+        info["startup_s"] = {"scheduler actor": time.perf_counter() - started, **startup.seconds()}
+        logger.info("start: %s", ", ".join(f"{name} {s:.1f} s" for name, s in info["startup_s"].items()))
         return runner
 
     return Engine(runner_factory, args.scheduler_config()), info

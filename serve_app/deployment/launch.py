@@ -18,7 +18,7 @@ from typing import Callable
 
 import yaml
 
-from serve_app.deployment.ready import last_error_line, ready_line
+from serve_app.deployment.ready import last_error_line, ready_line, startup_line
 
 logger = logging.getLogger("specslot")
 
@@ -106,9 +106,13 @@ def wait_until_ready(
     probe: Callable[[str], tuple[int, dict] | None] = probe_health,
     statuses: Callable[[], dict[str, tuple[str, str]]] = serve_app_statuses,
     interval_s: float = 0.5,
+    phases: dict[str, float] | None = None,
 ) -> list[str]:
     """Block until every app's /health is 200; log and return one ready line per app.
+    `phases`: the seconds the CLI spent before this, by phase; with them, each ready line
+    is followed by where the start went (`startup_line`; the wait is its "replica" phase).
     Raises LaunchError on a failed model load or a failed Serve application."""
+    waiting = time.perf_counter()
     pending = {t.name: t for t in targets}
     lines = []
     while pending:
@@ -126,6 +130,8 @@ def wait_until_ready(
             if code == 200:
                 lines.append(ready_line(target.base_url, body))
                 logger.info(lines[-1])
+                if phases is not None:
+                    logger.info(startup_line({**phases, "replica": time.perf_counter() - waiting}, body))
                 del pending[name]
         if pending:
             time.sleep(interval_s)

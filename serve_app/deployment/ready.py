@@ -40,13 +40,16 @@ def speculation_status(args: ServeArgs, info: dict) -> tuple[bool, str]:
 def health_body(args: ServeArgs, info: dict) -> dict:
     """The 200 body of /health once the model is loaded."""
     on, why = speculation_status(args, info)
-    return {
+    body = {
         "status": "ok",
         "model": args.model_name,
         "drafter": drafter_label(args),
         "speculation": "on" if on else "off",
         "speculation_reason": why,
     }
+    if info.get("startup_s"):  # the scheduler actor's load, by phase (`models.platform.startup`)
+        body["startup_s"] = {name: round(s, 2) for name, s in info["startup_s"].items()}
+    return body
 
 
 def ready_line(base_url: str, body: dict) -> str:
@@ -56,6 +59,23 @@ def ready_line(base_url: str, body: dict) -> str:
         f"drafter {body.get('drafter')}, speculation {body.get('speculation')} "
         f"({body.get('speculation_reason')})"
     )
+
+
+def startup_line(phases: dict[str, float], body: dict) -> str:
+    """Where the start went, for the operator: the CLI's own phases (`phases`, seconds, in
+    order, the last one ending at ready) and the scheduler actor's, from the /health body.
+    >>> startup_line({"checks": 1.0, "replica": 9.0}, {"startup_s": {"scheduler actor": 6.0, "weights": 2.0}})
+    'specslot started in 10.0 s: checks 1.0 s, replica 9.0 s (scheduler actor 6.0 s: weights 2.0 s)'
+    """
+    text = f"specslot started in {sum(phases.values()):.1f} s: " + ", ".join(
+        f"{k} {v:.1f} s" for k, v in phases.items()
+    )
+    actor = dict(body.get("startup_s") or {})
+    if actor:
+        total = actor.pop("scheduler actor", None)
+        inner = ", ".join(f"{k} {v:.1f} s" for k, v in actor.items())
+        text += f" (scheduler actor {total:.1f} s: {inner})" if total is not None else f" ({inner})"
+    return text
 
 
 def last_error_line(message: str) -> str:

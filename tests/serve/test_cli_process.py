@@ -65,7 +65,14 @@ def test_cli_prints_one_ready_line_and_a_group_sigterm_ends_everything(tmp_path)
             f"specslot ready at http://127.0.0.1:{port}/v1 — model specslot-bundled, "
             "drafter ngram, speculation on (fused tick)"
         ]
-        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()["speculation"] == "on"
+        # Where the start went: the CLI's phases, then the scheduler actor's load by phase.
+        started = [line for line in log_path.read_text(errors="replace").splitlines() if "specslot started in" in line]
+        assert len(started) == 1 and all(
+            f"{phase} " in started[0] for phase in ("checks", "Ray", "Serve deploy", "replica", "scheduler actor")
+        ), started
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()
+        assert health["speculation"] == "on"
+        assert {"scheduler actor", "weights", "slab check", "tick costs"} <= set(health["startup_s"])
         # Ray starts its workers in their own sessions: follow the replica and its actor too.
         replica = httpx.get(f"http://127.0.0.1:{port}/v1/internal/scheduler", timeout=5).json()["replica"]
         worker_pids = [replica["pid"], replica["scheduler_pid"]]

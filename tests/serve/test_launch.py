@@ -164,6 +164,17 @@ def test_wait_until_ready_logs_one_ready_line_once_health_is_200(caplog):
     assert set(probed) == {"http://127.0.0.1:8000/health"}  # loopback whatever the bind host
 
 
+def test_wait_until_ready_says_where_the_start_went(caplog):
+    body = {**HEALTHY, "startup_s": {"scheduler actor": 5.5, "weights": 1.25, "tick costs": 2.0}}
+    with caplog.at_level("INFO", logger="specslot"):
+        launch.wait_until_ready(TARGETS, lambda url: (200, body), lambda: {}, interval_s=0, phases={"checks": 1.5})
+    ready, started = [r.getMessage() for r in caplog.records]
+    assert ready.startswith("specslot ready at")
+    head, actor = started.split(" (scheduler actor ")
+    assert head.startswith("specslot started in 1.5 s: checks 1.5 s, replica 0.0 s")
+    assert actor == "5.5 s: weights 1.2 s, tick costs 2.0 s)"
+
+
 def test_wait_until_ready_raises_the_load_error():
     failed = (503, {"error": {"code": "model_load_failed", "message": "target model at '/m' failed"}})
     with pytest.raises(launch.LaunchError, match="'specslot' failed to load: target model at '/m' failed"):

@@ -1,0 +1,38 @@
+"""Where a replica's start goes: seconds per named phase of its load, in the order they
+first ran, for the load log, /health and the CLI's start line.
+
+One process loads one runner (the scheduler actor), so the record is the process's;
+`reset` starts a new one (the actor, before it builds its engine).
+
+>>> reset()
+>>> with phase("weights"):
+...     pass
+>>> list(seconds())
+['weights']
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+_seconds: dict[str, float] = {}
+
+
+@contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Add the block's wall time to phase `name` (a phase that runs twice adds up)."""
+    tic = time.perf_counter()
+    try:
+        yield
+    finally:
+        _seconds[name] = _seconds.get(name, 0.0) + time.perf_counter() - tic
+
+
+def seconds() -> dict[str, float]:
+    return dict(_seconds)
+
+
+def reset() -> None:
+    _seconds.clear()

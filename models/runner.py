@@ -321,12 +321,25 @@ class MlxRunner:
         if not self.can_fuse():
             return None
         if self._tick_costs is None:
+            store, key = tick_costs.store(self.config.policy_cache_dir), self._tick_costs_key()
+            self._tick_costs = tick_costs.load(store, key)
+            if self._tick_costs is not None:
+                log.info("tick costs read from %s", store.path)
+                return self._tick_costs
             vocab = getattr(getattr(self.target.model, "args", None), "vocab_size", 256)
             with startup.phase("tick costs"):
                 self._tick_costs = tick_costs.measure(
                     self.target.model, self._slot.drafter, self.num_draft_tokens, self._classic_rows_cap, vocab
                 )
+            tick_costs.save(store, key, self._tick_costs)
         return self._tick_costs
+
+    def _tick_costs_key(self) -> str:
+        """What the measured costs depend on: the models and machine (`policy_key`), the
+        runner's knobs (batch sizes, weights' form), the weights' dtype and MLX."""
+        knobs = dataclasses.replace(self.config, policy_cache_dir=None)
+        dtype = next((v.dtype for _, v in tree_flatten(self.target.model.parameters())), None)
+        return f"{self.policy_key()}|{knobs!r}|{dtype}|mlx {mx.__version__}"
 
     def spec_round_with_decode(
         self, request_id: str, drafts: bool = False, skip_cap: int = 2

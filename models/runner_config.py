@@ -32,6 +32,7 @@ class RunnerConfig:
     max_batch_size: int = same_as(_SCHEDULER["max_batch_size"])
     prefill_batch_size: int = same_as(_SCHEDULER["prefill_batch_size"])
     row_drafts: bool = same_as(_SCHEDULER["row_drafts"])
+    policy_cache_dir: str | None = same_as(_SCHEDULER["policy_cache_dir"])  # the tick costs are kept there too
     fast_verify: bool = knob(
         False,
         "The slot verifies through compiled, shape-bucketed per-session forwards "

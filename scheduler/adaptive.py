@@ -14,13 +14,12 @@ so a restart reuses it. `on` / `off` skip profiling.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import tempfile
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Callable
 
+from scheduler.json_store import KeyedStore
 from scheduler.model_api import RoundOutcome
 
 if TYPE_CHECKING:
@@ -60,50 +59,22 @@ class Measurement:
     measured_at: float
 
 
-class PolicyStore:
-    """Verdicts on disk: `{"version": 1, "verdicts": {key: Measurement}}`.
-
-    An unreadable, corrupt or other-version file reads as empty (re-profile), never as
-    an error: the cache only saves work.
-    """
+class PolicyStore(KeyedStore):
+    """Verdicts on disk: `{"version": 1, "verdicts": {key: Measurement}}`; an unreadable,
+    corrupt or other-version file reads as empty (re-profile), never as an error."""
 
     def __init__(self, cache_dir: str) -> None:
-        self.path = os.path.join(cache_dir, CACHE_FILE)
-
-    def _read_all(self) -> dict[str, dict]:
-        try:
-            with open(self.path, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, ValueError):
-            return {}
-        if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
-            return {}
-        verdicts = data.get("verdicts")
-        return verdicts if isinstance(verdicts, dict) else {}
+        super().__init__(os.path.join(cache_dir, CACHE_FILE), CACHE_VERSION, "verdicts")
 
     def load(self, key: str) -> Measurement | None:
-        raw = self._read_all().get(key)
+        raw = super().load(key)
         try:
-            return Measurement(**raw) if isinstance(raw, dict) else None
+            return Measurement(**raw) if raw is not None else None
         except TypeError:
             return None
 
     def save(self, key: str, measurement: Measurement) -> None:
-        verdicts = self._read_all()
-        verdicts[key] = asdict(measurement)
-        directory = os.path.dirname(self.path)
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".b1_policy.", dir=directory)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump({"version": CACHE_VERSION, "verdicts": verdicts}, f, indent=2, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)  # readers see the old file or the new one, never half
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        super().save(key, asdict(measurement))
 
 
 class B1Policy:

@@ -145,10 +145,12 @@ class SchedulerConfig:
     )
     policy_cache_dir: str | None = knob(
         None,
-        "Directory for adaptive-policy verdicts (persisted across restarts); unset = profile after "
-        "every start. Verdicts are keyed by model content (a hash of config.json and the weight "
-        "index or weight file names and sizes), so a copied or renamed model keeps its verdict and "
-        "a changed one is profiled again.",
+        "Directory for adaptive-policy verdicts and the measured tick costs (persisted across "
+        "restarts); unset = profile and measure after every start. Both are keyed by model content (a "
+        "hash of config.json and the weight index or weight file names and sizes) and the machine, so "
+        "a copied or renamed model keeps its verdict and a changed one is profiled again; the tick "
+        "costs also by the runner's knobs and MLX's version (`tick_costs.json`: delete it to measure "
+        "again).",
     )
 
     @property

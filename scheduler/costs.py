@@ -16,6 +16,7 @@ never switches speculation off for another.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -63,6 +64,32 @@ class TickCosts:
 
     def fused_s(self, num_rows: int) -> float:
         return _interpolate(self.fused, num_rows)
+
+    def to_json(self) -> dict:
+        """Seconds by table, for `from_json` (JSON's keys are strings).
+        >>> import json
+        >>> costs = TickCosts({1: 2.0, 3: 4.0}, {0: 3.0}, 0.5, one_draft={1: 2.5})
+        >>> TickCosts.from_json(json.loads(json.dumps(costs.to_json()))) == costs
+        True
+        """
+        return {
+            f.name: {str(b): s for b, s in value.items()} if isinstance(value, dict) else value
+            for f in dataclasses.fields(self)
+            for value in (getattr(self, f.name),)
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "TickCosts":
+        """Raises ValueError, TypeError or AttributeError on anything `to_json` did not write."""
+        return cls(
+            **{
+                f.name: float(data[f.name])
+                if f.name == "draft"
+                else {int(b): float(s) for b, s in data[f.name].items()}
+                for f in dataclasses.fields(cls)
+                if f.name in data
+            }
+        )
 
     def to_dict(self) -> dict:
         return {

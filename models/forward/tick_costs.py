@@ -13,6 +13,8 @@ a difference.
 
 from __future__ import annotations
 
+import logging
+import os
 import statistics
 import time
 
@@ -22,12 +24,43 @@ import mlx.nn as nn
 from models.forward.slab import Slab
 from models.speculative.drafters import Drafter
 from scheduler.costs import TickCosts
+from scheduler.json_store import KeyedStore
+
+log = logging.getLogger(__name__)
 
 CONTEXT = 128
 REPEATS = 5
 MIN_REPEATS = 3
 BUDGET_S = 0.1  # past this much time a measurement stops at MIN_REPEATS runs
 ROUND_BUDGET_S = 1.0  # past this much time a round, the forwards of one size stop at MIN_REPEATS rounds
+
+
+# Measured tables kept across restarts (`policy_cache_dir`): a replica that starts again on the
+# same machine with the same models and knobs reads them instead of measuring for seconds.
+CACHE_FILE = "tick_costs.json"
+CACHE_VERSION = 1  # of the measurement: bump when `measure` changes what it times
+
+
+def store(cache_dir: str | None) -> KeyedStore | None:
+    return KeyedStore(os.path.join(cache_dir, CACHE_FILE), CACHE_VERSION, "tick_costs") if cache_dir else None
+
+
+def load(cache: KeyedStore | None, key: str) -> TickCosts | None:
+    """The tables measured under `key`, or None (no cache, no entry, or an unreadable one)."""
+    entry = cache.load(key) if cache is not None else None
+    try:
+        return TickCosts.from_json(entry) if entry is not None else None
+    except (ValueError, TypeError, AttributeError, KeyError):
+        return None
+
+
+def save(cache: KeyedStore | None, key: str, costs: TickCosts) -> None:
+    if cache is None:
+        return
+    try:
+        cache.save(key, costs.to_json())
+    except OSError as exc:  # serving goes on; the next start measures again
+        log.warning("could not keep the tick costs in %s: %s", cache.path, exc)
 
 
 def batch_sizes(max_rows: int) -> list[int]:

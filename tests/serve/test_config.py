@@ -234,6 +234,9 @@ def test_runner_args_reach_the_mlx_runner(monkeypatch, raw, expected):
     engine._runner_factory()
     assert (seen["classic_burst_ms"], seen["prefix_cache_bytes"]) == expected
     assert seen["max_batch_size"] == 7 and seen["path"] == "m"
+    assert seen["policy_cache_dir"] is None  # where the tick costs are kept: the deployment's
+    startup = info.pop("startup_s")  # the actor's load by phase; this stand-in loads nothing
+    assert list(startup) == ["scheduler actor"] and startup["scheduler actor"] >= 0
     assert info == {
         "max_context": 128,
         "eos_token_ids": [0],

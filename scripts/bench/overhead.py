@@ -84,11 +84,14 @@ def engine_decode_rate(engine: Engine, prompt: list[int], max_tokens: int, reque
 
 
 def engine_vs_raw(target: str, quick: bool, seed: int) -> dict:
+    from models.loading import dense_weights
     from models.loading.loader import load_model
 
     max_tokens = 128 if quick else 512
     num_pairs = 5 if quick else 8
     raw = load_model(target)
+    # The weights the runner serves: a quantized file (a GGUF's Q4_1) dequantized as it does at load.
+    dense_weights.apply(raw.model, raw.name, None)
     prompts = token_prompts(raw.tokenizer, num_pairs + 1, seed, num_tokens=64)
     raw_generate_step(raw.model, prompts[-1], 16)  # first-call costs out of the pairs
     pairs = []

@@ -22,6 +22,12 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 EMA_WEIGHT = 0.3  # weight of the newest round in a request's acceptance estimate
+# ... where only running rounds shows what a stream accepts (a draft model: no shadow rounds).
+# One round accepts 0 to K drafts, so a fast average often dips below break-even by chance,
+# and each dip parks the stream for HOLD_TURNS tokens or more that nothing measures: one
+# SmolLM2 chat stream with its draft (K 2) speculated on 28 % of its ticks at 0.3, where
+# always speculating ran 1.12x (docs/benchmarks.md, "SmolLM2 with its draft").
+UNSHADOWED_EMA_WEIGHT = 0.1
 # Speculating beside a batch must beat decoding by this factor: what the tick times do
 # not show (rows moving in and out of the batch, and streams that finish apart, so
 # their successors' prefills no longer batch) costs about this much on the CPU runs of
@@ -150,6 +156,7 @@ class AcceptanceTracker:
     `optimistic`, so a replica never stops trying speculation for good."""
 
     optimistic: float
+    weight: float = EMA_WEIGHT  # of a request's newest round in its own estimate
     replica: dict[bool, float] = field(default_factory=dict)  # by kind (greedy: True)
     _per_request: dict[str, float] = field(default_factory=dict)
     _holds: dict[str, int] = field(default_factory=dict)  # turn-aways left before relaxing
@@ -161,7 +168,8 @@ class AcceptanceTracker:
         return self._per_request.get(request_id, self.replica.get(greedy, self.optimistic))
 
     def record(self, request_id: str, num_accepted: int, greedy: bool = True) -> None:
-        self._per_request[request_id] = (1 - EMA_WEIGHT) * self.estimate(request_id, greedy) + EMA_WEIGHT * num_accepted
+        own = self.estimate(request_id, greedy)
+        self._per_request[request_id] = (1 - self.weight) * own + self.weight * num_accepted
         old = self.replica.get(greedy, num_accepted)
         self.replica[greedy] = (1 - EMA_WEIGHT / 4) * old + (EMA_WEIGHT / 4) * num_accepted
 

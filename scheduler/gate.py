@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Callable
 
 from scheduler.config import SchedulerConfig
-from scheduler.costs import AcceptanceTracker, LiveCosts
+from scheduler.costs import EMA_WEIGHT, UNSHADOWED_EMA_WEIGHT, AcceptanceTracker, LiveCosts
 from scheduler.model_api import ModelRunner, RoundOutcome
 from scheduler.request import Request
 
@@ -20,7 +20,11 @@ class CostGate:
     def __init__(self, runner: ModelRunner, config: Callable[[], SchedulerConfig]) -> None:
         self._runner = runner
         self._config = config
-        self.acceptance = AcceptanceTracker(optimistic=float(config().num_draft_tokens))
+        # Without shadow rounds (a draft model) a stream's estimate moves only with its own rounds.
+        shadowed = runner.shadow_index(()) is not None
+        self.acceptance = AcceptanceTracker(
+            optimistic=float(config().num_draft_tokens), weight=EMA_WEIGHT if shadowed else UNSHADOWED_EMA_WEIGHT
+        )
         self._costs: LiveCosts | None = None
         self._costs_read = False
 

@@ -97,12 +97,8 @@ def test_concurrency_quick(tmp_path):
     assert (tmp_path / "concurrency.md").read_text().startswith("| streams |")
 
 
-@pytest.mark.skipif(not BUNDLED, reason="bundled pair not present")
-def test_concurrency_mixed_workload_samples_every_other_request(tmp_path, monkeypatch):
-    """`--workload mixed`: the even-numbered requests greedy, the odd ones sampled at 0.7
-    with their own seeds; every configuration gives the same output lengths."""
-    from scripts.bench import concurrency as bench_concurrency
-
+def arrivals_seen(monkeypatch, bench_concurrency) -> list:
+    """Each run's arrivals, as scenario 6 hands them to `drive` (which still runs them)."""
     seen = []
     inner = bench_concurrency.drive
     monkeypatch.setattr(
@@ -110,6 +106,16 @@ def test_concurrency_mixed_workload_samples_every_other_request(tmp_path, monkey
         "drive",
         lambda runner, config, arrivals: seen.append(arrivals) or inner(runner, config, arrivals),
     )
+    return seen
+
+
+@pytest.mark.skipif(not BUNDLED, reason="bundled pair not present")
+def test_concurrency_mixed_workload_samples_every_other_request(tmp_path, monkeypatch):
+    """`--workload mixed`: the even-numbered requests greedy, the odd ones sampled at 0.7
+    with their own seeds; every configuration gives the same output lengths."""
+    from scripts.bench import concurrency as bench_concurrency
+
+    seen = arrivals_seen(monkeypatch, bench_concurrency)
     assert (
         bench_concurrency.main(
             [
@@ -149,13 +155,7 @@ def test_closed_loop_replaces_whichever_request_finishes(monkeypatch):
 
     runner = load_runner(drafter="ngram", max_batch_size=2)
     prompts = token_prompts(runner.tokenizer, 4, 1, num_tokens=24)
-    seen = []
-    inner = bench_concurrency.drive
-    monkeypatch.setattr(
-        bench_concurrency,
-        "drive",
-        lambda runner, config, arrivals: seen.append(arrivals) or inner(runner, config, arrivals),
-    )
+    seen = arrivals_seen(monkeypatch, bench_concurrency)
     bench_concurrency.one_run(runner, "classic", prompts, 2, 16, grant_rounds=8, temperature=0.7, mixed=True)
     assert [(a.after_request, a.after_finishes) for a in seen[0]] == [(None, 0), (None, 0), (None, 1), (None, 2)]
     # The long first request is still running when the short second one's successor starts.

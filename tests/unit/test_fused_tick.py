@@ -351,3 +351,32 @@ def test_a_sampled_request_takes_the_slot_unless_rows_draft_sampled_streams(samp
     assert trace.streams()["S"] == isolated_stream(spec)
     assert (spec.spec.num_grants == 0) is sampled_row_drafts
     assert (scheduler.counters.actions["fused"] > 1) is not sampled_row_drafts
+
+
+def test_without_shadow_rounds_a_streams_estimate_is_a_slower_average():
+    """With a draft model nothing measures a stream between its rounds, and a round accepts
+    0 to K drafts: its estimate averages more of them, so a few misses in a row after rounds
+    that paid do not park it (for HOLD_TURNS tokens or more) the way the faster average of
+    a shadow-measured stream would."""
+    from scheduler.costs import EMA_WEIGHT, UNSHADOWED_EMA_WEIGHT
+    from scheduler.gate import CostGate
+    from scheduler.model_api import RoundOutcome
+    from scheduler.request import Request, SamplingParams
+
+    class NgramRunner(FakeRunner):
+        def shadow_index(self, history):
+            return object()  # a lookup exists: classic rows' shadow rounds keep estimates current
+
+    gates = {}
+    for name, runner in (("draft_model", FakeRunner(fuse=True, tick_costs=COSTS)), ("ngram", NgramRunner(fuse=True))):
+        scheduler = make_scheduler(runner, tick_mode="fused", b1_policy="auto")
+        gates[name] = CostGate(runner, lambda: scheduler.config)
+    assert (
+        gates["ngram"].acceptance.weight == EMA_WEIGHT > UNSHADOWED_EMA_WEIGHT == gates["draft_model"].acceptance.weight
+    )
+    stream = Request("a", [1, 2], SamplingParams(max_tokens=500))
+    for accepted in [1] * 20 + [0, 0, 0]:  # a stream at one draft a round, then three misses
+        for gate in gates.values():
+            gate.record(stream, RoundOutcome("a", [5] * (1 + accepted), None, 2, accepted, False, 0.01))
+    fast, slow = (gates[name].acceptance.estimate("a") for name in ("ngram", "draft_model"))
+    assert fast < 0.4 < 0.8 < slow

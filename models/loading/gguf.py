@@ -65,7 +65,8 @@ PRE_TOKENIZERS = {
     "llama3": (False, _LLAMA3_SPLIT),
     "qwen2": (False, _QWEN2_SPLIT),
 }
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4  # llama.cpp's token types
+_SPACE = "\u2581"  # SentencePiece's space mark
 
 
 def is_gguf_file(path: str) -> bool:
@@ -261,34 +262,24 @@ def quantization_config(weights: dict) -> dict:
 
 
 def tokenizer_files(meta: dict, path: str, role: str) -> tuple[dict, dict]:
-    """(tokenizer.json, tokenizer_config.json) for the GGUF's vocabulary."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    """(tokenizer.json, tokenizer_config.json) for the GGUF's vocabulary: a byte-level BPE
+    (`gpt2`: its merges and pre-tokenizer) or a SentencePiece one (`llama`: its scores)."""
+    from tokenizers import AddedToken, processors
 
     kind = _text(meta, "tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise ModelLoadError(
-            f"{role} model {path!r}: GGUF vocabulary type {kind!r} is not supported (byte-level BPE, 'gpt2', is)"
-        )
-    pre = _text(meta, "tokenizer.ggml.pre") or "default"
-    if pre not in PRE_TOKENIZERS:
-        raise ModelLoadError(
-            f"{role} model {path!r}: GGUF pre-tokenizer {pre!r} is not supported "
-            f"(supported: {', '.join(sorted(PRE_TOKENIZERS))})"
+            f"{role} model {path!r}: GGUF vocabulary type {kind!r} is not supported "
+            "(byte-level BPE, 'gpt2', and SentencePiece, 'llama', are)"
         )
     tokens = list(meta["tokenizer.ggml.tokens"])
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     vocab = {token: i for i, token in enumerate(tokens)}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    digits, split = PRE_TOKENIZERS[pre]
-    steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
-    steps += [
-        pre_tokenizers.Split(Regex(split), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ]
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
-    tokenizer.decoder = decoders.ByteLevel()
     types = meta.get("tokenizer.ggml.token_type")
-    types = types.tolist() if types is not None else [1] * len(tokens)
+    types = types.tolist() if types is not None else [_NORMAL] * len(tokens)
+    if kind == "gpt2":
+        tokenizer = _byte_level_bpe(meta, vocab, path, role)
+    else:
+        tokenizer = _sentencepiece_bpe(meta, tokens, vocab, types, path, role)
     tokenizer.add_tokens(
         [
             AddedToken(tokens[i], special=t == _CONTROL, normalized=False)
@@ -320,6 +311,67 @@ def tokenizer_files(meta: dict, path: str, role: str) -> tuple[dict, dict]:
     if template:
         tokenizer_config["chat_template"] = template
     return json.loads(tokenizer.to_str()), {k: v for k, v in tokenizer_config.items() if v is not None}
+
+
+def _byte_level_bpe(meta: dict, vocab: dict, path: str, role: str):
+    """A byte-level BPE from the GGUF's merges, split as its pre-tokenizer name says."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    pre = _text(meta, "tokenizer.ggml.pre") or "default"
+    if pre not in PRE_TOKENIZERS:
+        raise ModelLoadError(
+            f"{role} model {path!r}: GGUF pre-tokenizer {pre!r} is not supported "
+            f"(supported: {', '.join(sorted(PRE_TOKENIZERS))})"
+        )
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    digits, split = PRE_TOKENIZERS[pre]
+    steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
+    steps += [
+        pre_tokenizers.Split(Regex(split), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ]
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _sentencepiece_bpe(meta: dict, tokens: list, vocab: dict, types: list, path: str, role: str):
+    """A SentencePiece vocabulary as llama.cpp runs it: spaces become the space mark (one is
+    put before the text and after each special token too, unless `add_space_prefix` is
+    false), then adjacent pieces merge while their join is a piece, the highest score first;
+    a character no piece holds becomes its UTF-8 bytes' <0xXX> tokens. As a Hugging Face
+    BPE: each normal piece that splits into two normal pieces is a merge, ranked by its score."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    scores = meta.get("tokenizer.ggml.scores")
+    if scores is None:
+        raise ModelLoadError(f"{role} model {path!r}: the SentencePiece vocabulary has no tokenizer.ggml.scores")
+    scores = scores.tolist()
+    normal = {token: i for i, token in enumerate(tokens) if types[i] == _NORMAL}
+    merges = []
+    for piece, i in normal.items():
+        splits = [(piece[:k], piece[k:]) for k in range(1, len(piece))]
+        merges += [(-scores[i], normal[a], normal[b], a, b) for a, b in splits if a in normal and b in normal]
+    merges.sort()
+    unknown = meta.get("tokenizer.ggml.unknown_token_id")
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[(a, b) for *_, a, b in merges],
+            unk_token=tokens[int(unknown.item())] if unknown is not None else None,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    prefix = meta.get("tokenizer.ggml.add_space_prefix")
+    steps = [normalizers.Prepend(_SPACE)] if prefix is None or bool(prefix.item()) else []
+    tokenizer.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", _SPACE)])
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if steps else [])
+    )
+    return tokenizer
 
 
 def _text(meta: dict, key: str) -> str | None:

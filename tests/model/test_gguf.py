@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 from dataclasses import replace
 
@@ -227,17 +228,104 @@ def test_the_converted_tokenizer_is_the_original(untied, tiny_pair, tmp_path, ca
     )
 
 
+SPACE = "\u2581"
+
+
+def spm_vocabulary(size: int, seed: int = 5) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece vocabulary of `size` pieces as llama.cpp's converter writes one
+    (tokens, scores, types): <unk>, <s>, </s>, the 256 byte tokens, the space mark and ten
+    letters, then pieces joined from earlier ones, each with its own score."""
+    rng = random.Random(seed)
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    pieces = [SPACE, *"abcdefghij"]
+    while len(tokens) + len(pieces) < size:
+        joined = rng.choice(pieces) + rng.choice(pieces)
+        if len(joined) <= 6 and joined not in pieces:
+            pieces.append(joined)
+    scores = [0.0] * len(tokens) + rng.sample(range(-10 * size, 0), len(pieces))
+    return tokens + pieces, [float(x) for x in scores], types + [1] * len(pieces)
+
+
+def llama_cpp_sentencepiece(text: str, tokens: list[str], scores: list[float]) -> list[int]:
+    """llama.cpp's SentencePiece tokenization of `text` (no special tokens): a space mark
+    first and for every space, then the adjacent pair whose joined piece scores highest
+    merges (the leftmost of equals), until none joins into a piece; characters no piece
+    holds become their UTF-8 bytes' tokens."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    symbols = list(SPACE + text.replace(" ", SPACE))
+    while True:
+        best = None
+        for j in range(len(symbols) - 1):
+            i = vocab.get(symbols[j] + symbols[j + 1])
+            if i is not None and (best is None or scores[i] > best[0]):
+                best = (scores[i], j)
+        if best is None:
+            break
+        j = best[1]
+        symbols[j : j + 2] = [symbols[j] + symbols[j + 1]]
+    ids = []
+    for symbol in symbols:
+        ids += [vocab[symbol]] if symbol in vocab else [vocab[f"<0x{b:02X}>"] for b in symbol.encode()]
+    return ids
+
+
+def test_a_sentencepiece_vocabulary_tokenizes_as_llama_cpp_does(untied, tmp_path, cache):
+    """`tokenizer.ggml.model` llama (Llama 1-2, Mistral, TinyLlama GGUFs): the converted
+    tokenizer merges by the pieces' scores as llama.cpp does, falls back to bytes, puts
+    the space mark before the text and after a special token, and decodes back to the text."""
+    import mlx.core as mx
+    from tokenizers import Tokenizer
+
+    size = untied.args.vocab_size
+    tokens, scores, types = spm_vocabulary(size)
+    changes = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.pre": None,
+        "tokenizer.ggml.merges": None,
+        "tokenizer.ggml.padding_token_id": None,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": mx.array(scores, dtype=mx.float32),
+        "tokenizer.ggml.token_type": mx.array(types, dtype=mx.int32),
+        "tokenizer.ggml.unknown_token_id": mx.array(0, dtype=mx.uint32),
+        "tokenizer.ggml.bos_token_id": mx.array(1, dtype=mx.uint32),
+        "tokenizer.ggml.eos_token_id": mx.array(2, dtype=mx.uint32),
+        "tokenizer.ggml.add_bos_token": mx.array(True),
+    }
+    out = gguf.materialize(untied.write(str(tmp_path / "spm.gguf"), changes))
+    tokenizer = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
+    rng = random.Random(11)
+    texts = ["abc", "a b  c", "hij\n\tgab", "café 東京 x", "  leading", "é"]
+    texts += [
+        "".join(rng.choice("abcdefghij  é") for _ in range(rng.randint(1, 40))).strip() or "a" for _ in range(200)
+    ]
+    for text in texts:
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        assert ids == llama_cpp_sentencepiece(text, tokens, scores), text
+        assert tokenizer.decode(ids) == text
+    assert tokenizer.encode("ab").ids[0] == 1  # the BOS the metadata asks for
+    with_special = tokenizer.encode("ab</s>cd", add_special_tokens=False).ids
+    assert with_special == llama_cpp_sentencepiece("ab", tokens, scores) + [2] + llama_cpp_sentencepiece(
+        "cd", tokens, scores
+    )
+    config = json.loads(open(os.path.join(out, "tokenizer_config.json"), encoding="utf-8").read())
+    assert (config["bos_token"], config["eos_token"], config["unk_token"]) == ("<s>", "</s>", "<unk>")
+    no_scores = {k: v for k, v in changes.items() if k != "tokenizer.ggml.scores"}
+    with pytest.raises(ModelLoadError, match="no tokenizer.ggml.scores"):
+        gguf.materialize(untied.write(str(tmp_path / "noscores.gguf"), no_scores))
+
+
 @pytest.mark.parametrize(
     "changes, extra, words",
     [
         ({"general.architecture": "phi3"}, None, ["architecture 'phi3'", "llama, qwen2"]),
-        ({"tokenizer.ggml.model": "llama"}, None, ["vocabulary type 'llama'", "gpt2"]),
+        ({"tokenizer.ggml.model": "bert"}, None, ["vocabulary type 'bert'", "gpt2", "llama"]),
         ({"tokenizer.ggml.pre": "mystery-bpe"}, None, ["pre-tokenizer 'mystery-bpe'", "smollm"]),
         ({"llama.block_count": None}, None, ["lacks llama.block_count"]),
         ({"llama.rope.scaling.type": "yarn"}, None, ["rope scaling 'yarn'"]),
         (None, {"blk.0.attn_sinks.weight": "ones"}, ["tensor 'blk.0.attn_sinks.weight'"]),
     ],
-    ids=["architecture", "sentencepiece", "pre-tokenizer", "metadata", "rope-scaling", "tensor"],
+    ids=["architecture", "vocabulary", "pre-tokenizer", "metadata", "rope-scaling", "tensor"],
 )
 def test_unsupported_files_are_one_error_naming_the_fault(untied, tmp_path, cache, changes, extra, words):
     import mlx.core as mx

@@ -5,10 +5,11 @@ model.safetensors, tokenizer.json, tokenizer_config.json), once per file content
 specslot cache. MLX reads the GGUF itself (`mx.load`); Q4_0, Q4_1 and Q8_0 tensors arrive
 MLX affine-quantized (groups of 32) and are written as they are, and whether a layer stays
 quantized where it runs is `models.loading.dense_weights`' choice. Supported: `llama`
-(Mistral-style too; `_unpermute` undoes llama.cpp's q and k row permutation) and `qwen2`,
-with a byte-level BPE tokenizer (`tokenizer.ggml.model` gpt2). Anything else (another
-architecture, a SentencePiece vocabulary, a pre-tokenizer not in `PRE_TOKENIZERS`, a tensor
-type MLX cannot read) is one ModelLoadError naming it. See docs/models.md, "GGUF files".
+(Mistral-style too; `_unpermute` undoes llama.cpp's q and k row permutation), `qwen2` and
+`gemma3` (text), with a byte-level BPE (`tokenizer.ggml.model` gpt2) or a SentencePiece
+(llama) vocabulary. Anything else (another architecture, another vocabulary, a
+pre-tokenizer not in `PRE_TOKENIZERS`, a tensor type MLX cannot read) is one
+ModelLoadError naming it. See docs/models.md, "GGUF files".
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ logger = logging.getLogger("specslot")
 GGUF_MAGIC = b"GGUF"
 GROUP_SIZE = 32  # llama.cpp's block size for Q4_0, Q4_1 and Q8_0
 FORMAT_VERSION = 2  # bump when the directory written here changes (its config, its files)
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "gemma3")
 
 # llama.cpp's per-layer tensor names -> mlx-lm's (llama and qwen2 share them).
 _LAYER_NAMES = {
@@ -43,6 +44,16 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Gemma 3 (text): norms around attention and the MLP both, and on q and k.
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+GEMMA3_SLIDING_PATTERN = 6  # a full-attention layer after five sliding ones, where the file does not say
 
 # The regular expressions llama.cpp's pre-tokenizer names stand for (its llama-vocab.cpp),
 # as Hugging Face `tokenizers` pre-tokenizers.
@@ -181,8 +192,8 @@ def model_config(meta: dict, arch: str, tensors: dict, path: str, role: str) -> 
         raise ModelLoadError(f"{role} model {path!r}: the GGUF file has no token_embd tensor")
     vocab = int(num("vocab_size", tensors["token_embd.weight"].shape[0]))
     config = {
-        "model_type": arch,
-        "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
+        "model_type": "gemma3_text" if arch == "gemma3" else arch,
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(arch, "Gemma3ForCausalLM")],
         "hidden_size": hidden,
         "num_hidden_layers": int(num("block_count")),
         "intermediate_size": int(num("feed_forward_length")),
@@ -207,20 +218,51 @@ def model_config(meta: dict, arch: str, tensors: dict, path: str, role: str) -> 
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in tensors
         config["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
+    if arch == "gemma3":
+        config.update(_gemma3_config(meta, config, num, path, role))
     return config
 
 
+def _gemma3_config(meta: dict, config: dict, num, path: str, role: str) -> dict:
+    """What a Gemma 3 config adds, as llama.cpp reads the file: sliding layers (local rope
+    base 10,000) and every sixth layer full unless the file gives the pattern; queries
+    scaled by the head size (the 27B's, 62 layers: by hidden size / heads)."""
+    pattern = meta.get("gemma3.attention.sliding_window_pattern")
+    if pattern is None:
+        period = GEMMA3_SLIDING_PATTERN
+    elif pattern.size == 1:
+        period = int(pattern.item())
+    else:  # one flag per layer, true where it slides: the same period all through, or refused
+        sliding = [bool(x) for x in pattern.tolist()]
+        period = sliding.index(False) + 1 if False in sliding else len(sliding) + 1
+        if sliding != [(i + 1) % period != 0 for i in range(len(sliding))]:
+            raise ModelLoadError(f"{role} model {path!r}: a Gemma 3 sliding-window layout that repeats no period")
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    return {
+        "rope_theta": float(num("rope.freq_base", 1_000_000.0)),
+        "rope_local_base_freq": 10_000.0,
+        "sliding_window": int(num("attention.sliding_window", 512)),
+        "sliding_window_pattern": period,
+        "query_pre_attn_scalar": config["hidden_size"] // heads if layers == 62 else config["head_dim"],
+    }
+
+
 def mlx_weights(tensors: dict, config: dict, path: str, role: str) -> dict:
-    """The GGUF's tensors under mlx-lm's names, llama's q / k rows back in Hugging Face order."""
+    """The GGUF's tensors under mlx-lm's names, llama's q / k rows back in Hugging Face order,
+    Gemma 3's norms back to its own form (llama.cpp stores 1 + w, the factor they multiply by)."""
+    gemma = config["model_type"] == "gemma3_text"
+    layer_names = _GEMMA3_LAYER_NAMES if gemma else _LAYER_NAMES
     out = {}
     for name, value in tensors.items():
         base, _, suffix = name.rpartition(".")
         if base.startswith("blk."):
             _, layer, part = base.split(".", 2)
-            mapped = _LAYER_NAMES.get(part)
+            mapped = layer_names.get(part)
             target = mapped and f"model.layers.{layer}.{mapped}"
         else:
             part, target = base, _TOP_NAMES.get(base)
+        if gemma and part.endswith("norm") and suffix == "weight":
+            value = value - 1
         if target is None:
             raise ModelLoadError(
                 f"{role} model {path!r}: GGUF tensor {name!r} has no place in a {config['model_type']} model"

@@ -315,6 +315,108 @@ def test_a_sentencepiece_vocabulary_tokenizes_as_llama_cpp_does(untied, tmp_path
         gguf.materialize(untied.write(str(tmp_path / "noscores.gguf"), no_scores))
 
 
+# mlx-lm's Gemma 3 layer names -> llama.cpp's (written out here, not taken from the converter).
+GEMMA3_NAMES = {
+    **{k: v for k, v in LAYER_NAMES.items() if k != "post_attention_layernorm"},
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
+
+
+def test_a_converted_tiny_gemma3_gives_the_original_logits(untied, tmp_path, cache):
+    """A Gemma 3 text model as llama.cpp writes one: its tensor names, every norm stored
+    as 1 + w (the factor it multiplies by), no output head, sliding layers given per layer,
+    a SentencePiece vocabulary without a space prefix. The converted model computes the
+    original's logits; stored as they are, the norms would not."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import gemma3_text
+
+    from models.tiny import random_model
+
+    size = untied.args.vocab_size
+    args = gemma3_text.ModelArgs(
+        model_type="gemma3_text",
+        hidden_size=64,
+        num_hidden_layers=4,
+        intermediate_size=128,
+        num_attention_heads=4,
+        head_dim=16,
+        num_key_value_heads=2,
+        vocab_size=size,
+        rope_theta=50000.0,
+        query_pre_attn_scalar=16,
+        sliding_window=8,
+        sliding_window_pattern=2,
+        max_position_embeddings=CONTEXT,
+    )
+    model = random_model(args, seed=4, embed_scale=1.0, out_scale=0.5, module=gemma3_text)
+    model.sanitize({})  # tied, as every Gemma 3: no lm_head
+    tensors = {}
+    for name, value in tree_flatten(model.parameters()):
+        base, _, suffix = name.rpartition(".")
+        if base.startswith("model.layers."):
+            _, _, layer, part = base.split(".", 3)
+            gguf_name = f"blk.{layer}.{GEMMA3_NAMES[part]}"
+        else:
+            gguf_name = {"model.embed_tokens": "token_embd", "model.norm": "output_norm"}[base]
+        if gguf_name.endswith("norm"):
+            value = mx.random.uniform(-0.5, 0.5, value.shape) + 1  # w stored as 1 + w
+        tensors[f"{gguf_name}.{suffix}"] = value
+    norms = {n: v - 1 for n, v in tensors.items() if n.rsplit(".", 1)[0].endswith("norm")}
+    model.load_weights(  # the original: its norms as w
+        [(n, norms.get(g, v)) for (n, _), (g, v) in zip(tree_flatten(model.parameters()), tensors.items())]
+    )
+    tokens, scores, types = spm_vocabulary(size)
+
+    def u32(value):
+        return mx.array(value, dtype=mx.uint32)
+
+    meta = {
+        "general.architecture": "gemma3",
+        "gemma3.block_count": u32(4),
+        "gemma3.context_length": u32(CONTEXT),
+        "gemma3.embedding_length": u32(64),
+        "gemma3.feed_forward_length": u32(128),
+        "gemma3.attention.head_count": u32(4),
+        "gemma3.attention.head_count_kv": u32(2),
+        "gemma3.attention.key_length": u32(16),
+        "gemma3.attention.value_length": u32(16),
+        "gemma3.attention.layer_norm_rms_epsilon": mx.array(1e-6, dtype=mx.float32),
+        "gemma3.rope.freq_base": mx.array(50000.0, dtype=mx.float32),
+        "gemma3.attention.sliding_window": u32(8),
+        "gemma3.attention.sliding_window_pattern": mx.array([True, False, True, False]),
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": mx.array(scores, dtype=mx.float32),
+        "tokenizer.ggml.token_type": mx.array(types, dtype=mx.int32),
+        "tokenizer.ggml.bos_token_id": u32(1),
+        "tokenizer.ggml.eos_token_id": u32(2),
+        "tokenizer.ggml.add_bos_token": mx.array(True),
+        "tokenizer.ggml.add_space_prefix": mx.array(False),
+    }
+    path = str(tmp_path / "gemma3.gguf")
+    mx.save_gguf(path, tensors, meta)
+    out = gguf.materialize(path)
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    assert config["model_type"] == "gemma3_text" and config["tie_word_embeddings"] is True
+    assert (config["sliding_window"], config["sliding_window_pattern"], config["query_pre_attn_scalar"]) == (8, 2, 16)
+    converted, tokenizer = load_dir(out)
+    ids = tokenizer.encode("abc hij gab")
+    assert ids[0] == 1 and ids[1:] == llama_cpp_sentencepiece("abc hij gab", tokens, scores)[1:]  # no space mark first
+    ids = ids + [7, 300, 401, size - 1] * 3  # past the sliding window of 8
+    want, got = untied.logits(model, ids), untied.logits(converted, ids)
+    assert mx.abs(want - got).max().item() < 1e-4 * max(1.0, mx.abs(want).max().item())
+    stored = gemma3_text.Model(args)  # the file's norms taken as they are
+    stored.sanitize({})
+    stored.load_weights([(n, v) for (n, _), v in zip(tree_flatten(stored.parameters()), tensors.values())])
+    assert mx.abs(want - untied.logits(stored, ids)).max().item() > 1e-2
+
+
 @pytest.mark.parametrize(
     "changes, extra, words",
     [

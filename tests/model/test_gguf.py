@@ -49,22 +49,28 @@ def llama_cpp_permute(w, n_head: int):
 
 def gguf_tensors(model, args) -> dict:
     """The model's weights under llama.cpp's names, q / k rows permuted as it stores them."""
-    from mlx.utils import tree_flatten
 
     out = {}
+    for gguf_name, part, suffix, value in llama_cpp_names(model, LAYER_NAMES):
+        if part == "self_attn.q_proj":
+            value = llama_cpp_permute(value, args.num_attention_heads)
+        elif part == "self_attn.k_proj":
+            value = llama_cpp_permute(value, args.num_key_value_heads)
+        out[f"{gguf_name}.{suffix}"] = value
+    return out
+
+
+def llama_cpp_names(model, layer_names: dict):
+    """(llama.cpp's name, mlx-lm's layer part or top-level name, suffix, value) of each weight."""
+    from mlx.utils import tree_flatten
+
     for name, value in tree_flatten(model.parameters()):
         base, _, suffix = name.rpartition(".")
         if base.startswith("model.layers."):
             _, _, layer, part = base.split(".", 3)
-            gguf_name = f"blk.{layer}.{LAYER_NAMES[part]}"
-            if part == "self_attn.q_proj":
-                value = llama_cpp_permute(value, args.num_attention_heads)
-            elif part == "self_attn.k_proj":
-                value = llama_cpp_permute(value, args.num_key_value_heads)
+            yield f"blk.{layer}.{layer_names[part]}", part, suffix, value
         else:
-            gguf_name = TOP_NAMES[base]
-        out[f"{gguf_name}.{suffix}"] = value
-    return out
+            yield TOP_NAMES[base], base, suffix, value
 
 
 def gguf_metadata(args, tokenizer_dir: str, arch: str = "llama") -> dict:
@@ -335,34 +341,14 @@ def test_a_converted_tiny_gemma3_gives_the_original_logits(untied, tmp_path, cac
     from mlx.utils import tree_flatten
     from mlx_lm.models import gemma3_text
 
-    from models.tiny import random_model
+    from models.tiny import random_model, sliding_args
 
     size = untied.args.vocab_size
-    args = gemma3_text.ModelArgs(
-        model_type="gemma3_text",
-        hidden_size=64,
-        num_hidden_layers=4,
-        intermediate_size=128,
-        num_attention_heads=4,
-        head_dim=16,
-        num_key_value_heads=2,
-        vocab_size=size,
-        rope_theta=50000.0,
-        query_pre_attn_scalar=16,
-        sliding_window=8,
-        sliding_window_pattern=2,
-        max_position_embeddings=CONTEXT,
-    )
+    args = replace(sliding_args("gemma3_text", size, 8, 4), rope_theta=50000.0, max_position_embeddings=CONTEXT)
     model = random_model(args, seed=4, embed_scale=1.0, out_scale=0.5, module=gemma3_text)
     model.sanitize({})  # tied, as every Gemma 3: no lm_head
     tensors = {}
-    for name, value in tree_flatten(model.parameters()):
-        base, _, suffix = name.rpartition(".")
-        if base.startswith("model.layers."):
-            _, _, layer, part = base.split(".", 3)
-            gguf_name = f"blk.{layer}.{GEMMA3_NAMES[part]}"
-        else:
-            gguf_name = {"model.embed_tokens": "token_embd", "model.norm": "output_norm"}[base]
+    for gguf_name, _, suffix, value in llama_cpp_names(model, GEMMA3_NAMES):
         if gguf_name.endswith("norm"):
             value = mx.random.uniform(-0.5, 0.5, value.shape) + 1  # w stored as 1 + w
         tensors[f"{gguf_name}.{suffix}"] = value

@@ -9,6 +9,8 @@ One process loads one runner (the scheduler actor), so the record is the process
 ...     pass
 >>> list(seconds())
 ['weights']
+>>> describe({"weights": 1.25, "tick costs": 2.0})
+'weights 1.2 s, tick costs 2.0 s'
 """
 
 from __future__ import annotations
@@ -36,3 +38,8 @@ def seconds() -> dict[str, float]:
 
 def reset() -> None:
     _seconds.clear()
+
+
+def describe(phases: dict[str, float]) -> str:
+    """Phases as the load log and the CLI's start line write them."""
+    return ", ".join(f"{name} {s:.1f} s" for name, s in phases.items())

@@ -79,7 +79,7 @@ def build_engine(args: ServeArgs):
             logger.info("fused tick on (b1_policy %s: no cost gate)", args.b1_policy)
         # From this actor's start (imports and the runner's load) to a runner that serves.
         info["startup_s"] = {"scheduler actor": time.perf_counter() - started, **startup.seconds()}
-        logger.info("start: %s", ", ".join(f"{name} {s:.1f} s" for name, s in info["startup_s"].items()))
+        logger.info("start: %s", startup.describe(info["startup_s"]))
         return runner
 
     return Engine(runner_factory, args.scheduler_config()), info

@@ -10,6 +10,7 @@ import os
 import re
 
 from models.loading.hub import is_repo_id
+from models.platform.startup import describe
 from serve_app.configuration.args import ServeArgs
 
 _EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception): (.+)$")
@@ -67,14 +68,11 @@ def startup_line(phases: dict[str, float], body: dict) -> str:
     >>> startup_line({"checks": 1.0, "replica": 9.0}, {"startup_s": {"scheduler actor": 6.0, "weights": 2.0}})
     'specslot started in 10.0 s: checks 1.0 s, replica 9.0 s (scheduler actor 6.0 s: weights 2.0 s)'
     """
-    text = f"specslot started in {sum(phases.values()):.1f} s: " + ", ".join(
-        f"{k} {v:.1f} s" for k, v in phases.items()
-    )
+    text = f"specslot started in {sum(phases.values()):.1f} s: {describe(phases)}"
     actor = dict(body.get("startup_s") or {})
     if actor:
         total = actor.pop("scheduler actor", None)
-        inner = ", ".join(f"{k} {v:.1f} s" for k, v in actor.items())
-        text += f" (scheduler actor {total:.1f} s: {inner})" if total is not None else f" ({inner})"
+        text += f" (scheduler actor {total:.1f} s: {describe(actor)})" if total is not None else f" ({describe(actor)})"
     return text
 
 

@@ -29,7 +29,13 @@ logger = logging.getLogger("specslot")
 GGUF_MAGIC = b"GGUF"
 GROUP_SIZE = 32  # llama.cpp's block size for Q4_0, Q4_1 and Q8_0
 FORMAT_VERSION = 2  # bump when the directory written here changes (its config, its files)
-ARCHITECTURES = ("llama", "qwen2", "gemma3")
+# llama.cpp's architecture -> mlx-lm's model type and the Hugging Face class it names
+_MODELS = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+}
+ARCHITECTURES = tuple(_MODELS)
 
 # llama.cpp's per-layer tensor names -> mlx-lm's (llama and qwen2 share them).
 _LAYER_NAMES = {
@@ -192,8 +198,8 @@ def model_config(meta: dict, arch: str, tensors: dict, path: str, role: str) -> 
         raise ModelLoadError(f"{role} model {path!r}: the GGUF file has no token_embd tensor")
     vocab = int(num("vocab_size", tensors["token_embd.weight"].shape[0]))
     config = {
-        "model_type": "gemma3_text" if arch == "gemma3" else arch,
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(arch, "Gemma3ForCausalLM")],
+        "model_type": _MODELS[arch][0],
+        "architectures": [_MODELS[arch][1]],
         "hidden_size": hidden,
         "num_hidden_layers": int(num("block_count")),
         "intermediate_size": int(num("feed_forward_length")),

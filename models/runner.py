@@ -321,8 +321,9 @@ class MlxRunner:
         if not self.can_fuse():
             return None
         if self._tick_costs is None:
-            store, key = tick_costs.store(self.config.policy_cache_dir), self._tick_costs_key()
-            self._tick_costs = tick_costs.load(store, key)
+            cache_dir, key = self.config.policy_cache_dir, self._tick_costs_key()
+            store = tick_costs.TickCostStore(cache_dir) if cache_dir else None
+            self._tick_costs = store.load(key) if store else None
             if self._tick_costs is not None:
                 log.info("tick costs read from %s", store.path)
                 return self._tick_costs
@@ -331,7 +332,8 @@ class MlxRunner:
                 self._tick_costs = tick_costs.measure(
                     self.target.model, self._slot.drafter, self.num_draft_tokens, self._classic_rows_cap, vocab
                 )
-            tick_costs.save(store, key, self._tick_costs)
+            if store:
+                store.save(key, self._tick_costs)
         return self._tick_costs
 
     def _tick_costs_key(self) -> str:

@@ -41,26 +41,26 @@ CACHE_FILE = "tick_costs.json"
 CACHE_VERSION = 1  # of the measurement: bump when `measure` changes what it times
 
 
-def store(cache_dir: str | None) -> KeyedStore | None:
-    return KeyedStore(os.path.join(cache_dir, CACHE_FILE), CACHE_VERSION, "tick_costs") if cache_dir else None
+class TickCostStore(KeyedStore):
+    """The measured tables by key (`MlxRunner._tick_costs_key`) in `CACHE_FILE`; an
+    unreadable entry reads as none and a failed write only logs, as `scheduler.adaptive`'s
+    `PolicyStore` does for verdicts."""
 
+    def __init__(self, cache_dir: str) -> None:
+        super().__init__(os.path.join(cache_dir, CACHE_FILE), CACHE_VERSION, "tick_costs")
 
-def load(cache: KeyedStore | None, key: str) -> TickCosts | None:
-    """The tables measured under `key`, or None (no cache, no entry, or an unreadable one)."""
-    entry = cache.load(key) if cache is not None else None
-    try:
-        return TickCosts.from_json(entry) if entry is not None else None
-    except (ValueError, TypeError, AttributeError, KeyError):
-        return None
+    def load(self, key: str) -> TickCosts | None:
+        entry = super().load(key)
+        try:
+            return TickCosts.from_json(entry) if entry is not None else None
+        except (ValueError, TypeError, AttributeError):
+            return None
 
-
-def save(cache: KeyedStore | None, key: str, costs: TickCosts) -> None:
-    if cache is None:
-        return
-    try:
-        cache.save(key, costs.to_json())
-    except OSError as exc:  # serving goes on; the next start measures again
-        log.warning("could not keep the tick costs in %s: %s", cache.path, exc)
+    def save(self, key: str, costs: TickCosts) -> None:
+        try:
+            super().save(key, costs.to_json())
+        except OSError as exc:  # serving goes on; the next start measures again
+            log.warning("could not keep the tick costs in %s: %s", self.path, exc)
 
 
 def batch_sizes(max_rows: int) -> list[int]:

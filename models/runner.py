@@ -324,10 +324,20 @@ class MlxRunner:
             cache_dir, key = self.config.policy_cache_dir, self._tick_costs_key()
             store = tick_costs.TickCostStore(cache_dir) if cache_dir else None
             self._tick_costs = store.load(key) if store else None
-            if self._tick_costs is not None:
-                log.info("tick costs read from %s", store.path)
-                return self._tick_costs
             vocab = getattr(getattr(self.target.model, "args", None), "vocab_size", 256)
+            if self._tick_costs is not None:
+                with startup.phase("tick costs"):
+                    now = tick_costs.spot_check(self.target.model, self._tick_costs, vocab)
+                if now is None:
+                    log.info("tick costs read from %s", store.path)
+                    return self._tick_costs
+                log.info(
+                    "tick costs in %s were measured on a busier machine (a one-row step %.1f ms, now %.1f): "
+                    "measuring again",
+                    store.path,
+                    self._tick_costs.decode[1] * 1e3,
+                    now * 1e3,
+                )
             with startup.phase("tick costs"):
                 self._tick_costs = tick_costs.measure(
                     self.target.model, self._slot.drafter, self.num_draft_tokens, self._classic_rows_cap, vocab

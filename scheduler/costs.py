@@ -504,6 +504,93 @@ def verify_costs(costs: TickCosts, num_draft_tokens: int) -> DraftFit:
     return DraftFit(per_forward, per_token, per_draft, max(first_draft, 0.0), per_row)
 
 
+# `LiveDraftFit`: how fast its record follows the steps, how far a step's time may be off
+# the prediction before it is clipped, the drafting steps it waits for before it reprices,
+# and how far each plain step moves the drafts' price back toward the measured one.
+LIVE_WEIGHT = 0.1
+LIVE_CLIP = 3.0
+LIVE_MIN_DRAFTING = 8
+LIVE_RELAX = 0.01
+
+
+@dataclass
+class LiveDraftFit:
+    """A `DraftFit` kept true to the steps the batch runs. The fit comes from forwards
+    timed at load over a short synthetic context; a served step also samples and moves
+    tokens, and attends over longer rows, where a drafting row's own attention call
+    costs more (SmolLM2 on 2 cores, four chat rows: steps with drafts took 35 % more
+    than the fit said). Plain steps correct the fixed cost (`per_forward`: what an
+    accepted draft saves), drafting steps scale the drafts' costs (`first_draft`,
+    `per_row`, `per_draft`) by what they took beyond a plain step over what the fit
+    said they would. Each plain step moves that scale a little back toward 1, so a
+    verdict from one stretch of traffic fades once rows stop drafting.
+    >>> live = LiveDraftFit(DraftFit(0.070, 0.005, 0.001, 0.009, 0.004))
+    >>> for _ in range(40):
+    ...     live.observe(4, 0, 0, 0.095)          # plain steps 5 ms slower than the fit
+    ...     live.observe(4, 1, 1, 0.095 + 0.028)  # drafting ones 2x the fit's 14 ms
+    >>> round(live.fit().per_forward, 3), round(live.scale(), 1)
+    (0.075, 1.9)
+    """
+
+    base: DraftFit
+    plain_extra: float = 0.0  # EMA: a plain step's seconds beyond the fit's
+    drafts_taken: float = 0.0  # EMA: what drafting steps took beyond a plain step
+    drafts_priced: float = 0.0  # EMA: what the fit said they would
+    num_plain: int = 0
+    num_drafting: int = 0
+    _fit: DraftFit | None = None
+
+    def plain_s(self, num_rows: int) -> float:
+        return self.base.per_forward + self.base.per_token * num_rows
+
+    def observe(self, num_rows: int, drafting_rows: int, num_drafts: int, seconds: float) -> None:
+        """A step of `num_rows` rows, `drafting_rows` of which verified `num_drafts`
+        drafts in all, took `seconds` (forward and sampling)."""
+        if num_rows <= 0 or seconds <= 0.0:
+            return
+        plain = self.plain_s(num_rows)
+        if not num_drafts:
+            residual = min(max(seconds - plain, -plain / 2), LIVE_CLIP * plain)
+            self.plain_extra += LIVE_WEIGHT * (residual - self.plain_extra)
+            self.drafts_taken += LIVE_RELAX * (self.drafts_priced - self.drafts_taken)
+            self.num_plain += 1
+        else:
+            base = self.base
+            priced = base.first_draft + base.per_row * drafting_rows + base.per_draft * num_drafts
+            taken = min(max(seconds - plain - self.plain_extra, 0.0), LIVE_CLIP * max(priced, 1e-4))
+            self.drafts_taken += LIVE_WEIGHT * (taken - self.drafts_taken)
+            self.drafts_priced += LIVE_WEIGHT * (priced - self.drafts_priced)
+            self.num_drafting += 1
+        self._fit = None
+
+    def scale(self) -> float:
+        """What the drafts' measured costs are multiplied by now (1 until the batch has
+        run `LIVE_MIN_DRAFTING` drafting steps)."""
+        if self.num_drafting < LIVE_MIN_DRAFTING or self.drafts_priced <= 0.0:
+            return 1.0
+        return min(max(self.drafts_taken / self.drafts_priced, 1 / LIVE_CLIP), LIVE_CLIP)
+
+    def fit(self) -> DraftFit:
+        if self._fit is None:
+            s, base = self.scale(), self.base
+            self._fit = DraftFit(
+                max(base.per_forward + self.plain_extra, 0.0),
+                base.per_token,
+                base.per_draft * s,
+                base.first_draft * s,
+                base.per_row * s,
+            )
+        return self._fit
+
+    def snapshot(self) -> dict:
+        return {
+            "plain_extra_ms": round(self.plain_extra * 1e3, 3),
+            "draft_cost_scale": round(self.scale(), 3),
+            "plain_steps": self.num_plain,
+            "drafting_steps": self.num_drafting,
+        }
+
+
 def expected_accepted(alpha: float, k: int) -> float:
     """Drafts a row with per-draft acceptance `alpha` expects to keep of k:
     alpha + alpha^2 + ... + alpha^k."""

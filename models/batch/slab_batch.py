@@ -34,6 +34,7 @@ from models.speculative.replica_index import ReplicaIndex
 from models.speculative.round_math import accept_count, clip_tokens, draft_budget
 from scheduler.costs import (
     DraftFit,
+    LiveDraftFit,
     MatchAcceptance,
     ReplicaAcceptance,
     RowAcceptance,
@@ -115,7 +116,7 @@ class SlabBatch:
         self.row_drafts = row_drafts
         self.num_draft_tokens = num_draft_tokens
         self._costs: TickCosts | None = None
-        self._fit: DraftFit | None = None
+        self._live: LiveDraftFit | None = None  # the fit of `costs`, corrected by the steps run
         self._model = model
         self._eos_token_ids = tuple(eos_token_ids)
         self._grammars = grammars
@@ -154,7 +155,13 @@ class SlabBatch:
     def costs(self, costs: TickCosts | None) -> None:
         """The measured forward costs the rows' draft budgets are judged by (fitted once)."""
         self._costs = costs
-        self._fit = None if costs is None else verify_costs(costs, self.num_draft_tokens)
+        self._live = None if costs is None else LiveDraftFit(verify_costs(costs, self.num_draft_tokens))
+
+    @property
+    def _fit(self) -> DraftFit | None:
+        """What the rows' drafts are priced by: the measured costs' fit, kept true to the
+        packed steps this batch has timed (`scheduler.costs.LiveDraftFit`)."""
+        return None if self._live is None else self._live.fit()
 
     # -- bookkeeping ------------------------------------------------------------------
     def num_rows(self) -> int:
@@ -243,7 +250,10 @@ class SlabBatch:
 
     # -- admission ----------------------------------------------------------------------
     def step_stats(self) -> dict:
-        return {"steps": self.num_steps, "pipelined": self.num_pipelined}
+        stats = {"steps": self.num_steps, "pipelined": self.num_pipelined}
+        if self._live is not None and self._live.num_plain + self._live.num_drafting:
+            stats["draft_costs"] = self._live.snapshot()
+        return stats
 
     def drafts_rows_of(self, greedy: bool) -> bool:
         """Whether rows of this kind (greedy, or sampled) verify their own drafts."""
@@ -478,6 +488,7 @@ class SlabBatch:
             if self.slab.grid and row.slot != len(self._streams):
                 self._to_classic_region(row)  # next to the rows: one grid, no gap rows
             entries.append((row, rider.extra.tokens.tolist()))
+        tic = time.perf_counter()
         try:
             logits = self.slab.forward(self._model, entries, interrupt=interrupt)
         except Interrupted:
@@ -490,6 +501,9 @@ class SlabBatch:
         if rider is not None:
             rider.extra_logits = logits[-1]
         verified, reports = self._sample(streams, logits[: len(streams)], drafts)
+        if rider is None and self._live is not None and not self.slab.grid:  # a grid's steps overlap
+            seconds = time.perf_counter() - tic
+            self._live.observe(len(streams), sum(1 for d in drafts if d), sum(map(len, drafts)), seconds)
         return self._apply(streams, drafts, verified, wanted, reports)
 
     def _apply(
@@ -690,8 +704,8 @@ class SlabBatch:
         if not self._step_pays(alphas, [len(d) for d in out], len(streams)):
             return [[] for _ in streams]
         budget = (
-            step_draft_budget(len(streams), self._fit, self.draft_step_share)
-            if self._fit is not None and self.draft_step_share > 0
+            step_draft_budget(len(streams), self._live.base, self.draft_step_share)  # by the measured costs
+            if self._live is not None and self.draft_step_share > 0
             else None
         )
         if budget is None or sum(map(len, out)) <= budget:

@@ -63,6 +63,39 @@ class TickCostStore(KeyedStore):
             log.warning("could not keep the tick costs in %s: %s", self.path, exc)
 
 
+# A cached table whose one-row decode step now runs this much faster was measured while the
+# machine was busy (a start beside Ray's and Serve's): `spot_check` measures again. A slower
+# step now says only that the machine is busy now, so the table stays.
+STALE_FASTER = 0.85
+
+
+def spot_check(model: nn.Module, cached: TickCosts, vocab_size: int) -> float | None:
+    """Time a one-row decode step as `measure` does; returns its seconds when the cached
+    table's step is slower than that by more than `STALE_FASTER` allows, else None."""
+    if 1 not in cached.decode:
+        return None
+    prompt = [(7 * i + 3) % vocab_size for i in range(CONTEXT)]
+    slab = Slab(model, rows=1)
+    row = slab.add()
+    slab.forward(model, [(row, prompt)])
+    mx.eval(slab.arrays())
+
+    def step():
+        mx.eval(slab.forward(model, [(row, prompt[:1])]), slab.arrays())
+        for view in row.cache:
+            view.trim(1)
+
+    step()  # warm-up
+    seconds = min(_timed_once(step) for _ in range(MIN_REPEATS))
+    return seconds if seconds < STALE_FASTER * cached.decode[1] else None
+
+
+def _timed_once(fn) -> float:
+    tic = time.perf_counter()
+    fn()
+    return time.perf_counter() - tic
+
+
 def batch_sizes(max_rows: int) -> list[int]:
     """1, 2, 4, ... up to `max_rows` (and `max_rows` itself)."""
     sizes, b = [], 1

@@ -58,9 +58,11 @@ def tick_summary(snapshot: dict) -> str:
         for action, n in counters["actions"].items()
         if n
     )
+    live = (snapshot.get("classic_steps") or {}).get("draft_costs")
     return (
         f"{ticks}; slot rounds {counters['spec_rounds']}, row rounds {counters['row_rounds']}, "
         f"accepted {counters['accepted_tokens']} of {counters['drafted_tokens']} drafted"
+        + (f"; rows' draft costs {live}" if live else "")
     )
 
 

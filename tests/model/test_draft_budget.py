@@ -229,3 +229,29 @@ def test_until_a_kind_of_match_has_a_record_its_length_caps_a_rows_price(loaded)
     land_every_match(batch)
     stream.match = ("own", 1)
     assert batch._alpha(stream) > 0.95
+
+
+def test_the_rows_drafts_are_priced_by_the_steps_the_batch_times(loaded):
+    """A packed slab times every step and moves the fit its rows' drafts are priced by
+    (`scheduler.costs.LiveDraftFit`): COSTS says a plain step takes seconds, the toy's take
+    milliseconds, so the fixed cost falls; the streams stay what classic decode emits."""
+    target = loaded[0]
+    eos = sorted(target.tokenizer.eos_token_ids)
+    repeating = list(target.tokenizer.encode(REPEATING))
+    requests = [Request(rid, repeating[i:], SamplingParams(max_tokens=30)) for i, rid in enumerate("ab")]
+    batch = SlabBatch(target.model, eos_token_ids=eos, row_drafts=True)
+    batch.costs = COSTS
+    land_every_match(batch)
+    measured = verify_costs(COSTS, 4)
+    out = {r.request_id: [] for r in requests}
+    for b in batch.prefill(requests):
+        out[b.request_id] += b.token_ids
+    while batch.num_rows():
+        for b in batch.decode(drafts=True):
+            out[b.request_id] += b.token_ids
+            if b.finish_reason:
+                batch.remove(b.request_id)
+    live = batch.step_stats()["draft_costs"]
+    assert live["plain_steps"] + live["drafting_steps"] == batch.num_steps and live["drafting_steps"] > 0
+    assert live["plain_extra_ms"] < 0 and batch._fit.per_forward < measured.per_forward
+    assert out == {rid: tokens for rid, (tokens, _) in run_classic(target.model, requests, eos).items()}

@@ -5,9 +5,12 @@ import pytest
 from scheduler.costs import (
     BATCH_MARGIN,
     HOLD_TURNS,
+    LIVE_CLIP,
+    LIVE_MIN_DRAFTING,
     AcceptanceTracker,
     DraftFit,
     LiveCosts,
+    LiveDraftFit,
     TickCosts,
     draft_net,
     drafts_pay,
@@ -203,3 +206,36 @@ def test_a_drafting_row_pays_its_own_cost_first():
     assert row_draft_budget(0.45, 8, CPU_FIT._replace(per_row=0.0), 4) == 1
     assert row_draft_budget(0.45, 8, CPU_FIT, 4) == 0
     assert draft_net(0.9, 0, 8, CPU_FIT) == 0.0
+
+
+def test_live_draft_fit_prices_drafts_by_the_steps_the_batch_runs():
+    base = DraftFit(per_forward=0.070, per_token=0.005, per_draft=0.001, first_draft=0.009, per_row=0.004)
+    live = LiveDraftFit(base)
+    # Plain steps 20 ms faster than the fit (a table measured on a busy machine): the fixed
+    # cost follows, and with it the rate an accepted draft is worth.
+    for _ in range(60):
+        live.observe(4, 0, 0, 0.070)
+    assert live.fit().per_forward == pytest.approx(0.050, abs=1e-3) and live.scale() == 1.0
+    # Drafting steps three times the fit's draft price: no verdict before LIVE_MIN_DRAFTING of them.
+    priced = base.first_draft + base.per_row + base.per_draft * 2
+    for i in range(LIVE_MIN_DRAFTING - 1):
+        live.observe(4, 1, 2, 0.070 + 3 * priced)
+    assert live.scale() == 1.0
+    for _ in range(40):
+        live.observe(4, 1, 2, 0.070 + 3 * priced)
+    assert live.scale() == pytest.approx(3.0, rel=0.05)
+    fit = live.fit()
+    assert (fit.first_draft, fit.per_row, fit.per_draft) == pytest.approx(
+        (3 * base.first_draft, 3 * base.per_row, 3 * base.per_draft), rel=0.05
+    )
+    assert row_draft_budget(0.5, 4, fit, 4) < row_draft_budget(0.5, 4, base, 4)
+    # An outlier step counts at most LIVE_CLIP times its price, and plain steps with no drafts
+    # move the scale back toward the measured price.
+    live.observe(4, 1, 2, 100.0)
+    assert live.scale() <= LIVE_CLIP
+    for _ in range(400):
+        live.observe(4, 0, 0, 0.070)
+    assert live.scale() < 1.1
+    live.observe(0, 0, 0, 1.0)  # a step of no rows, or a clock that does not move, teaches nothing
+    live.observe(4, 0, 0, 0.0)
+    assert live.snapshot()["plain_steps"] == 460

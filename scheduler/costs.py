@@ -510,7 +510,7 @@ def verify_costs(costs: TickCosts, num_draft_tokens: int) -> DraftFit:
 LIVE_WEIGHT = 0.1
 LIVE_CLIP = 3.0
 LIVE_MIN_DRAFTING = 8
-LIVE_RELAX = 0.01
+LIVE_RELAX = 0.001
 
 
 @dataclass
@@ -523,13 +523,14 @@ class LiveDraftFit:
     accepted draft saves), drafting steps scale the drafts' costs (`first_draft`,
     `per_row`, `per_draft`) by what they took beyond a plain step over what the fit
     said they would. Each plain step moves that scale a little back toward 1, so a
-    verdict from one stretch of traffic fades once rows stop drafting.
+    verdict from one stretch of traffic fades once rows stop drafting (slowly: most steps
+    of prose draft nothing, and a fast fade would undo the scale between drafting steps).
     >>> live = LiveDraftFit(DraftFit(0.070, 0.005, 0.001, 0.009, 0.004))
     >>> for _ in range(40):
     ...     live.observe(4, 0, 0, 0.095)          # plain steps 5 ms slower than the fit
     ...     live.observe(4, 1, 1, 0.095 + 0.028)  # drafting ones 2x the fit's 14 ms
     >>> round(live.fit().per_forward, 3), round(live.scale(), 1)
-    (0.075, 1.9)
+    (0.075, 2.0)
     """
 
     base: DraftFit

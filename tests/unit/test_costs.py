@@ -233,9 +233,9 @@ def test_live_draft_fit_prices_drafts_by_the_steps_the_batch_runs():
     # move the scale back toward the measured price.
     live.observe(4, 1, 2, 100.0)
     assert live.scale() <= LIVE_CLIP
-    for _ in range(400):
+    for _ in range(4000):
         live.observe(4, 0, 0, 0.070)
     assert live.scale() < 1.1
     live.observe(0, 0, 0, 1.0)  # a step of no rows, or a clock that does not move, teaches nothing
     live.observe(4, 0, 0, 0.0)
-    assert live.snapshot()["plain_steps"] == 460
+    assert live.snapshot()["plain_steps"] == 4060

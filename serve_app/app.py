@@ -26,6 +26,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 import models  # noqa: F401  (fast BLAS before anything imports mlx)
+from models.platform import startup
 from serve_app.configuration.args import ConfigError, LiveConfig, ServeArgs, format_validation_error, read_chat_template
 from serve_app.deployment.actor import ActorSource
 from serve_app.deployment.client import EngineClient
@@ -83,7 +84,7 @@ class SpecslotReplica:
         # The affinity keys served here, reported to every router (`record_routing_stats`).
         self.served_keys = ServedKeys() if self.args.affinity_routing else None
         # Not awaited: the replica must answer /health (503, loading) while this runs.
-        self._loading = asyncio.get_running_loop().create_task(load_replica(self.service))
+        self._loading = asyncio.get_running_loop().create_task(load_replica(self.service, startup.process_age()))
 
     def __serve_build_asgi_app__(self):
         app = self.service.app()
@@ -140,18 +141,31 @@ SpecslotServer = serve.deployment(**DEPLOYMENT_OPTIONS)(serve.ingress()(Specslot
 SpecslotBackend = serve.deployment(**DEPLOYMENT_OPTIONS)(SpecslotReplica)
 
 
-async def load_replica(service: OpenAIService) -> None:
-    """Find the models, load the tokenizer, start the scheduler; then mark the service
-    ready, or record the error (one log line) for /health and check_health."""
+async def load_replica(service: OpenAIService, process_s: float | None = None) -> None:
+    """Find the models, then start the scheduler and load the tokenizer side by side;
+    then mark the service ready, or record the error (one log line) for /health and
+    check_health. `process_s`: how long this replica's process ran before it (for the
+    start line, with the tokenizer's seconds)."""
     args = service.args
     try:
         # Before transformers could try the hub, off the event loop (a download may take
         # minutes); the draft too, so the actor finds both in this node's cache.
         target_dir, _ = await asyncio.to_thread(args.model_dirs)
         template = read_chat_template(args.chat_template)  # build_app has inlined a file's text
-        codec = await asyncio.to_thread(TextCodec.from_path, target_dir, template, args.tool_call_format)
-        generation_config = read_generation_config(target_dir)
-        await service.client.start()
+        # The scheduler actor loads the models while this process builds the tokenizer.
+        starting = asyncio.ensure_future(service.client.start())
+        try:
+            tic = time.perf_counter()
+            codec = await asyncio.to_thread(TextCodec.from_path, target_dir, template, args.tool_call_format)
+            generation_config = read_generation_config(target_dir)
+            tokenizer_s = time.perf_counter() - tic
+        except BaseException:
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            raise
+        await starting
+        own = {"replica process": process_s, "tokenizer": tokenizer_s}
+        service.client.info["replica_startup_s"] = {name: s for name, s in own.items() if s is not None}
     except Exception as exc:  # ModelLoadError, or the scheduler actor could not start
         service.fail_load(last_error_line(str(exc)))
         logger.error("specslot failed to load: %s", service.load_error)

@@ -15,6 +15,7 @@ One process loads one runner (the scheduler actor), so the record is the process
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -40,6 +41,23 @@ def reset() -> None:
     _seconds.clear()
 
 
-def describe(phases: dict[str, float]) -> str:
-    """Phases as the load log and the CLI's start line write them."""
-    return ", ".join(f"{name} {s:.1f} s" for name, s in phases.items())
+SHOWN = 0.05  # a load's phase that took less is left out of the start line
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (Linux: /proc), None where that is unknown: what
+    a new Ray worker spends starting and importing before our code runs."""
+    try:
+        with open("/proc/self/stat") as f:
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(uptime - started_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def describe(phases: dict[str, float], at_least: float = 0.0) -> str:
+    """Phases as the load log and the CLI's start line write them (those that took
+    `at_least` seconds: a load's phases that took no time are left out)."""
+    return ", ".join(f"{name} {s:.1f} s" for name, s in phases.items() if s >= at_least)

@@ -39,11 +39,14 @@ def build_engine(args: ServeArgs):
 
     started = time.perf_counter()
     startup.reset()
+    before = startup.process_age()  # the worker's own start and imports, before this call
     home = kernel_cache.use(args.kernel_cache_dir)  # before anything touches the GPU
     if args.prebuild_kernels:
-        kernel_cache.prebuild(home, args.model)
-    import models  # noqa: F401  (fast BLAS before mlx)
-    from scheduler.engine import Engine
+        with startup.phase("kernel prebuild"):
+            kernel_cache.prebuild(home, args.model)
+    with startup.phase("imports"):
+        import models  # noqa: F401  (fast BLAS before mlx)
+        from scheduler.engine import Engine
 
     info: dict = {}
 
@@ -78,8 +81,12 @@ def build_engine(args: ServeArgs):
         elif args.tick_mode == "fused":
             logger.info("fused tick on (b1_policy %s: no cost gate)", args.b1_policy)
         # From this actor's start (imports and the runner's load) to a runner that serves.
-        info["startup_s"] = {"scheduler actor": time.perf_counter() - started, **startup.seconds()}
-        logger.info("start: %s", startup.describe(info["startup_s"]))
+        info["startup_s"] = {
+            "scheduler actor": time.perf_counter() - started,
+            **({"worker start": before} if before is not None else {}),
+            **startup.seconds(),
+        }
+        logger.info("start: %s", startup.describe(info["startup_s"], startup.SHOWN))
         return runner
 
     return Engine(runner_factory, args.scheduler_config()), info

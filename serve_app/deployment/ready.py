@@ -10,7 +10,7 @@ import os
 import re
 
 from models.loading.hub import is_repo_id
-from models.platform.startup import describe
+from models.platform.startup import SHOWN, describe
 from serve_app.configuration.args import ServeArgs
 
 _EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception): (.+)$")
@@ -50,6 +50,8 @@ def health_body(args: ServeArgs, info: dict) -> dict:
     }
     if info.get("startup_s"):  # the scheduler actor's load, by phase (`models.platform.startup`)
         body["startup_s"] = {name: round(s, 2) for name, s in info["startup_s"].items()}
+    if info.get("replica_startup_s"):  # the replica's own: its process start, the tokenizer
+        body["replica_startup_s"] = {name: round(s, 2) for name, s in info["replica_startup_s"].items()}
     return body
 
 
@@ -64,16 +66,33 @@ def ready_line(base_url: str, body: dict) -> str:
 
 def startup_line(phases: dict[str, float], body: dict) -> str:
     """Where the start went, for the operator: the CLI's own phases (`phases`, seconds, in
-    order, the last one ending at ready) and the scheduler actor's, from the /health body.
+    order, the last one ending at ready), then within the last one the replica's process
+    start, the scheduler actor's worker start and its load by phase (from the /health
+    body), and the tokenizer the replica built meanwhile.
     >>> startup_line({"checks": 1.0, "replica": 9.0}, {"startup_s": {"scheduler actor": 6.0, "weights": 2.0}})
     'specslot started in 10.0 s: checks 1.0 s, replica 9.0 s (scheduler actor 6.0 s: weights 2.0 s)'
+    >>> body = {"startup_s": {"scheduler actor": 6.0, "worker start": 1.5},
+    ...         "replica_startup_s": {"replica process": 0.5, "tokenizer": 1.0}}
+    >>> startup_line({"replica": 9.0}, body).split(" (")[1]
+    'replica process 0.5 s; actor worker start 1.5 s; scheduler actor 6.0 s; tokenizer 1.0 s beside the actor)'
     """
     text = f"specslot started in {sum(phases.values()):.1f} s: {describe(phases)}"
     actor = dict(body.get("startup_s") or {})
-    if actor:
-        total = actor.pop("scheduler actor", None)
-        text += f" (scheduler actor {total:.1f} s: {describe(actor)})" if total is not None else f" ({describe(actor)})"
-    return text
+    replica = body.get("replica_startup_s") or {}
+    worker, total = actor.pop("worker start", None), actor.pop("scheduler actor", None)
+    parts = []
+    if replica.get("replica process") is not None:
+        parts.append(f"replica process {replica['replica process']:.1f} s")
+    if worker is not None:
+        parts.append(f"actor worker start {worker:.1f} s")
+    if total is not None:
+        shown = describe(actor, SHOWN)
+        parts.append(f"scheduler actor {total:.1f} s" + (f": {shown}" if shown else ""))
+    elif actor:
+        parts.append(describe(actor, SHOWN))
+    if replica.get("tokenizer") is not None:
+        parts.append(f"tokenizer {replica['tokenizer']:.1f} s beside the actor")
+    return text + (f" ({'; '.join(parts)})" if parts else "")
 
 
 def last_error_line(message: str) -> str:

@@ -106,6 +106,7 @@ class MlxRunner:
         )
         if self._classic.row_drafts:
             self._classic.costs = self.tick_costs()  # what a verify position costs, at load
+            self._classic.price_by_steps = True  # ... kept true to the steps served
             self.draft_step_share = config.draft_step_share
             self.replica_drafts = config.replica_drafts
             self.sampled_row_drafts = config.sampled_row_drafts

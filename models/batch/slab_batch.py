@@ -117,6 +117,9 @@ class SlabBatch:
         self.num_draft_tokens = num_draft_tokens
         self._costs: TickCosts | None = None
         self._live: LiveDraftFit | None = None  # the fit of `costs`, corrected by the steps run
+        # Whether packed steps correct that fit (the runner turns it on; tests that fix the
+        # costs leave it off, so which rows draft does not depend on the machine's load).
+        self.price_by_steps = False
         self._model = model
         self._eos_token_ids = tuple(eos_token_ids)
         self._grammars = grammars
@@ -501,7 +504,9 @@ class SlabBatch:
         if rider is not None:
             rider.extra_logits = logits[-1]
         verified, reports = self._sample(streams, logits[: len(streams)], drafts)
-        if rider is None and self._live is not None and not self.slab.grid:  # a grid's steps overlap
+        if (
+            rider is None and self._live is not None and self.price_by_steps and not self.slab.grid
+        ):  # a grid's steps overlap
             seconds = time.perf_counter() - tic
             self._live.observe(len(streams), sum(1 for d in drafts if d), sum(map(len, drafts)), seconds)
         return self._apply(streams, drafts, verified, wanted, reports)

@@ -232,15 +232,15 @@ def test_until_a_kind_of_match_has_a_record_its_length_caps_a_rows_price(loaded)
 
 
 def test_the_rows_drafts_are_priced_by_the_steps_the_batch_times(loaded):
-    """A packed slab times every step and moves the fit its rows' drafts are priced by
-    (`scheduler.costs.LiveDraftFit`): COSTS says a plain step takes seconds, the toy's take
+    """A packed slab the runner builds times every step and moves the fit its rows' drafts
+    are priced by (`scheduler.costs.LiveDraftFit`): COSTS says a plain step takes seconds, the toy's take
     milliseconds, so the fixed cost falls; the streams stay what classic decode emits."""
     target = loaded[0]
     eos = sorted(target.tokenizer.eos_token_ids)
     repeating = list(target.tokenizer.encode(REPEATING))
     requests = [Request(rid, repeating[i:], SamplingParams(max_tokens=30)) for i, rid in enumerate("ab")]
     batch = SlabBatch(target.model, eos_token_ids=eos, row_drafts=True)
-    batch.costs = COSTS
+    batch.costs, batch.price_by_steps = COSTS, True  # as the runner sets them
     land_every_match(batch)
     measured = verify_costs(COSTS, 4)
     out = {r.request_id: [] for r in requests}

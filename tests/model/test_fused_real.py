@@ -44,6 +44,7 @@ def quiet_costs(runner, kind: str):
     costs = TickCosts(draft=0.0055 if kind == "draft_model" else 0.0, **QUIET_COSTS)
     runner._tick_costs = costs
     runner._classic.costs = costs
+    runner._classic.price_by_steps = False  # the steps' times would move the prices
 
 
 @pytest.fixture(scope="module", params=["draft_model", "ngram"])

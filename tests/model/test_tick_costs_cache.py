@@ -77,6 +77,7 @@ def test_a_table_measured_on_a_busy_machine_is_measured_again(tmp_path, monkeypa
             runner.close()
 
     runner, first = start()
+    assert runner._classic.price_by_steps  # the rows' drafts: these costs, kept true to the steps served
     store, key = tick_costs.TickCostStore(str(tmp_path)), runner._tick_costs_key()
 
     def cache_scaled(factor: float) -> TickCosts:

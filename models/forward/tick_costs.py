@@ -17,6 +17,7 @@ import logging
 import os
 import statistics
 import time
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -74,17 +75,8 @@ def spot_check(model: nn.Module, cached: TickCosts, vocab_size: int) -> float | 
     table's step is slower than that by more than `STALE_FASTER` allows, else None."""
     if 1 not in cached.decode:
         return None
-    prompt = [(7 * i + 3) % vocab_size for i in range(CONTEXT)]
-    slab = Slab(model, rows=1)
-    row = slab.add()
-    slab.forward(model, [(row, prompt)])
-    mx.eval(slab.arrays())
-
-    def step():
-        mx.eval(slab.forward(model, [(row, prompt[:1])]), slab.arrays())
-        for view in row.cache:
-            view.trim(1)
-
+    slab, (row,), prompt = _filled_slab(model, 1, vocab_size)
+    step = _forward(model, slab, [(row, prompt[:1])])
     step()  # warm-up
     seconds = min(_timed_once(step) for _ in range(MIN_REPEATS))
     return seconds if seconds < STALE_FASTER * cached.decode[1] else None
@@ -144,22 +136,9 @@ def _timed_in_turns(fns: dict[str, object]) -> dict[str, float]:
 def measure(
     model: nn.Module, drafter: Drafter | None, num_draft_tokens: int, max_rows: int, vocab_size: int
 ) -> TickCosts:
-    prompt = [(7 * i + 3) % vocab_size for i in range(CONTEXT)]
     sizes = batch_sizes(max_rows)
-    slab = Slab(model, rows=max(sizes) + 1)
-    rows = [slab.add() for _ in range(max(sizes) + 1)]
-    slab.forward(model, [(r, prompt) for r in rows])
-    mx.eval(slab.arrays())
+    slab, rows, prompt = _filled_slab(model, max(sizes) + 1, vocab_size)
     verify = prompt[: num_draft_tokens + 1]
-
-    def forward(entries):
-        def run():
-            mx.eval(slab.forward(model, entries), slab.arrays())
-            for row, tokens in entries:
-                for view in row.cache:
-                    view.trim(len(tokens))
-
-        return run
 
     def steps(b: int) -> dict:
         # b decoding rows in slots 0..b-1; beside them, in turn: the verifying row next to
@@ -175,15 +154,37 @@ def measure(
             variants["half_one"] = [
                 (r, prompt[i : i + 2] if i < b // 2 else [prompt[i]]) for i, r in enumerate(rows[:b])
             ]
-        return _timed_in_turns({name: forward(entries) for name, entries in variants.items()})
+        return _timed_in_turns({name: _forward(model, slab, entries) for name, entries in variants.items()})
 
     by_size = {b: steps(b) for b in sizes}
     decode = {b: t["decode"] for b, t in by_size.items()}
-    fused = {0: _timed(forward([(rows[0], verify)]))} | {b: t["fused"] for b, t in by_size.items()}
+    fused = {0: _timed(_forward(model, slab, [(rows[0], verify)]))} | {b: t["fused"] for b, t in by_size.items()}
     all_verify = {b: t["all_verify"] for b, t in by_size.items() if "all_verify" in t}
     one_draft = {b: t["one_draft"] for b, t in by_size.items()}
     half_one = {b: t["half_one"] for b, t in by_size.items() if "half_one" in t}
     return TickCosts(decode, fused, _draft_seconds(drafter, prompt, num_draft_tokens), all_verify, one_draft, half_one)
+
+
+def _filled_slab(model: nn.Module, num_rows: int, vocab_size: int) -> tuple[Slab, list, list[int]]:
+    """A throwaway slab of `num_rows` rows, each holding the same `CONTEXT`-token prompt."""
+    prompt = [(7 * i + 3) % vocab_size for i in range(CONTEXT)]
+    slab = Slab(model, rows=num_rows)
+    rows = [slab.add() for _ in range(num_rows)]
+    slab.forward(model, [(r, prompt) for r in rows])
+    mx.eval(slab.arrays())
+    return slab, rows, prompt
+
+
+def _forward(model: nn.Module, slab: Slab, entries: list) -> Callable[[], None]:
+    """One forward of `entries` on `slab`, evaluated, its new tokens then trimmed away."""
+
+    def run():
+        mx.eval(slab.forward(model, entries), slab.arrays())
+        for row, tokens in entries:
+            for view in row.cache:
+                view.trim(len(tokens))
+
+    return run
 
 
 def _draft_seconds(drafter: Drafter | None, prompt: list[int], k: int) -> float:

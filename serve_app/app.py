@@ -156,6 +156,7 @@ async def load_replica(service: OpenAIService, process_s: float | None = None) -
         starting = asyncio.ensure_future(service.client.start())
         try:
             tic = time.perf_counter()
+            await asyncio.to_thread(startup.transformers_without_torch)  # before the tokenizer's import
             codec = await asyncio.to_thread(TextCodec.from_path, target_dir, template, args.tool_call_format)
             generation_config = read_generation_config(target_dir)
             tokenizer_s = time.perf_counter() - tic

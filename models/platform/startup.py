@@ -16,6 +16,7 @@ One process loads one runner (the scheduler actor), so the record is the process
 from __future__ import annotations
 
 import os
+import sys
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -61,3 +62,30 @@ def describe(phases: dict[str, float], at_least: float = 0.0) -> str:
     """Phases as the load log and the CLI's start line write them (those that took
     `at_least` seconds: a load's phases that took no time are left out)."""
     return ", ".join(f"{name} {s:.1f} s" for name, s in phases.items() if s >= at_least)
+
+
+TORCH_ENV = "SPECSLOT_TRANSFORMERS_TORCH"  # "1": transformers may import PyTorch where installed
+
+
+def transformers_without_torch() -> bool:
+    """Import transformers with PyTorch hidden, so that it never imports torch: specslot
+    uses only its tokenizers, and on an image with PyTorch installed, transformers'
+    import of torch took 8.5 s of a fresh GPU start, once in the scheduler actor before
+    the weights and once in the replica's tokenizer. transformers probes torch once per
+    process (`is_torch_available`, cached), so torch is hidden only for that probe:
+    anything else may import it afterwards. Returns whether it hid torch; False (nothing
+    done) once transformers or torch is imported, without transformers, or with
+    SPECSLOT_TRANSFORMERS_TORCH=1 (a tokenizer whose code needs PyTorch)."""
+    if os.environ.get(TORCH_ENV) == "1" or "transformers" in sys.modules or "torch" in sys.modules:
+        return False
+    sys.modules["torch"] = None  # type: ignore[assignment]  # find_spec("torch") is None: no PyTorch
+    try:
+        from transformers.utils import import_utils
+
+        import_utils.is_torch_available()
+    except ImportError:
+        return False
+    finally:
+        if "torch" in sys.modules and sys.modules["torch"] is None:
+            del sys.modules["torch"]
+    return True

@@ -46,12 +46,15 @@ def build_engine(args: ServeArgs):
             kernel_cache.prebuild(home, args.model)
     with startup.phase("imports"):
         import models  # noqa: F401  (fast BLAS before mlx)
+
+        startup.transformers_without_torch()  # before mlx-lm imports transformers
         from scheduler.engine import Engine
 
     info: dict = {}
 
     def runner_factory():
-        from models.runner import MlxRunner, hardware_name
+        with startup.phase("imports"):  # mlx-lm and transformers: seconds of a fresh start
+            from models.runner import MlxRunner, hardware_name
 
         drafter = args.drafter
         draft_note = f", draft {drafter.path}" if drafter.needs_weights else f", drafter {drafter.kind}"

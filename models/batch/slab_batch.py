@@ -504,9 +504,8 @@ class SlabBatch:
         if rider is not None:
             rider.extra_logits = logits[-1]
         verified, reports = self._sample(streams, logits[: len(streams)], drafts)
-        if (
-            rider is None and self._live is not None and self.price_by_steps and not self.slab.grid
-        ):  # a grid's steps overlap
+        # A grid's steps overlap, and a rider's forward is not the rows' own.
+        if rider is None and self._live is not None and self.price_by_steps and not self.slab.grid:
             seconds = time.perf_counter() - tic
             self._live.observe(len(streams), sum(1 for d in drafts if d), sum(map(len, drafts)), seconds)
         return self._apply(streams, drafts, verified, wanted, reports)

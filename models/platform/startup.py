@@ -71,9 +71,9 @@ def transformers_without_torch() -> bool:
     """Import transformers with PyTorch hidden, so that it never imports torch: specslot
     uses only its tokenizers, and on an image with PyTorch installed, transformers'
     import of torch took 8.6 s, once in the scheduler actor before the weights and once
-    in the replica's tokenizer (a fresh H100 start: 52.4 s with it, 41.6 s without). transformers probes torch once per
-    process (`is_torch_available`, cached), so torch is hidden only for that probe:
-    anything else may import it afterwards. Returns whether it hid torch; False (nothing
+    in the replica's tokenizer (a fresh H100 start: 52.4 s with it, 41.6 s without).
+    transformers probes torch once per process (`is_torch_available`, cached), so torch
+    is hidden only for that probe: anything else may import it afterwards. Returns whether it hid torch; False (nothing
     done) once transformers or torch is imported, without transformers, or with
     SPECSLOT_TRANSFORMERS_TORCH=1 (a tokenizer whose code needs PyTorch)."""
     if os.environ.get(TORCH_ENV) == "1" or "transformers" in sys.modules or "torch" in sys.modules:

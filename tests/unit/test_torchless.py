@@ -48,16 +48,14 @@ def _fake_torch(root: Path) -> Path:
 
 
 def _probe(tmp_path: Path, mode: str, env_extra: dict | None = None) -> dict:
-    site = _fake_torch(tmp_path) if not (tmp_path / "site").exists() else tmp_path / "site"
+    site = tmp_path / "site" if (tmp_path / "site").exists() else _fake_torch(tmp_path)
     marker = tmp_path / f"torch-imported-{mode}"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "TORCH_MARKER": str(marker),
+    env = {name: value for name, value in os.environ.items() if name != "SPECSLOT_TRANSFORMERS_TORCH"}
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")]),
+        TORCH_MARKER=str(marker),
         **(env_extra or {}),
-    }
-    if not env_extra:
-        env.pop("SPECSLOT_TRANSFORMERS_TORCH", None)
+    )
     proc = subprocess.run(
         [sys.executable, "-c", PROBE, mode, str(BUNDLED)],
         cwd=REPO,

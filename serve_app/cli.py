@@ -63,14 +63,23 @@ def main(argv: list[str] | None = None) -> int:
         mark[0] = now
 
     import models  # noqa: F401  (fast BLAS before anything imports mlx)
-    from serve_app.deployment.launch import LaunchError, app_targets, precheck, read_config, wait_until_ready
+    from serve_app.deployment.launch import (
+        LaunchError,
+        app_targets,
+        prebuild_kernels,
+        precheck,
+        read_config,
+        wait_until_ready,
+    )
 
     try:
         config = read_config(config_path)
-        precheck(config)
+        apps = precheck(config)
     except LaunchError as exc:
         return _fail(str(exc))
     _log_to_stderr()
+    if not os.environ.get("RAY_ADDRESS"):  # the replicas run on this machine
+        prebuild_kernels(apps)
     done("checks")
 
     import ray
@@ -146,10 +155,11 @@ def _bounded(fn, timeout_s: float, give_up=lambda: False) -> bool:
 def _log_to_stderr() -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
-    logger = logging.getLogger("specslot")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False  # Ray may configure the root logger too; print once
+    for name in ("specslot", "models.platform.kernel_prebuild"):  # the latter: helpers this process starts
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False  # Ray may configure the root logger too; print once
 
 
 if __name__ == "__main__":

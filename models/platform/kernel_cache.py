@@ -43,6 +43,20 @@ def use(cache_dir: str | None) -> str | None:
     >>> use(None) is None
     True
     """
+    home = home_dir(cache_dir)
+    if home is None:
+        return None
+    ptx = os.path.join(home, "ptx")
+    os.environ["MLX_PTX_CACHE_DIR"] = ptx
+    os.environ["CUDA_CACHE_PATH"] = os.path.join(home, "driver")
+    os.environ.setdefault("CUDA_CACHE_MAXSIZE", str(DRIVER_CACHE_BYTES))
+    log.info("GPU kernel cache: %s (%d kernels from earlier runs)", home, len(os.listdir(ptx)))
+    return home
+
+
+def home_dir(cache_dir: str | None) -> str | None:
+    """`use`'s subdirectory of `cache_dir` (made if missing), without pointing this
+    process's caches at it; None when unset or without an NVIDIA GPU."""
     if not cache_dir:
         return None
     models = gpu_models()
@@ -55,13 +69,8 @@ def use(cache_dir: str | None) -> str | None:
         version = "unknown"
     gpu = re.sub(r"[^A-Za-z0-9._-]+", "-", models[0]).strip("-") or "gpu"
     home = os.path.join(os.path.abspath(os.path.expanduser(cache_dir)), f"mlx-{version}", gpu)
-    ptx, driver = os.path.join(home, "ptx"), os.path.join(home, "driver")
-    os.makedirs(ptx, exist_ok=True)
-    os.makedirs(driver, exist_ok=True)
-    os.environ["MLX_PTX_CACHE_DIR"] = ptx
-    os.environ["CUDA_CACHE_PATH"] = driver
-    os.environ.setdefault("CUDA_CACHE_MAXSIZE", str(DRIVER_CACHE_BYTES))
-    log.info("GPU kernel cache: %s (%d kernels from earlier runs)", home, len(os.listdir(ptx)))
+    os.makedirs(os.path.join(home, "ptx"), exist_ok=True)
+    os.makedirs(os.path.join(home, "driver"), exist_ok=True)
     return home
 
 
@@ -75,7 +84,10 @@ def prebuild(home: str | None, model_dir: str):
     from models.platform import kernel_prebuild
 
     ptx = os.path.join(home, "ptx") if home else kernel_prebuild.mlx_default_ptx_dir()
-    return kernel_prebuild.start(ptx, kernel_prebuild.model_dtype(_local_path(model_dir)))
+    env = {}
+    if home:  # the driver's translations of the helpers' kernels, kept where the replica looks
+        env = {"CUDA_CACHE_PATH": os.path.join(home, "driver"), "CUDA_CACHE_MAXSIZE": str(DRIVER_CACHE_BYTES)}
+    return kernel_prebuild.start(ptx, kernel_prebuild.model_dtype(_local_path(model_dir)), env)
 
 
 def _local_path(model: str) -> str:

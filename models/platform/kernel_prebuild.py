@@ -173,12 +173,15 @@ def publish(src: str, dst: str) -> int:
     return moved
 
 
-def start(ptx_dir: str, dtype: str) -> threading.Thread | None:
+def start(ptx_dir: str, dtype: str, env: dict | None = None) -> threading.Thread | None:
     """Build `families(dtype)` into `ptx_dir` in parallel (a thread watching one process
     per family) when `ptx_dir` holds no kernel yet; None when it does (a cache from an
     earlier start, whose kernels MLX loads anyway, or a folder it cannot write: the
-    load then builds them itself)."""
+    load then builds them itself). `env`: more environment for the helpers."""
     if glob.glob(os.path.join(ptx_dir, "*.ptx")):
+        return None
+    if _building(ptx_dir):
+        log.info("GPU kernel cache %s: another process is building its first kernels", ptx_dir)
         return None
     try:
         os.makedirs(ptx_dir, exist_ok=True)
@@ -187,23 +190,40 @@ def start(ptx_dir: str, dtype: str) -> threading.Thread | None:
         log.warning("not building kernels in parallel: %s", exc)
         return None
     thread = threading.Thread(
-        target=_build_all, args=(ptx_dir, work, families(dtype)), name="specslot-kernel-prebuild", daemon=True
+        target=_build_all,
+        args=(ptx_dir, work, families(dtype), env or {}),
+        name="specslot-kernel-prebuild",
+        daemon=True,
     )
     thread.start()
     return thread
 
 
-def _build_all(ptx_dir: str, work: str, names: list[str]) -> None:
+def _building(ptx_dir: str) -> bool:
+    """Whether another `start` (the CLI's, before this replica's) has helpers at work in
+    `ptx_dir`: a helpers' folder younger than their timeout (an older one was left by a
+    killed process)."""
+    now = time.time()
+    for work in glob.glob(os.path.join(ptx_dir, ".prebuild-*")):
+        try:
+            if now - os.path.getmtime(work) < HELPER_TIMEOUT_S:
+                return True
+        except OSError:  # finished and removed meanwhile
+            continue
+    return False
+
+
+def _build_all(ptx_dir: str, work: str, names: list[str], extra_env: dict) -> None:
     """Run one helper per family in its own folder under `work`, publish each into
     `ptx_dir` as it ends, then remove `work`."""
     tic = time.perf_counter()
-    log.info("fresh GPU kernel cache: building %d kernel families in parallel while the model loads", len(names))
+    log.info("fresh GPU kernel cache: building %d kernel families in parallel", len(names))
     helpers = []
     try:
         for i, name in enumerate(names):
             out = os.path.join(work, str(i))
             os.makedirs(out)
-            env = {**os.environ, "MLX_PTX_CACHE_DIR": out}
+            env = {**os.environ, **extra_env, "MLX_PTX_CACHE_DIR": out}
             with open(os.path.join(work, f"{i}.err"), "wb") as err:  # a file: a pipe left unread could fill
                 helpers.append(
                     (

@@ -251,10 +251,11 @@ class _ServeArgsBase(BaseModel):
         True,
         description="CUDA only: when the kernel cache is empty (a first start on a fresh machine), "
         "build the kernel families a llama / qwen2 / mistral forward and the sampler need first "
-        "(gathers, the key/value scatter, SiLU, SwiGLU) in parallel, one short-lived process each, "
-        "while the model loads; MLX would build them one after another inside the load (3-7 s each "
-        "on an H200 host). Each helper holds a CUDA context for a few seconds. See docs/gpu.md, "
-        '"Install and serve".',
+        "(gathers, the key/value scatter, SiLU, SwiGLU) in parallel, one short-lived process each; "
+        "MLX would build them one after another inside the load (3-7 s each on an H200 host). "
+        "`python -m serve_app.cli` starts them before it starts a local Ray instance, so they build "
+        "while Ray, Serve and the replica start; otherwise the replica starts them as it loads. Each "
+        'helper holds a CUDA context for a few seconds. See docs/gpu.md, "Install and serve".',
     )
 
     @model_validator(mode="after")

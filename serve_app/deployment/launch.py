@@ -51,11 +51,13 @@ def read_config(path: str) -> dict:
     return config
 
 
-def precheck(config: dict) -> None:
-    """Build each specslot app and validate its user_config, as Serve would, but here."""
+def precheck(config: dict) -> list:
+    """Build each specslot app and validate its user_config, as Serve would, but here;
+    returns the apps' validated `ServeArgs`."""
     from models.loading.checks import ModelLoadError
-    from serve_app.app import ConfigError, build_app, validate_user_config
+    from serve_app.app import ConfigError, build_app, validate_args, validate_user_config
 
+    checked = []
     for app in config.get("applications", []):
         if app.get("import_path") != IMPORT_PATH:
             continue
@@ -65,6 +67,26 @@ def precheck(config: dict) -> None:
                 validate_user_config(deployment.get("user_config"))
         except (ConfigError, ModelLoadError) as exc:  # anything else is a bug: let it show
             raise LaunchError(f"application {app.get('name')!r}: {exc}") from None
+        checked.append(validate_args(app.get("args")))
+    return checked
+
+
+def prebuild_kernels(apps: list) -> int:
+    """Start building each app's first GPU kernel families (`prebuild_kernels`) on this
+    machine now, for the replicas the local Ray instance about to start will run here:
+    they build while Ray, Serve and the replica's process start, and the replica finds
+    its cache being filled (`models.platform.kernel_prebuild`). Returns how many builds
+    started; none without an NVIDIA GPU or where the cache holds kernels."""
+    from models.platform import kernel_cache
+
+    started, seen = 0, set()
+    for args in apps:
+        key = (args.kernel_cache_dir, args.model)
+        if not args.prebuild_kernels or key in seen:
+            continue
+        seen.add(key)
+        started += kernel_cache.prebuild(kernel_cache.home_dir(args.kernel_cache_dir), args.model) is not None
+    return started
 
 
 def app_targets(config: dict) -> list[AppTarget]:

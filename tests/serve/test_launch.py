@@ -112,6 +112,54 @@ def test_cli_exits_1_with_one_message_before_ray_starts(tmp_path, monkeypatch, c
         assert "did you mean 'grant_rounds'" in err
 
 
+class RayStarted(Exception):
+    pass
+
+
+@pytest.mark.parametrize("ray_address", [None, "ray://elsewhere:10001"])
+def test_cli_starts_the_kernel_prebuild_before_a_local_ray(tmp_path, monkeypatch, ray_address):
+    """The replicas of a Ray instance the CLI starts run on this machine: their first
+    kernels build while Ray and Serve start. A cluster's replicas may run elsewhere."""
+    import ray
+
+    events = []
+    monkeypatch.setattr(launch, "prebuild_kernels", lambda apps: events.append(("prebuild", [a.model for a in apps])))
+
+    def init(*a, **kw):
+        events.append(("ray",))
+        raise RayStarted
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    if ray_address:
+        monkeypatch.setenv("RAY_ADDRESS", ray_address)
+    else:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(RayStarted):
+        cli.main([write_config(tmp_path, model=TARGET)])
+    assert events == ([("ray",)] if ray_address else [("prebuild", [TARGET]), ("ray",)])
+
+
+def test_prebuild_kernels_once_per_cache_and_model(tmp_path, monkeypatch):
+    from models.platform import kernel_cache
+
+    monkeypatch.setattr(kernel_cache, "gpu_models", lambda: ["NVIDIA H100 80GB HBM3"])
+    calls = []
+    monkeypatch.setattr(kernel_cache, "prebuild", lambda home, model: calls.append((home, model)) or object())
+    cache = str(tmp_path / "kernels")
+    apps = [
+        validate_args({"model": TARGET, "kernel_cache_dir": cache}),
+        validate_args({"model": TARGET, "kernel_cache_dir": cache}),  # a second app of the same model
+        validate_args({"model": DRAFT}),
+        validate_args({"model": DRAFT, "prebuild_kernels": False, "kernel_cache_dir": cache}),
+    ]
+    assert launch.prebuild_kernels(apps) == 2
+    from importlib import metadata
+
+    home = os.path.join(cache, f"mlx-{metadata.version('mlx')}", "NVIDIA-H100-80GB-HBM3")
+    assert calls == [(home, TARGET), (None, DRAFT)]
+
+
 def test_cli_rejects_a_config_serve_would_reject(tmp_path, capsys):
     path = tmp_path / "bad.yaml"
     path.write_text("applications: 3\n")

@@ -9,6 +9,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -62,6 +63,7 @@ def test_the_helpers_run_in_a_cache_of_their_own_and_report_failures(tmp_path, m
 
     def spy(args, env, **kw):
         seen.append((args[-1], env["MLX_PTX_CACHE_DIR"]))
+        assert env["CUDA_CACHE_PATH"] == str(tmp_path / "driver")  # the driver's translations kept too
         return popen(args, env=env, **kw)
 
     monkeypatch.setattr(kernel_prebuild.subprocess, "Popen", spy)
@@ -138,3 +140,18 @@ def test_a_gguf_models_dtype_comes_from_its_tensor_types(tmp_path, smollm2_gguf)
     assert kernel_prebuild._gguf_dtype(str(folder / "other.gguf")) is None  # cut short
     (tmp_path / "bad.gguf").write_bytes(gguf_header(bf16, [("x", 99, b"")]))
     assert kernel_prebuild._gguf_dtype(str(tmp_path / "bad.gguf")) is None
+
+
+def test_a_second_start_leaves_the_helpers_at_work_alone(tmp_path, monkeypatch):
+    """The CLI starts the helpers before Ray; the replica's own start then finds them at
+    work and starts none, unless their folder is older than their timeout (a killed run's)."""
+    work = tmp_path / ".prebuild-abc"
+    work.mkdir()
+    monkeypatch.setattr(kernel_prebuild.subprocess, "Popen", lambda *a, **k: pytest.fail("a helper started"))
+    assert kernel_prebuild.start(str(tmp_path), "float16") is None
+    old = time.time() - kernel_prebuild.HELPER_TIMEOUT_S - 5
+    os.utime(work, (old, old))
+    monkeypatch.setattr(kernel_prebuild, "_build_all", lambda *a: None)
+    thread = kernel_prebuild.start(str(tmp_path), "float16")
+    assert thread is not None
+    thread.join(5)

@@ -12,7 +12,13 @@ import pkgutil
 import pytest
 
 PACKAGES = ("models", "scheduler", "serve_app")
-SCRIPTS = ("scripts.bench.metrics", "scripts.bench.vs_mlx_lm", "scripts.bench.multiturn", "scripts.bench.proc_tree")
+SCRIPTS = (
+    "scripts.bench.metrics",
+    "scripts.bench.vs_mlx_lm",
+    "scripts.bench.multiturn",
+    "scripts.bench.proc_tree",
+    "scripts.bench.start_time",
+)
 
 
 def _modules() -> list[str]:

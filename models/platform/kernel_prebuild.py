@@ -60,7 +60,13 @@ def model_dtype(model_dir: str) -> str:
     safetensors dtypes (a quantized model's scales: what its dequantized weights compute
     in); "bfloat16" when none can be read (the helpers then build what the common case
     needs)."""
-    gguf = _gguf_file(model_dir)
+    from models.loading.checks import ModelLoadError
+    from models.loading.gguf import find_gguf  # no mlx: this runs before it is imported
+
+    try:
+        gguf = find_gguf(model_dir)
+    except ModelLoadError:  # a folder of several GGUF files: which one is not for us to guess
+        gguf = None
     if gguf is not None:
         return _gguf_dtype(gguf) or "bfloat16"
     counts: Counter[str] = Counter()
@@ -75,15 +81,6 @@ def model_dtype(model_dir: str) -> str:
             if name != "__metadata__" and isinstance(entry, dict) and entry.get("dtype") in _FLOAT_DTYPES:
                 counts[_FLOAT_DTYPES[entry["dtype"]]] += 1
     return counts.most_common(1)[0][0] if counts else "bfloat16"
-
-
-def _gguf_file(path: str) -> str | None:
-    if path.lower().endswith(".gguf"):
-        return path if os.path.isfile(path) else None
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        found = sorted(glob.glob(os.path.join(path, "*.gguf")))
-        return found[0] if len(found) == 1 else None
-    return None
 
 
 def _gguf_dtype(path: str) -> str | None:

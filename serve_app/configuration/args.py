@@ -300,12 +300,12 @@ class _ServeArgsBase(BaseModel):
 
     def check_sources(self) -> None:
         """`models.loading.hub.check_source` for the target and the draft: the checks of
-        `model_dirs` that take milliseconds."""
+        `model_dirs` that need no download and read no weights."""
         from models.loading.hub import check_source
 
-        check_source(self.model, "target")
+        check_source(self.model, "target", self.allow_download)
         if self.drafter.needs_weights:
-            check_source(self.drafter.path, "draft")
+            check_source(self.drafter.path, "draft", self.allow_download)
 
     def model_dirs(self) -> tuple[str, str | None]:
         """(target directory, draft directory or None): local paths as given, hub ids from

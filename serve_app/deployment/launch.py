@@ -72,8 +72,9 @@ def _checked(app: dict, check: Callable[[], object]):
 
 
 def quick_check(config: dict) -> list:
-    """Each specslot app's args and user_config validated, and its local model paths
-    checked, in milliseconds and without importing Ray Serve; returns the apps' `ServeArgs`."""
+    """Each specslot app's args and user_config validated, and its model sources checked
+    where no weights are read and nothing is downloaded (`ServeArgs.check_sources`), without
+    importing Ray Serve; returns the apps' `ServeArgs`."""
     from serve_app.configuration.args import validate_args, validate_user_config
 
     def check(app: dict):

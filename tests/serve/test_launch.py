@@ -176,6 +176,11 @@ def test_cli_stops_ray_and_exits_1_when_a_model_fails_its_checks(tmp_path, monke
     assert err.startswith("specslot: application 'specslot': ") and "is not a GGUF file" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert events == ["init", "shutdown"]
+    # A process already connected to Ray (a driver calling the CLI's main) stays connected.
+    events.clear()
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    assert cli.main([write_config(tmp_path, model=str(corrupt))]) == 1
+    assert events == [] and "is not a GGUF file" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -192,14 +197,15 @@ def test_check_source_fails_fast_on_what_it_can_tell(source, role, fragment):
         check_source(source, role)
 
 
-def test_check_source_leaves_gguf_files_and_hub_ids_to_the_load(tmp_path):
-    """Reading a GGUF file or a hub cache takes seconds: `resolve_model_dir` does it."""
+def test_check_source_leaves_gguf_files_and_downloads_to_the_load(tmp_path):
+    """Reading a GGUF file or downloading takes seconds or minutes: `resolve_model_dir` does it."""
     from models.loading.hub import check_source
 
     corrupt = tmp_path / "weights.gguf"
     corrupt.write_bytes(b"GGML")
-    for source in (str(corrupt), str(tmp_path), "HuggingFaceTB/SmolLM2-135M-Instruct", TARGET):
+    for source in (str(corrupt), str(tmp_path), TARGET):
         check_source(source, "target")
+    check_source("HuggingFaceTB/not-in-any-cache", "target", allow_download=True)  # a download: later
 
 
 def test_prebuild_kernels_once_per_cache_and_model(tmp_path, monkeypatch):

@@ -1,9 +1,9 @@
 """What `python -m serve_app.cli` does around `serve run`: check first, then watch.
 
-`start_checks` validates every specslot application of a config in-process before Ray
-starts, so a bad arg or a missing model path fails in about a second with one message; the
-rest of `precheck` (finding, hashing and converting the models, building each app) and the
-kernel prebuild then run on a thread while Ray starts. `wait_until_ready` then polls each
+`Checks` validates every specslot application of a config in-process before Ray starts
+(`quick_check`), so a bad arg or a missing model path fails in about a second with one
+message; building each app (`build_apps`: finding, hashing and converting the models) and
+the kernel prebuild then run on a thread while Ray starts. `wait_until_ready` then polls each
 application's /health on loopback until it answers 200 (logging the ready line) or reports
 a failed load, or Serve marks the application failed.
 """
@@ -87,47 +87,43 @@ def quick_check(config: dict) -> list:
     return [_checked(app, lambda app=app: check(app)) for app in _specslot_apps(config)]
 
 
-def precheck(config: dict) -> list:
-    """Build each specslot app and validate its user_config, as Serve would, but here
-    (the models found, hashed and converted); returns the apps' validated `ServeArgs`."""
-    apps = quick_check(config)
+def build_apps(config: dict) -> None:
+    """Build each specslot app, as Serve would, but here: the models found, hashed and
+    converted (`build_app`)."""
     from serve_app.app import build_app
 
     for app in _specslot_apps(config):
         _checked(app, lambda app=app: build_app(app.get("args") or {}))
-    return apps
 
 
 class Checks:
-    """`precheck` and, for a Ray instance on this machine, `prebuild_kernels`, on a thread:
-    they run while Ray starts. `quick_check` runs first, here, so a bad arg or a missing
-    path fails before anything starts; `result()` waits for the rest."""
+    """`quick_check` here, so a bad arg or a missing path fails before anything starts;
+    then `build_apps` and, for a Ray instance on this machine, `prebuild_kernels`, on a
+    thread while Ray starts. `result()` waits for them."""
 
     def __init__(self, config: dict, prebuild: bool) -> None:
-        quick_check(config)
+        self.apps = quick_check(config)  # the apps' validated `ServeArgs`
         self.seconds: float | None = None  # how long the thread took, once done
-        self._outcome: tuple[list | None, BaseException | None] = (None, None)
+        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(config, prebuild), name="specslot-checks", daemon=True)
         self._thread.start()
 
     def _run(self, config: dict, prebuild: bool) -> None:
         tic = time.perf_counter()
         try:
-            apps = precheck(config)
+            build_apps(config)
             if prebuild:
-                prebuild_kernels(apps)
-            self._outcome = (apps, None)
+                prebuild_kernels(self.apps)
         except BaseException as exc:  # handed to result(), on the main thread
-            self._outcome = (None, exc)
+            self._error = exc
         self.seconds = time.perf_counter() - tic
 
     def result(self) -> list:
         """The apps' `ServeArgs` once the checks are done; raises what they raised."""
         self._thread.join()
-        apps, error = self._outcome
-        if error is not None:
-            raise error
-        return apps
+        if self._error is not None:
+            raise self._error
+        return self.apps
 
 
 def prebuild_kernels(apps: list) -> int:

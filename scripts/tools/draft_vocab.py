@@ -46,6 +46,16 @@ def agreement(draft, eval_sets: dict[str, list[draft_data.Example]]) -> dict[str
     }
 
 
+def head_agreement(draft, ids: list[int], eval_sets: dict[str, list[draft_data.Example]]) -> dict:
+    """{kind: {"whole head": a, "cut head": b}}: the draft model's greedy agreement on the
+    held-out continuations before and after its head is cut to `ids` (it stays cut)."""
+    whole = agreement(draft, eval_sets)
+    if not draft_vocab.cut(draft, ids):
+        raise ValueError("the draft's head cannot be cut (docs/models.md, 'Draft vocabulary')")
+    cut = agreement(draft, eval_sets)
+    return {kind: {"whole head": whole[kind], "cut head": cut[kind]} for kind in eval_sets}
+
+
 def write_for(draft_dir: str, counts: Counter, coverage: float, source: str, eval_sets: dict | None) -> dict:
     """Choose the ids for the draft in `draft_dir` and write its draft_vocab.json; with
     `eval_sets` (held-out continuations by kind), the agreement with the whole and the cut
@@ -58,11 +68,7 @@ def write_for(draft_dir: str, counts: Counter, coverage: float, source: str, eva
     if eval_sets:
         draft = load_model(draft_dir, "draft")
         dense_weights.apply(draft.model, draft.name, None)
-        whole = agreement(draft.model, eval_sets)
-        if not draft_vocab.cut(draft.model, ids):
-            raise ValueError(f"the head of the draft in {draft_dir} cannot be cut (docs/models.md, 'Draft vocabulary')")
-        cut = agreement(draft.model, eval_sets)
-        extra["agreement"] = {kind: {"whole head": whole[kind], "cut head": cut[kind]} for kind in eval_sets}
+        extra["agreement"] = head_agreement(draft.model, ids, eval_sets)
     draft_vocab.write(draft_dir, ids, covered, sum(counts.values()), source, **extra)
     return {"ids": len(ids), "coverage": covered, **extra}
 

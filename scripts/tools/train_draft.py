@@ -397,20 +397,24 @@ def run(args: argparse.Namespace) -> dict:
     files = draft_fit.save(
         draft, config, args.out, target.path, dtype=args.dtype, bits=args.bits, group_size=args.group_size
     )
-    vocab = None
-    if args.draft_vocab_coverage:
-        counts = draft_vocab_tool.count_outputs(examples)
-        vocab = draft_vocab_tool.write_for(
-            args.out, counts, args.draft_vocab_coverage, "train_draft's training data", eval_sets
-        )
-        print(f"draft_vocab: {json.dumps(vocab)}", flush=True)
     saved = load_model(args.out, "draft")
     check_same_vocabulary(target, saved)
     dense_weights.apply(saved.model, saved.name, None)
-    draft_vocab.apply(saved.model, saved.path, saved.name, True)  # evaluated as it serves
+    if args.draft_vocab_coverage:  # the draft is evaluated with its head cut, as it serves
+        counts = draft_vocab_tool.count_outputs(examples)
+        ids, covered = draft_vocab.choose(counts, args.draft_vocab_coverage)
+        whole = draft_vocab_tool.agreement(saved.model, eval_sets)
+        if not draft_vocab.cut(saved.model, ids):
+            raise ValueError("the draft's head cannot be cut (docs/models.md, 'Draft vocabulary')")
     matches = {kind: draft_eval.draft_matches(saved.model, ex) for kind, ex in eval_sets.items()}
     evaluation = {kind: draft_eval.acceptance(m) for kind, m in matches.items()}
     evaluation["all"] = draft_eval.acceptance([row for m in matches.values() for row in m])
+    vocab = None
+    if args.draft_vocab_coverage:
+        heads = {kind: {"whole head": whole[kind], "cut head": evaluation[kind]["agreement"]} for kind in eval_sets}
+        draft_vocab.write(args.out, ids, covered, sum(counts.values()), "train_draft's training data", agreement=heads)
+        vocab = {"ids": len(ids), "coverage": covered, "agreement": heads}
+        print(f"draft_vocab: {json.dumps(vocab)}", flush=True)
     probe = eval_sets["chat"][0].prompt_ids
     target_s, draft_s = draft_eval.step_seconds(target.model, probe), draft_eval.step_seconds(saved.model, probe)
     record = {

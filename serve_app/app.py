@@ -33,7 +33,7 @@ from serve_app.configuration.args import (  # noqa: F401 (validate_*: re-exporte
     validate_args,
     validate_user_config,
 )
-from serve_app.deployment.actor import ActorSource
+from serve_app.deployment.actor import ActorSource, prestart_name
 from serve_app.deployment.client import EngineClient
 from serve_app.deployment.ingress import SpecslotIngress, run_asgi
 from serve_app.deployment.ready import last_error_line
@@ -66,8 +66,11 @@ class SpecslotReplica:
     async def __init__(self, args: dict) -> None:
         self.args = validate_args(args)
         identity = _identity()
+        app_name = serve.get_replica_context().app_name
         source = ActorSource(
-            self.args, num_gpus=self.args.actor_num_gpus, name_prefix=f"scheduler-{identity['replica_id']}"
+            self.args,
+            name_prefix=f"scheduler-{identity['replica_id']}",
+            prestarted=prestart_name(app_name, None),
         )
         self.client = EngineClient(source)
         self.service = OpenAIService(self.client, None, self.args, identity=identity)
@@ -182,7 +185,7 @@ def build_app(args: dict) -> Application:
     the models first (raises ConfigError / ModelLoadError), so a bad path, an unreadable
     chat template file or a hub id missing from the cache fails here, once, and not in
     every replica; with `allow_download` a missing hub id is downloaded here."""
-    serve_args = validate_args(args).with_resolved_paths(Path.cwd())
+    serve_args = deployment_args(args)
     serve_args.model_dirs()
     # The proxy routes before the body is read: for prompt keys a front deployment reads it.
     prompt_keyed = serve_args.affinity_routing and serve_args.affinity_key == "prompt"
@@ -193,6 +196,17 @@ def build_app(args: dict) -> Application:
     if prompt_keyed:
         return SpecslotIngress.bind(server, serve_args.max_body_bytes)
     return server
+
+
+def deployment_args(args: dict) -> ServeArgs:
+    """The args `build_app` binds its deployment to (relative paths resolved against
+    the directory the service starts in)."""
+    return validate_args(args).with_resolved_paths(Path.cwd())
+
+
+def replica_args(args: dict) -> ServeArgs:
+    """The args a replica of `build_app(args)` holds, and hands its scheduler actor."""
+    return validate_args(deployment_args(args).model_dump(mode="json"))
 
 
 def affinity_router_config(args: ServeArgs) -> RequestRouterConfig:

@@ -4,7 +4,9 @@ Before Ray starts, every specslot application's args are checked in-process
 (`serve_app.deployment.launch.Checks`): a bad arg or missing model path exits 1 with one
 message. Then a local Ray instance (no dashboard, loopback only) starts unless RAY_ADDRESS
 is set, while the models are found and each application is built on a thread (a model that
-fails there exits 1 with one message once Ray has started, and Ray is shut down);
+fails there exits 1 with one message once Ray has started, and Ray is shut down); on
+that local instance, on a machine of 4 cores or more, each application's scheduler actors
+start next, loading the models while Serve starts (`launch.prestart_schedulers`; each replica claims one);
 `serve run --non-blocking` deploys the config, and the CLI waits for each app's /health:
 it logs `specslot ready at http://HOST:PORT/v1 — model …` once loaded, or exits 1 with
 the load error. SIGTERM and SIGINT both lead to `serve.shutdown()` (replicas stop their
@@ -65,7 +67,17 @@ def main(argv: list[str] | None = None) -> int:
         mark[0] = now
 
     import models  # noqa: F401  (fast BLAS before anything imports mlx)
-    from serve_app.deployment.launch import Checks, LaunchError, app_targets, read_config, wait_until_ready
+    from serve_app.deployment.launch import (
+        PRESTART_MIN_CORES,
+        Checks,
+        LaunchError,
+        app_targets,
+        prestart_schedulers,
+        read_config,
+        release_unclaimed,
+        usable_cores,
+        wait_until_ready,
+    )
 
     _log_to_stderr()
     try:
@@ -86,8 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         # cluster recorded under /tmp/ray, which may be another user's or a dead one.
         ray.init(address=os.environ.get("RAY_ADDRESS") or "local", namespace="serve", include_dashboard=False)
     done("Ray")
+    local = connected_here and not os.environ.get("RAY_ADDRESS")
     try:
         checks.result()
+        # Their load overlaps Serve's start; on a joined cluster the replicas may run elsewhere.
+        prestarted = prestart_schedulers(config) if local and usable_cores() >= PRESTART_MIN_CORES else []
     except BaseException as exc:
         if connected_here:  # a connection this process had before stays
             ray.shutdown()
@@ -105,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         cli.main(["run", "--non-blocking", config_path], prog_name="serve", standalone_mode=False)
         done("Serve deploy")
         wait_until_ready(app_targets(config), phases=phases, beside=beside)
+        release_unclaimed(prestarted)
         while True:  # serve until a signal; Ray streams the replicas' logs meanwhile
             time.sleep(3600)
     except LaunchError as exc:

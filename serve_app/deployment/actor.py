@@ -7,7 +7,10 @@ every event of a tick for all of the replica's requests (the hop's cost per toke
 docs/configuration.md, "Replica ↔ scheduler actor").
 
 `ActorSource` is the replica side: it creates the actor on the replica's node (hard
-affinity), and re-creates it when it dies.
+affinity), and re-creates it when it dies. `python -m serve_app.cli` starts an
+application's actors itself, right after Ray, so that they load while Serve starts
+(`launch.prestart_schedulers`); a replica first claims one of those (`SchedulerActor.claim`)
+and creates its own only when none is there for it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 
 from scheduler.ledger import QueueFull
@@ -27,6 +31,30 @@ logger = logging.getLogger(__name__)
 ACTOR_MAX_CONCURRENCY = 8
 ACTOR_NAMESPACE = "specslot"  # poll + submits/cancels/snapshots in flight at once
 EXIT_DEVICE_LOST = 70  # the scheduler actor's exit status when its device is lost (EX_SOFTWARE)
+CLAIMER_CHECK_S = 2.0  # how often a claimed prestarted actor looks for its replica
+
+
+def prestart_name(app_name: str, index: int | None) -> str:
+    """The name of the `index`-th scheduler actor the CLI starts for application
+    `app_name`; with no index, the prefix every such name starts with."""
+    return f"prestart-{app_name}-" + ("" if index is None else str(index))
+
+
+def actor_options(args: ServeArgs, node_id: str, name: str | None) -> dict:
+    """Ray options of a scheduler actor for `args`, on node `node_id` (hard affinity)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # num_cpus=0: the engine thread is the real CPU user and the replica is idle
+    # glue; reserving cores here would make small machines unschedulable.
+    return dict(
+        num_cpus=0,
+        num_gpus=args.actor_num_gpus,
+        max_concurrency=ACTOR_MAX_CONCURRENCY,
+        max_restarts=0,
+        name=name,
+        namespace=ACTOR_NAMESPACE if name else None,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    )
 
 
 def build_engine(args: ServeArgs):
@@ -128,6 +156,9 @@ class SchedulerActor:
     def __init__(self, args: dict) -> None:
         from models.loading.checks import ModelLoadError
 
+        self._args = args  # as received: what `claim` compares a replica's with
+        self._claim_lock = threading.Lock()
+        self._claimed = False
         logging.basicConfig(level=logging.INFO)
         serve_args = ServeArgs.model_validate(args)
         if serve_args.scheduler_nice is not None:
@@ -139,6 +170,43 @@ class SchedulerActor:
             # Reported through info() instead of dying: a dead actor's creation error
             # reaches the replica as a traceback wall, this as one line.
             self._info = {"load_error": str(exc)}
+
+    def claim(self, args: dict, node_id: str, claimer: tuple[str, str] | None = None) -> str:
+        """A prestarted actor taken over by a replica: "ok" to the first claim from its
+        node with this actor's own args, then "taken"; "elsewhere" to a replica on another
+        node, "mismatch" to other args. `claimer` (the replica's actor name and namespace)
+        is watched from then on: once it is gone the actor stops, as an actor the replica
+        had created would have died with it."""
+        import ray
+
+        with self._claim_lock:
+            if node_id != ray.get_runtime_context().get_node_id():
+                return "elsewhere"
+            if args != self._args:
+                return "mismatch"
+            if self._claimed:
+                return "taken"
+            self._claimed = True
+        if claimer is not None:
+            threading.Thread(target=self._watch, args=claimer, name="claimer-watch", daemon=True).start()
+        return "ok"
+
+    def claimed(self) -> bool:
+        return self._claimed
+
+    def _watch(self, name: str, namespace: str) -> None:
+        import ray
+
+        while True:
+            time.sleep(CLAIMER_CHECK_S)
+            try:
+                ray.get_actor(name, namespace=namespace)
+            except ValueError:  # no live actor of that name: the replica is gone
+                break
+            except Exception:  # the GCS did not answer this time
+                continue
+        logger.warning("scheduler actor exits: its replica %s is gone", name)
+        self._exit(0)  # its requests went with the replica; nothing to unwind
 
     def info(self) -> dict:
         import ray
@@ -174,46 +242,68 @@ class SchedulerActor:
 class ActorSource:
     """`EventSource` over a `SchedulerActor` this replica owns."""
 
-    def __init__(self, args: ServeArgs, num_gpus: float = 0.0, name_prefix: str | None = None) -> None:
+    def __init__(self, args: ServeArgs, name_prefix: str | None = None, prestarted: str | None = None) -> None:
         self._args = args
-        self._num_gpus = num_gpus
         self._name_prefix = name_prefix
         self._num_created = 0
         self._actor = None
         self.actor_name: str | None = None
+        self._prestarted = prestarted  # the prefix of prestarted actors to claim, on the first start only
 
     def _create(self):
         import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         node_id = ray.get_runtime_context().get_node_id()
-        cls = ray.remote(SchedulerActor)
         # Named (per incarnation, so a re-creation never races the dead one's name) so
         # operators and tests can find a replica's scheduler: `ray.get_actor(name, "specslot")`.
         self._num_created += 1
         self.actor_name = f"{self._name_prefix}-{self._num_created}" if self._name_prefix else None
-        # num_cpus=0: the engine thread is the real CPU user and the replica is idle
-        # glue; reserving cores here would make small machines unschedulable.
-        return cls.options(
-            num_cpus=0,
-            num_gpus=self._num_gpus,
-            max_concurrency=ACTOR_MAX_CONCURRENCY,
-            max_restarts=0,
-            name=self.actor_name,
-            namespace=ACTOR_NAMESPACE if self.actor_name else None,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(self._args.model_dump(mode="json"))
+        options = actor_options(self._args, node_id, self.actor_name)
+        return ray.remote(SchedulerActor).options(**options).remote(self._args.model_dump(mode="json"))
+
+    async def _claim_prestarted(self):
+        """A prestarted actor for this replica's args, claimed; None when there is none."""
+        import ray
+
+        prefix, self._prestarted = self._prestarted, None  # a restart creates its own
+        if not prefix:
+            return None
+        named = await asyncio.to_thread(ray.util.list_named_actors, all_namespaces=True)
+        names = [a["name"] for a in named if a["namespace"] == ACTOR_NAMESPACE and a["name"].startswith(prefix)]
+        context = ray.get_runtime_context()
+        claimer = (context.get_actor_name(), context.namespace) if context.get_actor_name() else None
+        for name in sorted(names, key=lambda n: (len(n), n)):
+            try:
+                actor = await asyncio.to_thread(ray.get_actor, name, ACTOR_NAMESPACE)
+            except ValueError:  # gone meanwhile
+                continue
+            try:  # waits for the actor's load to end
+                verdict = await self._call(
+                    actor.claim, self._args.model_dump(mode="json"), context.get_node_id(), claimer
+                )
+            except SchedulerLost as exc:
+                logger.warning("prestarted scheduler actor %s died: %s", name, exc)
+                continue
+            if verdict == "ok":
+                self.actor_name = name
+                return actor
+            if verdict == "mismatch":  # started for other args: free what it holds (a GPU)
+                logger.warning("prestarted scheduler actor %s has other args than this replica: stopping it", name)
+                ray.kill(actor, no_restart=True)
+        return None
 
     async def start(self) -> dict:
         """The runner info; raises ModelLoadError (the actor killed) when loading failed."""
         from models.loading.checks import ModelLoadError
 
-        self._actor = self._create()
+        actor = await self._claim_prestarted()
+        prestarted = actor is not None
+        self._actor = actor if prestarted else self._create()
         info = await self._call(self._actor.info)
         if info.get("load_error"):
             self._kill()
             raise ModelLoadError(info["load_error"])
-        return {**info, "actor_name": self.actor_name}
+        return {**info, "actor_name": self.actor_name, "prestarted": prestarted}
 
     async def _call(self, method, *args):
         import ray

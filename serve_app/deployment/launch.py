@@ -3,7 +3,10 @@
 `Checks` validates every specslot application of a config in-process before Ray starts
 (`quick_check`), so a bad arg or a missing model path fails in about a second with one
 message; building each app (`build_apps`: finding, hashing and converting the models) and
-the kernel prebuild then run on a thread while Ray starts. `wait_until_ready` then polls each
+the kernel prebuild then run on a thread while Ray starts. Once Ray is up, for a Ray instance
+on this machine, `prestart_schedulers` starts each application's scheduler actors before Serve
+does, so the models load while Serve's controller, proxy and replicas start; each replica
+claims one (`serve_app.deployment.actor`). `wait_until_ready` then polls each
 application's /health on loopback until it answers 200 (logging the ready line) or reports
 a failed load, or Serve marks the application failed.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 import urllib.error
@@ -142,6 +146,71 @@ def prebuild_kernels(apps: list) -> int:
         seen.add(key)
         started += kernel_cache.prebuild(kernel_cache.home_dir(args.kernel_cache_dir), args.model) is not None
     return started
+
+
+# Below this many cores the actor's load and Serve's start compete for them: prestarting
+# gained nothing on 2 cores and measured the tick costs on a busy machine.
+PRESTART_MIN_CORES = 4
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def prestart_count(app: dict) -> int:
+    """How many scheduler actors to prestart for `app`: one per replica of a fixed
+    replica count; none where Serve decides the count (autoscaling) or the app or its
+    deployment sets a runtime_env (its actor would run elsewise than the replica's)."""
+    if app.get("runtime_env"):
+        return 0
+    count = 1
+    for deployment in app.get("deployments") or []:
+        if deployment.get("name") not in (None, "SpecslotServer"):
+            continue
+        if deployment.get("autoscaling_config") or (deployment.get("ray_actor_options") or {}).get("runtime_env"):
+            return 0
+        count = deployment.get("num_replicas", 1)
+    return count if isinstance(count, int) and count > 0 else 0
+
+
+def prestart_schedulers(config: dict) -> list:
+    """Start each specslot application's scheduler actors now, on this node, named for
+    their application (`actor.prestart_name`) and with the args its replicas will hold
+    (`replica_args`): they load while Serve starts, and each replica claims one. Returns
+    their handles; this process owns them, so they go with it unless a replica claims them."""
+    import ray
+
+    from serve_app.app import replica_args
+    from serve_app.deployment.actor import SchedulerActor, actor_options, prestart_name
+
+    node_id = ray.get_runtime_context().get_node_id()
+    handles = []
+    for app in _specslot_apps(config):
+        args = _checked(app, lambda app=app: replica_args(app.get("args") or {}))
+        for i in range(prestart_count(app)):
+            options = actor_options(args, node_id, prestart_name(app.get("name", "default"), i))
+            handles.append(ray.remote(SchedulerActor).options(**options).remote(args.model_dump(mode="json")))
+    return handles
+
+
+def release_unclaimed(handles: list, timeout_s: float = 10.0) -> int:
+    """Stop the prestarted actors no replica claimed (they hold a model, maybe a GPU);
+    returns how many."""
+    import ray
+
+    stopped = 0
+    for handle in handles:
+        try:
+            claimed = ray.get(handle.claimed.remote(), timeout=timeout_s)
+        except Exception:  # dead already, or stuck: either way not serving
+            claimed = False
+        if not claimed:
+            ray.kill(handle, no_restart=True)
+            stopped += 1
+    return stopped
 
 
 def app_targets(config: dict) -> list[AppTarget]:

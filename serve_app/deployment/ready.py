@@ -52,6 +52,8 @@ def health_body(args: ServeArgs, info: dict) -> dict:
         body["startup_s"] = {name: round(s, 2) for name, s in info["startup_s"].items()}
     if info.get("replica_startup_s"):  # the replica's own: its process start, the tokenizer
         body["replica_startup_s"] = {name: round(s, 2) for name, s in info["replica_startup_s"].items()}
+    if info.get("prestarted"):  # the CLI started the scheduler actor, before Serve
+        body["scheduler_prestarted"] = True
     return body
 
 
@@ -68,8 +70,8 @@ def startup_line(phases: dict[str, float], body: dict, beside: dict[str, dict[st
     """Where the start went, for the operator: the CLI's own phases (`phases`, seconds, in
     order, the last one ending at ready; `beside`: what ran alongside a phase, by phase),
     then within the last one the replica's process start, the scheduler actor's worker
-    start and its load by phase (from the /health body), and the tokenizer the replica
-    built meanwhile.
+    start and its load by phase (from the /health body; "prestarted" when the CLI started
+    it beside Serve), and the tokenizer the replica built meanwhile.
     >>> startup_line({"checks": 1.0, "replica": 9.0}, {"startup_s": {"scheduler actor": 6.0, "weights": 2.0}})
     'specslot started in 10.0 s: checks 1.0 s, replica 9.0 s (scheduler actor 6.0 s: weights 2.0 s)'
     >>> startup_line({"Ray": 3.0, "replica": 9.0}, {}, {"Ray": {"model checks": 2.5}})
@@ -78,6 +80,8 @@ def startup_line(phases: dict[str, float], body: dict, beside: dict[str, dict[st
     ...         "replica_startup_s": {"replica process": 0.5, "tokenizer": 1.0}}
     >>> startup_line({"replica": 9.0}, body).split(" (")[1]
     'replica process 0.5 s; actor worker start 1.5 s; scheduler actor 6.0 s; tokenizer 1.0 s beside the actor)'
+    >>> startup_line({"replica": 3.0}, {"startup_s": {"scheduler actor": 6.0}, "scheduler_prestarted": True})
+    'specslot started in 3.0 s: replica 3.0 s (prestarted scheduler actor 6.0 s)'
     """
     shown = []
     for name, seconds in phases.items():
@@ -94,7 +98,8 @@ def startup_line(phases: dict[str, float], body: dict, beside: dict[str, dict[st
         parts.append(f"actor worker start {worker:.1f} s")
     if total is not None:
         shown = describe(actor, SHOWN)
-        parts.append(f"scheduler actor {total:.1f} s" + (f": {shown}" if shown else ""))
+        label = "prestarted scheduler actor" if body.get("scheduler_prestarted") else "scheduler actor"
+        parts.append(f"{label} {total:.1f} s" + (f": {shown}" if shown else ""))
     elif actor:
         parts.append(describe(actor, SHOWN))
     if replica.get("tokenizer") is not None:

@@ -38,6 +38,13 @@ from scheduler.request import Request
 log = logging.getLogger(__name__)
 
 SPEC_OFF_NO_ROLLBACK = "the target's cache cannot be rolled back"
+DRAFT_WARM_POSITIONS = 2048  # `draft_compiled`: buckets compiled at load, up to this many positions
+
+
+def _draft_compiled(setting: bool | None) -> bool:
+    """`draft_compiled`'s None: on a CPU, where compiling the draft's buckets takes a
+    fraction of a second; a GPU builds kernels for each (`fast_verify` does that there)."""
+    return mx.default_device() == mx.cpu if setting is None else setting
 
 
 class MlxRunner:
@@ -91,6 +98,10 @@ class MlxRunner:
         if fast_verify and self._slot is not None and bucketed.supports(target.model):
             self._verifier = bucketed.BucketedForward(target.model, prefill_chunk=prefill_chunk)
             drafter.compile_forwards(prefill_chunk)
+        elif self._slot is not None and drafter.kind == "draft_model" and _draft_compiled(config.draft_compiled):
+            with startup.phase("draft compile"):
+                drafter.compile_forwards(0)
+                drafter.warm((1, 2), min(self.max_context, DRAFT_WARM_POSITIONS))
         if self._verifier is not None:
             self.fuse_blocker = "the slot verifies through the compiled GPU path (fast_verify)"
         elif self.fuse_blocker is None:

@@ -225,9 +225,9 @@ class DraftModelDrafter(DrafterBase):
         return DraftModelState(cache, len(ids))
 
     def kv_bytes_per_position(self) -> int:
-        """0 for ring (sliding-window) caches, which do not hold a whole prefix, and with
-        compiled forwards (their caches keep bucket-sized buffers)."""
-        if self._rings or self.fast is not None:
+        """0 for ring (sliding-window) caches, which do not hold a whole prefix, and for
+        compiled forwards that prefill themselves (`fast_verify`: no prefix cache there)."""
+        if self._rings or (self.fast is not None and self.fast.prefill_chunk):
             return 0
         if self._bytes_per_position is None:
             probe = make_prompt_cache(self.model)
@@ -268,6 +268,8 @@ class DraftModelDrafter(DrafterBase):
     def propose(self, state: DraftModelState, history: Sequence[int], k: int) -> list[int]:
         if k <= 0:
             return []
+        if self.fast is not None:
+            return self.propose_array(state, history, k).tolist()
         # Tokens the draft has not seen: the pending one, plus the last round's final
         # draft when that round accepted everything.
         feed = _unseen_first(self.model, state.cache, list(history[state.num_cached :]))

@@ -41,6 +41,16 @@ SPEC_OFF_NO_ROLLBACK = "the target's cache cannot be rolled back"
 DRAFT_WARM_POSITIONS = 2048  # `draft_compiled`: buckets compiled at load, up to this many positions
 
 
+CPU_DRAFT_CONFIDENCE = 0.2  # `draft_confidence` on a CPU (docs/models.md, "Draft length by confidence")
+
+
+def _draft_confidence(setting: float | None) -> float:
+    """`draft_confidence`'s None: on a CPU, where a draft step's wait costs nothing."""
+    if setting is not None:
+        return setting
+    return CPU_DRAFT_CONFIDENCE if mx.default_device() == mx.cpu else 0.0
+
+
 def _draft_compiled(setting: bool | None) -> bool:
     """`draft_compiled`'s None: on a CPU, where compiling the draft's buckets takes a
     fraction of a second; a GPU builds kernels for each (`fast_verify` does that there)."""
@@ -98,10 +108,13 @@ class MlxRunner:
         if fast_verify and self._slot is not None and bucketed.supports(target.model):
             self._verifier = bucketed.BucketedForward(target.model, prefill_chunk=prefill_chunk)
             drafter.compile_forwards(prefill_chunk)
-        elif self._slot is not None and drafter.kind == "draft_model" and _draft_compiled(config.draft_compiled):
-            with startup.phase("draft compile"):
-                drafter.compile_forwards(0)
-                drafter.warm((1, 2), min(self.max_context, DRAFT_WARM_POSITIONS))
+        if self._verifier is None and self._slot is not None and drafter.kind == "draft_model":
+            # Before the compile: its warm-up covers the heads the rounds will use.
+            drafter.min_confidence = _draft_confidence(config.draft_confidence)
+            if _draft_compiled(config.draft_compiled):
+                with startup.phase("draft compile"):
+                    drafter.compile_forwards(0)
+                    drafter.warm((1, 2), min(self.max_context, DRAFT_WARM_POSITIONS))
         if self._verifier is not None:
             self.fuse_blocker = "the slot verifies through the compiled GPU path (fast_verify)"
         elif self.fuse_blocker is None:
@@ -322,6 +335,9 @@ class MlxRunner:
 
     def rows_draft_like_slot(self, greedy: bool) -> bool:
         return self._classic.drafts_rows_of(greedy) and self._slot.drafter.drafts_like_rows
+
+    def slot_drafts_vary(self) -> bool:
+        return self._slot is not None and getattr(self._slot.drafter, "min_confidence", 0.0) > 0
 
     def shadow_index(self, history: Sequence[int]) -> NgramIndex | None:
         """The slot drafter's prompt lookup over `history`, for the scheduler's shadow

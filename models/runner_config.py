@@ -94,6 +94,22 @@ class RunnerConfig:
         "the draft's forwards with the verify's, and without it each bucket would build kernels.",
         default_doc="on a CPU, off on a GPU",
     )
+    draft_confidence: float | None = knob(
+        None,
+        "A draft model's round stops drafting where the product of its drafts' top probabilities "
+        "(the draft's own, greedy or at the request's temperature) would fall below this, so "
+        "`num_draft_tokens` becomes the most a round drafts: sure runs go long, doubtful ones stop "
+        "early (a greedy round may draft nothing and verify only its pending token; a sampled one "
+        "drafts at least one). The output stays exact: only how many drafts are verified changes, and "
+        "the cost gate prices a round by the drafts rounds actually verify. 0 = always "
+        '`num_draft_tokens`. For the SmolLM2 draft (docs/models.md, "Draft length by confidence") a '
+        "draft's top probability tracks the chance the target agrees with it. Each draft step waits "
+        "for its draft, which a CPU does anyway; on a GPU the wait costs. Not with `fast_verify`. "
+        "None = 0.2 on a CPU, 0 on a GPU.",
+        ge=0.0,
+        le=1.0,
+        default_doc="0.2 on a CPU, 0 (off) on a GPU",
+    )
     fused_projections: bool | None = knob(
         None,
         "Run each layer's q, k and v projections as one matmul, and its MLP's gate and up as one, "

@@ -227,16 +227,36 @@ class LiveCosts:
     predicted time], so one slow tick (a first use, a row moving in) cannot swing
     the verdict for long."""
 
-    def __init__(self, costs: TickCosts, weight: float = 0.1) -> None:
+    def __init__(self, costs: TickCosts, weight: float = 0.1, num_draft_tokens: int = 0) -> None:
         self.costs = costs
         self.weight = weight
         self.extra: dict[str, float] = {"decode": 0.0, "fused": 0.0}
         self.num_observed: dict[str, int] = {"decode": 0, "fused": 0}
+        # K the tables were measured with, and an EMA of the drafts slot rounds verify,
+        # where a drafter's rounds stop early (`observe_width`); None: every round K.
+        self.num_draft_tokens = num_draft_tokens
+        self.width: float | None = None
+
+    def observe_width(self, num_drafted: int) -> None:
+        """A slot round verified `num_drafted` drafts (of a drafter that may stop early)."""
+        if self.width is None:
+            self.width = float(num_drafted)
+        else:
+            self.width = (1 - self.weight) * self.width + self.weight * num_drafted
 
     def _predicted(self, kind: str, num_rows: int) -> float:
         if kind == "decode":
             return self.costs.decode_s(num_rows)
-        return self.costs.fused_s(num_rows) + self.costs.draft
+        fused = self.costs.fused_s(num_rows)
+        k = self.num_draft_tokens
+        if self.width is None or k <= 0 or self.width >= k:
+            return fused + self.costs.draft
+        # Rounds verify `width` drafts on average, not K: the verify positions past a
+        # decode step of one more row, and the draft steps (one past the last kept draft
+        # where a round stops), cost in proportion.
+        decode = self.costs.decode_s(num_rows + 1)
+        per_position = max(fused - decode, 0.0) / k
+        return decode + per_position * self.width + self.costs.draft * min(self.width + 1, k) / k
 
     def observe(self, kind: str, num_rows: int, seconds: float) -> None:
         """A tick of `kind` ("decode": `num_rows` rows; "fused": a round beside
@@ -267,6 +287,7 @@ class LiveCosts:
             **self.costs.to_dict(),
             "tick_extra_ms": {kind: round(s * 1e3, 3) for kind, s in self.extra.items()},
             "ticks_observed": dict(self.num_observed),
+            **({"drafts_per_round": round(self.width, 3)} if self.width is not None else {}),
         }
 
 

@@ -34,7 +34,10 @@ class CostGate:
         if not self._costs_read:
             self._costs_read = True
             measured = self._runner.tick_costs()
-            self._costs = LiveCosts(measured) if measured is not None else None
+            if measured is not None:
+                # Priced by the drafts rounds verify where the drafter stops rounds early.
+                k = self._config().num_draft_tokens if self._runner.slot_drafts_vary() else 0
+                self._costs = LiveCosts(measured, num_draft_tokens=k)
         return self._costs
 
     @property
@@ -85,6 +88,8 @@ class CostGate:
         # that find one may accept well, yet the stream holds the slot for little.
         if not outcome.probe:
             self.acceptance.record(outcome.request_id, outcome.num_accepted, request.sampling.is_greedy)
+            if self._costs is not None and self._costs.num_draft_tokens:
+                self._costs.observe_width(outcome.num_drafted)
 
     def record_shadow(self, request: Request, num_matched: int) -> None:
         """A classic row's shadow round (`scheduler.shadow`): what it would have accepted."""

@@ -159,6 +159,10 @@ class ModelRunner(Protocol):
         slot): then the slot adds nothing beside rows for such a stream, and the fused
         tick's gate keeps it a row. Sampled rows draft only with `sampled_row_drafts`."""
 
+    def slot_drafts_vary(self) -> bool:
+        """Whether the slot drafter's rounds stop short of K by themselves (a draft model
+        with `draft_confidence`), so the gate prices a round by the drafts rounds verify."""
+
     def shadow_index(self, history: Sequence[int]):
         """An index over `history` that proposes what the slot's drafter would (`extend`
         it with tokens, `propose(k)` drafts), for the scheduler's shadow rounds

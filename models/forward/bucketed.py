@@ -165,7 +165,7 @@ def _fuse_rows(linears: list) -> nn.Linear:
     return fused
 
 
-HEADS = ("logits", "last", "every")
+HEADS = ("logits", "last", "every", "top")
 
 
 def _greedy(logits: mx.array) -> mx.array:
@@ -178,6 +178,11 @@ def _forward(model, head: str, tokens: mx.array, offset: mx.array, *buffers):
     logits = model(tokens, cache=views)
     if head == "last":
         out = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
+    elif head == "top":
+        # The last position's argmax and its probability, as float32 (exact for ids below 2**24).
+        last = logits[0, -1].astype(mx.float32)
+        peak = mx.max(last)
+        out = mx.stack([mx.argmax(last).astype(mx.float32), 1.0 / mx.sum(mx.exp(last - peak))])
     elif head == "every":
         out = _greedy(logits)
     else:
@@ -263,6 +268,13 @@ class BucketedForward:
         if cache[0].keys is None:
             return mx.argmax(self.model(tokens, cache=cache)[:, -1], axis=-1).astype(mx.int32)
         return self._run(self._fns["last"], cache, tokens)
+
+    def greedy_top(self, cache: list, tokens: mx.array) -> mx.array:
+        """[argmax token, its probability] of the last position (float32, shape (2,))."""
+        if cache[0].keys is None:
+            logits = self.model(tokens, cache=cache)[0, -1].astype(mx.float32)
+            return mx.stack([mx.argmax(logits).astype(mx.float32), mx.softmax(logits)[mx.argmax(logits)]])
+        return self._run(self._fns["top"], cache, tokens)
 
     def greedy_every(self, cache: list, tokens: mx.array) -> mx.array:
         if cache[0].keys is None:

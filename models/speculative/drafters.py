@@ -144,6 +144,9 @@ class DraftModelState:
     # A ring draft cache as it was before this round's one-token draft steps (which
     # overwrite its oldest entries); None for a cache that trims exactly.
     checkpoint: cache_rollback.Checkpoint | None = None
+    # This round's drafts the cache holds (fed back for the next draft): k - 1 after k
+    # drafts, one more where a round stopped early (`min_confidence`); None: no round yet.
+    num_fed: int | None = None
 
 
 # A round's first draft step feeds what the draft has not seen: the pending token, and
@@ -176,6 +179,9 @@ class DraftModelDrafter(DrafterBase):
 
     kind = "draft_model"
     drafts_on_device = True
+    # `draft_confidence`: a round stops drafting where the product of its drafts' top
+    # probabilities would fall below this (0: always the k drafts asked for).
+    min_confidence: float = 0.0
     # The draft's own KV prefixes (`models.batch.prefix_cache`), attached by the runner's build
     # when its prefix cache is on: a new state copies the longest cached prefix of its
     # prompt and prefills only the rest; `keep` stores a finished session's draft KV.
@@ -213,6 +219,8 @@ class DraftModelDrafter(DrafterBase):
         # Sampled requests draft from the logits (`propose_sampled`), greedy ones from the last head.
         count = self.fast.warm(feed_lengths, max_positions) if self.sample_drafts else 0
         chunk = (self.fast.prefill_chunk,) if self.fast.prefill_chunk else ()
+        if self.min_confidence > 0:  # greedy rounds that stop early read each draft's probability
+            count += self.fast.warm(feed_lengths, max_positions, head="top")
         return count + self.fast.warm(feed_lengths + chunk, max_positions, head="last")
 
     def new_state(self, prompt_ids: Sequence[int]) -> DraftModelState:
@@ -268,6 +276,8 @@ class DraftModelDrafter(DrafterBase):
     def propose(self, state: DraftModelState, history: Sequence[int], k: int) -> list[int]:
         if k <= 0:
             return []
+        if self.min_confidence > 0:
+            return self._propose_confident(state, history, k)
         if self.fast is not None:
             return self.propose_array(state, history, k).tolist()
         # Tokens the draft has not seen: the pending one, plus the last round's final
@@ -282,8 +292,45 @@ class DraftModelDrafter(DrafterBase):
             logits = self.model(token.reshape(1, 1), cache=state.cache)[0, -1]
             token = mx.argmax(logits, axis=-1)
             drafts.append(token)
-        state.num_cached = len(history) + k - 1
+        state.num_cached, state.num_fed = len(history) + k - 1, k - 1
         return mx.stack(drafts).tolist()
+
+    def _top(self, state: DraftModelState, tokens: list[int]) -> tuple[int, float]:
+        """(greedy token, its probability) after feeding `tokens` to the draft's cache."""
+        feed = mx.array([tokens], dtype=mx.int32)
+        if self.fast is not None:
+            token, top = self.fast.greedy_top(state.cache, feed).tolist()
+            return int(token), top
+        logits = self.model(feed, cache=state.cache)[0, -1].astype(mx.float32)
+        token = mx.argmax(logits)
+        top = mx.softmax(logits)[token]
+        mx.eval(token, top)
+        return token.item(), top.item()
+
+    def _propose_confident(self, state: DraftModelState, history: Sequence[int], k: int) -> list[int]:
+        """Greedy drafts, at most `k`, while the product of their top probabilities stays
+        at `min_confidence` or above (none when the first one's is below it). A draft's
+        top probability is about the chance the target agrees with it, so a round stops
+        where another verify position is unlikely to be worth its cost. Each step waits
+        for its draft."""
+        unseen = list(history[state.num_cached :])
+        if self.fast is None:
+            unseen = _unseen_first(self.model, state.cache, unseen)
+        token, top = self._top(state, unseen)
+        self._before_steps(state)
+        drafts: list[int] = []
+        confidence = 1.0
+        for j in range(k):
+            if j:
+                token, top = self._top(state, drafts[-1:])
+            confidence *= top
+            if confidence < self.min_confidence:
+                break
+            drafts.append(token)
+        # The cache holds every kept draft but the last, or all of them after a stop.
+        fed = len(drafts) if len(drafts) < k else k - 1
+        state.num_cached, state.num_fed = len(history) + fed, fed
+        return drafts
 
     def propose_array(self, state: DraftModelState, history: Sequence[int], k: int) -> mx.array:
         """Exactly `k` (>= 1) greedy drafts as a lazy int32 array of shape (k,): the same
@@ -306,7 +353,7 @@ class DraftModelDrafter(DrafterBase):
             mx.async_eval(token)
             token = step(state.cache, token.reshape(1, 1))
             drafts.append(token)
-        state.num_cached = len(history) + k - 1
+        state.num_cached, state.num_fed = len(history) + k - 1, k - 1
         return mx.concatenate(drafts)
 
     def propose_sampled(
@@ -317,7 +364,8 @@ class DraftModelDrafter(DrafterBase):
         from (the draft's logits, cut or padded to the target's `vocab`, through
         `sampler.draft_logits` after the drafts before it, then its filters and
         temperature). Draft j is drawn with the sampler's `DRAFTS` key of the output
-        position it proposes (`sampler.position + j`)."""
+        position it proposes (`sampler.position + j`). With `min_confidence` set, fewer
+        (at least one), and each step waits for its draft."""
         keys = sampler.keys(k, stream=DRAFTS)
         if self.fast is not None:
 
@@ -334,6 +382,7 @@ class DraftModelDrafter(DrafterBase):
         logits = logits_of(mx.array([unseen], dtype=mx.int32))
         self._before_steps(state)
         drafts, rows = [], []
+        confidence = 1.0
         for j in range(k):
             if j:
                 mx.async_eval(drafts[-1])
@@ -343,7 +392,14 @@ class DraftModelDrafter(DrafterBase):
             scaled = sampler.scaled(log_probs(sampler.draft_logits(logits, before)))
             rows.append(mx.softmax(scaled, axis=-1))
             drafts.append(mx.random.categorical(scaled, key=keys[j]).astype(mx.int32))
-        state.num_cached = len(history) + k - 1
+            if self.min_confidence > 0:  # as `_propose_confident`, by q's top; the first draft stays
+                confidence *= rows[-1].max().item()
+                if j and confidence < self.min_confidence:
+                    rows.pop()
+                    drafts.pop()
+                    break
+        fed = len(drafts) if len(drafts) < k else k - 1
+        state.num_cached, state.num_fed = len(history) + fed, fed
         return mx.concatenate(drafts), mx.concatenate(rows)
 
     def _before_steps(self, state: DraftModelState) -> None:
@@ -351,13 +407,15 @@ class DraftModelDrafter(DrafterBase):
         state.checkpoint = cache_rollback.checkpoint(state.cache) if self._rings else None
 
     def rollback(self, state: DraftModelState, num_drafted: int, num_accepted: int) -> None:
+        fed = num_drafted - 1 if state.num_fed is None else state.num_fed
+        state.num_fed = None
         if state.checkpoint is not None:
-            # Back to the pending token: all K - 1 draft steps go, accepted ones included.
+            # Back to the pending token: every draft fed goes, accepted ones included.
             cache_rollback.restore(state.checkpoint)
             state.checkpoint = None
-            state.num_cached -= num_drafted - 1
+            state.num_cached -= fed
             return
-        trim = draft_cache_trim(num_drafted, num_accepted)
+        trim = draft_cache_trim(fed + 1, num_accepted)
         cache_rollback.trim_exact(state.cache, trim)
         state.num_cached -= trim
 

@@ -429,9 +429,10 @@ class SpeculativeSession:
         elif lazy:
             drafts = self.drafter.propose_array(self.draft_state, self.history, k)
         if lazy or sampled:
+            num_drafts = drafts.shape[0]  # sampled drafts may stop short of k (`min_confidence`)
             parts = [mx.array([self.history[-1]], dtype=mx.int32), drafts]
-            if width > k:
-                parts.append(mx.zeros((width - k,), dtype=mx.int32))
+            if width > num_drafts:
+                parts.append(mx.zeros((width - num_drafts,), dtype=mx.int32))
             tokens = mx.concatenate(parts)
         else:
             draft = self.drafter.propose(self.draft_state, self.history, k) if k else []
@@ -444,7 +445,7 @@ class SpeculativeSession:
         else:
             logits = self.verifier.logits(self.cache, tokens[None])[0]
             if sampled:  # positions past the k drafts are padding
-                target, accepted, report = self._verify_sampled(logits, drafts, with_bonus_row(q, k))
+                target, accepted, report = self._verify_sampled(logits, drafts, with_bonus_row(q, num_drafts))
             else:
                 target, report = self.sampler.sample_with_logprobs(logits, tokens[1:])
         t2 = time.perf_counter()

@@ -215,6 +215,8 @@ def test_four_rotating_streams_equal_classic_decode(runners, prompts, classic, k
     assert sum(s.num_grants > 0 for s in spec) >= 2 and sum(s.num_grants for s in spec) >= 4
     accepted, drafted = sum(s.num_accepted for s in spec), sum(s.num_drafted for s in spec)
     assert 0 < accepted < drafted
+    if kind == "draft_model":  # on a CPU rounds stop by the draft's confidence (`draft_confidence`)
+        assert runner.slot_drafts_vary() and drafted < runner.num_draft_tokens * sum(s.num_rounds for s in spec)
 
 
 # -- through the HTTP layer ---------------------------------------------------------------

@@ -192,6 +192,9 @@ class FakeRunner:
     def rows_draft_like_slot(self, greedy):
         return self.row_drafts_like_slot and (greedy or self.sampled_row_drafts)
 
+    def slot_drafts_vary(self):
+        return False
+
     def shadow_index(self, history):
         return None  # no shadow rounds unless a test sets one
 

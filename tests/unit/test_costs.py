@@ -70,6 +70,51 @@ def test_live_costs_learn_each_kinds_extra_time_and_keep_the_margin_beside_rows(
     assert fresh.pays(0, 2.0) is speculation_pays(0, 2.0, TickCosts(COSTS.decode, COSTS.fused, 1.0))
 
 
+def test_live_costs_price_a_round_by_the_drafts_rounds_verify():
+    k = 4
+    live = LiveCosts(COSTS, weight=0.5, num_draft_tokens=k)
+    assert live.tick_s("fused", 1) == 8.0  # no round seen yet: all K
+    live.observe_width(2)
+    assert live.width == 2.0
+    decode, per_position = COSTS.decode_s(2), (COSTS.fused_s(1) - COSTS.decode_s(2)) / k
+    expected = decode + per_position * 2 + COSTS.draft * 3 / k  # 2 drafts, 3 draft steps
+    assert live.tick_s("fused", 1) == pytest.approx(expected) and expected < 8.0
+    live.observe_width(0)  # a round that drafted nothing: its pending token alone
+    assert live.width == pytest.approx(1.0)
+    assert live.snapshot()["drafts_per_round"] == 1.0
+    live.observe_width(k)
+    live.observe_width(k)
+    live.observe_width(k)  # at K again: the table's price
+    assert live.tick_s("fused", 1) < 8.0
+    assert LiveCosts(COSTS, weight=0.5, num_draft_tokens=k).tick_s("fused", 1) == 8.0
+    # Cheaper rounds can pay where full ones do not: 1.2 accepted a round alone.
+    full = LiveCosts(COSTS, num_draft_tokens=k)
+    assert not full.pays(0, 0.4)
+    full.observe_width(1)
+    assert full.pays(0, 0.4)
+
+
+def test_the_gate_prices_widths_only_for_a_drafter_that_varies_them():
+    from scheduler.config import SchedulerConfig
+    from scheduler.gate import CostGate
+    from scheduler.model_api import RoundOutcome
+    from scheduler.request import Request, SamplingParams
+
+    from .fakes import FakeRunner
+
+    class Varying(FakeRunner):
+        def slot_drafts_vary(self):
+            return True
+
+    request = Request("a", [1, 2, 3], SamplingParams(max_tokens=8))
+    outcome = RoundOutcome("a", [5, 6], None, 1, 1, False, 0.01)
+    for runner, k in ((FakeRunner(fuse=True, tick_costs=COSTS), 0), (Varying(fuse=True, tick_costs=COSTS), 3)):
+        gate = CostGate(runner, lambda: SchedulerConfig(num_draft_tokens=3))
+        assert gate.costs.num_draft_tokens == k
+        gate.record(request, outcome)
+        assert gate.costs.width == (1.0 if k else None)
+
+
 def test_acceptance_is_the_requests_own_and_newcomers_start_from_the_replica():
     tracker = AcceptanceTracker(optimistic=4.0)
     assert tracker.estimate("a") == 4.0  # before any round: all K

@@ -39,7 +39,7 @@ ROUND_BUDGET_S = 1.0  # past this much time a round, the forwards of one size st
 # Measured tables kept across restarts (`policy_cache_dir`): a replica that starts again on the
 # same machine with the same models and knobs reads them instead of measuring for seconds.
 CACHE_FILE = "tick_costs.json"
-CACHE_VERSION = 1  # of the measurement: bump when `measure` changes what it times
+CACHE_VERSION = 2  # of the measurement: bump when `measure` changes what it times
 
 
 class TickCostStore(KeyedStore):
@@ -187,6 +187,12 @@ def _forward(model: nn.Module, slab: Slab, entries: list) -> Callable[[], None]:
     return run
 
 
+# A drafter whose rounds stop by confidence (`draft_confidence`) is timed drafting all k,
+# waiting at each step as its rounds do: on this prompt it would stop at once, and the
+# gate scales the k-draft time by the drafts rounds verify (`scheduler.costs.LiveCosts`).
+NEVER_STOPS = 1e-300
+
+
 def _draft_seconds(drafter: Drafter | None, prompt: list[int], k: int) -> float:
     if drafter is None:
         return 0.0
@@ -199,4 +205,11 @@ def _draft_seconds(drafter: Drafter | None, prompt: list[int], k: int) -> float:
         drafter.propose(state, history, k)
         drafter.rollback(state, k, 0)
 
-    return _timed(propose)
+    threshold = getattr(drafter, "min_confidence", 0.0)
+    if threshold > 0:
+        drafter.min_confidence = NEVER_STOPS
+    try:
+        return _timed(propose)
+    finally:
+        if threshold > 0:
+            drafter.min_confidence = threshold

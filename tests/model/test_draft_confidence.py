@@ -87,3 +87,17 @@ def test_sampled_rounds_keep_at_least_one_draft_with_its_row(loaded):
     drafter.min_confidence = 0.0
     tokens, rows = drafter.propose_sampled(state, history[:40], 4, sampler, vocab)
     assert tokens.shape == (4,) and rows.shape == (4, vocab)
+
+
+def test_tick_costs_time_a_confident_drafter_drafting_all_k(loaded):
+    from models.forward import tick_costs
+
+    draft = loaded[1]
+    drafter = DraftModelDrafter(draft.model, draft.name)
+    drafter.min_confidence = 0.999  # on the measurement's prompt it would stop at the first draft
+    lengths, propose = [], drafter.propose
+    drafter.propose = lambda *args: lengths.append(len(out := propose(*args))) or out
+    vocab = loaded[0].model.args.vocab_size
+    assert tick_costs._draft_seconds(drafter, [(7 * i + 3) % vocab for i in range(64)], 3) > 0
+    assert lengths and set(lengths) == {3}
+    assert drafter.min_confidence == 0.999

@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         mark[0] = now
 
     import models  # noqa: F401  (fast BLAS before anything imports mlx)
+    from models.platform import _blas
     from serve_app.deployment.launch import (
         PRESTART_MIN_CORES,
         Checks,
@@ -75,7 +76,6 @@ def main(argv: list[str] | None = None) -> int:
         prestart_schedulers,
         read_config,
         release_unclaimed,
-        usable_cores,
         wait_until_ready,
     )
 
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         checks.result()
         # Their load overlaps Serve's start; on a joined cluster the replicas may run elsewhere.
-        prestarted = prestart_schedulers(config) if local and usable_cores() >= PRESTART_MIN_CORES else []
+        prestarted = prestart_schedulers(config) if local and _blas._usable_cores() >= PRESTART_MIN_CORES else []
     except BaseException as exc:
         if connected_here:  # a connection this process had before stays
             ray.shutdown()

@@ -273,7 +273,8 @@ class BucketedForward:
         """[argmax token, its probability] of the last position (float32, shape (2,))."""
         if cache[0].keys is None:
             logits = self.model(tokens, cache=cache)[0, -1].astype(mx.float32)
-            return mx.stack([mx.argmax(logits).astype(mx.float32), mx.softmax(logits)[mx.argmax(logits)]])
+            token = mx.argmax(logits)
+            return mx.stack([token.astype(mx.float32), mx.softmax(logits)[token]])
         return self._run(self._fns["top"], cache, tokens)
 
     def greedy_every(self, cache: list, tokens: mx.array) -> mx.array:

@@ -157,6 +157,14 @@ class DraftModelState:
 ONE_AT_A_TIME_FEED = 4
 
 
+def _end_round(state: DraftModelState, history_length: int, kept: int, k: int) -> None:
+    """Record a round of `kept` drafts out of at most `k`: the cache holds every kept draft
+    but the last (each step fed the one before), or all of them where the round stopped
+    early (the step that made the dropped draft fed the last kept one)."""
+    state.num_fed = kept if kept < k else k - 1
+    state.num_cached = history_length + state.num_fed
+
+
 def _unseen_first(model: nn.Module, cache: list, feed: list[int]) -> list[int]:
     """On a GPU, run all but the last of a short `feed` through `model` as one-token steps
     (lazily: their cache writes join the next forward's graph); what is left to feed."""
@@ -292,7 +300,7 @@ class DraftModelDrafter(DrafterBase):
             logits = self.model(token.reshape(1, 1), cache=state.cache)[0, -1]
             token = mx.argmax(logits, axis=-1)
             drafts.append(token)
-        state.num_cached, state.num_fed = len(history) + k - 1, k - 1
+        _end_round(state, len(history), k, k)
         return mx.stack(drafts).tolist()
 
     def _top(self, state: DraftModelState, tokens: list[int]) -> tuple[int, float]:
@@ -327,9 +335,7 @@ class DraftModelDrafter(DrafterBase):
             if confidence < self.min_confidence:
                 break
             drafts.append(token)
-        # The cache holds every kept draft but the last, or all of them after a stop.
-        fed = len(drafts) if len(drafts) < k else k - 1
-        state.num_cached, state.num_fed = len(history) + fed, fed
+        _end_round(state, len(history), len(drafts), k)
         return drafts
 
     def propose_array(self, state: DraftModelState, history: Sequence[int], k: int) -> mx.array:
@@ -353,7 +359,7 @@ class DraftModelDrafter(DrafterBase):
             mx.async_eval(token)
             token = step(state.cache, token.reshape(1, 1))
             drafts.append(token)
-        state.num_cached, state.num_fed = len(history) + k - 1, k - 1
+        _end_round(state, len(history), k, k)
         return mx.concatenate(drafts)
 
     def propose_sampled(
@@ -398,8 +404,7 @@ class DraftModelDrafter(DrafterBase):
                     rows.pop()
                     drafts.pop()
                     break
-        fed = len(drafts) if len(drafts) < k else k - 1
-        state.num_cached, state.num_fed = len(history) + fed, fed
+        _end_round(state, len(history), len(drafts), k)
         return mx.concatenate(drafts), mx.concatenate(rows)
 
     def _before_steps(self, state: DraftModelState) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 import urllib.error
@@ -151,13 +150,6 @@ def prebuild_kernels(apps: list) -> int:
 # Below this many cores the actor's load and Serve's start compete for them: prestarting
 # gained nothing on 2 cores and measured the tick costs on a busy machine.
 PRESTART_MIN_CORES = 4
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def prestart_count(app: dict) -> int:

@@ -28,7 +28,7 @@ from models.batch.prefix_cache import PrefixCache
 from models.forward.ragged import Rider
 from models.forward.slab import Row, RowView, Slab
 from models.sampling.grammar import Grammars
-from models.sampling.samplers import LogprobArrays, RequestSampler, draw_plain, log_probs, stop_token_ids
+from models.sampling.samplers import LogprobArrays, RequestSampler, draw_plain, greedy, stop_token_ids
 from models.speculative.drafters import NgramIndex
 from models.speculative.replica_index import ReplicaIndex
 from models.speculative.round_math import accept_count, clip_tokens, draft_budget
@@ -785,7 +785,7 @@ class SlabBatch:
             stacked = mx.concatenate([logits[i] for i in rows]) if len(rows) > 1 else logits[rows[0]]
             counts = [logits[i].shape[0] for i in rows]
             if key is None:
-                picks = mx.argmax(log_probs(stacked), axis=-1)
+                picks = greedy(stacked)
             else:
                 picks = draw_plain([streams[i].sampler for i in rows], stacked, counts, ahead)
             start = 0

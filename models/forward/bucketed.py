@@ -24,7 +24,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from models.runner_config import RunnerConfig
-from models.sampling.samplers import log_probs
+from models.sampling.samplers import greedy
 
 DEFAULT_BUCKET = 256
 DEFAULT_PREFILL_CHUNK = RunnerConfig.prefill_chunk
@@ -169,8 +169,7 @@ HEADS = ("logits", "last", "every", "top")
 
 
 def _greedy(logits: mx.array) -> mx.array:
-    # The argmax of the log-probabilities, exactly as the sampler takes it at temperature 0.
-    return mx.argmax(log_probs(logits), axis=-1).astype(mx.int32)
+    return greedy(logits).astype(mx.int32)  # exactly as the sampler picks at temperature 0
 
 
 def _forward(model, head: str, tokens: mx.array, offset: mx.array, *buffers):
@@ -206,7 +205,7 @@ class BucketedForward:
     `logits(cache, tokens)`, `greedy(cache, tokens)` and `greedy_every(cache, tokens)`
     append `tokens` (shape (1, L)) to `cache` exactly like `model(tokens, cache=cache)`
     and return the logits (1, L, V), the argmax token of the last position (shape (1,)),
-    resp. the greedy token of every position (1, L; the argmax of the log-probabilities,
+    resp. the greedy token of every position (1, L; `models.sampling.samplers.greedy`,
     as a temperature-0 sampler takes it), all lazily (no host sync).
     A cache that holds nothing yet (no buffers to infer shapes from) goes through the
     plain model once; `prefill` allocates the buffers instead, so its whole path is

@@ -5,11 +5,12 @@ which interleaved requests would perturb): output position p (0: the first gener
 is drawn with the key of p alone (`position_keys`, a hash of the seed and p), however many
 positions a call draws, so under the equality rule (`models.speculative.round_math`) a seeded
 stream is the same with speculation on or off; an unseeded request gets a random seed once.
-Every path turns logits into tokens through `penalized_logits`, then `log_probs`, then the
-pick (argmax, or the filters and one seeded draw). The processors (the grammar last) read
-the stream's tokens (`accept`) plus, at a verify position, the drafts before it: what
-classic decode would read there. Logprobs (`sample_with_logprobs`) are the processed
-log-probabilities the pick reads, before temperature and the filters, on every path.
+Every path turns logits into tokens through `penalized_logits`, then the pick: greedy's
+argmax (`greedy`), or `log_probs`, the filters and one seeded draw. The processors (the
+grammar last) read the stream's tokens (`accept`) plus, at a verify position, the drafts
+before it: what classic decode would read there. Logprobs (`sample_with_logprobs`) are the
+log-probabilities of the processed logits the pick reads, before temperature and the
+filters, on every path.
 See docs/configuration.md, "Sampling".
 """
 
@@ -21,6 +22,7 @@ from typing import Callable, NamedTuple, Sequence, Union
 
 import mlx.core as mx
 
+from models.platform import cpu_math
 from models.sampling.grammar import GrammarMatcher, Grammars
 from scheduler.request import SamplingParams, TokenLogprob
 
@@ -30,8 +32,17 @@ Tokens = Union[Sequence[int], mx.array]
 
 def log_probs(logits: mx.array) -> mx.array:
     """Logits normalised to log-probabilities over the last axis: what every sampling
-    path of ours (the sampler and the compiled greedy heads) takes its argmax or draw of."""
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    path of ours draws from and reports (on an x86-64 CPU through `cpu_math`'s `exp`:
+    MLX's there costs ~1 ms for one position of a 49k vocabulary)."""
+    return logits - cpu_math.row_logsumexp(logits)
+
+
+def greedy(processed: mx.array) -> mx.array:
+    """The greedy token of each position of processed logits (..., V): their argmax,
+    which is that of their log-probabilities (a shift per position), without
+    normalising. Every greedy pick of ours (the sampler, rows, the compiled heads) is
+    this one."""
+    return mx.argmax(processed, axis=-1)
 
 
 class LogprobArrays(NamedTuple):
@@ -187,7 +198,7 @@ class RequestSampler:
     `position + i`, drawn with that position's key; `accept(tokens)` adds emitted
     tokens to the stream (and advances `position` past them). Pipelined paths, which
     emit every token they draw, use `next_token` (sample, then accept). Greedy
-    (temperature 0) is the argmax of the processed log-probabilities and uses no
+    (temperature 0) is the argmax of the processed logits (`greedy`) and uses no
     randomness.
     """
 
@@ -290,7 +301,8 @@ class RequestSampler:
     def sample(self, logits: mx.array, drafts: Tokens = ()) -> mx.array:
         """Tokens (n,) for the raw logits (n, V) of n consecutive positions; the stream
         is unchanged (the caller accepts what it emits)."""
-        return self(self.log_probs(logits, drafts))
+        tokens, _ = self._pick(logits, drafts)
+        return tokens
 
     def sample_with_logprobs(
         self, logits: mx.array, drafts: Tokens = (), ahead: int = 0
@@ -298,9 +310,19 @@ class RequestSampler:
         """`sample`, and (lazy) the positions' `LogprobArrays` from the same processed
         log-probabilities where the request asked for them (else None). `ahead`: the
         first position is `ahead` past the next one (`keys`)."""
-        logprobs = self.log_probs(logits, drafts)
-        tokens = self(logprobs, ahead)
-        return tokens, self.report(logprobs, tokens)
+        tokens, logprobs = self._pick(logits, drafts, ahead)
+        if logprobs is None and self.wants_logprobs:
+            logprobs = self.log_probs(logits, drafts)
+        return tokens, None if logprobs is None else self.report(logprobs, tokens)
+
+    def _pick(self, logits: mx.array, drafts: Tokens = (), ahead: int = 0) -> tuple[mx.array, mx.array | None]:
+        """(lazy) the tokens, and the log-probabilities a draw read (None for greedy,
+        which picks from the processed logits)."""
+        processed = self.penalized(logits, drafts)
+        if self.is_greedy:
+            return greedy(processed), None
+        logprobs = log_probs(processed)
+        return self(logprobs, ahead), logprobs
 
     def report(self, logprobs: mx.array, tokens: mx.array) -> LogprobArrays | None:
         """(lazy) what the request reports for `tokens` drawn from the processed
@@ -326,7 +348,7 @@ class RequestSampler:
         or top_p, min_p, top_k (mlx-lm's `make_sampler` order) and one draw per row,
         row i with the key of position `position + ahead + i`."""
         if self.is_greedy:
-            return mx.argmax(logprobs, axis=-1)
+            return greedy(logprobs)
         return draw_rows(self.scaled(logprobs), self.keys(logprobs.shape[0], ahead))
 
     def scaled(self, logprobs: mx.array) -> mx.array:
@@ -345,7 +367,7 @@ class RequestSampler:
         """(n, V): the distribution a draw at temperature > 0 samples each of n positions
         from, given their processed `logprobs` (`log_probs`), for speculative rejection
         sampling (`models.speculative.rejection`)."""
-        return mx.softmax(self.scaled(logprobs), axis=-1)
+        return cpu_math.row_softmax(self.scaled(logprobs))
 
     def draft_logits(self, logits: mx.array, drafts: Tokens = ()) -> mx.array:
         """A draft model's logits (1, V) at the position after the stream plus `drafts`,
@@ -381,6 +403,10 @@ def draw_rows(scaled: mx.array, keys: mx.array) -> mx.array:
     return mx.vmap(lambda row, key: mx.random.categorical(row, key=key))(scaled, keys)
 
 
+# `top_p_filter` on a CPU: candidates for the nucleus's floor (a top-k is ~10x cheaper than a sort there)
+TOP_P_CANDIDATES = 2048
+
+
 def _neg_inf(dtype: mx.Dtype) -> mx.array:
     return mx.array(-mx.inf, dtype)
 
@@ -393,15 +419,36 @@ def _neg_inf(dtype: mx.Dtype) -> mx.array:
 def top_p_filter(logprobs: mx.array, top_p: float) -> mx.array:
     """(n, V) with every token outside the nucleus at -inf: the most likely tokens
     whose probabilities sum to `top_p` of the row's total (ties at the boundary kept).
-    Example: probabilities [0.5, 0.3, 0.2] with top_p 0.8 keep tokens 0 and 1."""
-    ascending = mx.sort(logprobs, axis=-1)
-    probs = mx.exp(ascending.astype(mx.float32))
-    # the mass of the tokens more likely than each one, and the row's total
-    above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
-    total = above[..., :1] + probs[..., :1]
-    num_dropped = (above >= mx.array(top_p, mx.float32) * total).sum(axis=-1, keepdims=True)
-    floor = mx.take_along_axis(ascending, num_dropped, axis=-1)
+    Example: probabilities [0.5, 0.3, 0.2] with top_p 0.8 keep tokens 0 and 1.
+    Where sorting a whole row is slow (`cpu_math` installed: an x86-64 CPU, 3 ms a row of
+    49k), the floor is found among the `TOP_P_CANDIDATES` most likely tokens, and the
+    rows whose candidates do not reach `top_p` are sorted whole (a sync to decide)."""
+    threshold = mx.array(top_p, mx.float32)
+    if cpu_math.installed() and logprobs.shape[-1] > TOP_P_CANDIDATES:
+        candidates = mx.sort(mx.topk(logprobs, TOP_P_CANDIDATES, axis=-1), axis=-1)
+        total = mx.exp(cpu_math.row_logsumexp(logprobs.astype(mx.float32)))
+        covered, floor = _nucleus_floor(candidates, threshold, total)
+        short = [i for i, ok in enumerate(covered.reshape(-1).tolist()) if not ok]
+        if short:  # rows whose nucleus is wider than the candidates: sorted whole
+            rows = mx.array(short)
+            _, wide = _nucleus_floor(mx.sort(logprobs[rows], axis=-1), threshold)
+            floor[rows] = wide
+    else:
+        _, floor = _nucleus_floor(mx.sort(logprobs, axis=-1), threshold)
     return mx.where(logprobs < floor, _neg_inf(logprobs.dtype), logprobs)
+
+
+def _nucleus_floor(ascending: mx.array, top_p: mx.array, total: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """For the ascending `ascending` (n, k), the most likely k of each row's tokens
+    (all of them when `total`, the row's whole mass, is None): whether they reach
+    `top_p` of the total (n, 1), and the nucleus's floor, the least likely value kept (n, 1)."""
+    probs = mx.exp(ascending.astype(mx.float32))
+    # the mass of the tokens more likely than each one
+    above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
+    mass = above[..., :1] + probs[..., :1]
+    target = top_p * (mass if total is None else total)
+    num_dropped = (above >= target).sum(axis=-1, keepdims=True)
+    return mass >= target, mx.take_along_axis(ascending, num_dropped, axis=-1)
 
 
 def min_p_filter(logprobs: mx.array, min_p: float) -> mx.array:

@@ -27,6 +27,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from models.forward import bucketed
 from models.forward.bucketed import BucketedForward
 from models.forward.prefill import prefill_chunks
+from models.platform import cpu_math
 from models.sampling.samplers import DRAFTS, RequestSampler, log_probs
 from models.speculative import cache_rollback
 from models.speculative.rejection import fit_vocab
@@ -396,7 +397,7 @@ class DraftModelDrafter(DrafterBase):
             before = mx.concatenate(drafts) if drafts else ()
             logits = fit_vocab(logits.astype(mx.float32), vocab)
             scaled = sampler.scaled(log_probs(sampler.draft_logits(logits, before)))
-            rows.append(mx.softmax(scaled, axis=-1))
+            rows.append(cpu_math.row_softmax(scaled))
             drafts.append(mx.random.categorical(scaled, key=keys[j]).astype(mx.int32))
             if self.min_confidence > 0:  # as `_propose_confident`, by q's top; the first draft stays
                 confidence *= rows[-1].max().item()

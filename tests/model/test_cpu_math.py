@@ -36,6 +36,25 @@ def test_softmax_and_swiglu_match_mlx():
     assert mx.array_equal(cpu_math.swiglu(half_gate, half_up), nn.silu(half_gate) * half_up)
 
 
+def test_row_logsumexp_and_softmax_match_mlx_once_installed(monkeypatch):
+    """The samplers' normalisation: MLX's before `install` (and for half precision),
+    `exp`'s after it, equal within float32 rounding; a filtered (-inf) token gets
+    probability exactly 0, a row of only -inf stays -inf."""
+    x = mx.random.normal((4, 3000), key=mx.random.key(5)) * 6
+    x = mx.where(mx.random.uniform(shape=x.shape, key=mx.random.key(6)) < 0.3, -mx.inf, x)
+    x = mx.concatenate([x, mx.full((1, 3000), -mx.inf)])
+    monkeypatch.setattr(cpu_math, "_installed", False)
+    assert mx.array_equal(cpu_math.row_logsumexp(x), mx.logsumexp(x, axis=-1, keepdims=True))
+    monkeypatch.setattr(cpu_math, "_installed", True)
+    got, want = cpu_math.row_logsumexp(x), mx.logsumexp(x, axis=-1, keepdims=True)
+    assert mx.max(mx.abs(got[:4] - want[:4])).item() < 1e-5 and got[4].item() == -mx.inf
+    probs = cpu_math.row_softmax(x[:4])
+    assert mx.max(mx.abs(probs - mx.softmax(x[:4], axis=-1, precise=True))).item() < 1e-6
+    assert mx.all(mx.where(x[:4] == -mx.inf, probs == 0, True)).item()
+    half = x[:4].astype(mx.bfloat16)
+    assert mx.array_equal(cpu_math.row_softmax(half), mx.softmax(half, axis=-1))
+
+
 def test_prompt_sized_swiglu_runs_in_numpy_and_matches():
     """From NUMPY_ELEMENTS elements the SiLU is numpy's; traced (mx.compile), the polynomial's."""
     gate, up = (mx.random.normal((cpu_math.NUMPY_ELEMENTS // 768 + 1, 768), key=mx.random.key(k)) * 6 for k in (4, 5))

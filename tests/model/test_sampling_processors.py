@@ -198,6 +198,49 @@ def test_the_filters_equal_mlx_lms_for_every_value(dtype):
     assert (top_p_filter(flat, 0.01) > -mx.inf).sum().item() >= 1
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_top_p_from_candidates_equals_the_whole_sort(monkeypatch, dtype):
+    """On a CPU the nucleus's floor comes from the most likely TOP_P_CANDIDATES tokens;
+    a row whose nucleus is wider is sorted whole: every row filters as mlx-lm's
+    `apply_top_p` does, peaked, flat, tied and mixed in one batch."""
+    from mlx_lm.sample_utils import apply_top_p
+
+    from models.platform import cpu_math
+    from models.sampling import samplers
+
+    monkeypatch.setattr(cpu_math, "_installed", True)
+    monkeypatch.setattr(samplers, "TOP_P_CANDIDATES", 64)
+    rng = np.random.default_rng(12)
+    peaked = rng.normal(0, 1.5, (3, 4096))
+    peaked[:, :6] += 12.0  # a nucleus of a few tokens: inside the candidates
+    flat = rng.normal(0, 0.5, (2, 4096))  # a nucleus of thousands: sorted whole
+    ties = np.zeros((1, 4096))
+    ties[:, :70] = 3.0  # the candidates end inside a tie
+    for x in (peaked, np.concatenate([peaked[:1], flat, ties, peaked[1:]])):
+        logprobs = log_probs(mx.array(x.astype(np.float32)).astype(dtype))
+        for top_p in (0.05, 0.5, 0.9, 0.95, 0.999):
+            got = top_p_filter(logprobs, top_p)
+            assert mx.array_equal(got, apply_top_p(logprobs, top_p), equal_nan=True), top_p
+    kept = (top_p_filter(log_probs(mx.array(peaked.astype(np.float32))), 0.9) > -mx.inf).sum(axis=-1)
+    assert max(kept.tolist()) <= 6
+
+
+def test_greedy_picks_from_the_processed_logits_and_reports_their_logprobs():
+    """Greedy takes the argmax of the processed logits (no normalisation), the token of
+    their log-probabilities; a request that asks logprobs still gets them."""
+    logits = mx.random.normal((3, V), key=mx.random.key(4)) * 3
+    params = SamplingParams(8, temperature=0.0, logit_bias=[(5, 30.0)], logprobs=2)
+    sampler = RequestSampler(params, [1, 2])
+    tokens, report = sampler.sample_with_logprobs(logits, [7, 8])
+    processed = sampler.penalized(logits, [7, 8])
+    assert tokens.tolist() == mx.argmax(log_probs(processed), axis=-1).tolist() == [5, 5, 5]
+    assert [entry.logprob for entry in report.tolist()] == pytest.approx(
+        mx.take_along_axis(log_probs(processed), tokens[:, None], axis=-1).reshape(-1).tolist()
+    )
+    plain = RequestSampler(SamplingParams(8, temperature=0.0))
+    assert plain.sample_with_logprobs(logits)[1] is None
+
+
 @pytest.mark.parametrize("filters", [{}, {"top_p": 0.9}, {"top_k": 5, "min_p": 0.05}])
 def test_one_draw_over_many_samplers_is_each_samplers_own_draw(filters):
     """The batched draw of sampled rows gives every row the tokens its own sampler would

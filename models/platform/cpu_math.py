@@ -91,8 +91,7 @@ def row_softmax(x: mx.array) -> mx.array:
     exactly 0 (a filtered token is never drawn)."""
     if not _installed or x.dtype != mx.float32:
         return mx.softmax(x, axis=-1)
-    e = _exact_zeros(x, exp(x - mx.max(x, axis=-1, keepdims=True)))
-    return e * (1.0 / mx.sum(e, axis=-1, keepdims=True))
+    return _exact_zeros(x, softmax(x))
 
 
 def _exact_zeros(x: mx.array, e: mx.array) -> mx.array:

@@ -301,7 +301,7 @@ class RequestSampler:
     def sample(self, logits: mx.array, drafts: Tokens = ()) -> mx.array:
         """Tokens (n,) for the raw logits (n, V) of n consecutive positions; the stream
         is unchanged (the caller accepts what it emits)."""
-        tokens, _ = self._pick(logits, drafts)
+        tokens, _ = self._pick(logits, drafts, 0, False)
         return tokens
 
     def sample_with_logprobs(
@@ -310,17 +310,17 @@ class RequestSampler:
         """`sample`, and (lazy) the positions' `LogprobArrays` from the same processed
         log-probabilities where the request asked for them (else None). `ahead`: the
         first position is `ahead` past the next one (`keys`)."""
-        tokens, logprobs = self._pick(logits, drafts, ahead)
-        if logprobs is None and self.wants_logprobs:
-            logprobs = self.log_probs(logits, drafts)
+        tokens, logprobs = self._pick(logits, drafts, ahead, self.wants_logprobs)
         return tokens, None if logprobs is None else self.report(logprobs, tokens)
 
-    def _pick(self, logits: mx.array, drafts: Tokens = (), ahead: int = 0) -> tuple[mx.array, mx.array | None]:
-        """(lazy) the tokens, and the log-probabilities a draw read (None for greedy,
-        which picks from the processed logits)."""
+    def _pick(
+        self, logits: mx.array, drafts: Tokens, ahead: int, with_logprobs: bool
+    ) -> tuple[mx.array, mx.array | None]:
+        """(lazy) the tokens, and the processed log-probabilities: those a draw reads, and
+        for greedy (which picks from the processed logits) only `with_logprobs`."""
         processed = self.penalized(logits, drafts)
         if self.is_greedy:
-            return greedy(processed), None
+            return greedy(processed), log_probs(processed) if with_logprobs else None
         logprobs = log_probs(processed)
         return self(logprobs, ahead), logprobs
 

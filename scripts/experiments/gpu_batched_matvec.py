@@ -13,25 +13,17 @@ Not run yet (written when the session's device time ran out).
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import mlx.core as mx
+
+from scripts.bench.util import median_eval_s
 
 LAYERS = 30
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (in, out) of one layer's products
 TOKENS = (1, 2, 3, 4, 8)
 
 
-def median_ms(fn, n: int = 30) -> float:
-    for _ in range(5):
-        mx.eval(fn())
-    times = []
-    for _ in range(n):
-        tic = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - tic)
-    return statistics.median(times) * 1e3
+def median_ms(fn) -> float:
+    return median_eval_s(fn, repeats=30, warmup=5) * 1e3
 
 
 def main() -> None:

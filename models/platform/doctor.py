@@ -39,6 +39,7 @@ ENV_THAT_MATTERS = (
     "OPENBLAS_THREAD_TIMEOUT",
     "GOTO_THREAD_TIMEOUT",
     "SPECSLOT_FAST_BLAS",
+    "SPECSLOT_BLAS_ROWS",
 )
 
 
@@ -81,6 +82,7 @@ def report(size: int = 1024) -> dict:
         "blas_threads_from": state.threads_from,
         "blas_thread_timeout": state.thread_timeout,
         "blas_thread_timeout_from": state.thread_timeout_from,
+        "blas_rows": state.rows,
         "matmul_gflops": round(_blas.measure_gflops(size), 1),
         "matmul_size": size,
         "mlx_device": str(mx.default_device()),
@@ -109,6 +111,7 @@ def render(info: dict) -> str:
             f"  kernels     {info['blas_kernels']}",
             f"  threads     {info['blas_threads']} ({info['blas_threads_from']}); idle ones sleep after "
             f"2^{info['blas_thread_timeout']} cycles ({info['blas_thread_timeout_from']})",
+            f"  one-row     {info['blas_rows']} (models/platform/sgemm_rows.c)",
         ]
     lines += [
         f"matmul        {info['matmul_gflops']} GFLOP/s (float32 {info['matmul_size']}², MLX CPU stream)",

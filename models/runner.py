@@ -19,7 +19,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from models import runner_build
 from models.batch.protocol import ClassicRows
 from models.forward import bucketed, ragged, slab, tick_costs
-from models.loading import dense_weights, draft_vocab, fused_projections, row_products
+from models.loading import dense_weights, draft_vocab, fused_projections
 from models.loading.loader import LoadedModel, load_pair
 from models.platform import _blas, device_memory, startup
 from models.runner_build import hardware_name  # noqa: F401 (re-exported)
@@ -234,9 +234,6 @@ class MlxRunner:
                     fused_projections.apply(loaded.model, loaded.name, config.fused_projections)
             if draft is not None:
                 draft_vocab.apply(draft.model, draft.path, draft.name, config.draft_vocab)
-            for loaded in (target, draft):
-                if loaded is not None:
-                    row_products.apply(loaded.model, loaded.name, config.matvec_tokens)
         if mx.default_device() == mx.cpu:
             changed = _blas.fit_threads(sum(v.nbytes for _, v in tree_flatten(target.model.parameters())))
             if changed:

@@ -19,8 +19,6 @@ from scheduler import knobs
 from scheduler.config import SchedulerConfig
 from scheduler.knobs import knob, same_as
 
-MATVEC_TOKENS_GPU = 8  # `matvec_tokens` on a CUDA GPU (models/loading/row_products.py)
-
 _SCHEDULER = knobs.knob_fields(SchedulerConfig)
 # Per-tick time a lone classic row may keep decoding: a few fast GPU steps per tick make the
 # tick's own work a small share of each; on a CPU a step takes longer and a tick stays one step
@@ -119,17 +117,6 @@ class RunnerConfig:
         'left as they are): fewer, wider matmuls, which a GPU runs faster (docs/gpu.md, "What runs '
         'by default") and a CPU no faster. None = on a CUDA GPU; true / false force it.',
         default_doc="on a CUDA GPU, off elsewhere",
-    )
-    matvec_tokens: int | None = knob(
-        None,
-        "A plain linear layer (and a tied output head) given 2 to this many tokens multiplies each "
-        "as a one-row product, in MLX's matrix-vector kernel: on MLX CUDA a product of a few rows "
-        'goes to cuBLAS and costs several times one row\'s (docs/gpu.md, "What runs by default"). '
-        "Decode steps of a few rows, verifies and row drafts run through it. 0 or 1 = off. None = "
-        f"{MATVEC_TOKENS_GPU} on a CUDA GPU, off elsewhere (a CPU's BLAS has no such gap).",
-        ge=0,
-        le=64,
-        default_doc=f"{MATVEC_TOKENS_GPU} on a CUDA GPU, off elsewhere",
     )
     draft_step_share: float = knob(
         0.0,

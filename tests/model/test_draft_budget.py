@@ -30,7 +30,7 @@ def land_every_match(batch, accepted: bool = True) -> None:
 
 
 def test_the_budget_goes_by_lane_and_the_skip_cap_bounds_who_waits(loaded, monkeypatch):
-    assert verify_costs(COSTS, 4) == pytest.approx((10.0, 1.0, 1.6, 0.0, 0.0))
+    assert verify_costs(COSTS, 4) == pytest.approx((10.0, 1.0, 1.6, 0.0, 0.0, 0.0, 0.0))
     assert step_draft_budget(3, verify_costs(COSTS, 4), 0.5) == 4
     calls = []
 

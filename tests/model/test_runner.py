@@ -40,7 +40,7 @@ def test_attributes_and_policy_key(runner):
     assert runner.eos_token_ids == [0]
     assert runner.tokenizer.encode("def")
     # models are named by content (models.loading.checks.model_fingerprint), not by directory
-    assert re.fullmatch(r"[0-9a-f]{16}\|draft_model:[0-9a-f]{16}\|cpu-[\w]+\|K=3", runner.policy_key())
+    assert re.fullmatch(r"[0-9a-f]{16}\|draft_model:[0-9a-f]{16}\|cpu-[\w]+\|K=3\|blas [\w+-]+", runner.policy_key())
 
 
 def test_spec_supports(runner, prompt_ids):

@@ -219,7 +219,7 @@ def test_the_first_draft_and_each_drafting_row_are_fitted_apart_from_the_drafts(
     one_draft = {b: decode[b] + first for b in (1, 16)}
     half_one = {b: decode[b] + first + (b // 2 - 1) * (row + draft) for b in (4, 16)}
     fit = verify_costs(TickCosts(decode, {0: 12.0, 4: 14.4}, 0.0, all_verify, one_draft, half_one), 4)
-    assert tuple(fit) == pytest.approx((8.0, 0.6, 0.35, 2.4, 0.3))
+    assert tuple(fit) == pytest.approx((8.0, 0.6, 0.35, 2.4, 0.3, 8.6, 2.4))
     # without the half table rows cost nothing apart; without the one-draft table the
     # first draft is spread over every draft, as before it was measured
     no_rows = verify_costs(TickCosts(decode, {0: 12.0}, 0.0, all_verify, one_draft), 4)
@@ -284,3 +284,27 @@ def test_live_draft_fit_prices_drafts_by_the_steps_the_batch_runs():
     live.observe(0, 0, 0, 1.0)  # a step of no rows, or a clock that does not move, teaches nothing
     live.observe(4, 0, 0, 0.0)
     assert live.snapshot()["plain_steps"] == 4060
+
+
+def test_a_lone_row_is_priced_by_its_own_measured_step_and_first_draft():
+    """A CPU's one-row step runs matrix-vector products and a draft turns them into matrix
+    ones (models/platform/sgemm_rows.c): its step and first draft sit off the fit's line.
+    The tables are SmolLM2's as measured at load on the development machine (ms)."""
+    decode = {1: 55.2, 2: 79.2, 4: 76.3, 8: 92.4, 16: 123.8}
+    one_draft = {1: 75.8, 2: 87.7, 4: 98.0, 8: 106.2, 16: 136.9}
+    all_verify = {2: 118.8, 4: 137.5, 8: 185.7, 16: 262.7}
+    half_one = {4: 111.9, 8: 119.3, 16: 156.7}
+    fit = verify_costs(TickCosts(decode, {0: 85.8, 1: 97.9}, 0.0, all_verify, one_draft, half_one), 4)
+    assert fit.step_s(1) == 55.2 and fit.step_s(4) == pytest.approx(fit.per_forward + 4 * fit.per_token)
+    assert fit.first_s(1) == pytest.approx(75.8 - 55.2 - fit.per_row - fit.per_draft)
+    assert fit.first_s(1) > fit.first_s(4) == fit.first_draft
+    # drafts landing a quarter of the time: priced on the line they would pay for a lone
+    # row's first draft; at its measured price (0.29 of its step) they do not
+    on_line = fit._replace(lone_step=0.0, lone_first=0.0)
+    assert drafts_pay([max(draft_net(0.25, k, 1, on_line) for k in range(1, 5))], 1, on_line)
+    assert not drafts_pay([max(draft_net(0.25, k, 1, fit) for k in range(1, 5))], 1, fit)
+    assert drafts_pay([draft_net(0.8, 4, 1, fit)], 1, fit)  # a long match of code pays alone
+    live = LiveDraftFit(fit)
+    for _ in range(20):
+        live.observe(1, 0, 0, 0.060 * 1e3)  # plain one-row steps 4.8 ms slower than measured
+    assert live.fit().step_s(1) == pytest.approx(55.2 + live.plain_extra)

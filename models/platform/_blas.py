@@ -250,16 +250,14 @@ def _load_openblas(state: Loaded, flags: frozenset[str]) -> None:
     ours = state.thread_timeout_from == "specslot default"
     if ours:
         os.environ["OPENBLAS_THREAD_TIMEOUT"] = state.thread_timeout
-    rows = _load_rows(state)  # before OpenBLAS: its cblas_sgemm is the one MLX binds
-    try:
-        lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    try:  # privately first: the one-row shim, if any, joins the global scope ahead of it
+        lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
     finally:
         if ours:  # children choose for themselves when they load it
             del os.environ["OPENBLAS_THREAD_TIMEOUT"]
     lib.cblas_sgemm  # noqa: B018  (AttributeError, reported by the caller, if the rename failed)
-    if rows is not None:
-        rows.specslot_rows_set(_address(lib.cblas_sgemm), _address(lib.cblas_sgemv))
-        state.rows_lib = rows
+    state.rows_lib = _load_rows(state, lib)
+    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)  # the same library, now global: MLX binds its cblas_*
     threads, state.threads_from = thread_count(os.environ, _launch_environ(), _in_ray_worker(), _usable_cores())
     lib.scipy_openblas_set_num_threads(threads)
     state.threads = lib.scipy_openblas_get_num_threads()
@@ -278,14 +276,14 @@ def _address(fn) -> ctypes.c_void_p:
     return ctypes.c_void_p(ctypes.cast(fn, ctypes.c_void_p).value)
 
 
-def _load_rows(state: Loaded) -> ctypes.CDLL | None:
+def _load_rows(state: Loaded, openblas: ctypes.CDLL) -> ctypes.CDLL | None:
     """The one-row products (`sgemm_rows.c`): OpenBLAS's sgemm packs the whole weight matrix
     even for a single row, so MLX's one-token products (a decode step of one row, each draft
     step) ran at half the memory bandwidth its sgemv reaches (SmolLM2's output head: 9.2
     against 5.1 ms on two threads). The shim is compiled once per machine with the C compiler
     found on PATH and cached; without one, or with `SPECSLOT_BLAS_ROWS=0`, every product stays
     with sgemm (`state.rows` says which). Loaded globally before OpenBLAS so MLX binds its
-    `cblas_sgemm`; None where it does not serve."""
+    `cblas_sgemm`, handed `openblas`'s functions at once; None where it does not serve."""
     if os.environ.get("SPECSLOT_BLAS_ROWS", "1") == "0":
         state.rows = "off (SPECSLOT_BLAS_ROWS=0)"
         return None
@@ -294,9 +292,11 @@ def _load_rows(state: Loaded) -> ctypes.CDLL | None:
         if path is None:
             state.rows = "off (no C compiler on PATH to build models/platform/sgemm_rows.c)"
             return None
+        gemm, gemv = _address(openblas.cblas_sgemm), _address(openblas.cblas_sgemv)
         lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         lib.specslot_rows_sent.restype = ctypes.c_long
         lib.specslot_rows_set.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.specslot_rows_set(gemm, gemv)  # before anything can call it: mlx.core is not imported
     except (OSError, AttributeError, subprocess.SubprocessError) as exc:
         state.rows = f"off ({exc})"
         return None

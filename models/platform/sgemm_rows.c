@@ -7,6 +7,8 @@
  * every other product goes to OpenBLAS's cblas_sgemm unchanged. _blas.py hands the two
  * OpenBLAS functions over through specslot_rows_set before MLX is imported.
  */
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
@@ -41,6 +43,10 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
         }
         __atomic_add_fetch(&rows_sent, 1, __ATOMIC_RELAXED);
         return;
+    }
+    if (!real_sgemm) { /* _blas.py hands the functions over at load; a clear stop, not a crash */
+        fputs("specslot: sgemm_rows: OpenBLAS's cblas_sgemm was never handed over\n", stderr);
+        abort();
     }
     real_sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }

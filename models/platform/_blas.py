@@ -272,10 +272,6 @@ ROWS_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sgemm_ro
 COMPILERS = ("cc", "gcc", "clang")
 
 
-def _address(fn) -> ctypes.c_void_p:
-    return ctypes.c_void_p(ctypes.cast(fn, ctypes.c_void_p).value)
-
-
 def _load_rows(state: Loaded, openblas: ctypes.CDLL) -> ctypes.CDLL | None:
     """The one-row products (`sgemm_rows.c`): OpenBLAS's sgemm packs the whole weight matrix
     even for a single row, so MLX's one-token products (a decode step of one row, each draft
@@ -292,7 +288,7 @@ def _load_rows(state: Loaded, openblas: ctypes.CDLL) -> ctypes.CDLL | None:
         if path is None:
             state.rows = "off (no C compiler on PATH to build models/platform/sgemm_rows.c)"
             return None
-        gemm, gemv = _address(openblas.cblas_sgemm), _address(openblas.cblas_sgemv)
+        gemm, gemv = (ctypes.cast(fn, ctypes.c_void_p) for fn in (openblas.cblas_sgemm, openblas.cblas_sgemv))
         lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         lib.specslot_rows_sent.restype = ctypes.c_long
         lib.specslot_rows_set.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
@@ -324,32 +320,15 @@ def _rows_library() -> str | None:
     with open(ROWS_SOURCE, "rb") as f:
         source = f.read()
     digest = hashlib.sha256(source + platform.machine().encode()).hexdigest()[:16]
-    name = f"libspecslot-rows-{digest}.so"
     compiler = next((found for c in COMPILERS if (found := shutil.which(c))), None)
-    for folder in (_cache_dir(), os.path.join(tempfile.gettempdir(), f"specslot-blas-{os.getuid()}")):
-        target = os.path.join(folder, name)
-        if os.path.exists(target):
-            return target
-        if compiler is None:
-            return None
-        try:
-            os.makedirs(folder, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so")
-            os.close(fd)
-            done = subprocess.run(
-                [compiler, "-O2", "-shared", "-fPIC", "-o", tmp, ROWS_SOURCE],
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            if done.returncode != 0:
-                os.unlink(tmp)
-                raise OSError(f"{compiler} failed: {done.stderr.strip().splitlines()[-1:]}")
-            os.replace(tmp, target)  # atomic: concurrent workers never see half a file
-            return target
-        except PermissionError:
-            continue
-    raise OSError("no writable cache directory for the one-row library")
+
+    def make(tmp: str) -> None:
+        cmd = [compiler, "-O2", "-shared", "-fPIC", "-o", tmp, ROWS_SOURCE]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise OSError(f"{compiler} failed: {done.stderr.strip().splitlines()[-1:]}")
+
+    return _cached_file(f"libspecslot-rows-{digest}.so", make if compiler else None, "the one-row library")
 
 
 def fit_threads(weight_bytes: int) -> str | None:
@@ -371,25 +350,46 @@ def fit_threads(weight_bytes: int) -> str | None:
 def _plain_named_copy(source: str) -> str:
     """A cached copy of `source` whose `scipy_cblas_*` symbols are exported as `cblas_*`."""
     stat = os.stat(source)
-    name = f"libopenblas-plain-v{_PATCH_VERSION}-{stat.st_size}-{stat.st_mtime_ns}.so"
+
+    def make(tmp: str) -> None:
+        with open(source, "rb") as f:
+            image, renamed = _elf.strip_symbol_prefix(f.read(), b"scipy_", b"scipy_cblas_")
+        if b"cblas_sgemm" not in renamed:
+            raise _elf.ElfError("cblas_sgemm could not be exported under its plain name")
+        with open(tmp, "wb") as f:
+            f.write(image)
+
+    return _cached_file(
+        f"libopenblas-plain-v{_PATCH_VERSION}-{stat.st_size}-{stat.st_mtime_ns}.so", make, "the BLAS library"
+    )
+
+
+def _cached_file(name: str, make: Callable[[str], None] | None, what: str) -> str | None:
+    """`name` in the first cache folder holding it, else written by `make(path)` into the first
+    writable one and moved into place whole (concurrent workers never see half a file).
+    None where no folder holds it and there is no `make`."""
     for folder in (_cache_dir(), os.path.join(tempfile.gettempdir(), f"specslot-blas-{os.getuid()}")):
         target = os.path.join(folder, name)
         if os.path.exists(target):
             return target
+        if make is None:
+            continue
         try:
             os.makedirs(folder, exist_ok=True)
-            with open(source, "rb") as f:
-                image, renamed = _elf.strip_symbol_prefix(f.read(), b"scipy_", b"scipy_cblas_")
-            if b"cblas_sgemm" not in renamed:
-                raise _elf.ElfError("cblas_sgemm could not be exported under its plain name")
             fd, tmp = tempfile.mkstemp(dir=folder)
-            with os.fdopen(fd, "wb") as f:
-                f.write(image)
-            os.replace(tmp, target)  # atomic: concurrent workers never see half a file
+            os.close(fd)
+            try:
+                make(tmp)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+            os.replace(tmp, target)
             return target
         except PermissionError:
             continue
-    raise OSError("no writable cache directory for the BLAS library")
+    if make is None:
+        return None
+    raise OSError(f"no writable cache directory for {what}")
 
 
 def openblas_library() -> str | None:

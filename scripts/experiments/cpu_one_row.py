@@ -19,13 +19,14 @@ import sys
 TOKENS = (1, 2, 3, 4)
 
 CHILD = """
-import json, statistics, sys, time
+import json, sys
 import models
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from models.loading import dense_weights
 from models.loading.loader import load_model
 from models.platform import _blas
+from scripts.bench.util import median_eval_s
 
 loaded = load_model(sys.argv[1])
 model = loaded.model
@@ -34,33 +35,35 @@ cache = make_prompt_cache(model)
 mx.eval(model(mx.arange(3, 303)[None], cache=cache))
 
 
-def median_ms(fn, repeats=15):
-    fn(), fn()
-    runs = []
-    for _ in range(repeats):
-        tic = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - tic)
-    return statistics.median(runs) * 1e3
+def median_ms(fn):
+    return median_eval_s(fn, repeats=15, warmup=2) * 1e3
 
 
 def forward(n):
-    mx.eval(model(mx.array([[100] * n]), cache=cache))
+    out = model(mx.array([[100] * n]), cache=cache)
+    mx.eval(out)
     for c in cache:
         c.trim(n)
+    return out
 
 
 x = mx.random.normal((1, model.model.embed_tokens.weight.shape[1]))
-out = {"rows": _blas.loaded().rows, "head": median_ms(lambda: mx.eval(model.model.embed_tokens.as_linear(x)))}
+out = {"rows": _blas.loaded().rows, "head": median_ms(lambda: model.model.embed_tokens.as_linear(x))}
 out.update({str(n): median_ms(lambda n=n: forward(n)) for n in json.loads(sys.argv[2])})
 print(json.dumps(out))
 """
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def child(model: str, rows: bool) -> dict:
     env = {**os.environ, "SPECSLOT_BLAS_ROWS": "1" if rows else "0"}
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, model, json.dumps(TOKENS)], env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, "-c", CHILD, model, json.dumps(TOKENS)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     if done.returncode != 0:
         raise SystemExit(done.stderr[-2000:])

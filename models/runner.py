@@ -240,7 +240,7 @@ class MlxRunner:
                 log.info("%s", changed)
             state = _blas.loaded()
             if state is not None and state.rows:
-                log.info("CPU BLAS: one-row products %s", state.rows)
+                log.info("CPU BLAS: few-row products %s", state.rows)
         drafter: Drafter | None = None if kind is None else kind.load_class().load(draft)
         return cls(target, drafter, config, draft_fingerprint=draft.fingerprint if draft is not None else "")
 

@@ -218,8 +218,8 @@ def test_this_process_runs_mlx_on_openblas_with_every_core(reference_gflops):
 def _run_matmul(prefix: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
     code = (
         "import models, models.platform._blas as b, mlx.core as mx\n"
-        "a = mx.random.normal((128, 128)); mx.eval(a @ a)\n"
-        "print(b.loaded().choice.library, b.loaded().core)"
+        "a = mx.random.normal((128, 128)); mx.eval(a @ a, a[:3] @ a)\n"
+        "print(b.loaded().choice.library, b.loaded().core, b.loaded().rows_kernel or '-')"
     )
     return subprocess.run(
         prefix + [sys.executable, "-c", code],
@@ -274,16 +274,17 @@ def test_a_forced_coretype_the_cpu_lacks_is_dropped_with_a_warning():
 
 
 @x86_linux
-@pytest.mark.parametrize("cpu, kernels", [("Haswell", "Haswell"), ("Nehalem", "Nehalem")])
-def test_runs_on_x86_cpus_without_avx512(cpu, kernels):
+@pytest.mark.parametrize("cpu, kernels, rows", [("Haswell", "Haswell", "avx2"), ("Nehalem", "Nehalem", "sgemv")])
+def test_runs_on_x86_cpus_without_avx512(cpu, kernels, rows):
     """The CPU is emulated (qemu-user: no AVX-512, and no AVX2 for Nehalem), so an
-    AVX-512-only library dies here with SIGILL, as it does on AMD Zen 3 or Intel client CPUs."""
+    AVX-512-only library or kernel dies here with SIGILL, as it does on AMD Zen 3 or Intel
+    client CPUs. The few-row kernel follows the emulated CPU's flags, not /proc/cpuinfo's."""
     if not shutil.which("qemu-x86_64"):
         if os.environ.get("CI"):
             pytest.fail("CI must install qemu-user (see .ci/run)")
         pytest.skip("qemu-user is not installed (.ci/run installs it)")
     out = _assert_ran(_run_matmul(["qemu-x86_64", "-cpu", cpu]))
-    assert out == f"{blas.OPENBLAS} {kernels}"
+    assert out == f"{blas.OPENBLAS} {kernels} {rows if _has_compiler() else '-'}"
 
 
 def test_doctor_reports_the_choice():
@@ -324,45 +325,178 @@ def test_the_reference_blas_warns_only_where_a_cpu_runs_the_model():
     assert not blas.needs_warning(blas.Choice(blas.OPENBLAS, ""), gpu_is_default=lambda: False)
 
 
-def _one_row_cases():
-    """(name, MLX product, numpy float64 reference) for each layout a one-row product
-    reaches `cblas_sgemm` in, and two-row ones that must stay with sgemm."""
-    import mlx.core as mx
+def _sgemm(lib, a, b, c, *, trans_b: bool, alpha=1.0, beta=0.0):
+    """`lib`'s cblas_sgemm on numpy float32 views, row-major: c = alpha a op(b) + beta c."""
+    import ctypes
+
     import numpy as np
 
+    ptr = ctypes.POINTER(ctypes.c_float)
+    m, k = a.shape
+    n = b.shape[0] if trans_b else b.shape[1]
+    lib.cblas_sgemm.restype = None
+    lib.cblas_sgemm(
+        *(ctypes.c_int(v) for v in (101, 111, 112 if trans_b else 111, m, n, k)),
+        ctypes.c_float(alpha),
+        a.ctypes.data_as(ptr),
+        ctypes.c_int(a.strides[0] // 4),
+        b.ctypes.data_as(ptr),
+        ctypes.c_int(b.strides[0] // 4),
+        ctypes.c_float(beta),
+        c.ctypes.data_as(ptr),
+        ctypes.c_int(c.strides[0] // 4),
+    )
+    assert a.strides[1] == b.strides[1] == c.strides[1] == 4 and c.dtype == np.float32
+
+
+def check_few_row_products() -> str:
+    """The shim's products through its C entry point, against float64: both layouts of B,
+    1 to 9 rows, alpha and beta, padded rows (lda, ldb, ldc beyond the row), lengths off
+    the vector width, and a weight large enough to split over threads. A row's product is
+    the same bits whatever it is batched with. Returns the kernel checked (a child runs
+    this with SPECSLOT_BLAS_ROWS capping it)."""
+    import numpy as np
+
+    import models  # noqa: F401  (loads the BLAS)
+
+    state = blas.loaded()
+    lib = state.rows_lib
     rng = np.random.default_rng(0)
-    w = rng.standard_normal((300, 64)).astype(np.float32)  # a layer's (out, in) weight
-    x = rng.standard_normal((1, 64)).astype(np.float32)
-    c = rng.standard_normal((1, 300)).astype(np.float32)
-    col = rng.standard_normal((64, 1)).astype(np.float32)
-    two = rng.standard_normal((2, 64)).astype(np.float32)
-    W, X, C, COL, TWO = (mx.array(a) for a in (w, x, c, col, two))
-    f64 = np.float64
-    return [
-        ("x @ w.T", lambda: X @ W.T, x.astype(f64) @ w.T.astype(f64), 1),
-        ("x @ w_t", lambda: X @ mx.array(np.ascontiguousarray(w.T)), x.astype(f64) @ w.T.astype(f64), 1),
-        ("column.T @ w.T", lambda: COL.T @ W.T, col.T.astype(f64) @ w.T.astype(f64), 1),
-        ("addmm", lambda: mx.addmm(C, X, W.T, alpha=2.0, beta=0.5), 0.5 * c + 2.0 * (x.astype(f64) @ w.T), 1),
-        ("two rows", lambda: TWO @ W.T, two.astype(f64) @ w.T.astype(f64), 0),
-    ]
+    for n, k in ((1000, 70), (300, 64), (17, 5)):  # split over threads; one vector width; tails only
+        for trans_b in (True, False):
+            shape = (n, k + 3) if trans_b else (k, n + 5)  # padded rows: ldb beyond the row
+            wide = rng.standard_normal(shape).astype(np.float32)
+            w = wide[:, :k] if trans_b else wide[:, :n]
+            ref_w = (w.T if trans_b else w).astype(np.float64)
+            for m in range(1, blas.ROWS_MAX + 2):
+                a = rng.standard_normal((m, k + 7)).astype(np.float32)[:, :k]
+                c0 = rng.standard_normal((m, n + 2)).astype(np.float32)
+                for alpha, beta in ((1.0, 0.0), (2.0, 0.5)):
+                    c = c0.copy()[:, :n] if beta else np.full((m, n + 2), np.nan, np.float32)[:, :n]
+                    before = blas.rows_kernel_sent()
+                    _sgemm(lib, a, w, c, trans_b=trans_b, alpha=alpha, beta=beta)
+                    on_kernel = state.rows_kernel != "sgemv" and m <= blas.ROWS_MAX
+                    assert blas.rows_kernel_sent() - before == int(on_kernel), (m, state.rows)
+                    expected = alpha * (a.astype(np.float64) @ ref_w) + beta * c0[:, :n]
+                    np.testing.assert_allclose(c, expected, rtol=1e-4, atol=1e-4, err_msg=f"{m}x{n}x{k} {trans_b}")
+                    if on_kernel and beta == 0.0:
+                        for r in range(m):  # the row alone, then as row r of m: identical bits
+                            row = np.empty((1, n), np.float32)
+                            _sgemm(lib, a[r : r + 1], w, row, trans_b=trans_b)
+                            assert np.array_equal(c[r], row[0]), (m, r, n, k, trans_b)
+    return state.rows_kernel
+
+
+def _check_in_child(setting: str) -> str:
+    code = "import tests.test_blas as t; print(t.check_few_row_products())"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "SPECSLOT_BLAS_ROWS": setting},
+    )
+    return _assert_ran(proc).splitlines()[-1]
+
+
+def _has_compiler() -> bool:
+    return any(shutil.which(c) for c in blas.COMPILERS)
 
 
 @linux_only
-def test_one_row_products_go_to_sgemv_and_match_float64():
-    import numpy as np
-
+def test_few_row_products_run_on_the_best_kernel_and_match_float64():
     state = blas.loaded()
-    if not any(shutil.which(c) for c in blas.COMPILERS):
+    if not _has_compiler():
         assert state.rows.startswith("off (no C compiler") and blas.rows_sent() is None
         assert blas.products_key() == blas.OPENBLAS
         return
-    assert state.rows == "sgemv", state.rows
-    assert blas.products_key() == blas.OPENBLAS + "+sgemv"  # what the tick costs are keyed by
-    for name, product, expected, rows in _one_row_cases():
-        before = blas.rows_sent()
+    flags = blas.cpu_flags()
+    best = "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else "sgemv"
+    assert state.rows_kernel == best, state.rows
+    assert blas.products_key() == f"{blas.OPENBLAS}+{best}"  # what the tick costs are keyed by
+    assert check_few_row_products() == best
+
+
+@linux_only
+@pytest.mark.parametrize("setting", ["avx2", "sgemv"])
+def test_every_lesser_kernel_matches_float64_too(setting):
+    """The AVX2 kernel (what a CPU without AVX-512 runs) and sgemv alone, checked here by
+    capping the shim with SPECSLOT_BLAS_ROWS."""
+    if not _has_compiler():
+        pytest.skip("no C compiler: the shim is off (checked above)")
+    if setting == "avx2" and not {"avx2", "fma"} <= blas.cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    assert _check_in_child(setting) == setting
+
+
+@linux_only
+def test_mlx_products_reach_the_kernel_in_every_layout():
+    """The layouts MLX's own matmuls hand `cblas_sgemm` (a linear layer, an untransposed
+    weight, addmm) run on the kernel, a transposed column on sgemv, 9 rows on sgemm; each
+    matches float64."""
+    import mlx.core as mx
+    import numpy as np
+
+    if blas.loaded().rows_kernel in ("", "sgemv"):
+        pytest.skip("no few-row kernel on this machine (checked above)")
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((300, 64)).astype(np.float32)
+    x, c = rng.standard_normal((4, 64)).astype(np.float32), rng.standard_normal((4, 300)).astype(np.float32)
+    col, nine = rng.standard_normal((64, 1)).astype(np.float32), rng.standard_normal((9, 64)).astype(np.float32)
+    W, X, C, COL, NINE = (mx.array(v) for v in (w, x, c, col, nine))
+    f64 = np.float64
+    for name, product, expected, sent in [
+        ("x @ w.T", lambda: X @ W.T, x.astype(f64) @ w.T, (1, 0)),
+        ("x @ w_t", lambda: X @ mx.array(np.ascontiguousarray(w.T)), x.astype(f64) @ w.T, (1, 0)),
+        ("column.T @ w.T", lambda: COL.T @ W.T, col.T.astype(f64) @ w.T, (0, 1)),  # A transposed: sgemv
+        ("addmm", lambda: mx.addmm(C, X, W.T, alpha=2.0, beta=0.5), 0.5 * c + 2.0 * (x.astype(f64) @ w.T), (1, 0)),
+        ("nine rows", lambda: NINE @ W.T, nine.astype(f64) @ w.T, (0, 0)),
+    ]:
+        before = blas.rows_kernel_sent(), blas.rows_sent()
         got = np.array(product())
-        assert blas.rows_sent() - before == rows, name
+        assert (blas.rows_kernel_sent() - before[0], blas.rows_sent() - before[1]) == sent, name
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+@linux_only
+def test_concurrent_and_forked_callers_get_their_products():
+    """The helpers serve one caller at a time: a second thread computes alone, and a forked
+    child (which has none of its parent's helpers) still gets its product."""
+    import threading
+
+    import numpy as np
+
+    lib = blas.loaded().rows_lib
+    if lib is None or blas.loaded().rows_kernel == "sgemv":
+        pytest.skip("no few-row kernel on this machine (checked above)")
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((4096, 64)).astype(np.float32)
+    inputs = [rng.standard_normal((3, 64)).astype(np.float32) for _ in range(4)]
+    expected = [x @ w.T for x in inputs]
+    errors = []
+
+    def work(i):
+        for _ in range(200):
+            out = np.empty((3, 4096), np.float32)
+            _sgemm(lib, inputs[i], w, out, trans_b=True)
+            if not np.allclose(out, expected[i], rtol=1e-4, atol=1e-4):
+                errors.append(i)
+                return
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and not any(t.is_alive() for t in threads)
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest from here on, only its exit status
+        out = np.empty((3, 4096), np.float32)
+        _sgemm(lib, inputs[0], w, out, trans_b=True)
+        os._exit(0 if np.allclose(out, expected[0], rtol=1e-4, atol=1e-4) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
 
 
 @linux_only

@@ -173,8 +173,9 @@ class Loaded:
     core: str = ""
     warning: str = ""
     lib: object = None  # the loaded library (ctypes), for `fit_threads`
-    rows: str = ""  # what became of the one-row products (`_load_rows`)
-    rows_lib: object = None  # the one-row library (ctypes), when it serves
+    rows: str = ""  # what became of the few-row products (`_load_rows`)
+    rows_kernel: str = ""  # `row_kernel`'s name where the shim serves
+    rows_lib: object = None  # the few-row library (ctypes), when it serves
 
 
 _state: Loaded | None = None
@@ -250,7 +251,7 @@ def _load_openblas(state: Loaded, flags: frozenset[str]) -> None:
     ours = state.thread_timeout_from == "specslot default"
     if ours:
         os.environ["OPENBLAS_THREAD_TIMEOUT"] = state.thread_timeout
-    try:  # privately first: the one-row shim, if any, joins the global scope ahead of it
+    try:  # privately first: the few-row shim, if any, joins the global scope ahead of it
         lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
     finally:
         if ours:  # children choose for themselves when they load it
@@ -272,15 +273,36 @@ ROWS_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sgemm_ro
 COMPILERS = ("cc", "gcc", "clang")
 
 
+# The few-row kernels of `sgemm_rows.c` by the number the shim knows each by, best first.
+# The shim takes the best its CPU's flags allow (cpuid, as OpenBLAS asks it), capped by
+# `SPECSLOT_BLAS_ROWS`; without a kernel a one-row product still goes to sgemv.
+ROW_KERNELS = {"avx512": 2, "avx2": 1, "sgemv": 0}
+ROWS_MAX = 8  # the most rows of A a kernel takes (MAX_ROWS in sgemm_rows.c)
+
+
+def row_kernel_cap(setting: str) -> int:
+    """The most `SPECSLOT_BLAS_ROWS` lets the shim use: a kernel's name caps it there, `1`
+    (or anything else) leaves the CPU's best.
+
+    >>> row_kernel_cap("1"), row_kernel_cap("avx2"), row_kernel_cap("sgemv")
+    (2, 1, 0)
+    """
+    return ROW_KERNELS.get(setting, max(ROW_KERNELS.values()))
+
+
 def _load_rows(state: Loaded, openblas: ctypes.CDLL) -> ctypes.CDLL | None:
-    """The one-row products (`sgemm_rows.c`): OpenBLAS's sgemm packs the whole weight matrix
-    even for a single row, so MLX's one-token products (a decode step of one row, each draft
-    step) ran at half the memory bandwidth its sgemv reaches (SmolLM2's output head: 9.2
-    against 5.1 ms on two threads). The shim is compiled once per machine with the C compiler
-    found on PATH and cached; without one, or with `SPECSLOT_BLAS_ROWS=0`, every product stays
-    with sgemm (`state.rows` says which). Loaded globally before OpenBLAS so MLX binds its
-    `cblas_sgemm`, handed `openblas`'s functions at once; None where it does not serve."""
-    if os.environ.get("SPECSLOT_BLAS_ROWS", "1") == "0":
+    """The few-row products (`sgemm_rows.c`): OpenBLAS's sgemm packs the whole weight matrix
+    even for a product of one to a few rows, so a decode step, a draft step or a verify of a
+    few tokens read their weights about twice at sgemm's pace (SmolLM2's MLP up projection
+    for 5 rows on two threads: 9.5 ms against 3.7 with the kernel). Products of 1 to
+    `ROWS_MAX` rows run on the shim's AVX-512 or AVX2 kernel (`ROW_KERNELS`), split over
+    OpenBLAS's thread count; without a kernel a one-row product goes to sgemv. The shim is
+    compiled once per machine with the C compiler found on PATH and cached; without one, or
+    with `SPECSLOT_BLAS_ROWS=0`, every product stays with sgemm (`state.rows` says which).
+    Loaded globally before OpenBLAS so MLX binds its `cblas_sgemm`, handed
+    `openblas`'s functions at once; None where it does not serve."""
+    setting = os.environ.get("SPECSLOT_BLAS_ROWS", "1").strip().lower() or "1"
+    if setting == "0":
         state.rows = "off (SPECSLOT_BLAS_ROWS=0)"
         return None
     try:
@@ -288,15 +310,19 @@ def _load_rows(state: Loaded, openblas: ctypes.CDLL) -> ctypes.CDLL | None:
         if path is None:
             state.rows = "off (no C compiler on PATH to build models/platform/sgemm_rows.c)"
             return None
-        gemm, gemv = (ctypes.cast(fn, ctypes.c_void_p) for fn in (openblas.cblas_sgemm, openblas.cblas_sgemv))
+        functions = (openblas.cblas_sgemm, openblas.cblas_sgemv, openblas.scipy_openblas_get_num_threads)
+        gemm, gemv, threads = (ctypes.cast(fn, ctypes.c_void_p) for fn in functions)
         lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-        lib.specslot_rows_sent.restype = ctypes.c_long
-        lib.specslot_rows_set.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        lib.specslot_rows_set(gemm, gemv)  # before anything can call it: mlx.core is not imported
+        for name in ("specslot_rows_sent", "specslot_rows_kernel"):
+            getattr(lib, name).restype = ctypes.c_long
+        lib.specslot_rows_set.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int]
+        # before anything can call it: mlx.core is not imported
+        number = lib.specslot_rows_set(gemm, gemv, threads, row_kernel_cap(setting))
     except (OSError, AttributeError, subprocess.SubprocessError) as exc:
         state.rows = f"off ({exc})"
         return None
-    state.rows = "sgemv"
+    state.rows_kernel = next(name for name, n in ROW_KERNELS.items() if n == number)
+    state.rows = f"{state.rows_kernel} kernel for 1-{ROWS_MAX} rows" if number else "sgemv"
     return lib
 
 
@@ -306,29 +332,36 @@ def rows_sent() -> int | None:
     return None if lib is None else lib.specslot_rows_sent()
 
 
+def rows_kernel_sent() -> int | None:
+    """Few-row products run on the shim's kernel so far in this process (None: no shim)."""
+    lib = _state.rows_lib if _state is not None else None
+    return None if lib is None else lib.specslot_rows_kernel()
+
+
 def products_key() -> str:
     """Which code runs MLX's CPU products in this process, for keys of what was measured
-    with it (the tick costs, the policy's verdicts): the library, and `+sgemv` where one-row
-    products go to sgemv."""
+    with it (the tick costs, the policy's verdicts): the library, and `+` the few-row
+    kernel (or `sgemv`) where the shim serves."""
     if _state is None:
         return "unloaded"
-    return _state.choice.library + ("+sgemv" if _state.rows_lib is not None else "")
+    return _state.choice.library + (f"+{_state.rows_kernel}" if _state.rows_lib is not None else "")
 
 
 def _rows_library() -> str | None:
-    """The compiled shim, cached by its source's hash and the machine; None without a compiler."""
+    """The compiled shim, cached by its source's hash and the machine (it picks its kernel at
+    run time, so one build serves every CPU of the architecture); None without a compiler."""
     with open(ROWS_SOURCE, "rb") as f:
         source = f.read()
     digest = hashlib.sha256(source + platform.machine().encode()).hexdigest()[:16]
     compiler = next((found for c in COMPILERS if (found := shutil.which(c))), None)
 
     def make(tmp: str) -> None:
-        cmd = [compiler, "-O2", "-shared", "-fPIC", "-o", tmp, ROWS_SOURCE]
+        cmd = [compiler, "-O2", "-pthread", "-shared", "-fPIC", "-o", tmp, ROWS_SOURCE]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise OSError(f"{compiler} failed: {done.stderr.strip().splitlines()[-1:]}")
 
-    return _cached_file(f"libspecslot-rows-{digest}.so", make if compiler else None, "the one-row library")
+    return _cached_file(f"libspecslot-rows-{digest}.so", make if compiler else None, "the few-row library")
 
 
 def fit_threads(weight_bytes: int) -> str | None:

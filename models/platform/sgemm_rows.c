@@ -20,7 +20,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -34,7 +33,7 @@ enum { ISA_NONE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 enum { MAX_ROWS = 8, MAX_THREADS = 16 };
 #define SPLIT_MIN (64L * 1024)  /* weights (n * k) below which one thread does the product */
 #define SPLIT_ALIGN 16          /* a split falls on whole vectors of every kernel */
-#define SPIN_NS 100000L         /* an idle helper spins this long before it sleeps */
+#define SPIN_CHECKS 64 /* an idle helper looks this often (a few microseconds) before it sleeps */
 
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int, float,
                          float *, int);
@@ -146,9 +145,10 @@ static const range_fn ranges[3][2][MAX_ROWS + 1] = {
 #define RELAX() ((void)0)
 #endif
 
-/* The helpers: started on first use, up to MAX_THREADS - 1; each spins SPIN_NS after a
- * product (a forward's products follow one another closely), then sleeps. One caller uses
- * them at a time; a second concurrent caller computes its product alone. */
+/* The helpers: started on first use, up to MAX_THREADS - 1; each looks for the next product
+ * SPIN_CHECKS times, then sleeps until woken (spinning longer takes a core from the rest of
+ * a small machine, as OpenBLAS's idle threads did: docs/configuration.md, "CPU BLAS"). One
+ * caller uses them at a time; a second concurrent caller computes its product alone. */
 static struct {
     range_fn fn;
     int k, lda, ldb, ldc, n, parts;
@@ -170,21 +170,12 @@ static void run_part(int part) {
     if (n0 < n1) job.fn(job.k, job.a, job.lda, job.b, job.ldb, job.c, job.ldc, n0, n1, job.alpha, job.beta);
 }
 
-static long now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1000000000L + t.tv_nsec;
-}
-
 static void *helper(void *arg) {
     int id = (int)(long)arg;
     unsigned seen = spawn_gen; /* not job_gen: the product it was started for may be posted already */
     for (;;) {
-        unsigned gen = atomic_load(&job_gen);
-        for (long until = now_ns() + SPIN_NS; gen == seen;) {
-            for (int i = 0; i < 64 && (gen = atomic_load(&job_gen)) == seen; i++) RELAX();
-            if (gen == seen && now_ns() > until) break;
-        }
+        unsigned gen = seen;
+        for (int i = 0; i < SPIN_CHECKS && (gen = atomic_load(&job_gen)) == seen; i++) RELAX();
         if (gen == seen) {
             pthread_mutex_lock(&pool_lock);
             atomic_fetch_add(&sleepers, 1);

@@ -223,7 +223,8 @@ static void split(range_fn fn, int n, int k, const float *a, int lda, const floa
         fn(k, a, lda, b, ldb, c, ldc, 0, n, alpha, beta);
         return;
     }
-    threads = 1 + start_helpers(threads - 1);
+    int started = start_helpers(threads - 1); /* more may run from an earlier, larger count */
+    if (started < threads - 1) threads = 1 + started;
     job.fn = fn, job.k = k, job.a = a, job.lda = lda, job.b = b, job.ldb = ldb, job.c = c, job.ldc = ldc;
     job.n = n, job.parts = threads, job.alpha = alpha, job.beta = beta;
     atomic_store(&job_pending, helpers);

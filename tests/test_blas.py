@@ -143,8 +143,8 @@ _IDLE_CPU = (
 @linux_only
 def test_idle_blas_threads_sleep_instead_of_spinning():
     """After a matmul that used every thread, and a few-row product on the shim's helpers,
-    the process burns no CPU while it waits: OpenBLAS's own default (2^28 cycles, what a user's OPENBLAS_THREAD_TIMEOUT=28 asks
-    for) keeps the finished threads spinning ~0.1 s."""
+    the process burns no CPU while it waits: OpenBLAS's own default (2^28 cycles, what a
+    user's OPENBLAS_THREAD_TIMEOUT=28 asks for) keeps the finished threads spinning ~0.1 s."""
     if blas._usable_cores() < 2:
         pytest.skip("one usable core: OpenBLAS runs no second thread to spin")
 
@@ -232,6 +232,18 @@ def _run_matmul(prefix: list[str], env: dict | None = None) -> subprocess.Comple
     )
 
 
+def _python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`code` in a child Python in the repository, with `env` over this environment."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
 def _assert_ran(proc: subprocess.CompletedProcess) -> str:
     assert proc.returncode == 0, (
         f"child exited {proc.returncode} (signal {-proc.returncode} if < 0): {proc.stderr[-2000:]}"
@@ -262,14 +274,7 @@ def test_a_forced_coretype_the_cpu_lacks_is_dropped_with_a_warning():
         "a = mx.random.normal((64, 64)); mx.eval(a @ a)\n"
         "print(os.environ.get('OPENBLAS_CORETYPE'))"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OPENBLAS_CORETYPE": coretype},
-    )
+    proc = _python(code, {"OPENBLAS_CORETYPE": coretype})
     assert _assert_ran(proc) == "None"
     assert f"OPENBLAS_CORETYPE={coretype} needs" in proc.stderr
 
@@ -389,15 +394,7 @@ def check_few_row_products() -> str:
 
 
 def _check_in_child(setting: str) -> str:
-    code = "import tests.test_blas as t; print(t.check_few_row_products())"
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "SPECSLOT_BLAS_ROWS": setting},
-    )
+    proc = _python("import tests.test_blas as t; print(t.check_few_row_products())", {"SPECSLOT_BLAS_ROWS": setting})
     return _assert_ran(proc).splitlines()[-1]
 
 
@@ -507,9 +504,7 @@ def test_one_row_products_can_be_switched_off():
         "a = mx.random.normal((1, 64)); w = mx.random.normal((32, 64)); mx.eval(a @ w.T)\n"
         "print(b.loaded().rows, b.rows_sent(), b.products_key())"
     )
-    env = {**os.environ, "SPECSLOT_BLAS_ROWS": "0"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
-    assert _assert_ran(proc) == f"off (SPECSLOT_BLAS_ROWS=0) None {blas.OPENBLAS}"
+    assert _assert_ran(_python(code, {"SPECSLOT_BLAS_ROWS": "0"})) == f"off (SPECSLOT_BLAS_ROWS=0) None {blas.OPENBLAS}"
 
 
 @linux_only

@@ -222,20 +222,14 @@ def _run_matmul(prefix: list[str], env: dict | None = None) -> subprocess.Comple
         "a = mx.random.normal((128, 128)); mx.eval(a @ a, a[:3] @ a)\n"
         "print(b.loaded().choice.library, b.loaded().core, b.loaded().rows_kernel or '-')"
     )
-    return subprocess.run(
-        prefix + [sys.executable, "-c", code],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **(env or {})},
-    )
+    return _python(code, env, prefix)
 
 
-def _python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`code` in a child Python in the repository, with `env` over this environment."""
+def _python(code: str, env: dict | None = None, prefix: list[str] = ()) -> subprocess.CompletedProcess:
+    """`code` in a child Python in the repository (run under `prefix`, an emulator), with
+    `env` over this environment."""
     return subprocess.run(
-        [sys.executable, "-c", code],
+        [*prefix, sys.executable, "-c", code],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -317,7 +311,7 @@ def test_no_fast_library_warns_once_with_reason_and_rate_and_keeps_working():
         "a = mx.random.normal((64, 64)); mx.eval(a @ a)\n"
         "print(b.loaded().choice.library)"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = _python(code)
     assert _assert_ran(proc) == blas.REFERENCE
     warnings = [line for line in proc.stderr.splitlines() if "reference CPU BLAS" in line]
     assert len(warnings) == 1 and "riscv64" in warnings[0] and "GFLOP/s" in warnings[0], proc.stderr
@@ -539,6 +533,5 @@ def test_a_failed_openblas_load_leaves_no_one_row_library_behind(tmp_path):
         "a = np.ones((1, 40), np.float32); w = np.ones((50, 40), np.float32)\n"
         "print(state.choice.library, state.rows_lib is None, float(np.array(mx.array(a) @ mx.array(w).T).max()))"
     )
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    proc = _python(code, {"XDG_CACHE_HOME": str(tmp_path)})
     assert _assert_ran(proc) == f"{blas.REFERENCE} True 40.0"

@@ -174,7 +174,7 @@ class Loaded:
     warning: str = ""
     lib: object = None  # the loaded library (ctypes), for `fit_threads`
     rows: str = ""  # what became of the few-row products (`_load_rows`)
-    rows_kernel: str = ""  # `row_kernel`'s name where the shim serves
+    rows_kernel: str = ""  # the `ROW_KERNELS` name the shim took, where it serves
     rows_lib: object = None  # the few-row library (ctypes), when it serves
 
 
@@ -326,16 +326,19 @@ def _load_rows(state: Loaded, openblas: ctypes.CDLL) -> ctypes.CDLL | None:
     return lib
 
 
+def _shim_count(name: str) -> int | None:
+    lib = _state.rows_lib if _state is not None else None
+    return None if lib is None else getattr(lib, name)()
+
+
 def rows_sent() -> int | None:
     """One-row products sent to sgemv so far in this process (None: the shim is not in use)."""
-    lib = _state.rows_lib if _state is not None else None
-    return None if lib is None else lib.specslot_rows_sent()
+    return _shim_count("specslot_rows_sent")
 
 
 def rows_kernel_sent() -> int | None:
     """Few-row products run on the shim's kernel so far in this process (None: no shim)."""
-    lib = _state.rows_lib if _state is not None else None
-    return None if lib is None else lib.specslot_rows_kernel()
+    return _shim_count("specslot_rows_kernel")
 
 
 def products_key() -> str:

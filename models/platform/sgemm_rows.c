@@ -260,7 +260,7 @@ int specslot_rows_set(sgemm_fn gemm, sgemv_fn gemv, threads_fn threads, int most
     real_sgemv = gemv;
     blas_threads = threads;
     int best = cpu_isa();
-    isa = most < best ? (most > ISA_NONE ? most : ISA_NONE) : best;
+    isa = most < ISA_NONE ? ISA_NONE : most < best ? most : best;
     static int registered;
     if (!registered++) pthread_atfork(NULL, NULL, pool_reset_in_child);
     return isa;
